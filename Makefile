@@ -1,0 +1,27 @@
+# The two commands of the README: `make demo` (the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?= -n 2
+
+.PHONY: setup demo test lint typecheck bench clean
+
+setup:
+	@scripts/setup-env.sh
+
+demo: setup
+	$(VENV)/bin/refit demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check domain ports adapters app tests
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(VENV)/bin/refit bench all --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Application services, configuration, the composition root, logging and the CLI."""

@@ -1,0 +1,8 @@
+"""The benchmark suite (`refit bench SUITE`). Each suite is a module with `run(quick) -> BenchReport`."""
+
+from __future__ import annotations
+
+# Suite name -> module. Explicit, imported lazily.
+SUITES: dict[str, str] = {
+    "codecs": "app.bench.codecs",
+}

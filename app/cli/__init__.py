@@ -1,0 +1,1 @@
+"""The `refit` command line."""

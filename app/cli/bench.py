@@ -1,0 +1,47 @@
+"""`refit bench SUITE`: run a benchmark suite and print ratios against same-run baselines."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from app.bench import SUITES
+from app.bench.report import BenchReport
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark suite (ratios against baselines in the same run)")
+    p.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def render(report: BenchReport, console: Console) -> None:
+    table = Table(title=f"refit bench {report.suite}")
+    for col in ("case", "metric", "value", "baseline", "ratio"):
+        table.add_column(col, justify="right" if col in ("value", "ratio") else "left")
+    for r in report.rows:
+        base = f"{r.baseline} ({r.baseline_value:.4g} {r.unit})" if r.baseline_value is not None else "-"
+        ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
+        table.add_row(r.case, r.metric, f"{r.value:.4g} {r.unit}", base, ratio)
+    console.print(table)
+    for note in report.notes:
+        console.print(f"- {note}")
+    m = report.machine
+    console.print(
+        f"[dim]machine: {m['cpu_count']} cores, {m['memory_gib']} GiB, torch {m['torch']}, "
+        f"threads {m['torch_threads']}, cuda {m['cuda']}[/dim]"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    report: BenchReport = importlib.import_module(SUITES[args.suite]).run(quick=args.quick)
+    if args.json:
+        sys.stdout.write(report.to_json() + "\n")
+    else:
+        render(report, Console())
+    return 0

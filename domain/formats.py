@@ -1,0 +1,174 @@
+"""Precision formats: the presets a rollout can be served in, as frozen value objects.
+
+Element types follow the OCP MX / NVIDIA definitions (ARCHITECTURE.md section 3).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+F8E4M3_MAX = 448.0
+F4E2M1_MAX = 6.0
+E8M0_EXPONENT_BIAS = 127
+# E2M1 magnitudes, indexed by the 3-bit code (sign is bit 3 of the nibble).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+class ElementType(enum.Enum):
+    BF16 = "bf16"
+    E4M3 = "e4m3"
+    E2M1 = "e2m1"
+
+    @property
+    def max(self) -> float:
+        """Largest finite magnitude (saturation bound)."""
+        return {ElementType.E4M3: F8E4M3_MAX, ElementType.E2M1: F4E2M1_MAX}.get(self, float("inf"))
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest power of two not above `max` (8 for E4M3, 2 for E2M1)."""
+        return {ElementType.E4M3: 8, ElementType.E2M1: 2}[self]
+
+    @property
+    def bits(self) -> int:
+        return {ElementType.BF16: 16, ElementType.E4M3: 8, ElementType.E2M1: 4}[self]
+
+
+class ScaleEncoding(enum.Enum):
+    NONE = "none"
+    FP32 = "fp32"  # one float32 per block
+    E8M0 = "e8m0"  # biased power-of-two exponent in uint8
+    E4M3_GLOBAL_FP32 = "e4m3*fp32"  # e4m3 per block, times one float32 global scale
+
+
+class MxScaleRule(enum.Enum):
+    """How an MX block's shared exponent is chosen (ARCHITECTURE.md section 3)."""
+
+    RCEIL = "rceil"  # Transformer Engine, ModelOpt, vLLM online, torchao RCEIL (default)
+    EVEN = "even"  # compressed-tensors / llm-compressor checkpoints
+
+
+class ActivationScheme(enum.Enum):
+    """How the rollout quantizes activations (dynamically, per token or per block)."""
+
+    NONE = "none"
+    FP8_GROUP_128 = "fp8_per_token_group_128"
+    MXFP8 = "mxfp8"
+    MXFP4 = "mxfp4"
+    NVFP4_PER_TOKEN = "nvfp4_per_token"
+    NVFP4_STATIC = "nvfp4_static"  # per-tensor, calibrated: needs input_global_scale
+
+
+@attrs.frozen
+class PrecisionFormat:
+    """One rollout weight format: its elements, blocks, scales and checkpoint tensors.
+
+    Attributes:
+        name: preset name (FP8_BLOCK, MXFP8, MXFP4, NVFP4, BF16).
+        element: element type of the quantized weight.
+        block_size: (rows, cols) covered by one scale; (1, 32) means 32 along K.
+        scale_encoding: how the block scale is stored.
+        activation: the default dynamic activation scheme of the rollout.
+        tensor_names: checkpoint tensors one quantized Linear weight becomes.
+        ct_format: compressed-tensors CompressionFormat value (None for BF16).
+    """
+
+    name: str
+    element: ElementType
+    block_size: tuple[int, int]
+    scale_encoding: ScaleEncoding
+    activation: ActivationScheme
+    tensor_names: tuple[str, ...]
+    ct_format: str | None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.element is not ElementType.BF16
+
+    @property
+    def packed(self) -> bool:
+        """Two elements per byte (FP4)."""
+        return self.element is ElementType.E2M1
+
+    @property
+    def weight_name(self) -> str:
+        return self.tensor_names[0]
+
+    @property
+    def k_multiple(self) -> int:
+        """K must be a multiple of this (blocked formats along K); 1 when edge blocks are allowed."""
+        rows, cols = self.block_size
+        return cols if rows == 1 else 1
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of `weight_scale` for a weight of `shape` (2-D [N, K] or 3-D [E, N, K])."""
+        rows, cols = self.block_size
+        *lead, n, k = shape
+        return (*lead, -(-n // rows), -(-k // cols))
+
+
+BF16 = PrecisionFormat(
+    name="BF16",
+    element=ElementType.BF16,
+    block_size=(1, 1),
+    scale_encoding=ScaleEncoding.NONE,
+    activation=ActivationScheme.NONE,
+    tensor_names=("weight",),
+    ct_format=None,
+)
+FP8_BLOCK = PrecisionFormat(
+    name="FP8_BLOCK",
+    element=ElementType.E4M3,
+    block_size=(128, 128),
+    scale_encoding=ScaleEncoding.FP32,
+    activation=ActivationScheme.FP8_GROUP_128,
+    tensor_names=("weight", "weight_scale"),
+    ct_format="float-quantized",
+)
+MXFP8 = PrecisionFormat(
+    name="MXFP8",
+    element=ElementType.E4M3,
+    block_size=(1, 32),
+    scale_encoding=ScaleEncoding.E8M0,
+    activation=ActivationScheme.MXFP8,
+    tensor_names=("weight", "weight_scale"),
+    ct_format="mxfp8-quantized",
+)
+MXFP4 = PrecisionFormat(
+    name="MXFP4",
+    element=ElementType.E2M1,
+    block_size=(1, 32),
+    scale_encoding=ScaleEncoding.E8M0,
+    activation=ActivationScheme.MXFP4,
+    tensor_names=("weight_packed", "weight_scale"),
+    ct_format="mxfp4-pack-quantized",
+)
+NVFP4 = PrecisionFormat(
+    name="NVFP4",
+    element=ElementType.E2M1,
+    block_size=(1, 16),
+    scale_encoding=ScaleEncoding.E4M3_GLOBAL_FP32,
+    activation=ActivationScheme.NVFP4_PER_TOKEN,
+    tensor_names=("weight_packed", "weight_scale", "weight_global_scale"),
+    ct_format="nvfp4-pack-quantized",
+)
+
+# The registry of presets, by name. Plain dict, built in one place.
+FORMATS: dict[str, PrecisionFormat] = {f.name: f for f in (BF16, FP8_BLOCK, MXFP8, MXFP4, NVFP4)}
+
+
+def format_by_name(name: str | None) -> PrecisionFormat:
+    """Look a preset up by name, case-insensitively; None means BF16.
+
+    Raises:
+        KeyError: naming the valid presets.
+    """
+    if name is None:
+        return BF16
+    key = name.strip().upper().replace("-", "_")
+    try:
+        return FORMATS[key]
+    except KeyError:
+        raise KeyError(f"unknown precision format {name!r}; valid: {', '.join(FORMATS)}") from None

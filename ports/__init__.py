@@ -1,0 +1,1 @@
+"""Ports: one typing.Protocol per file. Imports the domain only."""
