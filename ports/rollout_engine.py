@@ -1,0 +1,53 @@
+"""Port: a rollout engine whose weights a refit replaces."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from domain.buckets import Bucket
+from domain.refit import EngineFinalizeResult, StorageFingerprint
+
+
+class RolloutEngine(Protocol):
+    """The engine side of a refit. Only the application service drives it."""
+
+    def begin_refit(self, refit_id: int) -> None:
+        """Open a refit: the engine prepares to stage buckets and stops serving until finalize."""
+        ...
+
+    def load_bucket(self, bucket: Bucket) -> None:
+        """Stage one bucket. Returns only after the bucket's bytes are copied or consumed, so the
+        sender may reuse its buffer as soon as this returns (the acknowledgement)."""
+        ...
+
+    def finalize_refit(self) -> EngineFinalizeResult:
+        """After the last bucket: post-process once, commit into live storage in place, reset
+        uncalibrated KV-cache scales. Raises on failure, leaving live weights per the commit mode."""
+        ...
+
+    def abort_refit(self, reason: str) -> None:
+        """Drop staged state. Live weights stay as they were (transactional) or the engine is
+        marked stale (per-layer)."""
+        ...
+
+    def storage_fingerprint(self) -> StorageFingerprint:
+        """Data pointer, shape, stride and dtype of every captured live tensor."""
+        ...
+
+    @property
+    def is_stale(self) -> bool:
+        """True when live weights are not a complete refit; a stale engine refuses to serve."""
+        ...
+
+    def log_probs(
+        self, input_ids: torch.Tensor, *, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rollout-side log-probs and entropy, same contract as TrainerModel.log_probs."""
+        ...
+
+    def live_weights(self) -> Mapping[str, torch.Tensor]:
+        """The live tensors by checkpoint name (read-only use: tests, checks, probes)."""
+        ...
