@@ -80,3 +80,62 @@ class EngineStale(RefitError, RuntimeError):
 
 class RefitFailed(RefitError, RuntimeError):
     """A refit failed; the message says what state the engine was left in."""
+
+
+# --- quantization plans, dispatch rules and export (domain/plan, domain/dispatch, export) ----
+
+
+class UnknownConfigKey(ConfigError, KeyError):
+    """A configuration key that the schema does not know. Lists the valid keys."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return ValueError.__str__(self)
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration value has the wrong type."""
+
+
+class QatModeMismatch(UnsupportedCombination):
+    """Dispatch rule 2: the QAT mode does not match the rollout quantization."""
+
+
+class NativeLayoutOverride(UnsupportedCombination):
+    """Dispatch rule 3: a model whose exporter emits the release layout got an override."""
+
+
+class QuantizedDeltaSync(UnsupportedCombination):
+    """Dispatch rule 4: a quantized rollout with a delta/sharded sync backend or wire format."""
+
+
+class QatWithTeRecipe(UnsupportedCombination):
+    """Dispatch rule 5: QAT together with a Transformer Engine FP8/FP4 training recipe."""
+
+
+class EngineRejectsQuantization(UnsupportedCombination):
+    """Dispatch rules 6 and 7: the rollout engine cannot serve this quantization."""
+
+
+class BoundaryLayersMismatch(UnsupportedCombination):
+    """Dispatch rule 8: NVFP4 training keeps first/last layers BF16 but the rollout does not."""
+
+
+class FusedGroupSplit(UnsupportedCombination):
+    """An ignore entry keeps only part of a fused group (q/k/v, gate/up) in BF16."""
+
+
+class NonDivisibleTensors(RefitError, ValueError):
+    """Dispatch rule 9: tensors whose K is not a multiple of the format's block."""
+
+    def __init__(self, message: str, tensors: tuple[str, ...] = (), patterns: tuple[str, ...] = ()) -> None:
+        self.tensors = tensors
+        self.patterns = patterns
+        super().__init__(message)
+
+
+class CheckpointError(RefitError, ValueError):
+    """A model directory is not a readable Hugging Face safetensors checkpoint."""
+
+
+class OutputNotEmpty(RefitError, FileExistsError):
+    """`refit export --out DIR` names a non-empty directory and `--force` was not given."""
