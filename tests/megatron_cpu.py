@@ -1,0 +1,134 @@
+"""Run megatron-core on CPU in tests: a context manager and a pytest fixture.
+
+megatron-core needs three things to run a tiny model on a machine without CUDA:
+- `torch.cuda.current_device()` answers with the CPU, because Megatron creates tensors on
+  `device=torch.cuda.current_device()`;
+- the CUDA RNG tracker's `fork()` is a null context (it would switch CUDA RNG states);
+- a torch.distributed process group (gloo, world size 1) and
+  `parallel_state.initialize_model_parallel(tp, pp)`.
+
+Usage in a test module (import the fixture into the module's namespace so pytest finds it):
+
+    from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: F401
+
+    def test_something(megatron_cpu_env):
+        model = tiny_gpt_model()
+
+The module imports megatron lazily: importing it without megatron-core installed is fine; the
+fixture skips the test with a reason instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def megatron_cpu(tp: int = 1, pp: int = 1) -> Iterator[None]:
+    """Make megatron-core run on CPU inside the block (world size 1, gloo).
+
+    Args:
+        tp: tensor-model-parallel size handed to `initialize_model_parallel` (1 on one process).
+        pp: pipeline-model-parallel size (1 on one process).
+
+    Raises:
+        ModuleNotFoundError: megatron-core is not installed.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    mp.setattr(mrandom.CudaRNGStatesTracker, "fork", lambda self, *a, **k: contextlib.nullcontext())
+    created_group = False
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+            )
+            created_group = True
+        parallel_state.initialize_model_parallel(tp, pp)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created_group and dist.is_initialized():
+            dist.destroy_process_group()
+        mp.undo()
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu_env() -> Iterator[None]:
+    """Module-scoped fixture around `megatron_cpu()`; skips when megatron-core is missing."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core (the `megatron` extra)")
+    with megatron_cpu():
+        yield
+
+
+def tiny_gpt_model(
+    *,
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_attention_heads: int = 4,
+    max_sequence_length: int = 64,
+    tied: bool = True,
+    post_process: bool = True,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> torch.nn.Module:
+    """A small megatron-core GPTModel with the local (non-Transformer-Engine) layer spec, on CPU.
+
+    Call inside `megatron_cpu()` (or with the `megatron_cpu_env` fixture active).
+
+    Args:
+        tied: share the embedding and output weights.
+        post_process: build the last-stage head (False gives a non-last pipeline stage).
+        seed: torch seed used for the parameter initialization.
+        config_overrides: extra TransformerConfig fields.
+
+    Returns:
+        A GPTModel in eval mode with float32 parameters.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        use_cpu_initialization=True,
+        **config_overrides,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        share_embeddings_and_output_weights=tied,
+        post_process=post_process,
+    )
+    return model.eval()
+
+
+def causal_mask(seq_len: int) -> torch.Tensor:
+    """Boolean [1, 1, S, S] mask, True where attention is masked (Megatron's convention).
+
+    Megatron's default causal mask is built on CUDA; on CPU pass this one explicitly.
+    """
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
