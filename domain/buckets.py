@@ -1,9 +1,41 @@
-"""Buckets: flat byte buffers that carry (name, tensor) pairs from the trainer to the engine."""
+"""Buckets: flat byte buffers that carry (name, tensor) pairs from the trainer to the engine.
+
+The planner packs a stream, in order, into uint8 buffers of at most `bucket_bytes`, every tensor
+at an offset aligned to `alignment` bytes. A tensor larger than a bucket travels alone (as a view
+of its own bytes, without a copy). The final bucket is always marked last, even when it is empty.
+The receiver unpacks a bucket into views of its buffer without copying, and must copy or consume
+them before it acknowledges the bucket (returns from `load_bucket`): the sender may reuse the
+buffer for the next bucket as soon as it has.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import attrs
 import torch
+
+from domain.errors import BucketLayoutError
+
+# 256 bytes: enough for any dtype's view and for the alignment GPU copy engines prefer.
+DEFAULT_ALIGNMENT = 256
+
+
+def align_up(n: int, alignment: int) -> int:
+    """The smallest multiple of `alignment` that is >= n."""
+    return -(-n // alignment) * alignment
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute, value: int) -> None:
+    if value < 0:
+        raise BucketLayoutError(f"{attr.name} must be >= 0, got {value}")
+
+
+def _tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * dtype.itemsize
 
 
 @attrs.frozen
@@ -19,10 +51,29 @@ class TensorMeta:
     """
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
     dtype: torch.dtype
-    offset: int
-    nbytes: int
+    offset: int = attrs.field(validator=_non_negative)
+    nbytes: int = attrs.field(validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.name:
+            raise BucketLayoutError("a tensor in a bucket needs a non-empty name")
+        expected = _tensor_nbytes(self.shape, self.dtype)
+        if self.nbytes != expected:
+            raise BucketLayoutError(
+                f"tensor {self.name!r}: nbytes {self.nbytes} does not match shape {self.shape} "
+                f"of {self.dtype} ({expected} bytes)"
+            )
+        if self.offset % self.dtype.itemsize:
+            raise BucketLayoutError(
+                f"tensor {self.name!r}: offset {self.offset} is not a multiple of the "
+                f"{self.dtype} element size; use an aligned layout"
+            )
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
 
 
 @attrs.frozen(eq=False)
@@ -36,7 +87,157 @@ class Bucket:
         is_last: True on the final bucket of a refit (which may be empty).
     """
 
-    index: int
+    index: int = attrs.field(validator=_non_negative)
     buffer: torch.Tensor
-    metas: tuple[TensorMeta, ...]
+    metas: tuple[TensorMeta, ...] = attrs.field(converter=tuple)
     is_last: bool
+
+    def __attrs_post_init__(self) -> None:
+        if self.buffer.dtype != torch.uint8 or self.buffer.dim() != 1:
+            raise BucketLayoutError(
+                f"bucket {self.index}: buffer must be a flat uint8 tensor, got "
+                f"{self.buffer.dtype} of shape {tuple(self.buffer.shape)}"
+            )
+        end = 0
+        for m in self.metas:
+            if m.offset < end:
+                raise BucketLayoutError(f"bucket {self.index}: tensor {m.name!r} overlaps the one before")
+            end = m.end
+        if end > self.buffer.numel():
+            raise BucketLayoutError(
+                f"bucket {self.index}: tensors need {end} bytes but the buffer holds {self.buffer.numel()}"
+            )
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of tensor data (without alignment padding)."""
+        return sum(m.nbytes for m in self.metas)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the bucket occupies on the wire (its used buffer, padding included)."""
+        return self.metas[-1].end if self.metas else 0
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's bytes (a copy only when it is not contiguous)."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+@attrs.frozen
+class BucketPlanner:
+    """Packs a (name, tensor) stream into buckets of at most `bucket_bytes`.
+
+    Attributes:
+        bucket_bytes: capacity of one bucket buffer, in bytes.
+        alignment: every tensor starts at a multiple of this many bytes.
+        reuse_buffer: pack every bucket into the same buffer. Safe because the consumer
+            acknowledges (returns control to the generator) only after it has copied or consumed
+            the bucket; a consumer that keeps views past that point sees them overwritten.
+    """
+
+    bucket_bytes: int
+    alignment: int = DEFAULT_ALIGNMENT
+    reuse_buffer: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise BucketLayoutError(f"alignment must be a power of two, got {self.alignment}")
+        if self.bucket_bytes < self.alignment:
+            raise BucketLayoutError(
+                f"bucket_bytes must be at least the alignment ({self.alignment}), got "
+                f"{self.bucket_bytes}; raise the bucket size"
+            )
+
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
+        """Pack the stream, in order, into buckets; the last one has `is_last=True`.
+
+        Args:
+            named_tensors: (name, tensor) pairs in stream (layer) order. Names must be unique.
+
+        Returns:
+            An iterator of buckets with indices 0, 1, ...; the stream is read one tensor ahead,
+            never more, so memory stays bounded by one bucket plus one tensor.
+
+        Raises:
+            BucketLayoutError: a name repeats or is empty.
+        """
+        it = iter(named_tensors)
+        pending = next(it, None)
+        index = 0
+        shared = torch.empty(self.bucket_bytes, dtype=torch.uint8) if self.reuse_buffer else None
+        seen: set[str] = set()
+        while True:
+            buf = shared if shared is not None else None
+            metas: list[TensorMeta] = []
+            used = 0
+            while pending is not None:
+                name, t = pending
+                if name in seen:
+                    raise BucketLayoutError(f"tensor {name!r} appears twice in the refit stream")
+                nbytes = t.numel() * t.element_size()
+                offset = align_up(used, self.alignment)
+                if offset + nbytes > self.bucket_bytes:
+                    if metas:
+                        break  # the current bucket is full: send it first
+                    # Larger than a bucket: it travels alone, as a view of its own bytes.
+                    seen.add(name)
+                    pending = next(it, None)
+                    meta = TensorMeta(name, tuple(t.shape), t.dtype, 0, nbytes)
+                    yield Bucket(index, _as_bytes(t), (meta,), is_last=pending is None)
+                    index += 1
+                    if pending is None:
+                        return
+                    continue
+                if buf is None:
+                    buf = torch.empty(self.bucket_bytes, dtype=torch.uint8)
+                buf[offset : offset + nbytes].copy_(_as_bytes(t))
+                metas.append(TensorMeta(name, tuple(t.shape), t.dtype, offset, nbytes))
+                seen.add(name)
+                used = offset + nbytes
+                pending = next(it, None)
+            if buf is None:
+                buf = torch.empty(0, dtype=torch.uint8)
+            yield Bucket(index, buf if shared is not None else buf[:used], tuple(metas), pending is None)
+            index += 1
+            if pending is None:
+                return
+
+
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    alignment: int = DEFAULT_ALIGNMENT,
+    reuse_buffer: bool = False,
+) -> Iterator[Bucket]:
+    """Shorthand for `BucketPlanner(bucket_bytes, alignment, reuse_buffer).pack(named_tensors)`.
+
+    Args:
+        named_tensors: (name, tensor) pairs in stream order.
+        bucket_bytes: capacity of one bucket.
+        alignment: byte alignment of every tensor's offset.
+        reuse_buffer: pack every bucket into one shared buffer.
+
+    Returns:
+        An iterator of buckets; see `BucketPlanner.pack`.
+    """
+    return BucketPlanner(bucket_bytes, alignment, reuse_buffer).pack(named_tensors)
+
+
+def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of each tensor in the bucket's buffer, without copying.
+
+    Args:
+        bucket: a bucket from `pack_buckets` (or received from a transport).
+
+    Returns:
+        (name, view) pairs in stream order. The views alias the bucket's buffer: copy them
+        before acknowledging the bucket if the sender reuses its buffer.
+    """
+    for m in bucket.metas:
+        raw = bucket.buffer[m.offset : m.end]
+        if m.dtype != torch.uint8:
+            raw = raw.view(m.dtype)
+        yield m.name, raw.view(m.shape)

@@ -139,3 +139,30 @@ class CheckpointError(RefitError, ValueError):
 
 class OutputNotEmpty(RefitError, FileExistsError):
     """`refit export --out DIR` names a non-empty directory and `--force` was not given."""
+
+
+# --- refit: buckets, sessions, engines, mismatch metrics (domain/buckets, refit, mismatch) ---
+
+
+class BucketLayoutError(RefitError, ValueError):
+    """A bucket's layout is inconsistent (overlap, wrong size, repeated name, bad bucket size)."""
+
+
+class EngineTensorMismatch(RefitError, ValueError):
+    """A refit tensor has no place in the engine, or the wrong shape or dtype for it."""
+
+
+class RefitVerificationFailed(RefitError, RuntimeError):
+    """The engine's check of the staged weights failed before (or while) committing them."""
+
+
+class InjectedFault(RefitError, RuntimeError):
+    """A failure injected on purpose by a fault script (tests, `refit demo --inject-fault`)."""
+
+
+class EngineBusy(RefitLifecycleError):
+    """The engine was asked to serve while a refit is staging or finalizing."""
+
+
+class MismatchInputError(RefitError, ValueError):
+    """Log-probs or masks handed to the mismatch metrics do not fit together."""

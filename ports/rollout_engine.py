@@ -8,14 +8,29 @@ from typing import Protocol
 import torch
 
 from domain.buckets import Bucket
-from domain.refit import EngineFinalizeResult, StorageFingerprint
+from domain.refit import CommitMode, EngineFinalizeResult, StorageFingerprint
 
 
 class RolloutEngine(Protocol):
-    """The engine side of a refit. Only the application service drives it."""
+    """The engine side of a refit. Only the application service drives it.
+
+    Lifecycle (ARCHITECTURE.md section 6): begin_refit, load_bucket for buckets 0..n in order
+    (the last marked `is_last`), finalize_refit once; abort_refit on any failure. Out-of-order,
+    duplicate or late buckets raise BucketSequenceError; a finalize before the last bucket raises
+    BucketSequenceError; a second finalize or a begin during a refit raises RefitLifecycleError.
+    """
+
+    @property
+    def commit_mode(self) -> CommitMode:
+        """How the engine commits staged weights (its guarantee on failure)."""
+        ...
 
     def begin_refit(self, refit_id: int) -> None:
-        """Open a refit: the engine prepares to stage buckets and stops serving until finalize."""
+        """Open a refit: the engine prepares to stage buckets and stops serving until finalize.
+
+        Args:
+            refit_id: the caller's id for this refit, echoed in errors.
+        """
         ...
 
     def load_bucket(self, bucket: Bucket) -> None:
@@ -30,7 +45,12 @@ class RolloutEngine(Protocol):
 
     def abort_refit(self, reason: str) -> None:
         """Drop staged state. Live weights stay as they were (transactional) or the engine is
-        marked stale (per-layer)."""
+        marked stale (per-layer). A no-op when no refit is in progress."""
+        ...
+
+    def mark_stale(self, reason: str) -> None:
+        """Refuse to serve until a full refit succeeds (the caller's checks failed after commit,
+        e.g. captured storage was rebound)."""
         ...
 
     def storage_fingerprint(self) -> StorageFingerprint:
@@ -45,7 +65,10 @@ class RolloutEngine(Protocol):
     def log_probs(
         self, input_ids: torch.Tensor, *, temperature: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rollout-side log-probs and entropy, same contract as TrainerModel.log_probs."""
+        """Rollout-side log-probs and entropy, same contract as TrainerModel.log_probs.
+
+        Raises EngineBusy while a refit is in progress and EngineStale while stale.
+        """
         ...
 
     def live_weights(self) -> Mapping[str, torch.Tensor]:
