@@ -166,3 +166,28 @@ class EngineBusy(RefitLifecycleError):
 
 class MismatchInputError(RefitError, ValueError):
     """Log-probs or masks handed to the mismatch metrics do not fit together."""
+
+
+# --- packed sequences through GatedDeltaNet (GDN) layers -------------------------------------
+
+
+class InvalidPackedBoundaries(RefitError, ValueError):
+    """Packed-sequence boundaries (`cu_seqlens_q` / `cu_seqlens_q_padded`) are malformed.
+
+    Carries the name of the boundary tensor that failed.
+    """
+
+    def __init__(self, name: str, problem: str, fix: str = "") -> None:
+        self.name = name
+        self.problem = problem
+        self.fix = fix
+        text = f"packed_seq_params.{name}: {problem}"
+        super().__init__(f"{text}; {fix}" if fix else text)
+
+
+class PackedGdnDeterministic(UnsupportedCombination):
+    """Packed (THD) input reached a GDN layer while `deterministic_mode` is on."""
+
+
+class PackedGdnUnsupported(RefitError, NotImplementedError):
+    """Packed input reached a GDN layer in a setting the packed-aware forward cannot run."""
