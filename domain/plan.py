@@ -23,12 +23,13 @@ from domain.formats import (
     format_by_name,
 )
 
-# Activation schemes each MoE weight preset can run with; the first is the default.
-MOE_ACTIVATIONS: dict[str, tuple[ActivationScheme, ...]] = {
-    FP8_BLOCK.name: (ActivationScheme.FP8_GROUP_128,),
-    MXFP8.name: (ActivationScheme.MXFP8,),
-    MXFP4.name: (ActivationScheme.MXFP4, ActivationScheme.MXFP8),
-    NVFP4.name: (ActivationScheme.NVFP4_PER_TOKEN, ActivationScheme.NVFP4_STATIC),
+# Activation schemes each weight preset can run with; the first is the preset's default.
+# NONE is weight-only (W4A16 / W8A16 kernels); NVFP4_STATIC needs calibrated input scales.
+ACTIVATIONS: dict[str, tuple[ActivationScheme, ...]] = {
+    FP8_BLOCK.name: (ActivationScheme.FP8_GROUP_128, ActivationScheme.NONE),
+    MXFP8.name: (ActivationScheme.MXFP8, ActivationScheme.NONE),
+    MXFP4.name: (ActivationScheme.MXFP4, ActivationScheme.MXFP8, ActivationScheme.NONE),
+    NVFP4.name: (ActivationScheme.NVFP4_PER_TOKEN, ActivationScheme.NVFP4_STATIC, ActivationScheme.NONE),
 }
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 
@@ -64,27 +65,31 @@ def _check_ignore(instance: object, attribute: attrs.Attribute, value: tuple[str
             raise ConfigError("rollout.quantization.ignore", f"{problem} (entry {entry!r})")
 
 
-def _check_moe_activation(plan: QuantizationPlan, attribute: attrs.Attribute, value: object) -> None:
+def _check_activation(plan: QuantizationPlan, attribute: attrs.Attribute, value: object) -> None:
     if value is None:
         return
-    if not plan.moe.is_quantized:
-        raise ConfigError(
-            "rollout.quantization.moe_activation",
-            f"{value.value!r} is set but rollout.quantization.moe is null; set moe or drop moe_activation",
-        )
-    allowed = MOE_ACTIVATIONS[plan.moe.name]
+    role = attribute.name.removesuffix("_activation")
+    fmt: PrecisionFormat = getattr(plan, role)
+    key = f"rollout.quantization.{attribute.name}"
+    if not isinstance(value, ActivationScheme):
+        raise ConfigError(key, f"expected an activation scheme, got {value!r}")
+    if not fmt.is_quantized:
+        raise ConfigError(key, f"{value.value!r} is set but rollout.quantization.{role} is null; set {role} or drop it")
+    allowed = ACTIVATIONS[fmt.name]
     if value not in allowed:
         raise ConfigError(
-            "rollout.quantization.moe_activation",
-            f"{value.value!r} does not go with moe={plan.moe.name}; valid: {', '.join(a.value for a in allowed)}",
+            key, f"{value.value!r} does not go with {role}={fmt.name}; valid: {', '.join(a.value for a in allowed)}"
         )
 
 
-def parse_activation(value: str | ActivationScheme | None) -> ActivationScheme | None:
+def parse_activation(
+    value: str | ActivationScheme | None, key: str = "rollout.quantization.moe_activation"
+) -> ActivationScheme | None:
     """Read an activation scheme by its value (`nvfp4_per_token`), case-insensitively.
 
     Args:
         value: the scheme, its string value, or None.
+        key: the configuration key (for the error message).
 
     Returns:
         The ActivationScheme, or None.
@@ -95,8 +100,8 @@ def parse_activation(value: str | ActivationScheme | None) -> ActivationScheme |
     for scheme in ActivationScheme:
         if key in (scheme.value, scheme.name.lower()):
             return scheme
-    valid = ", ".join(s.value for s in ActivationScheme if s is not ActivationScheme.NONE)
-    raise ConfigError("rollout.quantization.moe_activation", f"unknown scheme {value!r}; valid: {valid}")
+    valid = ", ".join(s.value for s in ActivationScheme)
+    raise ConfigError(key, f"unknown scheme {value!r}; valid: {valid}")
 
 
 def parse_scale_rule(value: str | MxScaleRule) -> MxScaleRule:
@@ -147,14 +152,16 @@ class QuantizationPlan:
         scale_rule: the MX shared-exponent rule (RCEIL by default, EVEN for compressed-tensors bytes).
         scale_name: checkpoint name of the block scale: `weight_scale` (compressed-tensors) or
             `weight_scale_inv` (native DeepSeek-style FP8 and SGLang's native MXFP8).
+        linear_activation: the dense layers' activation scheme; None = the linear preset's default.
     """
 
     linear: PrecisionFormat = BF16
     moe: PrecisionFormat = BF16
-    moe_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_moe_activation)
+    moe_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
     ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_check_ignore)
     scale_rule: MxScaleRule = MxScaleRule.RCEIL
     scale_name: str = attrs.field(default="weight_scale", validator=attrs.validators.in_(SCALE_NAMES))
+    linear_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
 
     @classmethod
     def bf16(cls) -> QuantizationPlan:
@@ -170,6 +177,7 @@ class QuantizationPlan:
         moe_activation: str | ActivationScheme | None = None,
         scale_rule: str | MxScaleRule = MxScaleRule.RCEIL,
         scale_name: str = "weight_scale",
+        linear_activation: str | ActivationScheme | None = None,
     ) -> QuantizationPlan:
         """Build a plan from preset names, as the configuration writes them.
 
@@ -180,6 +188,7 @@ class QuantizationPlan:
             moe_activation: e.g. "nvfp4_per_token" or "mxfp8"; None = the moe preset's default.
             scale_rule: "rceil" (default) or "even".
             scale_name: "weight_scale" or "weight_scale_inv".
+            linear_activation: like moe_activation, for dense layers.
 
         Returns:
             The validated plan. Raises ConfigError naming the key on a bad value.
@@ -187,7 +196,8 @@ class QuantizationPlan:
         return cls(
             linear=parse_format("rollout.quantization.linear", linear),
             moe=parse_format("rollout.quantization.moe", moe),
-            moe_activation=parse_activation(moe_activation),
+            moe_activation=parse_activation(moe_activation, "rollout.quantization.moe_activation"),
+            linear_activation=parse_activation(linear_activation, "rollout.quantization.linear_activation"),
             ignore=tuple(ignore),
             scale_rule=parse_scale_rule(scale_rule),
             scale_name=scale_name,
@@ -201,7 +211,12 @@ class QuantizationPlan:
     @property
     def effective_moe_activation(self) -> ActivationScheme:
         """The experts' activation scheme, defaults applied (NONE when experts stay BF16)."""
-        return self.moe_activation or self.moe.activation
+        return self.moe.activation if self.moe_activation is None else self.moe_activation
+
+    @property
+    def effective_linear_activation(self) -> ActivationScheme:
+        """The dense layers' activation scheme, defaults applied (NONE when they stay BF16)."""
+        return self.linear.activation if self.linear_activation is None else self.linear_activation
 
     @property
     def formats(self) -> tuple[PrecisionFormat, ...]:
