@@ -6,12 +6,15 @@ global-scale (NVFP4 q/k/v or gate/up) and never the whole model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
+import attrs
 import torch
 
 from domain import naming
 from domain.errors import NonDivisibleTensors
+from domain.formats import ElementType, PrecisionFormat, ScaleEncoding
 from domain.plan import QuantizationPlan, TensorDecision
 
 Tensor = torch.Tensor
@@ -37,6 +40,65 @@ def checkpoint_names(plan: QuantizationPlan, decision: TensorDecision, shape: tu
         modules = [naming.module_name(decision.name)]
     locals_ = tuple(_local(plan, n) for n in decision.format.tensor_names)
     return tuple(f"{m}.{loc}" for m in modules for loc in locals_)
+
+
+@attrs.frozen
+class TensorSpec:
+    """One checkpoint tensor, before it exists: name, dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+_ELEMENT_DTYPE = {ElementType.E4M3: torch.float8_e4m3fn, ElementType.E2M1: torch.uint8}
+_SCALE_DTYPE = {
+    ScaleEncoding.FP32: torch.float32,
+    ScaleEncoding.E8M0: torch.uint8,
+    ScaleEncoding.E4M3_GLOBAL_FP32: torch.float8_e4m3fn,
+}
+
+
+def _format_specs(plan: QuantizationPlan, fmt: PrecisionFormat, module: str, shape: tuple[int, ...]) -> list[TensorSpec]:
+    n, k = shape
+    specs = [
+        TensorSpec(f"{module}.{fmt.weight_name}", _ELEMENT_DTYPE[fmt.element], (n, k // 2) if fmt.packed else (n, k)),
+        TensorSpec(f"{module}.{plan.scale_name}", _SCALE_DTYPE[fmt.scale_encoding], fmt.scale_shape((n, k))),
+    ]
+    if "weight_global_scale" in fmt.tensor_names:
+        specs.append(TensorSpec(f"{module}.weight_global_scale", torch.float32, (1,)))
+    return specs
+
+
+def checkpoint_specs(
+    plan: QuantizationPlan, name: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> list[TensorSpec]:
+    """The checkpoint tensors one source tensor becomes, known before anything is computed.
+
+    Args:
+        plan: the quantization plan.
+        name: the source tensor's name.
+        shape: its shape.
+        dtype: its dtype.
+
+    Returns:
+        Every output (name, dtype, shape): what `quantize_stream` yields for this tensor (a fused
+        NVFP4 group's members are yielded later, together, but with these specs).
+    """
+    d = plan.decide(name, tuple(shape))
+    if not d.is_quantized:
+        return [TensorSpec(name, dtype, tuple(shape))]
+    if len(shape) == 3:
+        return [
+            spec
+            for module, _, rows in naming.expert_split(name, tuple(shape))
+            for spec in _format_specs(plan, d.format, module, (rows.stop - rows.start, shape[-1]))
+        ]
+    return _format_specs(plan, d.format, naming.module_name(name), tuple(shape))
 
 
 def _local(plan: QuantizationPlan, local: str) -> str:

@@ -28,6 +28,10 @@ DEFAULT_IGNORE: tuple[str, ...] = (
     r"re:(.*\.)?(visual|vision_tower|vision_model|multi_modal_projector)\..*",
 )
 
+# Routed experts as engines name them (`...mlp.experts` for the fused layer, `...experts.3.up_proj`
+# per expert); never `shared_experts` / `shared_expert`.
+EXPERTS_PATTERN = r"re:.*\.experts(\..*)?$"
+
 _PARAM_SUFFIXES = (".weight", ".bias")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT_2D = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from domain import naming
 from domain.errors import ConfigError
 from domain.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, PrecisionFormat
 from domain.plan import QuantizationPlan
@@ -170,10 +171,14 @@ def _from_compressed_tensors(qc: Mapping[str, Any], ignore: tuple[str, ...]) -> 
             # a name-matching group beats a class ("Linear") group, as engines resolve targets
             if role not in chosen or (specific and not chosen[role][2]):
                 chosen[role] = (fmt, act, specific)
+    entries = [str(e) for e in qc.get("ignore") or ()]
+    if any(_target_matches(e, n) for e in entries for n in _EXPERT_PROBES):
+        chosen.pop("moe", None)  # "Linear" with the experts ignored: a dense-only plan
     if not chosen:
         return None, "no config group targets Linear layers or experts"
     lin, moe = chosen.get("linear"), chosen.get("moe")
-    user_ignore = tuple(str(e) for e in qc.get("ignore") or ())
+    implied = {naming.to_engine_pattern(e) for e in naming.DEFAULT_IGNORE} | {naming.EXPERTS_PATTERN}
+    user_ignore = tuple(e for e in entries if e not in implied and e not in naming.DEFAULT_IGNORE)
     plan = QuantizationPlan(
         linear=lin[0] if lin else QuantizationPlan().linear,
         moe=moe[0] if moe else QuantizationPlan().moe,

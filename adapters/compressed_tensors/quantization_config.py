@@ -1,0 +1,174 @@
+"""The quantization_config an engine reads, for a resolved plan.
+
+Compressed-tensors layouts are built with compressed-tensors' own objects (QuantizationConfig,
+QuantizationScheme, preset QuantizationArgs, CompressionFormat) and serialized the way its
+ModelCompressor writes config.json. Native layouts: SGLang's `quant_method: mxfp8` (block
+[1, 32], scales named `weight_scale_inv`) and DeepSeek-style `quant_method: fp8`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+try:
+    import compressed_tensors
+    from compressed_tensors.base import (
+        COMPRESSION_VERSION_NAME,
+        QUANTIZATION_METHOD,
+        QUANTIZATION_METHOD_NAME,
+        SPARSITY_CONFIG_NAME,
+        TRANSFORM_CONFIG_NAME,
+    )
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+    )
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+except ModuleNotFoundError as err:  # pragma: no cover - exercised only without the package
+    raise ModuleNotFoundError(
+        "adapters.compressed_tensors needs the compressed-tensors package (pip install compressed-tensors)",
+        name="compressed_tensors",
+    ) from err
+
+from domain import naming
+from domain.dispatch import Resolution
+from domain.formats import ActivationScheme, PrecisionFormat
+from domain.plan import QuantizationPlan
+
+EXPERTS_TARGET = naming.EXPERTS_PATTERN
+
+# compressed-tensors preset whose input_activations each activation scheme takes.
+_ACTIVATION_PRESET = {
+    ActivationScheme.FP8_GROUP_128: "FP8_BLOCK",
+    ActivationScheme.MXFP8: "MXFP8",
+    ActivationScheme.MXFP4: "MXFP4",
+    ActivationScheme.NVFP4_STATIC: "NVFP4",
+    ActivationScheme.NVFP4_PER_TOKEN: "NVFP4",
+}
+
+
+def _scheme(fmt: PrecisionFormat, act: ActivationScheme, targets: list[str]) -> QuantizationScheme:
+    weights = copy.deepcopy(PRESET_SCHEMES[fmt.name]["weights"])
+    inputs = None
+    if act is not ActivationScheme.NONE:
+        inputs = copy.deepcopy(PRESET_SCHEMES[_ACTIVATION_PRESET[act]]["input_activations"])
+        if act is ActivationScheme.NVFP4_PER_TOKEN:
+            # every scale computed on the fly, per token: no calibrated input_global_scale
+            inputs = inputs.model_copy(update={"dynamic": True, "observer": None})
+    return QuantizationScheme(
+        targets=targets, weights=weights, input_activations=inputs, format=CompressionFormat(fmt.ct_format).value
+    )
+
+
+def compressed_tensors_config(plan: QuantizationPlan) -> QuantizationConfig:
+    """The compressed-tensors QuantizationConfig of a plan (mixed-precision when linear and MoE differ).
+
+    Args:
+        plan: a quantized plan.
+
+    Returns:
+        The QuantizationConfig object (status "compressed").
+    """
+    lin = (plan.linear, plan.effective_linear_activation)
+    moe = (plan.moe, plan.effective_moe_activation)
+    ignore = [naming.to_engine_pattern(e) for e in (*naming.DEFAULT_IGNORE, *plan.ignore)]
+    groups: dict[str, QuantizationScheme] = {}
+    if plan.linear.is_quantized and plan.moe.is_quantized and lin == moe:
+        groups["group_0"] = _scheme(*lin, ["Linear"])
+    else:
+        if plan.moe.is_quantized:
+            groups[f"group_{len(groups)}"] = _scheme(*moe, [EXPERTS_TARGET])
+        if plan.linear.is_quantized:
+            groups[f"group_{len(groups)}"] = _scheme(*lin, ["Linear"])
+            if not plan.moe.is_quantized:
+                ignore.append(EXPERTS_TARGET)
+    formats = {g.format for g in groups.values()}
+    return QuantizationConfig(
+        config_groups=groups,
+        format=formats.pop() if len(formats) == 1 else CompressionFormat.mixed_precision.value,
+        ignore=list(dict.fromkeys(ignore)),
+        quantization_status=QuantizationStatus.COMPRESSED,
+    )
+
+
+def to_config_json(qc: QuantizationConfig) -> dict[str, Any]:
+    """Serialize a QuantizationConfig as ModelCompressor.update_config writes it into config.json.
+
+    Args:
+        qc: the config.
+
+    Returns:
+        The `quantization_config` dict.
+    """
+    return {
+        COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
+        QUANTIZATION_METHOD_NAME: QUANTIZATION_METHOD,
+        SPARSITY_CONFIG_NAME: {},
+        TRANSFORM_CONFIG_NAME: {},
+        **qc.model_dump(mode="json", exclude={"quant_method"}),
+    }
+
+
+def sglang_mxfp8_config(bf16_modules: Iterable[str]) -> dict[str, Any]:
+    """SGLang's native MXFP8 config (scales read as `weight_scale_inv`).
+
+    Args:
+        bf16_modules: Linear module names that stay BF16 (SGLang matches them by name).
+
+    Returns:
+        The `quantization_config` dict.
+    """
+    return {
+        "quant_method": "mxfp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [1, 32],
+        "ignored_layers": sorted(bf16_modules),
+    }
+
+
+def deepseek_fp8_config(bf16_modules: Iterable[str]) -> dict[str, Any]:
+    """Native DeepSeek-style block FP8 config (scales read as `weight_scale_inv`).
+
+    Args:
+        bf16_modules: Linear module names that stay BF16.
+
+    Returns:
+        The `quantization_config` dict.
+    """
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "ignored_layers": sorted(bf16_modules),
+    }
+
+
+def engine_quantization_config(
+    resolution: Resolution, bf16_modules: Iterable[str] | None = None
+) -> dict[str, Any] | None:
+    """The quantization_config the engine is sent (and config.json carries) for a resolution.
+
+    Args:
+        resolution: the dispatch's resolution.
+        bf16_modules: Linear module names kept BF16 (needed by the native layouts, which match
+            names exactly; when None, the ignore entries are listed instead).
+
+    Returns:
+        The dict, or None for a BF16 rollout.
+    """
+    layout, plan, native = resolution.layout, resolution.plan, resolution.native
+    if layout == "bf16":
+        return None
+    if layout == "native-passthrough" or (native is not None and native.method in ("fp8", "mxfp8")):
+        return dict(native.config) if native is not None else None
+    kept = list(bf16_modules) if bf16_modules is not None else [*naming.DEFAULT_IGNORE, *plan.ignore]
+    if layout == "sglang-mxfp8":
+        return sglang_mxfp8_config(kept)
+    if layout == "native-fp8":
+        return deepseek_fp8_config(kept)
+    return to_config_json(compressed_tensors_config(plan))

@@ -1,0 +1,303 @@
+"""Configuration: the schema of verl-style keys, loading from YAML or a dict, dotted overrides.
+
+Every key is declared once in SCHEMA (type, default, allowed values, one line of help); unknown
+keys and wrong types raise errors that name the key and list the valid ones. docs/configuration.md
+documents the same table.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+import yaml
+
+from domain import naming
+from domain.dispatch import DELTA_BACKENDS, DELTA_WIRE_FORMATS, ENGINES
+from domain.errors import ConfigError, ConfigTypeError, UnknownConfigKey
+from domain.formats import FORMATS, ActivationScheme, MxScaleRule
+
+NoneType = type(None)
+SYNC_BACKENDS = ("naive", "nccl", "gloo", *DELTA_BACKENDS)
+WIRE_FORMATS = ("bucketed", *DELTA_WIRE_FORMATS)
+
+
+def _preset(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    name = str(value).strip().upper().replace("-", "_")
+    if name not in FORMATS:
+        raise ConfigError(key, f"unknown precision preset {value!r}; valid: {', '.join(FORMATS)} (or null for BF16)")
+    return None if name == "BF16" else name
+
+
+def _activation(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    valid = [a.value for a in ActivationScheme]
+    if str(value).lower() not in valid:
+        raise ConfigError(key, f"unknown activation scheme {value!r}; valid: {', '.join(valid)} (or null for the default)")
+    return str(value).lower()
+
+
+def _patterns(key: str, value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else list(value)
+    for item in items:
+        problem = naming.validate_ignore_entry(item)
+        if problem:
+            raise ConfigError(key, f"{problem} (entry {item!r})")
+    return tuple(items)
+
+
+def _hf_overrides(key: str, value: Any) -> Any:
+    if isinstance(value, str) and value.strip():
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ConfigError(key, f"not valid JSON ({err.msg} at char {err.pos}); write a dict or a JSON object") from None
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"the JSON string must hold an object, got {type(value).__name__}")
+    return value or None
+
+
+def _positive(key: str, value: Any) -> Any:
+    if value <= 0:
+        raise ConfigError(key, f"must be positive, got {value}")
+    return value
+
+
+def _non_negative(key: str, value: Any) -> Any:
+    if value < 0:
+        raise ConfigError(key, f"must be 0 or more, got {value}")
+    return value
+
+
+@attrs.frozen
+class Key:
+    """One configuration key: dotted path, accepted types, default, allowed values, help."""
+
+    path: str
+    types: tuple[type, ...]
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+    check: Callable[[str, Any], Any] | None = None
+    free: bool = False  # a free-form dict: keys below it are not checked
+
+
+SCHEMA: tuple[Key, ...] = (
+    Key("rollout.name", (str,), "reference", "rollout engine", choices=ENGINES),
+    Key("rollout.quantization.linear", (str, NoneType), None,
+        "preset for dense Linear layers (FP8_BLOCK, MXFP8, MXFP4, NVFP4); null = BF16", check=_preset),
+    Key("rollout.quantization.moe", (str, NoneType), None,
+        "preset for routed experts; null = BF16", check=_preset),
+    Key("rollout.quantization.moe_activation", (str, NoneType), None,
+        "experts' activation scheme (e.g. nvfp4_per_token, mxfp8); null = the preset's default", check=_activation),
+    Key("rollout.quantization.linear_activation", (str, NoneType), None,
+        "dense layers' activation scheme (none = weight-only); null = the preset's default", check=_activation),
+    Key("rollout.quantization.ignore", (list, tuple, str), (),
+        "modules kept BF16, added to the defaults: names, dot suffixes, re:REGEX, fnmatch", check=_patterns),
+    Key("rollout.quantization.config_file", (str, NoneType), None,
+        "a compressed-tensors quantization_config JSON file used instead of linear/moe"),
+    Key("rollout.quantization.scale_rule", (str,), "rceil",
+        "MX shared-exponent rule: rceil (TE/ModelOpt/vLLM) or even (compressed-tensors bytes)",
+        choices=tuple(r.value for r in MxScaleRule)),
+    Key("rollout.engine_kwargs.vllm.hf_overrides", (dict, str, NoneType), None,
+        "vLLM hf_overrides (dict or JSON string); its quantization_config wins, null = BF16",
+        check=_hf_overrides, free=True),
+    Key("rollout.engine_kwargs.sglang.hf_overrides", (dict, str, NoneType), None,
+        "SGLang hf_overrides (dict or JSON string)", check=_hf_overrides, free=True),
+    Key("rollout.checkpoint_engine.backend", (str,), "naive", "weight-sync backend", choices=SYNC_BACKENDS),
+    Key("rollout.checkpoint_engine.update_weights_bucket_megabytes", (int,), 512,
+        "size bound of one weight-sync bucket, MiB", check=_positive),
+    Key("rollout.wire_format", (str,), "bucketed", "how buckets travel", choices=WIRE_FORMATS),
+    Key("actor.megatron.qat.enable", (bool,), False, "QAT fake-quantization in training"),
+    Key("actor.megatron.qat.mode", (str, NoneType), None,
+        "QAT format (FP8_BLOCK, MXFP8, MXFP4, NVFP4); must match the rollout", check=_preset),
+    Key("actor.megatron.qat.ignore_patterns", (list, tuple, str), (),
+        "modules QAT keeps BF16 (fnmatch, e.g. *mlp.gate)", check=_patterns),
+    Key("actor.megatron.override_transformer_config.fp8", (str, bool, NoneType), None,
+        "Transformer Engine FP8 training (e4m3, hybrid); null = off", choices=(None, False, "e4m3", "hybrid")),
+    Key("actor.megatron.override_transformer_config.fp8_recipe", (str, NoneType), None,
+        "TE FP8 recipe", choices=(None, "delayed", "tensorwise", "blockwise", "mxfp8")),
+    Key("actor.megatron.override_transformer_config.fp4", (str, bool, NoneType), None,
+        "Transformer Engine FP4 training (e2m1); null = off", choices=(None, False, "e2m1")),
+    Key("actor.megatron.override_transformer_config.fp4_recipe", (str, NoneType), None,
+        "TE FP4 recipe", choices=(None, "nvfp4")),
+    Key("actor.megatron.override_transformer_config.first_last_layers_bf16", (bool,), False,
+        "keep the first/last layers BF16 in FP8/FP4 training"),
+    Key("actor.megatron.override_transformer_config.num_layers_at_start_in_bf16", (int,), 1,
+        "BF16 layers at the start (with first_last_layers_bf16)", check=_non_negative),
+    Key("actor.megatron.override_transformer_config.num_layers_at_end_in_bf16", (int,), 1,
+        "BF16 layers at the end (with first_last_layers_bf16)", check=_non_negative),
+    Key("actor.fused_forward", (str, bool, int, NoneType), None,
+        "fused log-prob forward mode (auto, hook, legacy and aliases); null = auto"),
+    Key("model.path", (str, NoneType), None, "Hugging Face checkpoint directory"),
+)
+KEYS: dict[str, Key] = {k.path: k for k in SCHEMA}
+
+
+def _children(prefix: str) -> list[str]:
+    """Valid next path components under `prefix` ("" for the top level)."""
+    head = f"{prefix}." if prefix else ""
+    return sorted({k.path[len(head):].split(".")[0] for k in SCHEMA if k.path.startswith(head)})
+
+
+def _unknown(path: str) -> UnknownConfigKey:
+    prefix, _, last = path.rpartition(".")
+    while prefix and not _children(prefix):
+        prefix, _, last = prefix.rpartition(".")
+    valid = _children(prefix)
+    close = difflib.get_close_matches(last, valid, n=1)
+    hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
+    where = f"under {prefix!r}" if prefix else "at the top level"
+    return UnknownConfigKey(path, f"unknown key; valid keys {where}: {', '.join(valid)}{hint}")
+
+
+def _free_parent(path: str) -> Key | None:
+    return next((k for k in SCHEMA if k.free and path.startswith(k.path + ".")), None)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in tree.items():
+        path = f"{prefix}.{name}" if prefix else str(name)
+        if path in KEYS:
+            flat[path] = value
+        elif isinstance(value, Mapping) and _children(path):
+            flat.update(_flatten(value, path))
+        elif _children(path):
+            raise ConfigTypeError(path, f"expected a section (a mapping) with keys {', '.join(_children(path))}, got {value!r}")
+        else:
+            raise _unknown(path)
+    return flat
+
+
+def _set_free(flat: dict[str, Any], key: Key, path: str, value: Any) -> None:
+    current = _hf_overrides(key.path, flat.get(key.path)) or {}
+    node = current = json.loads(json.dumps(current))
+    parts = path[len(key.path) + 1:].split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    flat[key.path] = current
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split `a.b.c=VALUE` and read VALUE as YAML (null, true, 3, [a, b], {k: v}).
+
+    Args:
+        text: one command-line override.
+
+    Returns:
+        (dotted key, value).
+    """
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(text, "an override is written KEY=VALUE, e.g. rollout.quantization.linear=FP8_BLOCK")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _validate(key: Key, value: Any) -> Any:
+    ok = isinstance(value, key.types) and not (isinstance(value, bool) and bool not in key.types)
+    if not ok:
+        names = " or ".join("null" if t is NoneType else t.__name__ for t in key.types)
+        raise ConfigTypeError(key.path, f"expected {names}, got {type(value).__name__} {value!r}")
+    if key.choices is not None and value not in key.choices:
+        valid = ", ".join("null" if c is None else str(c) for c in key.choices)
+        raise ConfigError(key.path, f"invalid value {value!r}; valid: {valid}")
+    return key.check(key.path, value) if key.check else value
+
+
+class Section(Mapping[str, Any]):
+    """Read-only nested view: `cfg.rollout.quantization.linear` or `cfg["rollout.name"]`."""
+
+    def __init__(self, tree: Mapping[str, Any]) -> None:
+        self._tree = MappingProxyType(dict(tree))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            value = self._tree[name]
+        except KeyError:
+            raise AttributeError(name) from None
+        return Section(value) if isinstance(value, dict) and name not in ("hf_overrides",) else value
+
+    def __getitem__(self, key: str) -> Any:
+        node: Any = self
+        for part in key.split("."):
+            node = getattr(node, part) if isinstance(node, Section) else node[part]
+        return node
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._tree)
+
+    def __len__(self) -> int:
+        return len(self._tree)
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dict(self._tree), default=list))
+
+
+def build_config(tree: Mapping[str, Any] | None = None, overrides: Sequence[str] = ()) -> Section:
+    """Validate a configuration dict, apply dotted overrides, fill the defaults.
+
+    Args:
+        tree: nested dict of verl-style keys (missing keys take their defaults).
+        overrides: `KEY=VALUE` strings, applied in order after `tree`.
+
+    Returns:
+        The configuration as a read-only nested Section.
+    """
+    if tree is not None and not isinstance(tree, Mapping):
+        raise ConfigTypeError("<root>", f"a configuration is a mapping of sections, got {type(tree).__name__}")
+    flat = _flatten(tree or {})
+    for text in overrides:
+        path, value = parse_override(text)
+        if path in KEYS:
+            flat[path] = value
+        elif (free := _free_parent(path)) is not None:
+            _set_free(flat, free, path, value)
+        elif _children(path) and isinstance(value, Mapping):
+            flat.update(_flatten(value, path))
+        else:
+            raise _unknown(path)
+    values = {k.path: _validate(k, flat[k.path]) if k.path in flat else k.default for k in SCHEMA}
+    nested: dict[str, Any] = {}
+    for path, value in values.items():
+        node = nested
+        *parents, last = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return Section(nested)
+
+
+def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides: Sequence[str] = ()) -> Section:
+    """Load a configuration from a YAML file, a dict, or nothing (defaults), then apply overrides.
+
+    Args:
+        source: a YAML file path, a nested dict, or None.
+        overrides: `KEY=VALUE` strings.
+
+    Returns:
+        The validated configuration.
+    """
+    if source is None or isinstance(source, Mapping):
+        return build_config(source, overrides)
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError("CONFIG", f"configuration file {str(path)!r} does not exist")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError("CONFIG", f"{path}: not valid YAML ({err})") from None
+    return build_config(tree or {}, overrides)
