@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from domain.codecs import compile as kernels
 from domain.codecs.checks import check_finite_amax
 from domain.codecs.elements import to_e4m3
 from domain.formats import F8E4M3_MAX
@@ -26,6 +27,19 @@ def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return x.reshape(*lead, nb, br, kb, bc)
 
 
+def _quantize_kernel(
+    w: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *_, n, k = w.shape
+    xb = _blocked(w.float(), block)
+    amax = xb.abs().amax(dim=(-3, -1))
+    scale = amax / F8E4M3_MAX
+    scale = torch.where(scale == 0, FP32_EPS, scale)
+    q = to_e4m3(xb / scale[..., :, None, :, None])
+    q = q.reshape(*q.shape[:-4], q.shape[-4] * q.shape[-3], q.shape[-2] * q.shape[-1])
+    return q[..., :n, :k].contiguous(), scale, amax
+
+
 def quantize(
     w: torch.Tensor, name: str, block: tuple[int, int] = (128, 128)
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,15 +53,9 @@ def quantize(
     Returns:
         The E4M3 elements and the float32 block scales.
     """
-    *_, n, k = w.shape
-    xb = _blocked(w.float(), block)
-    amax = xb.abs().amax(dim=(-3, -1))
+    q, scale, amax = kernels.run(_quantize_kernel, w, block)
     check_finite_amax(amax, name)
-    scale = amax / F8E4M3_MAX
-    scale = torch.where(scale == 0, FP32_EPS, scale)
-    q = to_e4m3(xb / scale[..., :, None, :, None])
-    q = q.reshape(*q.shape[:-4], q.shape[-4] * q.shape[-3], q.shape[-2] * q.shape[-1])
-    return q[..., :n, :k].contiguous(), scale
+    return q, scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from domain.codecs import compile as kernels
 from domain.codecs.checks import check_finite_amax
 from domain.codecs.elements import e2m1_codes, e2m1_values, pack_fp4, to_e4m3, unpack_fp4
 from domain.formats import E8M0_EXPONENT_BIAS, ElementType, MxScaleRule
@@ -47,6 +48,26 @@ def _exp2(e: torch.Tensor) -> torch.Tensor:
     return torch.exp2(e.to(torch.float32))
 
 
+def _quantize_kernel(
+    w: torch.Tensor, element: ElementType, rule: MxScaleRule
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // MX_BLOCK, MX_BLOCK)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    if rule is MxScaleRule.RCEIL:
+        e = e8m0_rceil(amax, element.max)
+        rcp = torch.where(e == 0, 1.0, _exp2(E8M0_EXPONENT_BIAS - e))
+        scaled = x * rcp
+    else:
+        e = e8m0_even(amax, element.emax)
+        scaled = x / _exp2(e - E8M0_EXPONENT_BIAS)
+    scaled = scaled.clamp(-element.max, element.max).reshape(w.shape)
+    if element is ElementType.E4M3:
+        elements = to_e4m3(scaled)
+    else:
+        elements = pack_fp4(e2m1_codes(scaled))
+    return elements, e.to(torch.uint8).squeeze(-1), amax
+
+
 def quantize(
     w: torch.Tensor, name: str, element: ElementType, rule: MxScaleRule
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,22 +82,9 @@ def quantize(
     Returns:
         (elements, scale_e8m0): e4m3 [..., K] or packed uint8 [..., K/2], and uint8 [..., K/32].
     """
-    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // MX_BLOCK, MX_BLOCK)
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    elements, scale, amax = kernels.run(_quantize_kernel, w, element, rule)
     check_finite_amax(amax, name)
-    if rule is MxScaleRule.RCEIL:
-        e = e8m0_rceil(amax, element.max)
-        rcp = torch.where(e == 0, 1.0, _exp2(E8M0_EXPONENT_BIAS - e))
-        scaled = x * rcp
-    else:
-        e = e8m0_even(amax, element.emax)
-        scaled = x / _exp2(e - E8M0_EXPONENT_BIAS)
-    scaled = scaled.clamp(-element.max, element.max).reshape(w.shape)
-    if element is ElementType.E4M3:
-        elements = to_e4m3(scaled)
-    else:
-        elements = pack_fp4(e2m1_codes(scaled))
-    return elements, e.to(torch.uint8).squeeze(-1)
+    return elements, scale
 
 
 def dequantize(elements: torch.Tensor, scale_e8m0: torch.Tensor, element: ElementType) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from domain.codecs import compile as kernels
 from domain.codecs.checks import check_finite_amax
 from domain.codecs.elements import e2m1_codes, e2m1_values, pack_fp4, to_e4m3, unpack_fp4
 from domain.formats import F4E2M1_MAX, F8E4M3_MAX
@@ -37,6 +38,18 @@ def global_scale(*tensors: torch.Tensor, name: str = "weight") -> torch.Tensor:
     return gs.reshape(*amax.shape, 1) if amax.dim() else gs.reshape(1)
 
 
+def _quantize_kernel(
+    w: torch.Tensor, gscale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    gs = gscale.float().reshape(*gscale.shape[:-1], *([1] * (x.dim() - gscale.dim())), 1)
+    scale = to_e4m3(gs * (amax / F4E2M1_MAX)).float()
+    scale = torch.where(scale == 0, E4M3_EPS, scale)
+    codes = e2m1_codes((x / (scale / gs)).clamp(-F4E2M1_MAX, F4E2M1_MAX).reshape(w.shape))
+    return pack_fp4(codes), scale.squeeze(-1).to(torch.float8_e4m3fn), amax
+
+
 def quantize(
     w: torch.Tensor, name: str, gscale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,14 +64,9 @@ def quantize(
     Returns:
         (weight_packed uint8 [..., K/2], weight_scale e4m3 [..., K/16]).
     """
-    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    packed, scale, amax = kernels.run(_quantize_kernel, w, gscale)
     check_finite_amax(amax, name)
-    gs = gscale.float().reshape(*gscale.shape[:-1], *([1] * (x.dim() - gscale.dim())), 1)
-    scale = to_e4m3(gs * (amax / F4E2M1_MAX)).float()
-    scale = torch.where(scale == 0, E4M3_EPS, scale)
-    codes = e2m1_codes((x / (scale / gs)).clamp(-F4E2M1_MAX, F4E2M1_MAX).reshape(w.shape))
-    return pack_fp4(codes), scale.squeeze(-1).to(torch.float8_e4m3fn)
+    return packed, scale
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
