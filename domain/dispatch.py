@@ -58,7 +58,7 @@ class DispatchInput:
         hf_overrides: the engine's hf_overrides (dict or JSON string), or None.
         hf_overrides_key: its configuration key, for messages.
         model_config: the checkpoint's config.json, or None.
-        qat_enable, qat_mode: actor.megatron.qat.{enable, mode}.
+        qat_enable, qat_mode, qat_ignore: actor.megatron.qat.{enable, mode, ignore_patterns}.
         te_fp8, te_fp4: actor.megatron.override_transformer_config.{fp8, fp4} (None = off).
         first_last_layers_bf16, num_layers_at_start_in_bf16, num_layers_at_end_in_bf16: the
             Megatron settings that keep boundary layers BF16 in low-precision training.
@@ -75,6 +75,7 @@ class DispatchInput:
     model_config: Mapping[str, Any] | None = None
     qat_enable: bool = False
     qat_mode: str | None = None
+    qat_ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     te_fp8: object = None
     te_fp4: object = None
     first_last_layers_bf16: bool = False
@@ -212,6 +213,28 @@ def check_qat_mode(plan: QuantizationPlan, *, qat_enable: bool, qat_mode: str | 
             f"(rollout.quantization: {', '.join(rollout) or 'BF16'}); QAT must train in the one format "
             f"the rollout serves: set qat.mode to {rollout[0] if len(rollout) == 1 else 'that format'}, or "
             "change rollout.quantization, or disable QAT"
+        )
+
+
+def check_qat_ignore(plan: QuantizationPlan, shapes: Shapes, qat_ignore: Sequence[str]) -> None:
+    """Rule 2, per tensor: what QAT keeps in BF16 (ignore_patterns) the rollout must not quantize.
+
+    Args:
+        plan: the resolved plan.
+        shapes: every tensor's (name, shape).
+        qat_ignore: actor.megatron.qat.ignore_patterns.
+
+    Returns:
+        None. Raises QatModeMismatch listing the tensors and the ignore entries to add.
+    """
+    bad = [(n, e) for n, shape in shapes
+           if (e := naming.first_match(qat_ignore, n)) is not None and plan.decide(n, shape).is_quantized]
+    if bad:
+        entries = sorted({e for _, e in bad})
+        raise QatModeMismatch(
+            f"actor.megatron.qat.ignore_patterns {entries} keep {len(bad)} tensor(s) in BF16 during training "
+            f"(e.g. {bad[0][0]}) but the rollout quantizes them; add the same entries to "
+            "rollout.quantization.ignore"
         )
 
 
@@ -438,6 +461,8 @@ def check_model(inp: DispatchInput, plan: QuantizationPlan, shapes: Shapes) -> l
         Their outcomes. Raises on the first failure.
     """
     check_fused_groups(plan, shapes)
+    if inp.qat_enable:
+        check_qat_ignore(plan, shapes, inp.qat_ignore)
     training_bf16 = bf16_training_layers(
         _num_layers(inp.model_config, shapes),
         enabled=inp.first_last_layers_bf16 and inp.te_fp4 not in (None, False, ""),

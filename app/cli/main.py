@@ -15,6 +15,8 @@ from domain.errors import RefitError
 COMMANDS: dict[str, str] = {
     "demo": "app.cli.demo",
     "bench": "app.cli.bench",
+    "plan": "app.cli.plan",
+    "export": "app.cli.export",
 }
 
 

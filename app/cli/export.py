@@ -1,0 +1,65 @@
+"""`refit export --model DIR --out DIR [CONFIG] [KEY=VALUE ...]`: write a quantized checkpoint directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from app.cli.plan import add_config_arguments, config_from_args
+from app.exporting import ExportResult, export_checkpoint
+from app.planning import make_plan
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="HF checkpoint directory -> quantized compressed-tensors checkpoint directory")
+    add_config_arguments(p)
+    p.add_argument("--model", metavar="DIR", help="source checkpoint directory (default: model.path)")
+    p.add_argument("--out", metavar="DIR", required=True, help="destination directory (must be empty or absent)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
+    p.add_argument("--shard-size-mb", type=int, default=5 * 1024, metavar="MB", help="safetensors shard size bound")
+
+
+def _render(result: ExportResult, console: Console) -> None:
+    table = Table(title=f"refit export -> {result.out_dir}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for label, value in (
+        ("layout", result.layout),
+        ("tensors in / out", f"{result.tensors_in} / {result.tensors_out}"),
+        ("MiB in / out", f"{result.bytes_in / 2**20:.1f} / {result.bytes_out / 2**20:.1f}"),
+        ("size ratio", f"{result.bytes_out / max(result.bytes_in, 1):.3f}"),
+        ("shards", str(result.shards)),
+        ("copied files", ", ".join(result.copied_files) or "-"),
+        ("time", f"{result.seconds:.2f} s ({result.throughput_mb_s:.1f} MiB/s read)"),
+    ):
+        table.add_row(label, value)
+    console.print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    from adapters.hf_checkpoint.reader import HfCheckpoint
+
+    cfg = config_from_args(args, [f"model.path={json.dumps(args.model)}"] if args.model else None)
+    if not cfg.model.path:
+        from domain.errors import ConfigError
+
+        raise ConfigError("model.path", "no model given; pass --model DIR or set model.path")
+    quiet = args.json or not sys.stderr.isatty()
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=Console(stderr=True), disable=quiet) as progress:
+        checkpoint = HfCheckpoint(cfg.model.path)
+        task = progress.add_task("exporting", total=checkpoint.total_bytes)
+        checkpoint.on_read = lambda n: progress.advance(task, n)
+        report = make_plan(cfg, checkpoint)
+        result = export_checkpoint(checkpoint, args.out, report, force=args.force,
+                                   shard_bytes=args.shard_size_mb * 2**20)
+    if args.json:
+        sys.stdout.write(json.dumps({**result.to_dict(), "engine_config": report.engine_config}, indent=2) + "\n")
+    else:
+        _render(result, Console())
+    return 0

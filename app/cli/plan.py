@@ -1,0 +1,140 @@
+"""`refit plan [CONFIG] [KEY=VALUE ...] [--model DIR]`: validate a configuration and show every decision."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from app.config import Section, load_config
+from app.planning import PlanReport, make_plan
+from domain.errors import RefitError
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments `plan` and `export` share: an optional YAML file and KEY=VALUE overrides."""
+    p.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE]",
+                   help="a YAML configuration file, then dotted overrides such as rollout.quantization.linear=FP8_BLOCK")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> Section:
+    """Load the configuration named by the positional arguments (file first, then overrides)."""
+    items = list(args.args)
+    source = items.pop(0) if items and "=" not in items[0] else None
+    return load_config(source, [*items, *(extra or [])])
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="validate a rollout quantization configuration and print every decision")
+    add_config_arguments(p)
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (sets model.path); per-tensor decisions")
+    p.add_argument("--all", action="store_true", help="one row per tensor instead of per tensor class")
+
+
+def tensor_class(name: str) -> str:
+    """`model.layers.3.mlp.experts.7.up_proj.weight` -> `model.layers.*.mlp.experts.*.up_proj.weight`."""
+    return re.sub(r"\.\d+(?=\.)", ".*", name)
+
+
+def _plan_dict(report: PlanReport) -> dict[str, Any]:
+    plan, res = report.plan, report.resolution
+    return {
+        "linear": plan.linear.name,
+        "linear_activation": plan.effective_linear_activation.value,
+        "moe": plan.moe.name,
+        "moe_activation": plan.effective_moe_activation.value,
+        "ignore": list(plan.ignore),
+        "scale_rule": plan.scale_rule.value,
+        "scale_name": plan.scale_name,
+        "source": res.source,
+        "layout": res.layout,
+        "quantized": res.is_quantized,
+    }
+
+
+def _classes(report: PlanReport) -> list[dict[str, Any]]:
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    counts: Counter[tuple[str, str, str]] = Counter()
+    for d in report.decisions:
+        key = (tensor_class(d.name), d.format.name, d.reason)
+        counts[key] += 1
+        rows.setdefault(key, {"tensors": tensor_class(d.name), "format": d.format.name, "kind": d.kind,
+                              "group": tensor_class(d.group) if d.group else None, "reason": d.reason})
+    return [{**row, "count": counts[key]} for key, row in rows.items()]
+
+
+def to_json(report: PlanReport) -> dict[str, Any]:
+    """The machine-readable form of a PlanReport."""
+    return {
+        "engine": report.engine,
+        "plan": _plan_dict(report),
+        "rules": [{"rule": o.rule, "name": o.name, "outcome": o.outcome} for o in report.resolution.outcomes],
+        "engine_config": report.engine_config,
+        "tensor_classes": _classes(report),
+        "tensors": [
+            {"name": d.name, "format": d.format.name, "kind": d.kind, "group": d.group, "reason": d.reason}
+            for d in report.decisions
+        ],
+    }
+
+
+def render(report: PlanReport, console: Console, *, every_tensor: bool = False) -> None:
+    """Print a PlanReport as rich tables."""
+    p = _plan_dict(report)
+    console.print(f"[bold]refit plan[/bold]: engine {report.engine}, layout [bold]{p['layout']}[/bold] "
+                  f"(from {p['source']}), quantized: {p['quantized']}")
+    summary = Table(title="rollout quantization")
+    for col in ("tensor class", "preset", "activations"):
+        summary.add_column(col)
+    summary.add_row("dense Linear", p["linear"], p["linear_activation"])
+    summary.add_row("routed experts", p["moe"], p["moe_activation"])
+    console.print(summary)
+    console.print(f"ignore (besides the defaults): {p['ignore'] or 'none'}; MX scale rule {p['scale_rule']}; "
+                  f"block scale name {p['scale_name']}")
+    rules = Table(title="dispatch rules")
+    for col in ("rule", "check", "outcome"):
+        rules.add_column(col)
+    for o in report.resolution.outcomes:
+        rules.add_row(str(o.rule or "-"), o.name, o.outcome)
+    console.print(rules)
+    if report.decisions:
+        table = Table(title="tensors" if every_tensor else "tensor classes")
+        for col in ("tensors", "count", "kind", "format", "fused group", "reason"):
+            table.add_column(col, overflow="fold")
+        rows = ([{"tensors": d.name, "count": 1, "kind": d.kind, "format": d.format.name, "group": d.group,
+                  "reason": d.reason} for d in report.decisions] if every_tensor else _classes(report))
+        for r in rows:
+            table.add_row(r["tensors"], str(r["count"]), r["kind"], r["format"], r["group"] or "-", r["reason"])
+        console.print(table)
+    else:
+        console.print("[dim]no model given (--model DIR or model.path): per-tensor decisions and rules 8-9 skipped[/dim]")
+    console.print("engine quantization_config:" if report.engine_config else "engine quantization_config: none (BF16)")
+    if report.engine_config:
+        console.print_json(json.dumps(report.engine_config))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args, [f"model.path={json.dumps(args.model)}"] if args.model else None)
+        checkpoint = None
+        if cfg.model.path:
+            from adapters.hf_checkpoint.reader import HfCheckpoint
+
+            checkpoint = HfCheckpoint(cfg.model.path)
+        report = make_plan(cfg, checkpoint)
+    except RefitError as err:
+        if args.json:
+            sys.stdout.write(json.dumps({"error": {"type": type(err).__name__, "message": str(err)}}) + "\n")
+        raise
+    if args.json:
+        sys.stdout.write(json.dumps(to_json(report), indent=2) + "\n")
+    else:
+        render(report, Console(), every_tensor=args.all)
+    return 0
