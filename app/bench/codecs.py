@@ -1,0 +1,101 @@
+"""`refit bench codecs`: quantize throughput per preset against compressed-tensors, torchao and the
+memory-bandwidth bound (a plain `copy_` of the same bytes), all on the same tensor in one run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from app.bench.report import BenchReport, measure
+from domain.codecs import compile as kernels
+from domain.codecs import quantize_weight
+from domain.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, PrecisionFormat
+
+
+def _ct_path(fmt: PrecisionFormat, w: torch.Tensor) -> Callable[[], object] | None:
+    """compressed-tensors' own path: observer-style min/max, calculate_qparams, the compressor."""
+    try:
+        from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+        from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
+        from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+        from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+        from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+        from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+    except ImportError:
+        return None
+    n, k = w.shape
+    scheme = preset_name_to_scheme(fmt.name, ["Linear"])
+
+    def group(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = w.float().reshape(n, k // size, size)
+        return g.amin(-1), g.amax(-1)
+
+    def run() -> object:
+        if fmt is NVFP4:
+            wf = w.float()
+            gs = generate_gparam(wf.amin().reshape(1), wf.amax().reshape(1))
+            scale, _ = calculate_qparams(*group(16), scheme.weights, global_scale=gs)
+            return NVFP4PackedCompressor.compress(
+                {"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme
+            )
+        if fmt is FP8_BLOCK:
+            b = w.float().reshape(n // 128, 128, k // 128, 128)
+            scale, _ = calculate_qparams(b.amin(dim=(1, 3)), b.amax(dim=(1, 3)), scheme.weights)
+            return FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+        compressor = MXFP8QuantizationCompressor if fmt is MXFP8 else MXFP4PackedCompressor
+        scale, _ = calculate_qparams(*group(32), scheme.weights)
+        return compressor.compress({"weight": w, "weight_scale": scale}, scheme)
+
+    return run
+
+
+def _torchao_path(fmt: PrecisionFormat, w: torch.Tensor) -> Callable[[], object] | None:
+    """torchao's MX (RCEIL) and NVFP4 references; torchao has no CPU FP8 128x128 block quantizer."""
+    try:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    except ImportError:
+        return None
+    if fmt is NVFP4:
+        return lambda: nvfp4_quantize(w, 16, per_tensor_amax_to_scale(w.float().abs().amax()))
+    if fmt in (MXFP8, MXFP4):
+        elem = torch.float8_e4m3fn if fmt is MXFP8 else torch.float4_e2m1fn_x2
+        return lambda: to_mx(w, elem, 32, ScaleCalculationMode.RCEIL)
+    return None
+
+
+def run(quick: bool = False) -> BenchReport:
+    size = 1024 if quick else 4096
+    repeat = 2 if quick else 5
+    report = BenchReport("codecs")
+    w = torch.randn(size, size, dtype=torch.bfloat16)
+    gbytes = w.numel() * w.element_size() / 1e9
+    case = f"{size}x{size} bf16"
+    dst = torch.empty_like(w)
+    copy_s = measure(lambda: dst.copy_(w), repeat=repeat)
+    cast_s = measure(lambda: w.to(torch.float8_e4m3fn), repeat=repeat)
+    report.add(case, "copy_ (memory bound)", gbytes / copy_s, "GB/s")
+    report.add(case, "bare cast to float8_e4m3fn", gbytes / cast_s, "GB/s", "copy_", gbytes / copy_s)
+    for fmt in (FP8_BLOCK, MXFP8, MXFP4, NVFP4):
+        kernels.set_compiled(False)
+        eager_s = measure(lambda f=fmt: quantize_weight(f, w), repeat=repeat)
+        kernels.set_compiled(True)
+        t0 = time.perf_counter()
+        quantize_weight(fmt, w)
+        compile_s = time.perf_counter() - t0
+        fast_s = measure(lambda f=fmt: quantize_weight(f, w), repeat=repeat)
+        kernels.set_compiled(False)
+        ours = gbytes / fast_s
+        refs = {"compressed-tensors": _ct_path(fmt, w), "torchao": _torchao_path(fmt, w)}
+        ref_speeds = {name: gbytes / measure(fn, repeat=repeat) for name, fn in refs.items() if fn is not None}
+        for name, speed in ref_speeds.items():
+            report.add(f"{fmt.name} {case}", "quantize (compiled)", ours, "GB/s", name, speed)
+        report.add(f"{fmt.name} {case}", "quantize (eager)", gbytes / eager_s, "GB/s",
+                   "compressed-tensors", ref_speeds.get("compressed-tensors"))
+        report.add(f"{fmt.name} {case}", "quantize (compiled)", ours, "GB/s", "copy_ bound", gbytes / copy_s)
+        report.notes.append(f"{fmt.name}: first compiled call {compile_s:.1f} s (compile, then cached)")
+    report.notes.append("ratio = ours / baseline throughput; against copy_ it is the share of the memory bound")
+    return report
