@@ -15,3 +15,144 @@ def read_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
     env = os.environ if environ is None else environ
     names = ("VERL_FUSED_USE_OP_HOOK", "VERL_ROLLOUT_USE_DEEP_GEMM")
     return {name: env[name] for name in names if name in env}
+
+
+def apply_packed_gdn(model: object, config: Mapping[str, object] | None = None):
+    """After a Megatron model is built: let its GatedDeltaNet layers take packed (THD) input.
+
+    A no-op without GDN layers; validation hooks only on Megatron-Core >= 0.18; the packed-aware
+    forward before that, with the kernels named by `actor.megatron.gdn_kernels` ("auto" default:
+    reference on CPU, fla on CUDA; or "reference", "fla", "causal_conv1d").
+
+    Returns:
+        app.gdn_service.PackedGdnReport.
+    """
+    from adapters.megatron.gdn_kernels import KERNEL_SETS
+    from app.gdn_service import apply_packed_gdn as apply
+    from domain.errors import ConfigError
+
+    actor = (config or {}).get("actor") or {}
+    megatron = (actor.get("megatron") if isinstance(actor, Mapping) else None) or {}
+    kernels = megatron.get("gdn_kernels", "auto") if isinstance(megatron, Mapping) else "auto"
+    if kernels not in KERNEL_SETS:
+        raise ConfigError("actor.megatron.gdn_kernels", f"{kernels!r} is not one of {', '.join(KERNEL_SETS)}")
+    return apply(model, kernels=kernels)  # type: ignore[arg-type]
+
+
+# --- refit: the service, the mismatch probe and the embedded default model -------------------
+
+
+def build_plan(
+    linear: str | None = "FP8_BLOCK",
+    moe: str | None = "NVFP4",
+    *,
+    moe_activation: str | None = None,
+    ignore: tuple[str, ...] = (),
+    scale_rule: str = "rceil",
+):
+    """A QuantizationPlan from preset names (None = BF16); ConfigError names a bad key.
+
+    Returns:
+        domain.plan.QuantizationPlan.
+    """
+    from domain.plan import QuantizationPlan
+
+    return QuantizationPlan.from_presets(
+        linear=linear, moe=moe, moe_activation=moe_activation, ignore=ignore, scale_rule=scale_rule
+    )
+
+
+def build_refit_service(
+    *,
+    plan: object | None = None,
+    model: str = "tiny-moe",
+    seed: int = 0,
+    commit_mode: str = "transactional",
+    bucket_megabytes: float = 512,
+    inject_fault: str | None = None,
+    kv_cache_scheme: Mapping[str, object] | None = None,
+    progress: bool = False,
+    trainer: object | None = None,
+    engine: object | None = None,
+):
+    """A RefitService on the embedded reference model (or on the trainer/engine given).
+
+    Args:
+        plan: a QuantizationPlan (default: build_plan(), i.e. linear FP8_BLOCK, moe NVFP4).
+        model: reference model preset (`tiny-moe`, `tiny-dense`, `bench-moe`).
+        seed: seed of the trainer's random weights.
+        commit_mode: `transactional` or `per-layer` (reference engine).
+        bucket_megabytes: bucket capacity, MiB (rollout.checkpoint_engine.update_weights_bucket_megabytes).
+        inject_fault: `bucket:K`, `finalize` or `verify`: wrap the engine in ScriptedFaultyEngine.
+        kv_cache_scheme: the quantization config's kv_cache_scheme (None = uncalibrated).
+        progress: show a progress bar for long refits.
+        trainer: a TrainerModel to use instead of a new reference trainer (e.g. shared by arms).
+        engine: a RolloutEngine to use instead of a new reference engine (e.g. a fake).
+
+    Returns:
+        app.refit_service.RefitService.
+    """
+    from adapters.reference.config import preset
+    from app.refit_service import RefitService
+    from domain.errors import ConfigError
+    from domain.refit import CommitMode, FaultScript
+
+    plan = plan if plan is not None else build_plan()
+    cfg = preset(model)
+    if trainer is None:
+        from adapters.reference.trainer import ReferenceTrainer
+
+        trainer = ReferenceTrainer.from_seed(cfg, seed)
+    try:
+        mode = CommitMode.parse(commit_mode)
+    except ValueError as err:
+        raise ConfigError("commit_mode", str(err)) from None
+    if engine is None:
+        from adapters.reference.engine import ReferenceEngine
+
+        engine = ReferenceEngine(cfg, plan, commit_mode=mode, kv_cache_scheme=kv_cache_scheme)  # type: ignore[arg-type]
+    if inject_fault:
+        from adapters.memory.faulty import ScriptedFaultyEngine
+
+        try:
+            script = FaultScript.parse(inject_fault)
+        except ValueError as err:
+            raise ConfigError("--inject-fault", str(err)) from None
+        engine = ScriptedFaultyEngine(engine, script)  # type: ignore[arg-type]
+    if bucket_megabytes <= 0:
+        raise ConfigError("rollout.checkpoint_engine.update_weights_bucket_megabytes", "must be positive")
+    return RefitService(trainer, engine, plan, bucket_bytes=int(bucket_megabytes * 2**20), progress=progress)  # type: ignore[arg-type]
+
+
+def build_refit_service_from_config(config: Mapping[str, object] | None = None, **kwargs: object):
+    """A RefitService from a verl-style configuration (rollout.quantization.*, rollout.name,
+    rollout.checkpoint_engine.update_weights_bucket_megabytes); other arguments as in
+    build_refit_service. Only rollout.name=reference has an engine adapter here.
+
+    Returns:
+        app.refit_service.RefitService.
+    """
+    from app.config import load_config
+    from app.planning import make_plan
+    from domain.errors import ConfigError
+
+    cfg = load_config(config)
+    if cfg.rollout.name != "reference" and kwargs.get("engine") is None:
+        raise ConfigError(
+            "rollout.name", f"{cfg.rollout.name!r} has no engine adapter in this build; use reference "
+            "(the embedded engine) or pass an engine"
+        )
+    plan = make_plan(cfg).plan
+    mb = cfg.rollout.checkpoint_engine.update_weights_bucket_megabytes
+    return build_refit_service(plan=plan, bucket_megabytes=mb, **kwargs)  # type: ignore[arg-type]
+
+
+def build_mismatch_probe(service: object, temperature: float = 1.0):
+    """A MismatchProbe over a RefitService's trainer and engine.
+
+    Returns:
+        app.mismatch_probe.MismatchProbe.
+    """
+    from app.mismatch_probe import MismatchProbe
+
+    return MismatchProbe(service.trainer, service.engine, temperature)  # type: ignore[attr-defined]

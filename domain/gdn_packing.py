@@ -15,6 +15,8 @@ Three kinds of functions live here:
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from domain.errors import InvalidPackedBoundaries, PackedGdnDeterministic
@@ -65,7 +67,11 @@ def full_sequence_length(local_length: int, sp_size: int = 1, cp_size: int = 1) 
         local_length * sp_size * cp_size, the length `cu_seqlens` must end at.
     """
     for key, value in (("local_length", local_length), ("sp_size", sp_size), ("cp_size", cp_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "local_length" else 1):
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or value < (0 if key == "local_length" else 1)
+        ):
             raise ValueError(f"full_sequence_length: {key}={value!r} must be a positive integer")
     return local_length * sp_size * cp_size
 
@@ -118,7 +124,7 @@ def validate_cu_seqlens(
             "pad the last sequence so the boundaries end at the packed length",
         )
     if cp_size > 1:
-        bad = [b - a for a, b in zip(values, values[1:], strict=False) if (b - a) % cp_size]
+        bad = [b - a for a, b in itertools.pairwise(values) if (b - a) % cp_size]
         if bad:
             raise InvalidPackedBoundaries(
                 name,

@@ -69,25 +69,32 @@ def causal_conv1d(
         raise ValueError(f"causal_conv1d: x has shape {tuple(x.shape)}, expected [batch, seq, channels]")
     batch, length, channels = x.shape
     if weight.dim() != 2 or weight.shape[0] != channels:
-        raise ValueError(f"causal_conv1d: weight has shape {tuple(weight.shape)}, expected [{channels}, width]")
+        raise ValueError(
+            f"causal_conv1d: weight has shape {tuple(weight.shape)}, expected [{channels}, width]"
+        )
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: activation {activation!r} is not one of {_ACTIVATIONS}")
     if seq_idx is not None and tuple(seq_idx.shape) != (batch, length):
-        raise ValueError(f"causal_conv1d: seq_idx has shape {tuple(seq_idx.shape)}, expected [{batch}, {length}]")
+        raise ValueError(
+            f"causal_conv1d: seq_idx has shape {tuple(seq_idx.shape)}, expected [{batch}, {length}]"
+        )
     width = weight.shape[1]
     xf = F.pad(x.float(), (0, 0, width - 1, 0))
     wf = weight.float()
     if seq_idx is not None:
         # -2 marks the left padding: it matches no token, padding (-1) included.
         sf = F.pad(seq_idx, (width - 1, 0), value=-2)
-    out = None
-    for i in range(width):
+
+    def term(i: int) -> torch.Tensor:
         tap = xf[:, i : i + length]
         if seq_idx is not None:
             same = (sf[:, i : i + length] == seq_idx).unsqueeze(-1)
             tap = torch.where(same, tap, torch.zeros_like(tap))
-        term = tap * wf[:, i]
-        out = term if out is None else out + term
+        return tap * wf[:, i]
+
+    out = term(0)
+    for i in range(1, width):
+        out = out + term(i)
     if bias is not None:
         out = out + bias.float()
     if activation is not None:
@@ -146,7 +153,9 @@ def gated_delta_rule(
             "[B, T, H, K], [B, T, H, K], [B, T, H, V]"
         )
     if g.shape != q.shape[:3] or beta.shape != q.shape[:3]:
-        raise ValueError(f"gated_delta_rule: g {tuple(g.shape)} and beta {tuple(beta.shape)} must be {tuple(q.shape[:3])}")
+        raise ValueError(
+            f"gated_delta_rule: g {tuple(g.shape)} and beta {tuple(beta.shape)} must be {tuple(q.shape[:3])}"
+        )
     batch, length, heads, k_dim = q.shape
     if cu_seqlens is not None and batch != 1:
         raise ValueError(f"gated_delta_rule: packed input (cu_seqlens given) needs batch 1, got {batch}")

@@ -119,7 +119,9 @@ class NoHostSync(torch.Tensor):
             raise HostSync(f"{getattr(func, '__name__', func)} reads tensor values on the host")
         if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and "output_size" not in kwargs:
             raise HostSync("repeat_interleave without output_size synchronizes")
-        if func is torch.Tensor.to and any(isinstance(a, (str, torch.device)) for a in (*args, *kwargs.values())):
+        if func is torch.Tensor.to and any(
+            isinstance(a, (str, torch.device)) for a in (*args, *kwargs.values())
+        ):
             raise HostSync("moving to another device synchronizes")
         return super().__torch_function__(func, types, args, kwargs)
 
@@ -150,7 +152,14 @@ def test_build_seq_idx_has_no_host_sync() -> None:
 
 def test_gated_delta_rule_reference_reads_no_boundary_on_the_host() -> None:
     q = torch.randn(1, 5, 1, 4)
-    out = gated_delta_rule(q, q, torch.randn(1, 5, 1, 2), -torch.rand(1, 5, 1), torch.rand(1, 5, 1), cu_seqlens=no_sync(cu(0, 2, 5)))
+    out = gated_delta_rule(
+        q,
+        q,
+        torch.randn(1, 5, 1, 2),
+        -torch.rand(1, 5, 1),
+        torch.rand(1, 5, 1),
+        cu_seqlens=no_sync(cu(0, 2, 5)),
+    )
     assert out.shape == (1, 5, 1, 2)
 
 
@@ -204,7 +213,9 @@ def test_invalid_boundaries_are_typed_errors(boundaries: torch.Tensor, total: in
 
 def test_context_parallel_needs_lengths_divisible_by_cp_size() -> None:
     assert validate_cu_seqlens(cu(0, 4, 8), 8, cp_size=2) == [0, 4, 8]
-    with pytest.raises(InvalidPackedBoundaries, match=r"\[3, 5\] are not multiples of context_parallel_size=2"):
+    with pytest.raises(
+        InvalidPackedBoundaries, match=r"\[3, 5\] are not multiples of context_parallel_size=2"
+    ):
         validate_cu_seqlens(cu(0, 3, 8), 8, cp_size=2)
 
 

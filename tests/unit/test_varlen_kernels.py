@@ -6,6 +6,8 @@ gated delta rules, run one sequence at a time.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,7 @@ def boundaries(slots: list[int]) -> torch.Tensor:
 
 def pieces(x: torch.Tensor, cu: torch.Tensor) -> list[torch.Tensor]:
     bounds = cu.tolist()
-    return [x[:, a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [x[:, a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def gdn_inputs(total: int, heads: int = 2, k_dim: int = 8, v_dim: int = 16) -> list[torch.Tensor]:
@@ -102,7 +104,7 @@ def test_conv_padding_tokens_output_zeros_and_never_feed_real_tokens() -> None:
     weight, bias = torch.randn(channels, 4), torch.randn(channels)
     seq_idx = build_seq_idx(cu_padded, total, cu_seqlens_actual=cu_actual)
     out = causal_conv1d(x, weight, bias, "silu", seq_idx=seq_idx)
-    padding = (seq_idx[0] < 0)
+    padding = seq_idx[0] < 0
     assert int(padding.sum()) == total - sum(lengths)
     assert torch.count_nonzero(out[0, padding]) == 0
     for start, n in zip(cu_padded.tolist(), lengths, strict=False):
@@ -164,7 +166,9 @@ def test_gated_delta_rule_packed_equals_per_sequence_bit_for_bit(seed: int, alig
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_gated_delta_rule_matches_fla_naive_recurrent_per_sequence(seed: int) -> None:
-    naive = pytest.importorskip("fla.ops.gated_delta_rule.naive", reason="flash-linear-attention is not installed")
+    naive = pytest.importorskip(
+        "fla.ops.gated_delta_rule.naive", reason="flash-linear-attention is not installed"
+    )
     _, slots = random_layout(seed)
     cu = boundaries(slots)
     q, k, v, g, beta = (t.detach() for t in gdn_inputs(int(cu[-1])))
