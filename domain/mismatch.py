@@ -66,9 +66,8 @@ def _check(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor | None) 
         raise MismatchInputError(
             f"response mask {tuple(mask.shape)} does not match the log-probs {tuple(old.shape)}"
         )
-    if mask.dtype != torch.bool and mask.is_floating_point():
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise MismatchInputError("response mask must hold only 0 and 1")
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise MismatchInputError("response mask must hold only 0 and 1")
     return mask.bool()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -170,7 +172,7 @@ def test_packing_invariants(specs, bucket_bytes, alignment):
     for n, t in stream:
         assert torch.equal(_bits(unpacked[n]), _bits(t))
     # Greedy: a bucket is closed only when the next tensor does not fit at its aligned offset.
-    for b, nxt in zip(buckets, buckets[1:], strict=False):
+    for b, nxt in itertools.pairwise(buckets):
         if b.metas and nxt.metas:
             need = align_up(b.nbytes, alignment) + nxt.metas[0].nbytes
             assert need > bucket_bytes

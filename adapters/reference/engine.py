@@ -1,0 +1,312 @@
+"""The embedded rollout engine: a pure-torch causal LM serving weights in the rollout format.
+
+It stages a refit's buckets into shadow tensors, post-processes each fused module once, verifies
+the staged weights, and copies them into its live tensors in place: their data pointers, shapes,
+strides and dtypes never change (what CUDA-graph capture needs). Two commit modes:
+
+- transactional (default): nothing live is touched until every bucket is in and verified; any
+  failure leaves the live weights bit-identical. Extra memory: the staged quantized tensors.
+- per-layer: a layer is post-processed, verified and committed as soon as all its tensors are in;
+  extra memory is one layer. A failure after a commit marks the engine stale: it refuses to serve
+  until a full refit succeeds.
+
+After a quantized refit, attention layers whose KV-cache scales were left at the loader's
+placeholder are reset to 1.0 unless the quantization config has a `kv_cache_scheme`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+import attrs
+import structlog
+import torch
+
+from adapters.reference.config import ReferenceModelConfig
+from adapters.reference.layout import GLOBAL, EngineLayout, is_routed
+from adapters.reference.model import check_input_ids, forward_logits, log_probs_from_logits
+from domain.buckets import Bucket, unpack_bucket
+from domain.codecs import QuantizedWeight, dequantize_weight, fake_quantize_activation
+from domain.errors import EngineBusy, EngineStale, EngineTensorMismatch, RefitVerificationFailed
+from domain.plan import QuantizationPlan
+from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, StorageFingerprint
+
+log = structlog.get_logger()
+
+# A verifier sees one commit group's post-processed tensors ("key.local" -> tensor) before they
+# are committed, and raises to stop the commit.
+Verifier = Callable[[str, Mapping[str, torch.Tensor]], None]
+KV_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")
+KV_PLACEHOLDER = -1.0  # what a loader leaves in an uncalibrated scale
+_KV_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.((?:q|k|v|prob)_scale)$")
+
+
+@attrs.define
+class ReferenceEngine:
+    """A RolloutEngine on CPU (or any torch device) for the reference model.
+
+    Attributes:
+        config: the model's shapes.
+        plan: the rollout quantization plan (fixes the live layout, as an engine's start does).
+        commit_mode: transactional or per-layer.
+        kv_cache_scheme: the quantization config's `kv_cache_scheme` (None = uncalibrated).
+        reset_kv_scales: reset placeholder KV-cache scales after a quantized refit (turning it
+            off reproduces engines that leave the placeholders).
+        verifiers: extra checks run on every commit group before it is committed.
+    """
+
+    config: ReferenceModelConfig
+    plan: QuantizationPlan = attrs.field(factory=QuantizationPlan.bf16)
+    commit_mode: CommitMode = attrs.field(default=CommitMode.TRANSACTIONAL, converter=CommitMode.parse)
+    kv_cache_scheme: Mapping[str, object] | None = None
+    reset_kv_scales: bool = True
+    verifiers: list[Verifier] = attrs.field(factory=list)
+    layout: EngineLayout = attrs.field(init=False)
+    postprocess_counts: dict[str, int] = attrs.field(init=False, factory=dict)
+    refits_committed: int = attrs.field(init=False, default=0)
+    _live: dict[str, dict[str, torch.Tensor]] = attrs.field(init=False)
+    _kv: dict[str, torch.Tensor] = attrs.field(init=False)
+    _session: RefitSession = attrs.field(init=False, factory=RefitSession)
+    _stale: str | None = attrs.field(init=False, default="no refit has completed yet")
+    _staged: dict[str, dict[str, torch.Tensor]] = attrs.field(init=False, factory=dict)
+    _staged_kv: dict[str, torch.Tensor] = attrs.field(init=False, factory=dict)
+    _pending: dict[str, set[str]] = attrs.field(init=False, factory=dict)
+    _received: set[str] = attrs.field(init=False, factory=set)
+    _touched: bool = attrs.field(init=False, default=False)
+    _committed: int = attrs.field(init=False, default=0)
+    _staged_bytes: int = attrs.field(init=False, default=0)
+    _peak_bytes: int = attrs.field(init=False, default=0)
+    _post_seconds: float = attrs.field(init=False, default=0.0)
+    _effective: dict[str, torch.Tensor] | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        self.layout = EngineLayout.build(self.config, self.plan)
+        self._live = {
+            key: {local: torch.zeros(shape, dtype=dtype) for local, (shape, dtype) in m.live.items()}
+            for key, m in self.layout.modules.items()
+        }
+        self._kv = {
+            f"layers.{i}.attn.{s}": torch.ones((), dtype=torch.float32)
+            for i in range(self.config.num_layers) for s in KV_SCALES
+        }
+
+    # --- queries ---------------------------------------------------------------------------
+
+    @property
+    def is_stale(self) -> bool:
+        return self._stale is not None
+
+    @property
+    def stale_reason(self) -> str | None:
+        return self._stale
+
+    def live_weights(self) -> Mapping[str, torch.Tensor]:
+        """The live tensors by the engine's own names (`layers.0.qkv.weight_scale`, KV scales)."""
+        flat = {f"{k}.{local}": t for k, m in self._live.items() for local, t in m.items()}
+        return MappingProxyType(flat | self._kv)
+
+    def storage_fingerprint(self) -> StorageFingerprint:
+        return StorageFingerprint.of(dict(self.live_weights()))
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def begin_refit(self, refit_id: int) -> None:
+        self._session.begin(refit_id)
+        self._received = set()
+        self._pending = {g: set(names) for g, names in self.layout.groups().items()}
+        self._touched = False
+        self._committed = 0
+        self._peak_bytes = self._staged_bytes = 0
+        self._post_seconds = 0.0
+        self.postprocess_counts = {}
+        self._staged_kv = (
+            {n: torch.full((), KV_PLACEHOLDER) for n in self._kv} if self.plan.is_quantized else {}
+        )
+
+    def load_bucket(self, bucket: Bucket) -> None:
+        self._session.accept(bucket)
+        try:
+            for name, view in unpack_bucket(bucket):
+                self._stage(name, view)
+        except Exception as err:
+            self._fail(f"loading bucket {bucket.index}: {err}")
+            raise
+
+    def finalize_refit(self) -> EngineFinalizeResult:
+        self._session.finalize()
+        try:
+            missing = [n for names in self._pending.values() for n in names]
+            if missing:
+                raise RefitVerificationFailed(
+                    f"refit {self._session.refit_id}: {len(missing)} tensors never arrived, e.g. "
+                    f"{missing[:3]}; the trainer's stream does not match the engine's layout"
+                )
+            groups = [g for g in self.layout.groups() if any(k in self._staged for k in self._keys(g))]
+            ready = {g: self._postprocess(g) for g in groups}
+            for g in groups:
+                self._verify(g, ready[g])
+            for g in groups:
+                self._commit(g, ready[g])
+            kv_reset = self._commit_kv()
+        except Exception as err:
+            self._fail(f"finalize: {err}")
+            raise
+        self._session.commit()
+        self._stale = None
+        self._effective = None
+        self.refits_committed += 1
+        return EngineFinalizeResult(kv_reset, self._post_seconds, self._committed, self._peak_bytes)
+
+    def abort_refit(self, reason: str) -> None:
+        if self._session.in_progress:
+            self._fail(reason)
+
+    def mark_stale(self, reason: str) -> None:
+        if self._session.in_progress:
+            self._fail(reason)
+        self._stale = reason
+        self._effective = None
+
+    # --- staging ---------------------------------------------------------------------------
+
+    def _keys(self, group: str) -> list[str]:
+        return [k for k, m in self.layout.modules.items() if m.group == group]
+
+    def _stage(self, name: str, view: torch.Tensor) -> None:
+        kv = _KV_NAME.match(name)
+        if kv is not None and self.kv_cache_scheme is not None:  # calibrated KV-cache scales
+            self._staged_kv[f"layers.{kv[1]}.attn.{kv[2]}"] = view.detach().reshape(()).float().clone()
+            return
+        target = self.layout.targets.get(name)
+        if target is None:
+            raise EngineTensorMismatch(f"tensor {name!r} has no place in the engine; check the plan")
+        if name in self._received:
+            raise EngineTensorMismatch(f"tensor {name!r} arrived twice in one refit")
+        if tuple(view.shape) != target.shape or view.dtype != target.dtype:
+            raise EngineTensorMismatch(
+                f"tensor {name!r}: got {view.dtype} {tuple(view.shape)}, the engine expects "
+                f"{target.dtype} {target.shape}; trainer and engine plans differ"
+            )
+        staged = self._staged.get(target.key) or self._allocate(target.key)
+        staged[target.local][target.index].copy_(view)  # copied before the bucket is acknowledged
+        self._received.add(name)
+        group = self.layout.modules[target.key].group
+        self._pending[group].discard(name)
+        if self.commit_mode is CommitMode.PER_LAYER and not self._pending[group]:
+            ready = self._postprocess(group)
+            self._verify(group, ready)
+            self._commit(group, ready)
+
+    def _allocate(self, key: str) -> dict[str, torch.Tensor]:
+        spec = self.layout.modules[key].staging()
+        staged = {local: torch.empty(shape, dtype=dtype) for local, (shape, dtype) in spec.items()}
+        self._staged[key] = staged
+        self._staged_bytes += sum(t.numel() * t.element_size() for t in staged.values())
+        self._peak_bytes = max(self._peak_bytes, self._staged_bytes)
+        return staged
+
+    def _release(self, key: str) -> None:
+        staged = self._staged.pop(key, None) or {}
+        self._staged_bytes -= sum(t.numel() * t.element_size() for t in staged.values())
+
+    def _postprocess(self, group: str) -> dict[str, dict[str, torch.Tensor]]:
+        """Once per module and refit: fused NVFP4 shards' global scales -> their maximum."""
+        t0 = time.perf_counter()
+        ready = {}
+        for key in self._keys(group):
+            staged = self._staged.get(key)
+            if staged is None:
+                continue
+            self.postprocess_counts[key] = self.postprocess_counts.get(key, 0) + 1
+            out = dict(staged)
+            if GLOBAL in staged:
+                gs = staged[GLOBAL]
+                out[GLOBAL] = gs.amax(dim=-1, keepdim=True)
+                if not bool((gs == out[GLOBAL]).all()):
+                    log.warning("fused shards have different global scales; using the maximum", module=key)
+            ready[key] = out
+        self._post_seconds += time.perf_counter() - t0
+        return ready
+
+    def _verify(self, group: str, ready: dict[str, dict[str, torch.Tensor]]) -> None:
+        flat = {f"{k}.{local}": t for k, m in ready.items() for local, t in m.items()}
+        for name, t in flat.items():
+            if t.dtype in (torch.bfloat16, torch.float32, torch.float16) and not bool(torch.isfinite(t).all()):
+                raise RefitVerificationFailed(f"staged tensor {name!r} holds NaN or Inf; nothing was committed")
+        for verify in self.verifiers:
+            verify(group, MappingProxyType(flat))
+
+    def _commit(self, group: str, ready: dict[str, dict[str, torch.Tensor]]) -> None:
+        for key, tensors in ready.items():
+            for local, t in tensors.items():
+                self._touched = True
+                self._live[key][local].copy_(t)  # in place: the captured storage stays
+                self._committed += 1
+            self._release(key)
+
+    def _commit_kv(self) -> int:
+        """KV-cache scales after the refit; returns the attention layers reset to 1.0."""
+        reset_layers = set()
+        for name, value in self._staged_kv.items():
+            if float(value) == KV_PLACEHOLDER:
+                if self.kv_cache_scheme is not None:
+                    continue  # calibrated config: keep the live scale
+                if self.reset_kv_scales:
+                    value = torch.ones(())
+                    reset_layers.add(name.rsplit(".", 2)[0])
+            self._kv[name].copy_(value)
+        self._staged_kv = {}
+        return len(reset_layers)
+
+    def _fail(self, reason: str) -> None:
+        for key in list(self._staged):
+            self._release(key)
+        self._staged_kv = {}
+        if self._session.in_progress:
+            self._session.fail()
+        if self._touched:
+            self._stale = f"refit {self._session.refit_id} failed after live weights were written: {reason}"
+            self._effective = None
+        log.warning("refit aborted", refit_id=self._session.refit_id, reason=reason, stale=self.is_stale)
+
+    # --- serving ---------------------------------------------------------------------------
+
+    def _check_serving(self) -> None:
+        if self._session.in_progress:
+            raise EngineBusy(
+                f"refit {self._session.refit_id} is {self._session.state.value}; the engine does not "
+                "serve until it is finalized or aborted"
+            )
+        if self._stale is not None:
+            raise EngineStale(f"engine is stale ({self._stale}); run a full refit before serving")
+
+    def effective_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the forward computes with: BF16, dequantized from the live storage."""
+        if self._effective is None:
+            eff = {}
+            for key, m in self.layout.modules.items():
+                live = self._live[key]
+                if m.format.is_quantized:
+                    q = QuantizedWeight(m.format, dict(live), m.shape, torch.bfloat16)
+                    eff[key] = dequantize_weight(q, torch.bfloat16)
+                else:
+                    eff[key] = live["weight"]
+            self._effective = eff
+        return self._effective
+
+    def _act(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        m = self.layout.modules[key]
+        if not m.format.is_quantized:
+            return x
+        scheme = self.plan.effective_moe_activation if is_routed(key) else self.plan.effective_linear_activation
+        return fake_quantize_activation(scheme, x, name=key)
+
+    def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rollout log-probs and entropies, float32 [B, T - 1] (RolloutEngine port)."""
+        self._check_serving()
+        check_input_ids(self.config, input_ids)
+        logits = forward_logits(self.config, self.effective_weights(), input_ids, self._act)
+        return log_probs_from_logits(logits, input_ids, temperature)

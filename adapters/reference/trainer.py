@@ -1,0 +1,106 @@
+"""The trainer side of the embedded default: the reference model with random weights from a seed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import torch
+
+from adapters.reference.config import ReferenceModelConfig, hf_weight_shapes
+from adapters.reference.model import (
+    check_input_ids,
+    forward_logits,
+    fused_shapes,
+    log_probs_from_logits,
+    slot_table,
+)
+
+_NORM_KEYS = ("input_norm", "post_norm", "q_norm", "k_norm", "norm")
+
+
+def init_weights(cfg: ReferenceModelConfig, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random weights in the fused layout, reproducible from `seed`.
+
+    Norm weights are 1 + small noise; embeddings and the LM head have `embed_std` (so that the
+    next-token distributions are far from uniform); other Linear weights have `init_std`.
+
+    Args:
+        cfg: the model configuration.
+        seed: the random seed.
+        dtype: the trainer's dtype.
+
+    Returns:
+        key -> tensor, in layer order.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for key, shape in fused_shapes(cfg).items():
+        leaf = key.rsplit(".", 1)[-1]
+        noise = torch.randn(shape, generator=g)
+        if leaf in _NORM_KEYS:
+            t = 1.0 + 0.1 * noise
+        elif leaf in ("embed", "lm_head"):
+            t = cfg.embed_std * noise / cfg.hidden_size**0.5 if leaf == "lm_head" else cfg.embed_std * noise
+        else:
+            t = cfg.init_std * noise
+        out[key] = t.to(dtype)
+    return out
+
+
+@attrs.define
+class ReferenceTrainer:
+    """A TrainerModel: the reference model's weights, as a trainer holds them (BF16, fused).
+
+    Attributes:
+        config: the model configuration.
+        weights: fused key -> parameter tensor.
+    """
+
+    config: ReferenceModelConfig
+    weights: dict[str, torch.Tensor]
+
+    @classmethod
+    def from_seed(cls, config: ReferenceModelConfig, seed: int = 0) -> ReferenceTrainer:
+        """A trainer with random weights from `seed` (no download, no checkpoint)."""
+        return cls(config, init_weights(config, seed))
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor) in layer order; fused tensors are yielded as views."""
+        for module, slot in slot_table(self.config).items():
+            t = self.weights[slot.key]
+            if slot.expert is not None:
+                t = t[slot.expert]
+            yield f"{module}.weight", t[slot.rows]
+
+    def num_bytes(self) -> int:
+        """Bytes of every weight, as the refit reads them."""
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of each next token and entropies, float32 [B, T - 1] (TrainerModel port)."""
+        check_input_ids(self.config, input_ids)
+        logits = forward_logits(self.config, self.weights, input_ids)
+        return log_probs_from_logits(logits, input_ids, temperature)
+
+    @torch.no_grad()
+    def perturb_(self, seed: int, scale: float = 0.01) -> None:
+        """A training-like step: every weight w += scale * std(w) * noise, in place.
+
+        Args:
+            seed: seed of the noise (one per step).
+            scale: size of the step relative to each tensor's spread.
+        """
+        g = torch.Generator().manual_seed(seed)
+        for t in self.weights.values():
+            noise = torch.randn(t.shape, generator=g)
+            spread = t.float().std() if t.numel() > 1 else torch.tensor(1.0)
+            t.add_((scale * spread * noise).to(t.dtype))
+
+
+def hf_state_dict(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
+    """The trainer's weights as a Hugging Face state dict (copies), e.g. for transformers."""
+    return {name: t.clone() for name, t in trainer.named_weights()}
+
+
+__all__ = ["ReferenceTrainer", "hf_state_dict", "hf_weight_shapes", "init_weights"]
