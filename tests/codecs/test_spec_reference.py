@@ -135,3 +135,12 @@ def test_3d_experts_quantize_per_expert(fmt) -> None:
         assert q.tensors["weight_global_scale"].shape == (3, 1)
         assert torch.equal(nvfp4_global_scale(experts), q.tensors["weight_global_scale"])
     assert torch.equal(dequantize_weight(q)[1], dequantize_weight(quantize_weight(fmt, experts[1])))
+
+
+@pytest.mark.parametrize(("fmt", "low", "high"), [(MXFP8, 0.001, 0.01), (MXFP4, 0.08, 0.18)])
+def test_rceil_and_even_differ_on_the_documented_share_of_blocks(fmt, low, high) -> None:
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    a = quantize_weight(fmt, w, scale_rule=MxScaleRule.RCEIL).tensors["weight_scale"]
+    b = quantize_weight(fmt, w, scale_rule=MxScaleRule.EVEN).tensors["weight_scale"]
+    share = (a != b).float().mean().item()
+    assert low < share < high
