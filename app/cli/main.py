@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="rl-refit: low-precision rollout export, transactional refit, fused log-probs.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     return parser
 

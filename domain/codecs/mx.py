@@ -61,10 +61,7 @@ def _quantize_kernel(
         e = e8m0_even(amax, element.emax)
         scaled = x / _exp2(e - E8M0_EXPONENT_BIAS)
     scaled = scaled.clamp(-element.max, element.max).reshape(w.shape)
-    if element is ElementType.E4M3:
-        elements = to_e4m3(scaled)
-    else:
-        elements = pack_fp4(e2m1_codes(scaled))
+    elements = to_e4m3(scaled) if element is ElementType.E4M3 else pack_fp4(e2m1_codes(scaled))
     return elements, e.to(torch.uint8).squeeze(-1), amax
 
 

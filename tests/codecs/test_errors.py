@@ -24,7 +24,7 @@ ALL = [FP8_BLOCK, MXFP8, MXFP4, NVFP4]
 def test_non_finite_weights_are_rejected(fmt, bad) -> None:
     w = torch.randn(8, 64)
     w[3, 17] = bad
-    with pytest.raises(NonFiniteTensor, match="layers.3.mlp.down_proj.weight"):
+    with pytest.raises(NonFiniteTensor, match=r"layers\.3\.mlp\.down_proj\.weight"):
         quantize_weight(fmt, w, name="layers.3.mlp.down_proj.weight")
 
 
@@ -42,7 +42,7 @@ def test_fp8_block_accepts_edge_blocks() -> None:
 @pytest.mark.parametrize("fmt", ALL)
 @pytest.mark.parametrize("shape", [(64,), (2, 2, 2, 64)])
 def test_wrong_rank_is_rejected(fmt, shape) -> None:
-    with pytest.raises(UnsupportedShape, match="norm.weight"):
+    with pytest.raises(UnsupportedShape, match=r"norm\.weight"):
         quantize_weight(fmt, torch.randn(*shape), name="norm.weight")
 
 

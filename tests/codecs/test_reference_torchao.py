@@ -11,9 +11,9 @@ from domain.formats import MXFP4, MXFP8, NVFP4, MxScaleRule
 from tests.codecs.special import special_weight
 
 pytest.importorskip("torchao", reason="torchao is the MX RCEIL reference")
-from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
-from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
-from torchao.prototype.mx_formats.nvfp4_tensor import (  # noqa: E402
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.mx_tensor import to_mx
+from torchao.prototype.mx_formats.nvfp4_tensor import (
     nvfp4_quantize,
     per_tensor_amax_to_scale,
 )
