@@ -158,7 +158,7 @@ def _emit_fused_experts(plan: QuantizationPlan, d: TensorDecision, w: Tensor) ->
     scales = None
     if d.format.tensor_names[-1] == "weight_global_scale" and gate_up:
         # gate and up of one expert share one global scale: the amax over both halves.
-        scales = nvfp4_global_scale(w)  # [E, 1]
+        scales = nvfp4_global_scale(w, name=d.name)  # [E, 1]
     for module, e, rows in split:
         gs = scales[e] if scales is not None else None
         yield from _emit(plan, module, w[e, rows], d.format, gs)
@@ -178,7 +178,7 @@ class _Group:
 def _flush(plan: QuantizationPlan, group: _Group) -> Iterator[tuple[str, Tensor]]:
     from domain.codecs import nvfp4_global_scale
 
-    gs = nvfp4_global_scale(*(w for _, w in group.items))
+    gs = nvfp4_global_scale(*(w for _, w in group.items), name=group.name)
     for d, w in group.items:
         yield from _emit(plan, naming.module_name(d.name), w, d.format, gs)
 

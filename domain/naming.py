@@ -19,14 +19,15 @@ import attrs
 # Module names that stay BF16 whatever the rollout asks (ARCHITECTURE.md section 4), written in
 # the ignore-entry syntax so the same list goes to the engine's quantization_config.
 # Vision towers are kept BF16 too: engines serve them unquantized in every published recipe.
-DEFAULT_IGNORE: tuple[str, ...] = (
-    "lm_head",
-    "re:.*embed_tokens$",
-    r"re:.*mlp\.gate$",
-    r"re:.*\.router$",
-    "re:.*shared_expert_gate$",
-    r"re:(.*\.)?(visual|vision_tower|vision_model|multi_modal_projector)\..*",
-)
+DEFAULT_IGNORE_REASONS: dict[str, str] = {
+    "lm_head": "output head",
+    "re:.*embed_tokens$": "token embedding",
+    r"re:.*mlp\.gate$": "MoE router",
+    r"re:.*\.router$": "MoE router",
+    "re:.*shared_expert_gate$": "shared-expert gate",
+    r"re:(.*\.)?(visual|vision_tower|vision_model|multi_modal_projector)\..*": "vision tower",
+}
+DEFAULT_IGNORE: tuple[str, ...] = tuple(DEFAULT_IGNORE_REASONS)
 
 # Routed experts as engines name them (`...mlp.experts` for the fused layer, `...experts.3.up_proj`
 # per expert); never `shared_experts` / `shared_expert`.
@@ -153,7 +154,7 @@ def classify(name: str, shape: tuple[int, ...]) -> TensorClass:
         return TensorClass("passthrough", module, None, False, "token embedding stays BF16")
     default = first_match(DEFAULT_IGNORE, name)
     if default is not None:
-        return TensorClass("passthrough", module, None, False, f"default ignore {default!r}")
+        return TensorClass("passthrough", module, None, False, f"{DEFAULT_IGNORE_REASONS[default]} stays BF16 (default ignore '{default}')")
     if _EXPERT_2D.match(module):
         return TensorClass("expert", module, _group_of(module), False, "routed expert Linear")
     return TensorClass("dense", module, _group_of(module), False, "dense Linear")

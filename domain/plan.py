@@ -96,9 +96,9 @@ def parse_activation(
     """
     if value is None or isinstance(value, ActivationScheme):
         return value
-    key = str(value).strip().lower()
+    text = str(value).strip().lower()
     for scheme in ActivationScheme:
-        if key in (scheme.value, scheme.name.lower()):
+        if text in (scheme.value, scheme.name.lower()):
             return scheme
     valid = ", ".join(s.value for s in ActivationScheme)
     raise ConfigError(key, f"unknown scheme {value!r}; valid: {valid}")
@@ -242,7 +242,7 @@ class QuantizationPlan:
             return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; rollout.quantization.{key} is null")
         entry = naming.first_match(self.ignore, name)
         if entry is not None:
-            return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; ignored by {entry!r}")
+            return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; ignored by '{entry}'")
         group = cls.group if fmt is NVFP4 or fmt.name == NVFP4.name else None
         if cls.fused_experts:
             group = None  # one tensor: its per-expert global scales are computed from it alone
