@@ -20,17 +20,17 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Encode float32 values as 4-bit E2M1 codes (uint8, one per element).
 
-    The magnitude grid has spacing 0.5 below 2, 1 in [2, 4) and 2 from 4 up, so rounding is
-    `round(a / step)` on the right step (torch.round is round-half-to-even), then a saturating
-    clamp at code 7 (= 6.0). Bit 3 is the sign of a strictly negative input, so a negative value
-    that rounds to zero keeps its sign, as compressed-tensors' packer does.
+    From 1 up, E2M1 is a float with one mantissa bit: rounding the float32 bit pattern to one
+    mantissa bit, ties to even (add 0x1FFFFF plus the kept bit, then shift), gives
+    2 * biased_exponent + mantissa_bit, and subtracting 252 turns 1.0 into code 2. Below 1 the grid
+    is {0, 0.5, 1}: round(2a), half to even. Codes above 7 saturate at 7 (6.0). Bit 3 is the sign
+    of a strictly negative input, so a negative value that rounds to zero keeps its sign, as
+    compressed-tensors' packer does.
     """
-    a = x.abs()
-    code = torch.where(
-        a < 2.0,
-        torch.round(a * 2.0),
-        torch.where(a < 4.0, torch.round(a) + 2.0, torch.round(a * 0.5) + 4.0),
-    ).clamp_(max=7.0)
+    a = x.abs().clamp(max=8.0)
+    bits = a.view(torch.int32)
+    from_one = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    code = torch.where(a < 1.0, torch.round(a * 2.0).to(torch.int32), from_one).clamp(max=7)
     return code.to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)
 
 
