@@ -1,0 +1,262 @@
+"""Every dispatch rule of ARCHITECTURE.md section 4: one test (or more) per rule and error type."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from domain import dispatch
+from domain.dispatch import DispatchInput, resolve
+from domain.errors import (
+    BoundaryLayersMismatch,
+    ConfigError,
+    EngineRejectsQuantization,
+    FusedGroupSplit,
+    NativeLayoutOverride,
+    NonDivisibleTensors,
+    QatModeMismatch,
+    QatWithTeRecipe,
+    QuantizedDeltaSync,
+    RefitError,
+    UnsupportedCombination,
+    UnsupportedQuantMethod,
+)
+from domain.formats import FP8_BLOCK, MXFP8, ActivationScheme
+from domain.plan import QuantizationPlan
+
+GPT_OSS = {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}}
+DEEPSEEK_FP8 = {"model_type": "deepseek_v3", "quantization_config": {
+    "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+DEEPSEEK_V4 = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"],
+               "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+CT_NVFP4 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+    "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "dynamic": True}}},
+    "ignore": ["lm_head"]}
+
+
+def plan(**kw: object) -> QuantizationPlan:
+    return QuantizationPlan.from_presets(**kw)  # type: ignore[arg-type]
+
+
+def dense_shapes(layers: int = 4, k: int = 64) -> list[tuple[str, tuple[int, ...]]]:
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (128, k))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.self_attn.{x}_proj.weight", (64, k)) for x in "qkvo"]
+        out += [(f"{p}.mlp.{x}_proj.weight", (128, k)) for x in ("gate", "up")] + [(f"{p}.mlp.down_proj.weight", (k, 128))]
+    return [*out, ("lm_head.weight", (128, k))]
+
+
+def test_every_error_is_a_refit_error_and_its_builtin() -> None:
+    assert issubclass(UnsupportedQuantMethod, NotImplementedError)
+    for err in (QatModeMismatch, NativeLayoutOverride, QuantizedDeltaSync, QatWithTeRecipe,
+                EngineRejectsQuantization, BoundaryLayersMismatch, FusedGroupSplit, NonDivisibleTensors):
+        assert issubclass(err, RefitError) and issubclass(err, ValueError)
+
+
+# --- source selection and precedence --------------------------------------------------------------
+
+def test_nothing_requested_is_bf16() -> None:
+    res = resolve(DispatchInput())
+    assert (res.source, res.layout, res.is_quantized) == ("none", "bf16", False)
+
+
+def test_checkpoint_quantization_config_is_detected_at_top_level_and_under_text_config() -> None:
+    top = resolve(DispatchInput(model_config={"quantization_config": CT_NVFP4}))
+    nested = resolve(DispatchInput(model_config={"text_config": {"quantization_config": CT_NVFP4}}))
+    for res in (top, nested):
+        assert res.source == "checkpoint" and res.plan.linear.name == "NVFP4" and res.layout == "compressed-tensors"
+
+
+def test_hf_overrides_take_precedence_over_the_checkpoint_dict_or_json_string() -> None:
+    override = {"quantization_config": {**CT_NVFP4}}
+    for value in (override, json.dumps(override)):
+        res = resolve(DispatchInput(engine="vllm", hf_overrides=value, model_config=DEEPSEEK_FP8))
+        assert res.source == "hf_overrides" and res.plan.linear.name == "NVFP4"
+
+
+def test_explicit_null_override_means_bf16() -> None:
+    res = resolve(DispatchInput(engine="vllm", hf_overrides={"quantization_config": None}, model_config=DEEPSEEK_FP8))
+    assert (res.source, res.layout, res.plan.is_quantized) == ("hf_overrides", "bf16", False)
+
+
+def test_bad_hf_overrides_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="not valid JSON") as err:
+        resolve(DispatchInput(engine="vllm", hf_overrides="{nope"))
+    assert err.value.key == "rollout.engine_kwargs.vllm.hf_overrides"
+    with pytest.raises(ConfigError, match="must be a dict or null"):
+        resolve(DispatchInput(engine="vllm", hf_overrides={"quantization_config": "fp8"}))
+
+
+def test_two_sources_at_once_are_rejected() -> None:
+    with pytest.raises(UnsupportedCombination, match="are both set"):
+        resolve(DispatchInput(engine="vllm", requested=plan(linear="MXFP8"), hf_overrides={"quantization_config": None}))
+
+
+def test_native_deepseek_fp8_is_recognised_and_exported_with_weight_scale_inv() -> None:
+    res = resolve(DispatchInput(engine="vllm", model_config=DEEPSEEK_FP8))
+    assert (res.layout, res.plan.linear, res.plan.moe, res.plan.scale_name) == ("native-fp8", FP8_BLOCK, FP8_BLOCK, "weight_scale_inv")
+
+
+def test_sglang_all_mxfp8_becomes_native_mxfp8() -> None:
+    res = resolve(DispatchInput(engine="sglang", requested=plan(linear="MXFP8", moe="MXFP8")))
+    assert (res.layout, res.plan.scale_name) == ("sglang-mxfp8", "weight_scale_inv")
+    assert resolve(DispatchInput(engine="sglang", requested=plan(linear="MXFP8"))).layout == "sglang-mxfp8"
+    assert resolve(DispatchInput(engine="vllm", requested=plan(linear="MXFP8"))).layout == "compressed-tensors"
+    assert resolve(DispatchInput(engine="sglang", requested=plan(linear="FP8_BLOCK"))).layout == "compressed-tensors"
+
+
+# --- rule 1 -----------------------------------------------------------------------------------------
+
+def test_rule1_unsupported_native_method_passes_through() -> None:
+    res = resolve(DispatchInput(engine="vllm", model_config=GPT_OSS))
+    assert res.layout == "native-passthrough" and not res.plan.is_quantized and res.is_quantized
+    assert res.native is not None and res.native.method == "mxfp4"
+
+
+def test_rule1_unsupported_method_with_qat_or_override_is_not_implemented() -> None:
+    with pytest.raises(UnsupportedQuantMethod, match="'mxfp4'.*qat.enable"):
+        resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, qat_enable=True, qat_mode="MXFP4"))
+    with pytest.raises(UnsupportedQuantMethod, match="'gptq'.*hf_overrides") as err:
+        resolve(DispatchInput(engine="vllm", hf_overrides={"quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    assert isinstance(err.value, NotImplementedError)
+
+
+# --- rule 2 -----------------------------------------------------------------------------------------
+
+def test_rule2_qat_mode_must_match_the_rollout() -> None:
+    ok = resolve(DispatchInput(requested=plan(linear="NVFP4", moe="NVFP4"), qat_enable=True, qat_mode="nvfp4"))
+    assert ok.plan.linear.name == "NVFP4"
+    with pytest.raises(QatModeMismatch, match=r"qat.mode='MXFP4'.*NVFP4"):
+        resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="MXFP4"))
+    with pytest.raises(QatModeMismatch, match="BF16"):
+        resolve(DispatchInput(qat_enable=True, qat_mode="MXFP4"))
+    with pytest.raises(QatModeMismatch, match="FP8_BLOCK, NVFP4"):
+        resolve(DispatchInput(requested=plan(linear="FP8_BLOCK", moe="NVFP4"), qat_enable=True, qat_mode="NVFP4"))
+
+
+def test_rule2_qat_ignore_patterns_must_stay_bf16_in_the_rollout() -> None:
+    inp = DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="NVFP4", qat_ignore=("*o_proj",))
+    with pytest.raises(QatModeMismatch, match=r"\*o_proj"):
+        resolve(inp, dense_shapes())
+    fixed = DispatchInput(requested=plan(linear="NVFP4", ignore=["*o_proj"]), qat_enable=True, qat_mode="NVFP4",
+                          qat_ignore=("*o_proj",))
+    assert resolve(fixed, dense_shapes()).plan.is_quantized
+
+
+# --- rule 3 -----------------------------------------------------------------------------------------
+
+def test_rule3_release_layout_model_passes_its_native_config_through() -> None:
+    res = resolve(DispatchInput(engine="vllm", model_config=DEEPSEEK_V4))
+    assert res.layout == "native-passthrough" and res.native is not None and res.native.config["quant_method"] == "fp8"
+
+
+@pytest.mark.parametrize("extra", [
+    {"requested": QuantizationPlan.from_presets(linear="NVFP4")},
+    {"hf_overrides": {"quantization_config": None}},
+    {"config_file": CT_NVFP4},
+])
+def test_rule3_release_layout_model_rejects_overrides(extra: dict) -> None:
+    with pytest.raises(NativeLayoutOverride, match="deepseek_v4"):
+        resolve(DispatchInput(engine="vllm", model_config=DEEPSEEK_V4, **extra))
+
+
+# --- rule 4 -----------------------------------------------------------------------------------------
+
+def test_rule4_quantized_rollout_rejects_delta_sync() -> None:
+    with pytest.raises(QuantizedDeltaSync, match="checkpoint_engine.backend='delta_sharded'"):
+        resolve(DispatchInput(requested=plan(moe="MXFP4"), sync_backend="delta_sharded"))
+    with pytest.raises(QuantizedDeltaSync, match="wire_format='delta_flush'"):
+        resolve(DispatchInput(requested=plan(moe="MXFP4"), wire_format="delta_flush"))
+    with pytest.raises(QuantizedDeltaSync):  # native pass-through is quantized too
+        resolve(DispatchInput(model_config=GPT_OSS, sync_backend="delta_sharded"))
+    assert not resolve(DispatchInput(sync_backend="delta_sharded", wire_format="delta_flush")).is_quantized
+
+
+# --- rule 5 -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("fp8", "fp4"), [("e4m3", None), (None, "e2m1"), ("hybrid", "e2m1")])
+def test_rule5_qat_and_te_recipe_are_exclusive(fp8: str | None, fp4: str | None) -> None:
+    with pytest.raises(QatWithTeRecipe, match="override_transformer_config"):
+        resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="NVFP4", te_fp8=fp8, te_fp4=fp4))
+    assert resolve(DispatchInput(requested=plan(linear="NVFP4"), te_fp8=fp8, te_fp4=fp4)).plan.is_quantized
+
+
+# --- rule 6 -----------------------------------------------------------------------------------------
+
+def test_rule6_sglang_rejects_mxfp8_linear_with_mxfp4_moe() -> None:
+    with pytest.raises(EngineRejectsQuantization, match="MXFP8 with moe=MXFP4"):
+        resolve(DispatchInput(engine="sglang", requested=plan(linear="MXFP8", moe="MXFP4")))
+    assert resolve(DispatchInput(engine="vllm", requested=plan(linear="MXFP8", moe="MXFP4"))).plan.is_quantized
+
+
+def test_rule6_sglang_has_no_per_token_nvfp4() -> None:
+    with pytest.raises(EngineRejectsQuantization, match="per-token NVFP4.*rollout.name=vllm"):
+        resolve(DispatchInput(engine="sglang", requested=plan(moe="NVFP4")))
+    assert resolve(DispatchInput(engine="sglang", requested=plan(moe="MXFP4"))).plan.is_quantized
+
+
+# --- rule 7 -----------------------------------------------------------------------------------------
+
+def test_rule7_trtllm_accepts_no_quantization() -> None:
+    with pytest.raises(EngineRejectsQuantization, match="vllm.*sglang"):
+        resolve(DispatchInput(engine="trtllm", requested=plan(linear="FP8_BLOCK")))
+    with pytest.raises(EngineRejectsQuantization):
+        resolve(DispatchInput(engine="trtllm", model_config=DEEPSEEK_FP8))
+    assert not resolve(DispatchInput(engine="trtllm")).is_quantized
+
+
+# --- rule 8 -----------------------------------------------------------------------------------------
+
+def test_rule8_bf16_training_layers() -> None:
+    assert dispatch.bf16_training_layers(10, enabled=True, at_start=1, at_end=2) == {0, 8, 9}
+    assert dispatch.bf16_training_layers(10, enabled=False, at_start=1, at_end=2) == set()
+    assert dispatch.bf16_training_layers(2, enabled=True, at_start=3, at_end=3) == {0, 1}
+
+
+def test_rule8_nvfp4_training_boundary_layers_must_be_bf16_in_the_rollout() -> None:
+    te = {"te_fp4": "e2m1", "first_last_layers_bf16": True}
+    with pytest.raises(BoundaryLayersMismatch, match=r"layers \[0, 3\].*re:\.\*layers\\\\\.\(0\|3\)"):
+        resolve(DispatchInput(requested=plan(linear="NVFP4"), **te), dense_shapes())
+    entry = dispatch.layer_ignore_entry([0, 3])
+    res = resolve(DispatchInput(requested=plan(linear="NVFP4", ignore=[entry]), **te), dense_shapes())
+    assert "[0, 3]" in next(o.outcome for o in res.outcomes if o.rule == 8)
+    # BF16 training or no boundary setting: nothing to agree on
+    assert resolve(DispatchInput(requested=plan(linear="NVFP4"), first_last_layers_bf16=True), dense_shapes()).plan.is_quantized
+
+
+# --- rule 9 and fused groups ----------------------------------------------------------------------------
+
+def test_rule9_non_divisible_tensors_are_listed_with_the_ignore_entry() -> None:
+    shapes = [*dense_shapes(layers=1), ("model.layers.0.linear_attn.in_proj_ba.weight", (16, 40))]
+    with pytest.raises(NonDivisibleTensors, match="1 tensor") as err:
+        resolve(DispatchInput(requested=plan(linear="NVFP4")), shapes)
+    assert err.value.patterns == ("re:.*\\.in_proj_ba$",)
+    ok = resolve(DispatchInput(requested=plan(linear="NVFP4", ignore=list(err.value.patterns))), shapes)
+    assert ok.plan.is_quantized
+    assert resolve(DispatchInput(requested=plan(linear="FP8_BLOCK")), shapes).plan.is_quantized  # edge blocks allowed
+
+
+def test_fused_group_split_by_ignore_is_rejected() -> None:
+    with pytest.raises(FusedGroupSplit, match=r"q_proj.*self_attn.qkv"):
+        resolve(DispatchInput(requested=plan(linear="MXFP8", ignore=["model.layers.0.self_attn.q_proj"])), dense_shapes())
+
+
+def test_rules_without_a_model_are_reported_as_skipped() -> None:
+    res = resolve(DispatchInput(requested=plan(linear="MXFP8")))
+    skipped = {o.rule for o in res.outcomes if o.outcome.startswith("skipped")}
+    assert skipped == {8, 9}
+    assert [o.rule for o in res.outcomes] == sorted(o.rule for o in res.outcomes)
+
+
+def test_static_nvfp4_activations_are_rejected() -> None:
+    with pytest.raises(UnsupportedCombination, match="input_global_scale"):
+        resolve(DispatchInput(requested=QuantizationPlan.from_presets(moe="NVFP4", moe_activation="nvfp4_static")))
+
+
+def test_layout_for_the_plan() -> None:
+    assert dispatch.layout_for("vllm", QuantizationPlan.bf16(), None) == "bf16"
+    assert dispatch.layout_for("sglang", QuantizationPlan(linear=MXFP8, moe=MXFP8), None) == "sglang-mxfp8"
+    assert QuantizationPlan(moe=MXFP8, moe_activation=ActivationScheme.NONE).effective_moe_activation is ActivationScheme.NONE
