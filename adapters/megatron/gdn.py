@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -44,12 +45,11 @@ def megatron_gdn_class() -> type:
 
 
 def megatron_core_version() -> str:
-    """The installed megatron-core version, or "unknown"."""
+    """The installed megatron-core version (from the package metadata), or "unknown"."""
     try:
-        from megatron.core.package_info import __version__
-    except ImportError:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
         return "unknown"
-    return str(__version__)
 
 
 @attrs.frozen
