@@ -191,3 +191,26 @@ class PackedGdnDeterministic(UnsupportedCombination):
 
 class PackedGdnUnsupported(RefitError, NotImplementedError):
     """Packed input reached a GDN layer in a setting the packed-aware forward cannot run."""
+
+
+# --- fused log-prob/entropy forward and THD packing -----------------------------------------
+
+
+class InvalidTemperature(RefitError, ValueError):
+    """The sampling temperature is not a finite number above zero."""
+
+
+class FusedForwardModeError(ConfigError):
+    """`actor.fused_forward` (or `VERL_FUSED_USE_OP_HOOK`) holds a value that is not a mode."""
+
+
+class FusedHookUnavailable(RefitError, RuntimeError):
+    """The native `output_processor` hook was required but the model's forward lacks it."""
+
+
+class FusedForwardUnsupported(RefitError, NotImplementedError):
+    """The model uses a feature the fused forward does not handle (named in the message)."""
+
+
+class ThdPackingError(RefitError, ValueError):
+    """Sequence lengths or a THD layout cannot be packed or unpacked as asked."""

@@ -1,0 +1,98 @@
+"""Peak memory of a piece of torch code, on CPU as on GPU.
+
+On CUDA the caching allocator's own statistics are used (`torch.cuda.max_memory_allocated`).
+The CPU allocator keeps no such statistics, so on CPU `TensorBytesTracker` counts them itself:
+a `TorchDispatchMode` sees every aten operator that runs inside the block (forward and
+backward alike) and records the storage of each output that the operator's schema marks as
+freshly allocated (no alias annotation: views and in-place results are not new memory). A weak
+reference to each storage tells when it is freed. After every operator, the bytes of the live
+recorded storages are summed; the peak is the largest such sum.
+
+What it measures: bytes held by tensors created inside the block, at operator boundaries.
+What it does not: memory that existed before the block (inputs, parameters), scratch space an
+operator allocates and frees inside a single kernel, and allocator overhead (fragmentation,
+caching). Those are the same for the paths a benchmark compares, or small next to [T, V] logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class TensorBytesTracker(TorchDispatchMode):
+    """Counts bytes of tensors allocated inside the `with` block; `peak_bytes` is the maximum.
+
+    Usage:
+        with TensorBytesTracker() as t:
+            run()
+        t.peak_bytes
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        fresh = _fresh_outputs(func, out)
+        for t in fresh:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if storage.nbytes() and key not in self._live:
+                self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+        self._sweep()
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        for k in dead:
+            del self._live[k]
+        self.current_bytes = sum(n for _, n in self._live.values())
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+
+def _fresh_outputs(func: Any, out: Any) -> list[torch.Tensor]:
+    returns = func._schema.returns
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    fresh: list[torch.Tensor] = []
+    for i, o in enumerate(outs):
+        aliased = i < len(returns) and returns[i].alias_info is not None
+        if aliased:
+            continue
+        flat, _ = tree_flatten(o)
+        fresh.extend(t for t in flat if isinstance(t, torch.Tensor))
+    return fresh
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """Peak bytes allocated while `fn()` runs, above what was allocated before it started.
+
+    Args:
+        fn: the code to measure; its return value is dropped before the call returns.
+        device: "cuda" uses the CUDA allocator's statistics, anything else `TensorBytesTracker`.
+
+    Returns:
+        The peak, in bytes.
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated() - base)
+    with TensorBytesTracker() as tracker:
+        fn()
+    return tracker.peak_bytes
