@@ -247,3 +247,20 @@ def test_service_without_megatron_core_reports_nothing_to_do(monkeypatch) -> Non
         gdn.megatron_gdn_class()
     report = apply_packed_gdn(torch.nn.Linear(2, 2))
     assert report.mode == "none" and "not installed" in report.reason
+
+
+# --- the GPU check script's harness, run on CPU with the reference kernels -----------------------
+
+
+def test_gpu_check_harness_runs_on_cpu() -> None:
+    from tests.gpu.check_gdn_fla import main, run_checks
+
+    results = run_checks(device="cpu", kernels=reference_kernels(), quick=True)
+    assert results and all(r.ok for r in results)
+    for r in results:
+        if "float32" in r.name:  # the reference against itself, packed vs per sequence
+            assert r.max_abs_diff == 0.0, r.line()
+        if r.name.endswith(" fwd"):
+            assert r.leak > 0.1, r.line()
+    if not torch.cuda.is_available():
+        assert main([]) == 2  # standalone without CUDA: says so and exits 2
