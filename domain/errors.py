@@ -214,3 +214,14 @@ class FusedForwardUnsupported(RefitError, NotImplementedError):
 
 class ThdPackingError(RefitError, ValueError):
     """Sequence lengths or a THD layout cannot be packed or unpacked as asked."""
+
+
+# --- rollout engine adapters and backend policy (domain/backend_policy, adapters/vllm, sglang) ---
+
+
+class GpuCapabilityTooLow(UnsupportedCombination):
+    """The GPU has no kernels for a preset the rollout plan uses (FP8 block: SM90+; MX, NVFP4: SM100+)."""
+
+
+class EngineUpdateFailed(RefitError, RuntimeError):
+    """The rollout engine reported that a weight-update call failed; carries the engine's message."""
