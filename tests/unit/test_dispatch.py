@@ -83,15 +83,15 @@ def test_explicit_null_override_means_bf16() -> None:
 
 
 def test_bad_hf_overrides_name_the_key() -> None:
-    with pytest.raises(ConfigError, match="not valid JSON") as err:
+    with pytest.raises(ConfigError, match=r"not valid JSON") as err:
         resolve(DispatchInput(engine="vllm", hf_overrides="{nope"))
     assert err.value.key == "rollout.engine_kwargs.vllm.hf_overrides"
-    with pytest.raises(ConfigError, match="must be a dict or null"):
+    with pytest.raises(ConfigError, match=r"must be a dict or null"):
         resolve(DispatchInput(engine="vllm", hf_overrides={"quantization_config": "fp8"}))
 
 
 def test_two_sources_at_once_are_rejected() -> None:
-    with pytest.raises(UnsupportedCombination, match="are both set"):
+    with pytest.raises(UnsupportedCombination, match=r"are both set"):
         resolve(DispatchInput(engine="vllm", requested=plan(linear="MXFP8"), hf_overrides={"quantization_config": None}))
 
 
@@ -117,9 +117,9 @@ def test_rule1_unsupported_native_method_passes_through() -> None:
 
 
 def test_rule1_unsupported_method_with_qat_or_override_is_not_implemented() -> None:
-    with pytest.raises(UnsupportedQuantMethod, match="'mxfp4'.*qat.enable"):
+    with pytest.raises(UnsupportedQuantMethod, match=r"'mxfp4'.*qat.enable"):
         resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, qat_enable=True, qat_mode="MXFP4"))
-    with pytest.raises(UnsupportedQuantMethod, match="'gptq'.*hf_overrides") as err:
+    with pytest.raises(UnsupportedQuantMethod, match=r"'gptq'.*hf_overrides") as err:
         resolve(DispatchInput(engine="vllm", hf_overrides={"quantization_config": {"quant_method": "gptq", "bits": 4}}))
     assert isinstance(err.value, NotImplementedError)
 
@@ -131,9 +131,9 @@ def test_rule2_qat_mode_must_match_the_rollout() -> None:
     assert ok.plan.linear.name == "NVFP4"
     with pytest.raises(QatModeMismatch, match=r"qat.mode='MXFP4'.*NVFP4"):
         resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="MXFP4"))
-    with pytest.raises(QatModeMismatch, match="BF16"):
+    with pytest.raises(QatModeMismatch, match=r"BF16"):
         resolve(DispatchInput(qat_enable=True, qat_mode="MXFP4"))
-    with pytest.raises(QatModeMismatch, match="FP8_BLOCK, NVFP4"):
+    with pytest.raises(QatModeMismatch, match=r"FP8_BLOCK, NVFP4"):
         resolve(DispatchInput(requested=plan(linear="FP8_BLOCK", moe="NVFP4"), qat_enable=True, qat_mode="NVFP4"))
 
 
@@ -159,16 +159,16 @@ def test_rule3_release_layout_model_passes_its_native_config_through() -> None:
     {"config_file": CT_NVFP4},
 ])
 def test_rule3_release_layout_model_rejects_overrides(extra: dict) -> None:
-    with pytest.raises(NativeLayoutOverride, match="deepseek_v4"):
+    with pytest.raises(NativeLayoutOverride, match=r"deepseek_v4"):
         resolve(DispatchInput(engine="vllm", model_config=DEEPSEEK_V4, **extra))
 
 
 # --- rule 4 -----------------------------------------------------------------------------------------
 
 def test_rule4_quantized_rollout_rejects_delta_sync() -> None:
-    with pytest.raises(QuantizedDeltaSync, match="checkpoint_engine.backend='delta_sharded'"):
+    with pytest.raises(QuantizedDeltaSync, match=r"checkpoint_engine.backend='delta_sharded'"):
         resolve(DispatchInput(requested=plan(moe="MXFP4"), sync_backend="delta_sharded"))
-    with pytest.raises(QuantizedDeltaSync, match="wire_format='delta_flush'"):
+    with pytest.raises(QuantizedDeltaSync, match=r"wire_format='delta_flush'"):
         resolve(DispatchInput(requested=plan(moe="MXFP4"), wire_format="delta_flush"))
     with pytest.raises(QuantizedDeltaSync):  # native pass-through is quantized too
         resolve(DispatchInput(model_config=GPT_OSS, sync_backend="delta_sharded"))
@@ -179,7 +179,7 @@ def test_rule4_quantized_rollout_rejects_delta_sync() -> None:
 
 @pytest.mark.parametrize(("fp8", "fp4"), [("e4m3", None), (None, "e2m1"), ("hybrid", "e2m1")])
 def test_rule5_qat_and_te_recipe_are_exclusive(fp8: str | None, fp4: str | None) -> None:
-    with pytest.raises(QatWithTeRecipe, match="override_transformer_config"):
+    with pytest.raises(QatWithTeRecipe, match=r"override_transformer_config"):
         resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="NVFP4", te_fp8=fp8, te_fp4=fp4))
     assert resolve(DispatchInput(requested=plan(linear="NVFP4"), te_fp8=fp8, te_fp4=fp4)).plan.is_quantized
 
@@ -187,13 +187,13 @@ def test_rule5_qat_and_te_recipe_are_exclusive(fp8: str | None, fp4: str | None)
 # --- rule 6 -----------------------------------------------------------------------------------------
 
 def test_rule6_sglang_rejects_mxfp8_linear_with_mxfp4_moe() -> None:
-    with pytest.raises(EngineRejectsQuantization, match="MXFP8 with moe=MXFP4"):
+    with pytest.raises(EngineRejectsQuantization, match=r"MXFP8 with moe=MXFP4"):
         resolve(DispatchInput(engine="sglang", requested=plan(linear="MXFP8", moe="MXFP4")))
     assert resolve(DispatchInput(engine="vllm", requested=plan(linear="MXFP8", moe="MXFP4"))).plan.is_quantized
 
 
 def test_rule6_sglang_has_no_per_token_nvfp4() -> None:
-    with pytest.raises(EngineRejectsQuantization, match="per-token NVFP4.*rollout.name=vllm"):
+    with pytest.raises(EngineRejectsQuantization, match=r"per-token NVFP4.*rollout.name=vllm"):
         resolve(DispatchInput(engine="sglang", requested=plan(moe="NVFP4")))
     assert resolve(DispatchInput(engine="sglang", requested=plan(moe="MXFP4"))).plan.is_quantized
 
@@ -201,7 +201,7 @@ def test_rule6_sglang_has_no_per_token_nvfp4() -> None:
 # --- rule 7 -----------------------------------------------------------------------------------------
 
 def test_rule7_trtllm_accepts_no_quantization() -> None:
-    with pytest.raises(EngineRejectsQuantization, match="vllm.*sglang"):
+    with pytest.raises(EngineRejectsQuantization, match=r"vllm.*sglang"):
         resolve(DispatchInput(engine="trtllm", requested=plan(linear="FP8_BLOCK")))
     with pytest.raises(EngineRejectsQuantization):
         resolve(DispatchInput(engine="trtllm", model_config=DEEPSEEK_FP8))
@@ -231,7 +231,7 @@ def test_rule8_nvfp4_training_boundary_layers_must_be_bf16_in_the_rollout() -> N
 
 def test_rule9_non_divisible_tensors_are_listed_with_the_ignore_entry() -> None:
     shapes = [*dense_shapes(layers=1), ("model.layers.0.linear_attn.in_proj_ba.weight", (16, 40))]
-    with pytest.raises(NonDivisibleTensors, match="1 tensor") as err:
+    with pytest.raises(NonDivisibleTensors, match=r"1 tensor") as err:
         resolve(DispatchInput(requested=plan(linear="NVFP4")), shapes)
     assert err.value.patterns == ("re:.*\\.in_proj_ba$",)
     ok = resolve(DispatchInput(requested=plan(linear="NVFP4", ignore=list(err.value.patterns))), shapes)
@@ -252,7 +252,7 @@ def test_rules_without_a_model_are_reported_as_skipped() -> None:
 
 
 def test_static_nvfp4_activations_are_rejected() -> None:
-    with pytest.raises(UnsupportedCombination, match="input_global_scale"):
+    with pytest.raises(UnsupportedCombination, match=r"input_global_scale"):
         resolve(DispatchInput(requested=QuantizationPlan.from_presets(moe="NVFP4", moe_activation="nvfp4_static")))
 
 

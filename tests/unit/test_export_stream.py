@@ -118,7 +118,7 @@ def test_fused_3d_experts_equal_the_per_expert_checkpoint() -> None:
 @pytest.mark.parametrize("scale_name", ["weight_scale", "weight_scale_inv"])
 def test_checkpoint_specs_predict_every_output(linear: str, scale_name: str) -> None:
     plan = QuantizationPlan.from_presets(linear=linear, moe="NVFP4", scale_name=scale_name)
-    model = _model(experts=2, layers=1) + [(f"{L0}.mlp.experts.gate_up_proj", torch.randn(2, 64, 64))]
+    model = [*_model(experts=2, layers=1), (f"{L0}.mlp.experts.gate_up_proj", torch.randn(2, 64, 64))]
     specs = {s.name: s for n, t in model for s in checkpoint_specs(plan, n, tuple(t.shape), t.dtype)}
     out = dict(quantize_stream(plan, model))
     assert set(out) == set(specs)

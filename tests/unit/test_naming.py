@@ -90,7 +90,7 @@ def test_expert_split() -> None:
         ("m.layers.0.mlp.experts.1.gate_proj", 1, (0, 4)), ("m.layers.0.mlp.experts.1.up_proj", 1, (4, 8))]
     down = naming.expert_split("m.layers.0.mlp.experts.down_proj", (2, 4, 8))
     assert [m for m, _, _ in down] == ["m.layers.0.mlp.experts.0.down_proj", "m.layers.0.mlp.experts.1.down_proj"]
-    with pytest.raises(ValueError, match="not a fused 3-D expert"):
+    with pytest.raises(ValueError, match=r"not a fused 3-D expert"):
         naming.expert_split("m.layers.0.mlp.down_proj.weight", (4, 8))
 
 

@@ -1,0 +1,84 @@
+"""Tiny Hugging Face checkpoints built locally (no downloads), and compressed-tensors decompression."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+TOKENIZER_FILES = {
+    "tokenizer_config.json": {"model_max_length": 128, "tokenizer_class": "PreTrainedTokenizerFast"},
+    "special_tokens_map.json": {"eos_token": "<eos>"},
+}
+
+
+def save_tiny_model(directory: Path, *, moe: bool, layers: int = 2, seed: int = 0) -> Path:
+    """A randomly initialised Qwen3 (dense) or Qwen3-MoE model, saved with save_pretrained in BF16."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    if moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32,
+                                                   num_experts=4, num_experts_per_tok=2))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, intermediate_size=128))
+    with torch.no_grad():
+        for p in model.parameters():  # make scales differ between tensors and experts
+            p.mul_(1 + torch.rand(()) * 4)
+    model.to(torch.bfloat16).save_pretrained(directory)
+    for name, content in TOKENIZER_FILES.items():
+        (directory / name).write_text(json.dumps(content))
+    return directory
+
+
+def decompress_with_model_compressor(quantization_config: dict, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load an exported state dict into a module tree compressed-tensors builds from the config, and
+    decompress it with ModelCompressor. Strict loading checks every name, shape and dtype.
+
+    Returns:
+        module name -> decompressed weight, for every module compressed-tensors quantized.
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    qc = QuantizationConfig.model_validate(quantization_config)
+    root = nn.Module()
+
+    def module_at(path: str) -> nn.Module:
+        m = root
+        for part in path.split(".") if path else []:
+            if not hasattr(m, part):
+                m.add_module(part, nn.Module())
+            m = getattr(m, part)
+        return m
+
+    linears: dict[str, tuple[int, int, torch.dtype]] = {}
+    for name, t in state_dict.items():
+        mod, _, local = name.rpartition(".")
+        if local in ("weight", "weight_packed") and t.dim() == 2 and "embed" not in mod:
+            n, k = t.shape
+            linears[mod] = (n, k * 2 if local == "weight_packed" else k, t.dtype)
+    for mod, (n, k, dtype) in linears.items():
+        parent, _, leaf = mod.rpartition(".")
+        module_at(parent).add_module(leaf, nn.Linear(k, n, bias=False, dtype=torch.bfloat16 if dtype.is_floating_point and dtype.itemsize == 2 else torch.float32))
+    for name, t in state_dict.items():
+        mod, _, local = name.rpartition(".")
+        if mod not in linears:
+            module_at(mod).register_parameter(local, nn.Parameter(torch.empty_like(t), requires_grad=False))
+    apply_quantization_config(root, qc, show_progress=False)
+    compressor = ModelCompressor(quantization_config=qc)
+    compressor.compress_model(root)
+    expected = root.state_dict()
+    wrong = {k: (tuple(expected[k].shape), expected[k].dtype, tuple(t.shape), t.dtype)
+             for k, t in state_dict.items() if k in expected and (expected[k].shape != t.shape or expected[k].dtype != t.dtype)}
+    if set(expected) != set(state_dict) or wrong:
+        raise AssertionError(f"layout differs from compressed-tensors': extra {sorted(set(state_dict) - set(expected))[:5]}, "
+                             f"missing {sorted(set(expected) - set(state_dict))[:5]}, wrong {list(wrong.items())[:3]}")
+    root.load_state_dict(state_dict, strict=True)
+    quantized = [n for n, m in root.named_modules() if getattr(m, "quantization_scheme", None) is not None]
+    compressor.decompress_model(root)
+    return {n: root.get_submodule(n).weight.detach() for n in quantized}
