@@ -70,6 +70,7 @@ def build_refit_service(
     commit_mode: str = "transactional",
     bucket_megabytes: float = 512,
     inject_fault: str | None = None,
+    fault_after: int = 0,
     kv_cache_scheme: Mapping[str, object] | None = None,
     progress: bool = False,
     trainer: object | None = None,
@@ -84,6 +85,7 @@ def build_refit_service(
         commit_mode: `transactional` or `per-layer` (reference engine).
         bucket_megabytes: bucket capacity, MiB (rollout.checkpoint_engine.update_weights_bucket_megabytes).
         inject_fault: `bucket:K`, `finalize` or `verify`: wrap the engine in ScriptedFaultyEngine.
+        fault_after: refits that succeed before the injected fault fires (once).
         kv_cache_scheme: the quantization config's kv_cache_scheme (None = uncalibrated).
         progress: show a progress bar for long refits.
         trainer: a TrainerModel to use instead of a new reference trainer (e.g. shared by arms).
@@ -92,6 +94,8 @@ def build_refit_service(
     Returns:
         app.refit_service.RefitService.
     """
+    import attrs
+
     from adapters.reference.config import preset
     from app.refit_service import RefitService
     from domain.errors import ConfigError
@@ -115,7 +119,7 @@ def build_refit_service(
         from adapters.memory.faulty import ScriptedFaultyEngine
 
         try:
-            script = FaultScript.parse(inject_fault)
+            script = attrs.evolve(FaultScript.parse(inject_fault), after=fault_after)
         except ValueError as err:
             raise ConfigError("--inject-fault", str(err)) from None
         engine = ScriptedFaultyEngine(engine, script)  # type: ignore[arg-type]

@@ -196,11 +196,13 @@ class FaultScript:
     Attributes:
         point: the lifecycle step that fails.
         bucket_index: for BUCKET, the index of the bucket whose load fails.
-        refits: how many refits fail (the next ones succeed), counted from the first one.
+        after: how many refits succeed before the first scripted failure.
+        refits: how many refits fail (the next ones succeed).
     """
 
     point: FaultPoint
     bucket_index: int | None = None
+    after: int = 0
     refits: int = 1
 
     def __attrs_post_init__(self) -> None:
@@ -208,6 +210,12 @@ class FaultScript:
             raise ValueError("a bucket fault needs bucket_index >= 0; other faults take none")
         if self.bucket_index is not None and self.bucket_index < 0:
             raise ValueError(f"bucket_index must be >= 0, got {self.bucket_index}")
+        if self.after < 0 or self.refits < 0:
+            raise ValueError("after and refits count refits: they must be >= 0")
+
+    def fails(self, refit_number: int) -> bool:
+        """Whether the refit_number-th refit (from 0) is one the script fails."""
+        return self.after <= refit_number < self.after + self.refits
 
     @classmethod
     def parse(cls, text: str) -> FaultScript:

@@ -26,13 +26,15 @@ class ScriptedFaultyEngine:
 
     Attributes:
         inner: the engine that does the work.
-        script: where to fail.
+        script: where to fail, and which refits (`after`, `refits`).
         fired: how many refits this wrapper has failed so far.
+        begun: how many refits have begun through it.
     """
 
     inner: RolloutEngine
     script: FaultScript
     fired: int = 0
+    begun: int = 0
     _armed: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
@@ -66,7 +68,8 @@ class ScriptedFaultyEngine:
 
     def begin_refit(self, refit_id: int) -> None:
         self.inner.begin_refit(refit_id)
-        self._armed = self.fired < self.script.refits
+        self._armed = self.script.fails(self.begun)
+        self.begun += 1
         if self._armed and self.script.point is FaultPoint.VERIFY:
             self.inner.verifiers.append(self._verifier)  # type: ignore[attr-defined]
 

@@ -164,11 +164,31 @@ BENCH_MOE = ReferenceModelConfig(
     mlp_only_layers=(0,),
 )
 
-PRESETS: dict[str, ReferenceModelConfig] = {"tiny-moe": TINY_MOE, "tiny-dense": TINY_DENSE, "bench-moe": BENCH_MOE}
+# The smallest model with every kind of module (tests, quick runs).
+MICRO_MOE = ReferenceModelConfig(
+    vocab_size=512,
+    hidden_size=128,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=256,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    mlp_only_layers=(0,),
+)
+
+PRESETS: dict[str, ReferenceModelConfig] = {
+    "tiny-moe": TINY_MOE,
+    "tiny-dense": TINY_DENSE,
+    "micro-moe": MICRO_MOE,
+    "bench-moe": BENCH_MOE,
+}
 
 
 def preset(name: str) -> ReferenceModelConfig:
-    """A model preset by name (`tiny-moe`, `tiny-dense`, `bench-moe`).
+    """A model preset by name (`tiny-moe`, `tiny-dense`, `micro-moe`, `bench-moe`).
 
     Raises:
         KeyError: naming the valid presets.

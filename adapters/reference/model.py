@@ -182,7 +182,9 @@ def _moe(cfg: ReferenceModelConfig, w: Mapping[str, torch.Tensor], p: str, x: to
             continue
         gate, up = F.linear(act(p + "w13", flat[token]), w13[e]).chunk(2, dim=-1)
         y = F.linear(act(p + "w2", F.silu(gate) * up), w2[e])
-        out.index_add_(0, token, y * top_w[token, pos, None])
+        # A token picks an expert at most once, so rows never repeat: a plain gather-add-scatter
+        # (index_add_ has no fast bfloat16 path on CPU).
+        out[token] = out[token] + y * top_w[token, pos, None]
     return out.reshape(shape)
 
 

@@ -1,60 +1,187 @@
-"""`refit demo`: the main job. Until the refit lifecycle lands it shows the format codecs.
+"""`refit demo`: the main job. A refit round trip on the embedded default model, step after step.
 
-Interim content, labelled as such in its output: the table of precision presets and a
-quantize/dequantize round trip of a random tensor through each codec.
+Builds the reference model (a tiny Qwen3-like MoE, random weights from a seed), runs training-like
+steps (perturb the weights, refit, probe the mismatch) for the chosen plan and for BF16, and
+prints a table per step and a comparison. `--inject-fault bucket:K` shows the commit mode's
+guarantee live; `--plot out.png` draws the mismatch per step for every preset; `--json` prints
+everything as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
-import torch
+import attrs
 from rich.console import Console
 from rich.table import Table
 
-from domain.formats import FORMATS
+from app.demo_run import DemoResult, DemoSettings, StepRecord, run_demo
+from app.refit_service import describe_plan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the main job: a refit round trip on the embedded default model")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p = sub.add_parser("demo", help="the main job: refit round trips on the embedded default model")
+    p.add_argument("--linear", default="FP8_BLOCK", help="preset for dense Linear layers, or BF16 (default FP8_BLOCK)")
+    p.add_argument("--moe", default="NVFP4", help="preset for routed experts, or BF16 (default NVFP4)")
+    p.add_argument("--moe-activation", default=None, help="experts' activation scheme (e.g. mxfp8); default: the preset's")
+    p.add_argument("--steps", type=int, default=3, help="training-like steps after the initial sync (default 3)")
+    p.add_argument("--model", default="tiny-moe", choices=("tiny-moe", "tiny-dense", "micro-moe"),
+                   help="embedded model (default tiny-moe)")
+    p.add_argument("--commit-mode", default="transactional", choices=("transactional", "per-layer"))
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket capacity in MiB (default 1)")
+    p.add_argument("--inject-fault", metavar="FAULT", default=None,
+                   help="bucket:K, finalize or verify: make the plan's refit fail there once")
+    p.add_argument("--fault-step", type=int, default=1, help="the step whose refit the fault hits (default 1)")
+    p.add_argument("--presets", action="store_true", help="add one arm per low-precision preset")
+    p.add_argument("--plot", metavar="PNG", default=None, help="draw the mismatch per step for every preset")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--verbose", action="store_true", help="log the canonical line of every refit (stderr)")
+
+
+def _none(preset: str | None) -> str | None:
+    return None if preset is None or preset.strip().upper() == "BF16" else preset
+
+
+def settings_from_args(args: argparse.Namespace) -> DemoSettings:
+    """DemoSettings from the command line; bad values raise ConfigError / ValueError naming them."""
+    from app.bootstrap import build_plan
+
+    plan = build_plan(_none(args.linear), _none(args.moe), moe_activation=args.moe_activation)
+    return DemoSettings(
+        plan=plan, model=args.model, seed=args.seed, steps=args.steps, commit_mode=args.commit_mode,
+        bucket_megabytes=args.bucket_mb, inject_fault=args.inject_fault, fault_step=args.fault_step,
+        presets=args.presets or bool(args.plot),
+    )
+
+
+def _row(r: StepRecord) -> list[str]:
+    rep = r.report
+    m = r.probe.metrics if r.probe else None
+    outcome = rep.outcome.value
+    if r.weights_unchanged is not None:
+        outcome += " (weights bit-identical)" if r.weights_unchanged else " (WEIGHTS CHANGED)"
+    return [
+        str(r.step), r.arm, outcome, f"{rep.timings['total'] * 1e3:.0f}", f"{rep.bytes_sent / 2**20:.2f}",
+        str(rep.buckets), str(rep.storage), r.serving,
+        f"{m.k3_kl:.3e}" if m else "-", f"{m.mean_abs_logp_diff:.3e}" if m else "-",
+    ]
+
+
+def _summary(result: DemoResult) -> list[dict[str, object]]:
+    bf16_mb = None
+    rows = []
+    for arm in result.arms:
+        recs = [r for r in result.of(arm) if r.report.ok]
+        probes = [r.probe.metrics for r in recs if r.probe]
+        mb = sum(r.report.bytes_sent for r in recs) / max(len(recs), 1) / 2**20
+        bf16_mb = mb if arm == "BF16" else bf16_mb
+        rows.append({
+            "arm": arm, "refits_ok": len(recs), "mb_per_refit": mb,
+            "refit_ms": 1e3 * sum(r.report.timings["total"] for r in recs) / max(len(recs), 1),
+            "k3_kl": sum(p.k3_kl for p in probes) / max(len(probes), 1),
+            "mean_abs_logp_diff": sum(p.mean_abs_logp_diff for p in probes) / max(len(probes), 1),
+            "prob_diff_max": max((p.prob_diff_max for p in probes), default=0.0),
+            "kv_scales_reset": max((r.report.kv_scales_reset for r in recs), default=0),
+        })
+    for row in rows:
+        row["vs_bf16_bytes"] = row["mb_per_refit"] / bf16_mb if bf16_mb else None
+    return rows
+
+
+def _render(result: DemoResult, console: Console) -> None:
+    s = result.settings
+    console.print(
+        f"[bold]refit demo[/bold]: plan {describe_plan(s.plan)} vs BF16 on {s.model} "
+        f"({result.parameters / 1e6:.1f}M parameters, seed {s.seed}); {s.steps} steps, "
+        f"{s.commit_mode} commits, {s.bucket_megabytes:g} MiB buckets"
+    )
+    table = Table(title="one row per arm and step (step 0 = initial sync)")
+    for col in ("step", "arm", "outcome", "refit ms", "MB sent", "buckets", "storage", "serving", "k3 KL", "|dlogp|"):
+        table.add_column(col, justify="right" if col not in ("arm", "outcome", "serving") else "left")
+    for r in result.records:
+        table.add_row(*_row(r))
+    console.print(table)
+    comp = Table(title="comparison (mean over committed refits)")
+    for col in ("arm", "MB/refit", "vs BF16", "refit ms", "k3 KL", "|dlogp|", "max |dp|", "KV resets"):
+        comp.add_column(col, justify="left" if col == "arm" else "right")
+    summary = _summary(result)
+    for row in summary:
+        ratio = f"{row['vs_bf16_bytes']:.2f}x" if row["vs_bf16_bytes"] is not None else "-"
+        comp.add_row(str(row["arm"]), f"{row['mb_per_refit']:.2f}", ratio, f"{row['refit_ms']:.0f}",
+                     f"{row['k3_kl']:.3e}", f"{row['mean_abs_logp_diff']:.3e}", f"{row['prob_diff_max']:.3e}",
+                     str(row["kv_scales_reset"]))
+    console.print(comp)
+    for line in _notes(result, summary):
+        console.print(f"- {line}")
+
+
+def _notes(result: DemoResult, summary: list[dict[str, object]]) -> list[str]:
+    notes = []
+    bf16 = [r for r in result.of("BF16") if r.probe]
+    if bf16:
+        exact = all(r.probe.metrics.k3_kl == 0 and r.probe.metrics.mean_abs_logp_diff == 0 for r in bf16)  # type: ignore[union-attr]
+        notes.append("BF16 refits: k3 KL = 0 and |dlogp| = 0 exactly (bit-identical weights and logits)"
+                     if exact else "BF16 refits: NOT bit-identical (a bug: BF16 should be exact)")
+    ranked = sorted((r for r in summary if r["refits_ok"]), key=lambda r: r["k3_kl"])  # type: ignore[arg-type,return-value]
+    notes.append("mismatch, lowest first: " + " < ".join(str(r["arm"]) for r in ranked))
+    if result.fault_fired is False:
+        notes.append(f"the injected fault {result.settings.inject_fault} never fired (fewer buckets than K?)")
+    return notes
+
+
+def _plot(result: DemoResult, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError("refit demo --plot needs matplotlib (pip install rl-refit[plot])", name="matplotlib") from err
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for arm in result.arms:
+        recs = [r for r in result.of(arm) if r.probe]
+        steps = [r.step for r in recs]
+        axes[0].plot(steps, [r.probe.metrics.k3_kl for r in recs], marker="o", label=arm)  # type: ignore[union-attr]
+        axes[1].plot(steps, [r.probe.metrics.mean_abs_logp_diff for r in recs], marker="o", label=arm)  # type: ignore[union-attr]
+    for ax, title in zip(axes, ("k3 KL (trainer || rollout)", "mean |log p_trainer - log p_rollout|"), strict=True):
+        ax.set_yscale("symlog", linthresh=1e-7)
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from domain.codecs import dequantize_weight, quantize_weight
+    from app.logging import configure_logging
 
-    gen = torch.Generator().manual_seed(args.seed)
-    w = torch.randn(256, 512, generator=gen).to(torch.bfloat16)
-    rows = []
-    for fmt in FORMATS.values():
-        if not fmt.is_quantized:
-            continue
-        q = quantize_weight(fmt, w, name="demo.weight")
-        back = dequantize_weight(q)
-        err = (back - w.float()).abs()
-        rows.append(
-            {
-                "format": fmt.name,
-                "tensors": {k: [list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in q.tensors.items()},
-                "bytes": sum(t.numel() * t.element_size() for t in q.tensors.values()),
-                "max_abs_err": err.max().item(),
-                "rel_rmse": (err.square().mean().sqrt() / w.float().square().mean().sqrt()).item(),
-            }
-        )
+    configure_logging(json=args.json, level=logging.INFO if args.verbose else logging.CRITICAL)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as err:
+        from domain.errors import ConfigError
+
+        raise ConfigError("refit demo", str(err)) from None
+    result = run_demo(settings)
+    if args.plot:
+        _plot(result, args.plot)
     if args.json:
-        sys.stdout.write(json.dumps({"stage": "codec round trip (interim demo)", "formats": rows}, indent=2))
-        sys.stdout.write("\n")
+        payload = {
+            "model": settings.model, "parameters": result.parameters, "arms": list(result.arms),
+            "settings": {**attrs.asdict(settings, recurse=False), "plan": describe_plan(settings.plan)},
+            "steps": [r.to_dict() for r in result.records], "summary": _summary(result),
+            "notes": _notes(result, _summary(result)), "plot": args.plot,
+        }
+        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
         return 0
-    console = Console()
-    console.print("[bold]refit demo[/bold] (interim: codec round trip of a random 256x512 bf16 tensor)")
-    table = Table()
-    for col in ("format", "checkpoint tensors", "bytes (bf16: 262144)", "max |err|", "relative RMSE"):
-        table.add_column(col)
-    for r in rows:
-        tensors = ", ".join(f"{k} {v[1]}{v[0]}" for k, v in r["tensors"].items())
-        table.add_row(r["format"], tensors, str(r["bytes"]), f"{r['max_abs_err']:.4f}", f"{r['rel_rmse']:.4f}")
-    console.print(table)
+    console = Console(width=max(Console().width, 110))
+    _render(result, console)
+    if args.plot:
+        console.print(f"- plot written to {args.plot}")
     return 0
