@@ -260,3 +260,28 @@ def test_layout_for_the_plan() -> None:
     assert dispatch.layout_for("vllm", QuantizationPlan.bf16(), None) == "bf16"
     assert dispatch.layout_for("sglang", QuantizationPlan(linear=MXFP8, moe=MXFP8), None) == "sglang-mxfp8"
     assert QuantizationPlan(moe=MXFP8, moe_activation=ActivationScheme.NONE).effective_moe_activation is ActivationScheme.NONE
+
+
+def test_docs_support_matrix_matches_the_rules() -> None:
+    from pathlib import Path
+
+    import domain.errors as errors
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "support-matrix.md").read_text()
+    layouts = {"BF16": "bf16", "ct": "compressed-tensors", "mxfp8-native": "sglang-mxfp8"}
+    checked = 0
+    for section in text.split("\n### ")[1:]:
+        section = section.split("\n## ")[0]
+        engine = section.split("\n", 1)[0].strip()
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")]
+        header, body = rows[0][1:], rows[1:]
+        for row in body:
+            for moe, cell in zip(header, row[1:], strict=True):
+                inp = DispatchInput(engine=engine, requested=plan(linear=row[0], moe=moe))
+                if cell.startswith("✗"):
+                    with pytest.raises(getattr(errors, cell.removeprefix("✗").strip())):
+                        resolve(inp)
+                else:
+                    assert resolve(inp).layout == layouts[cell], (engine, row[0], moe)
+                checked += 1
+    assert checked == 4 * 25
