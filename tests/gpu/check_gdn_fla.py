@@ -127,7 +127,8 @@ def check_rule(
     v = torch.randn(1, total, heads, v_dim, device=device)
     g = F.logsigmoid(torch.randn(1, total, heads, device=device) + 2.0)
     beta = torch.rand(1, total, heads, device=device)
-    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v, g, beta)]
+    # As Megatron-Core feeds them: g (the log decay) in fp32, the rest in the model dtype.
+    inputs = [t.to(torch.float32 if t is g else dtype).requires_grad_() for t in (q, k, v, g, beta)]
     grad_out = torch.randn(1, total, heads, v_dim, device=device).to(dtype)
 
     out = kernels.gated_delta_rule(*inputs, cu)
