@@ -23,8 +23,6 @@ from app.planning import PlanReport
 from domain.errors import CheckpointError, OutputNotEmpty
 from domain.export import checkpoint_specs, quantize_stream
 
-log = structlog.get_logger()
-
 # Files never copied from the source directory: weights and what is rewritten.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _SKIP_NAMES = (CONFIG_NAME, INDEX_NAME, "pytorch_model.bin.index.json")
@@ -135,7 +133,7 @@ def export_checkpoint(
         The ExportResult.
     """
     out = Path(out)
-    bound = log.bind(model=str(checkpoint.path), out=str(out), layout=report.resolution.layout)
+    bound = structlog.get_logger().bind(model=str(checkpoint.path), out=str(out), layout=report.resolution.layout)
     check_destination(out, checkpoint.path, force=force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"

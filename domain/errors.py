@@ -212,6 +212,10 @@ class FusedForwardUnsupported(RefitError, NotImplementedError):
     """The model uses a feature the fused forward does not handle (named in the message)."""
 
 
+class MegatronModelUnsupported(RefitError, NotImplementedError):
+    """The Megatron model has a layout the adapter cannot name or gather (named in the message)."""
+
+
 class ThdPackingError(RefitError, ValueError):
     """Sequence lengths or a THD layout cannot be packed or unpacked as asked."""
 

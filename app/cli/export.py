@@ -43,6 +43,9 @@ def _render(result: ExportResult, console: Console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from adapters.hf_checkpoint.reader import HfCheckpoint
+    from app.logging import configure_logging
+
+    configure_logging(json=args.json)
 
     cfg = config_from_args(args, [f"model.path={json.dumps(args.model)}"] if args.model else None)
     if not cfg.model.path:

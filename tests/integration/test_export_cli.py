@@ -1,0 +1,177 @@
+"""`refit plan` and `refit export` end to end on tiny local checkpoints: output, exit codes,
+atomicity, native layouts (SGLang MXFP8, DeepSeek-style FP8, pass-through)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="building the tiny HF models needs transformers")
+pytest.importorskip("compressed_tensors", reason="the engine config is built with compressed-tensors")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from adapters.hf_checkpoint import writer as writer_module  # noqa: E402
+from app.cli.main import main  # noqa: E402
+from domain.codecs import quantize_weight  # noqa: E402
+from domain.formats import FP8_BLOCK, MXFP8  # noqa: E402
+from tests.integration.export_models import save_tiny_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _logging_to_this_tests_stderr(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # configure_logging binds the stderr of the moment; pytest swaps stderr per test
+    import structlog
+
+    import app.logging
+
+    saved = structlog.get_config()
+    monkeypatch.setattr(app.logging, "_configured", False)
+    yield
+    structlog.configure(**saved)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3moe"), moe=True)
+
+
+def _with_config(src: Path, dst: Path, **changes: object) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_plan_json_lists_every_tensor_and_the_engine_config(moe_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = main(["plan", "--model", str(moe_dir), "--json", "rollout.name=vllm",
+               "rollout.quantization.linear=FP8_BLOCK", "rollout.quantization.moe=NVFP4"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["tensors"]) == len(load_file(moe_dir / "model.safetensors"))
+    assert out["plan"]["layout"] == "compressed-tensors" and out["engine_config"]["format"] == "mixed-precision"
+    fmt = {t["name"]: t["format"] for t in out["tensors"]}
+    assert fmt["model.layers.1.self_attn.o_proj.weight"] == "FP8_BLOCK"
+    assert fmt["model.layers.1.mlp.experts.3.up_proj.weight"] == "NVFP4"
+    assert fmt["model.layers.1.mlp.gate.weight"] == "BF16"
+    assert {r["rule"] for r in out["rules"]} >= set(range(1, 10))
+    up = next(c for c in out["tensor_classes"] if c["tensors"] == "model.layers.*.mlp.experts.*.up_proj.weight")
+    assert up["count"] == 8 and up["group"] == "model.layers.*.mlp.experts.*.gate_up"
+
+
+def test_plan_table_without_a_model(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "rollout.quantization.moe=MXFP4", "rollout.quantization.moe_activation=mxfp8"]) == 0
+    text = capsys.readouterr().out
+    assert "MXFP4" in text and "mxfp8" in text and "skipped: no model given" in text
+
+
+def test_plan_rejects_with_exit_code_2_and_the_error_on_stderr(capsys: pytest.CaptureFixture) -> None:
+    rc = main(["plan", "--json", "rollout.name=sglang", "rollout.quantization.linear=MXFP8", "rollout.quantization.moe=MXFP4"])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert "EngineRejectsQuantization" in captured.err and "moe=MXFP4" in captured.err
+    assert json.loads(captured.out)["error"]["type"] == "EngineRejectsQuantization"
+    assert main(["plan", "rollout.quantization.lienar=FP8_BLOCK"]) == 2
+    assert "did you mean 'rollout.quantization.linear'" in capsys.readouterr().err
+
+
+def test_export_refuses_a_non_empty_directory_unless_forced(moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    args = ["export", "--model", str(moe_dir), "--out", str(out), "--json", "rollout.quantization.moe=MXFP8"]
+    assert main(args) == 2
+    assert "OutputNotEmpty" in capsys.readouterr().err and (out / "keep.txt").exists()
+    assert main([*args, "--force"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert result["tensors_out"] == len(load_file(out / "model.safetensors")) and result["layout"] == "compressed-tensors"
+
+
+def test_failed_export_leaves_nothing_behind(moe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture) -> None:
+    calls = {"n": 0}
+    real = writer_module.CheckpointWriter.write
+
+    def failing(self, name, tensor):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise OSError("disk full")
+        return real(self, name, tensor)
+
+    monkeypatch.setattr(writer_module.CheckpointWriter, "write", failing)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk full"):
+        main(["export", "--model", str(moe_dir), "--out", str(out), "rollout.quantization.linear=NVFP4"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_shards_and_index(moe_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(moe_dir), "--out", str(out), "--shard-size-mb", "0",
+                 "--json", "rollout.quantization.linear=MXFP4"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0].startswith("model-00001-of-")
+    loaded = {}
+    for s in shards:
+        loaded.update(load_file(out / s))
+    assert set(loaded) == set(index["weight_map"]) and index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in loaded.values())
+
+
+def test_sglang_all_mxfp8_is_exported_in_sglang_native_layout(moe_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(moe_dir), "--out", str(out), "rollout.name=sglang",
+                 "rollout.quantization.linear=MXFP8", "rollout.quantization.moe=MXFP8"]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "mxfp8" and qc["weight_block_size"] == [1, 32]
+    assert "model.layers.0.mlp.gate" in qc["ignored_layers"] and "lm_head" in qc["ignored_layers"]
+    exported, src = load_file(out / "model.safetensors"), load_file(moe_dir / "model.safetensors")
+    assert not any(k.endswith(".weight_scale") for k in exported)
+    ref = quantize_weight(MXFP8, src["model.layers.0.self_attn.o_proj.weight"])
+    assert torch.equal(exported["model.layers.0.self_attn.o_proj.weight_scale_inv"], ref.tensors["weight_scale"])
+
+
+def test_deepseek_style_fp8_checkpoint_is_recognised(moe_dir: Path, tmp_path: Path) -> None:
+    native = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+              "modules_to_not_convert": ["model.layers.0.self_attn.o_proj"]}
+    src = _with_config(moe_dir, tmp_path / "src", quantization_config=native)
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(src), "--out", str(out), "rollout.name=vllm"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == native
+    exported, weights = load_file(out / "model.safetensors"), load_file(moe_dir / "model.safetensors")
+    ref = quantize_weight(FP8_BLOCK, weights["model.layers.1.self_attn.o_proj.weight"])
+    assert torch.equal(exported["model.layers.1.self_attn.o_proj.weight_scale_inv"], ref.tensors["weight_scale"])
+    assert torch.equal(exported["model.layers.0.self_attn.o_proj.weight"], weights["model.layers.0.self_attn.o_proj.weight"])
+
+
+def test_unsupported_native_method_passes_through_untouched(moe_dir: Path, tmp_path: Path) -> None:
+    native = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    src = _with_config(moe_dir, tmp_path / "src", quantization_config=native)
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(src), "--out", str(out), "rollout.name=vllm"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == native
+    a, b = load_file(out / "model.safetensors"), load_file(moe_dir / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["export", "--model", str(src), "--out", str(tmp_path / "o2"), "actor.megatron.qat.enable=true",
+                 "actor.megatron.qat.mode=MXFP4"]) == 2
+
+
+def test_hf_overrides_null_exports_bf16_from_a_quantized_checkpoint(moe_dir: Path, tmp_path: Path) -> None:
+    native = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    src = _with_config(moe_dir, tmp_path / "src", text_config={"quantization_config": native})
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(src), "--out", str(out), "rollout.name=vllm",
+                 "rollout.engine_kwargs.vllm.hf_overrides={\"quantization_config\": null}"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and "quantization_config" not in config["text_config"]
+    assert set(load_file(out / "model.safetensors")) == set(load_file(moe_dir / "model.safetensors"))
