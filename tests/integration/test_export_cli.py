@@ -13,13 +13,13 @@ import torch
 pytest.importorskip("transformers", reason="building the tiny HF models needs transformers")
 pytest.importorskip("compressed_tensors", reason="the engine config is built with compressed-tensors")
 
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from adapters.hf_checkpoint import writer as writer_module  # noqa: E402
-from app.cli.main import main  # noqa: E402
-from domain.codecs import quantize_weight  # noqa: E402
-from domain.formats import FP8_BLOCK, MXFP8  # noqa: E402
-from tests.integration.export_models import save_tiny_model  # noqa: E402
+from adapters.hf_checkpoint import writer as writer_module
+from app.cli.main import main
+from domain.codecs import quantize_weight
+from domain.formats import FP8_BLOCK, MXFP8
+from tests.integration.export_models import save_tiny_model
 
 
 @pytest.fixture(autouse=True)
