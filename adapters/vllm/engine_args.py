@@ -1,0 +1,79 @@
+"""vLLM engine arguments and environment for a resolved plan and backend decision.
+
+The quantization_config travels through `hf_overrides` (vLLM reads it as if config.json carried
+it), `quantization` names its method, and the backend decision becomes `linear_backend` /
+`moe_backend` (vLLM's KernelConfig) plus the DeepGEMM switches vLLM reads from its environment.
+The caller applies the environment before vLLM starts; nothing here reads or writes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from domain.backend_policy import DEEP_GEMM, BackendDecision
+from domain.errors import ConfigError
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def vllm_engine_kwargs(
+    quantization_config: Mapping[str, Any] | None,
+    decision: BackendDecision,
+    *,
+    kv_cache_dtype: str = "auto",
+    base: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM(...)` / `EngineArgs(...)`.
+
+    Args:
+        quantization_config: what the engine is sent (adapters.compressed_tensors
+            engine_quantization_config), or None for BF16.
+        decision: the backend policy's decision for vLLM.
+        kv_cache_dtype: vLLM's `kv_cache_dtype` ("auto", or "fp8" for an FP8 KV cache).
+        base: the user's other engine arguments (model, seed, ...), kept as given; an
+            `hf_overrides` there is merged (its quantization_config replaced by the plan's).
+
+    Returns:
+        The keyword arguments. Raises ConfigError for a decision of another engine or an
+        unknown kv_cache_dtype.
+    """
+    if decision.engine != "vllm":
+        raise ConfigError("rollout.name", f"a backend decision for {decision.engine!r} cannot configure vLLM")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError("rollout.kv_cache_dtype", f"{kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    kwargs = dict(base or {})
+    overrides = dict(kwargs.get("hf_overrides") or {})
+    overrides.pop("quantization_config", None)
+    if quantization_config is not None:
+        overrides["quantization_config"] = dict(quantization_config)
+        kwargs["quantization"] = str(quantization_config.get("quant_method", "compressed-tensors"))
+    if overrides:
+        kwargs["hf_overrides"] = overrides
+    else:
+        kwargs.pop("hf_overrides", None)
+    kwargs["linear_backend"] = decision.linear.backend
+    kwargs["moe_backend"] = decision.moe.backend
+    kwargs["kv_cache_dtype"] = kv_cache_dtype
+    return kwargs
+
+
+def vllm_environment(decision: BackendDecision) -> dict[str, str]:
+    """Environment variables vLLM must start with for this decision.
+
+    Args:
+        decision: the backend policy's decision for vLLM.
+
+    Returns:
+        Name -> value: DeepGEMM switches when DeepGEMM is requested, `VLLM_USE_DEEP_GEMM_E8M0=0`
+        when E8M0 packing must be off, and `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (the refit steps
+        reach out-of-process workers as serialized callables).
+    """
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    if decision.linear.backend == DEEP_GEMM or decision.moe.backend == DEEP_GEMM:
+        env["VLLM_USE_DEEP_GEMM"] = "1"
+    if decision.moe.backend == DEEP_GEMM:
+        env["VLLM_MOE_USE_DEEP_GEMM"] = "1"
+    if decision.deep_gemm_e8m0 is False:
+        env["VLLM_USE_DEEP_GEMM_E8M0"] = "0"
+    return env

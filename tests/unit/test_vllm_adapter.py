@@ -1,0 +1,270 @@
+"""The vLLM adapter over a CPU fake of vLLM's model, quant methods and layerwise reload."""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+import torch
+
+from adapters.vllm.engine import VllmRolloutEngine
+from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
+from adapters.vllm.hooks import VllmHooks
+from app.refit_service import RefitService
+from domain.backend_policy import decide_backends
+from domain.buckets import pack_buckets, unpack_bucket
+from domain.errors import (
+    BucketSequenceError,
+    ConfigError,
+    EngineBusy,
+    EngineStale,
+    RefitFailed,
+    StorageRebound,
+)
+from domain.refit import CommitMode, RefitOutcome
+from tests.engine_fakes.vllm import (
+    DUMMY_KV,
+    FakeLayerwise,
+    FakeTrainer,
+    FakeVllmModel,
+    checkpoint_stream,
+    fake_hooks,
+    fake_log_probs,
+    fp8_plan,
+)
+
+SMALL_BUCKET = 40_000  # q, k and v of one layer land in different buckets
+
+
+def build(quantized: bool = True, *, copy_back: bool = True, **model_kw):  # type: ignore[no-untyped-def]
+    model = FakeVllmModel(quantized=quantized, **model_kw)
+    layerwise = FakeLayerwise(copy_back=copy_back)
+    engine = VllmRolloutEngine.in_process(model, None, fake_hooks(layerwise), log_prob_fn=fake_log_probs(model))
+    return model, layerwise, engine
+
+
+def refit(engine: VllmRolloutEngine, stream, refit_id: int, bucket_bytes: int = SMALL_BUCKET):  # type: ignore[no-untyped-def]
+    engine.begin_refit(refit_id)
+    for bucket in pack_buckets(stream, bucket_bytes, reuse_buffer=True):
+        engine.load_bucket(bucket)
+    return engine.finalize_refit()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_one_postprocessing_per_refit_and_one_finalize() -> None:
+    model, layerwise, engine = build()
+    stream = checkpoint_stream(True)
+    for n in (1, 2, 3):
+        refit(engine, stream, n)
+        linear = [qm for qm in model.quant_methods() if hasattr(qm, "calls") and not hasattr(qm, "quant_config")]
+        assert linear and all(qm.calls == n for qm in linear)
+    assert (layerwise.initialized, layerwise.finalized) == (3, 3)
+
+
+def test_names_sent_are_checkpoint_names_in_stream_order() -> None:
+    model, _, engine = build()
+    stream = checkpoint_stream(True)
+    refit(engine, stream, 1)
+    assert model.names_loaded == [n for n, _ in stream]
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in model.names_loaded
+
+
+def test_layouts_land_bit_for_bit_in_kernel_storage() -> None:
+    model, _, engine = build()
+    stream = checkpoint_stream(True, seed=3)
+    refit(engine, stream, 1)
+    sent = dict(stream)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        qkv = layer.self_attn.qkv_proj
+        expect = torch.cat([sent[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        assert qkv.weight.dtype == torch.float8_e4m3fn and torch.equal(as_bytes(qkv.weight), as_bytes(expect))
+        scale = torch.cat([sent[p + f"self_attn.{x}_proj.weight_scale"] for x in "qkv"])
+        assert torch.equal(qkv.weight_scale, scale)
+        gate_up = torch.cat([sent[p + "mlp.gate_proj.weight"], sent[p + "mlp.up_proj.weight"]])
+        assert torch.equal(as_bytes(layer.mlp.gate_up_proj.weight), as_bytes(gate_up))
+    assert torch.equal(model.lm_head.weight, sent["lm_head.weight"])
+
+
+def test_clones_before_acknowledging_reused_buffers() -> None:
+    # The fake buffers a layer's tensors by reference until the layer is complete, and the
+    # planner reuses one buffer for every bucket: only copies survive.
+    model, _, engine = build()
+    first, second = checkpoint_stream(True, seed=1), checkpoint_stream(True, seed=2)
+    refit(engine, first, 1)
+    refit(engine, second, 2)
+    sent = dict(second)
+    expect = torch.cat([sent[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), as_bytes(expect))
+
+
+def test_the_fake_really_aliases_uncloned_views() -> None:
+    # Sensitivity of the test above: loading the views themselves corrupts the fused weight.
+    model, layerwise, _ = build()
+    stream = checkpoint_stream(True, seed=2)
+    layerwise.initialize(model)
+    for bucket in pack_buckets(stream, SMALL_BUCKET, reuse_buffer=True):
+        model.load_weights(list(unpack_bucket(bucket)))
+    layerwise.finalize(model, None)
+    sent = dict(stream)
+    expect = torch.cat([sent[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert not torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), as_bytes(expect))
+
+
+def test_captured_storage_is_kept() -> None:
+    model, _, engine = build()
+    before = engine.storage_fingerprint()
+    refit(engine, checkpoint_stream(True), 1)
+    assert before.differences(engine.storage_fingerprint()) == []
+
+
+@pytest.mark.parametrize("as_parameters", [False, True], ids=["buffers", "grad-parameters"])
+def test_uncalibrated_kv_scales_reset_to_one(as_parameters: bool) -> None:
+    model, _, engine = build(scales_as_parameters=as_parameters)
+    attn = model.layers[0].self_attn.attn
+    assert float(attn._k_scale.detach()) == pytest.approx(DUMMY_KV)
+    assert attn._k_scale.requires_grad is as_parameters
+    result = refit(engine, checkpoint_stream(True), 1)
+    assert result.kv_scales_reset == 2
+    for layer in model.layers:
+        a = layer.self_attn.attn
+        for n in ("_q_scale", "_k_scale", "_v_scale", "_prob_scale"):
+            assert float(getattr(a, n).detach()) == 1.0
+        assert (a._k_scale_float, a._v_scale_float, a._q_scale_float) == (1.0, 1.0, 1.0)
+
+
+def test_grad_parameters_need_no_grad() -> None:
+    # Why the adapter resets under no_grad: vLLM's helper fills in place.
+    from tests.engine_fakes.vllm import set_default_quant_scales
+
+    model = FakeVllmModel(scales_as_parameters=True)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        set_default_quant_scales(model.layers[0].self_attn.attn)
+
+
+def test_configs_with_kv_cache_scheme_keep_their_scales() -> None:
+    model, _, engine = build(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"})
+    result = refit(engine, checkpoint_stream(True), 1)
+    assert result.kv_scales_reset == 0
+    assert float(model.layers[0].self_attn.attn._k_scale) == pytest.approx(DUMMY_KV)
+
+
+def test_bf16_refit_has_no_kv_cache_method_to_reset() -> None:
+    model, _, engine = build(quantized=False)
+    result = refit(engine, checkpoint_stream(False), 1)
+    assert result.kv_scales_reset == 0
+    assert float(model.layers[0].self_attn.attn._k_scale) == 1.0  # vLLM's own default for BF16
+
+
+def test_kv_reset_can_be_turned_off() -> None:
+    model, _, engine = build()
+    engine.reset_kv_scales = False
+    assert refit(engine, checkpoint_stream(True), 1).kv_scales_reset == 0
+    assert float(model.layers[0].self_attn.attn._k_scale) == pytest.approx(DUMMY_KV)
+
+
+def test_engine_serves_only_after_a_full_refit() -> None:
+    _, _, engine = build()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(EngineStale):
+        engine.log_probs(ids)
+    engine.begin_refit(1)
+    with pytest.raises(EngineBusy):
+        engine.log_probs(ids)
+    for bucket in pack_buckets(checkpoint_stream(True), SMALL_BUCKET):
+        engine.load_bucket(bucket)
+    engine.finalize_refit()
+    logp, ent = engine.log_probs(ids)
+    assert logp.shape == (1, 3) and bool((logp < 0).all()) and bool((ent > 0).all())
+
+
+def n_buckets() -> int:
+    return sum(1 for _ in pack_buckets(checkpoint_stream(True), SMALL_BUCKET))
+
+
+@pytest.mark.parametrize("fail_at", range(0, n_buckets(), 2))
+def test_failure_at_any_bucket_marks_the_engine_stale(fail_at: int) -> None:
+    model, layerwise, engine = build()
+    refit(engine, checkpoint_stream(True, seed=1), 1)
+    model.fail_at_call = model.load_calls + fail_at
+    service = RefitService(FakeTrainer(seed=2), engine, fp8_plan(), bucket_bytes=SMALL_BUCKET)
+    with pytest.raises(RefitFailed) as info:
+        service.refit()
+    assert info.value.report.outcome is RefitOutcome.STALE  # type: ignore[attr-defined]
+    assert engine.is_stale and "cannot roll back" in (engine.stale_reason or "")
+    assert layerwise.info == {}  # the model was put back together
+    with pytest.raises(EngineStale):
+        engine.log_probs(torch.tensor([[1, 2]]))
+    model.fail_at_call = None
+    report = service.refit()  # a full refit recovers
+    assert report.ok and not engine.is_stale and report.storage.ok
+
+
+def test_refit_service_round_trip_reports_live() -> None:
+    _, _, engine = build()
+    service = RefitService(FakeTrainer(seed=4), engine, fp8_plan(), bucket_bytes=SMALL_BUCKET)
+    report = service.refit()
+    assert report.ok and report.commit_mode == CommitMode.PER_LAYER.value and report.kv_scales_reset == 2
+
+
+def test_rebound_storage_is_caught_and_fails_closed() -> None:
+    _, _, engine = build(copy_back=False)
+    with pytest.raises(StorageRebound, match="captured tensors changed"):
+        refit(engine, checkpoint_stream(True), 1)
+    assert engine.is_stale
+
+
+def test_out_of_order_bucket_is_rejected() -> None:
+    _, _, engine = build()
+    engine.begin_refit(1)
+    buckets = list(pack_buckets(checkpoint_stream(True), SMALL_BUCKET))
+    with pytest.raises(BucketSequenceError):
+        engine.load_bucket(buckets[1])
+
+
+# --- engine arguments --------------------------------------------------------------------------
+
+
+def test_engine_kwargs_carry_the_config_and_backends() -> None:
+    decision = decide_backends("vllm", fp8_plan(), (9, 0))
+    qc = {"quant_method": "compressed-tensors", "config_groups": {}}
+    kw = vllm_engine_kwargs(qc, decision, kv_cache_dtype="fp8",
+                            base={"model": "/m", "hf_overrides": {"max_position_embeddings": 64,
+                                                                  "quantization_config": {"old": 1}}})
+    assert kw["hf_overrides"] == {"max_position_embeddings": 64, "quantization_config": qc}
+    assert (kw["quantization"], kw["linear_backend"], kw["moe_backend"]) == ("compressed-tensors", "deep_gemm", "auto")
+    assert kw["kv_cache_dtype"] == "fp8" and kw["model"] == "/m"
+    env = vllm_environment(decision)
+    assert env["VLLM_USE_DEEP_GEMM"] == "1" and env["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
+    assert "VLLM_MOE_USE_DEEP_GEMM" not in env
+
+
+def test_bf16_engine_kwargs_drop_the_quantization_config() -> None:
+    decision = decide_backends("vllm", fp8_plan(False), None, opt_out=True)
+    kw = vllm_engine_kwargs(None, decision, base={"hf_overrides": {"quantization_config": {"x": 1}}})
+    assert "hf_overrides" not in kw and "quantization" not in kw
+    assert vllm_environment(decision) == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def test_engine_kwargs_reject_bad_inputs() -> None:
+    with pytest.raises(ConfigError, match="rollout.name"):
+        vllm_engine_kwargs(None, decide_backends("sglang", fp8_plan(), None))
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        vllm_engine_kwargs(None, decide_backends("vllm", fp8_plan(), None), kv_cache_dtype="int3")
+
+
+def test_missing_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "vllm" or name.startswith("vllm."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    with pytest.raises(ModuleNotFoundError, match=r"adapters\.vllm .*needs vllm==") as info:
+        VllmHooks.from_vllm()
+    assert info.value.name == "vllm"
