@@ -160,3 +160,45 @@ def build_mismatch_probe(service: object, temperature: float = 1.0):
     from app.mismatch_probe import MismatchProbe
 
     return MismatchProbe(service.trainer, service.engine, temperature)  # type: ignore[attr-defined]
+
+
+# --- fused log-prob/entropy forward ---------------------------------------------------------
+
+
+def build_logprob_service(
+    model: object,
+    fused_forward: object = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    chunk_size: int | None = None,
+):
+    """A LogProbService over a Megatron GPTModel (wrappers allowed) or any TrainerModel.
+
+    The fused-forward mode is decided here, once: `fused_forward` (the value of
+    `actor.fused_forward`, None when unset) wins; else `VERL_FUSED_USE_OP_HOOK` from the
+    environment, read once through `read_environment`; else auto. Later changes to the
+    environment change nothing.
+
+    Args:
+        model: a Megatron model, or an object that already is a TrainerModel.
+        fused_forward: "auto" / "hook" / "legacy" or an alias (see docs/fused-forward.md).
+        environ: the environment to read (default: the process environment).
+        chunk_size: tokens per chunk of the fused computation (None: sized from the vocabulary).
+
+    Returns:
+        app.logprob_service.LogProbService.
+
+    Raises:
+        FusedForwardModeError: the value is not a mode (names the key or the variable).
+        FusedHookUnavailable: hook required and the model's forward lacks it.
+    """
+    from app.logprob_service import LogProbService
+    from domain.fused_forward_mode import ENV_VAR, FusedForwardRequest
+
+    request = FusedForwardRequest.from_settings(fused_forward, read_environment(environ).get(ENV_VAR))
+    if callable(getattr(model, "log_probs", None)) and callable(getattr(model, "named_weights", None)):
+        return LogProbService(model, mode="none", source=request.source)  # type: ignore[arg-type]
+    from adapters.megatron.trainer_model import MegatronTrainerModel
+
+    trainer = MegatronTrainerModel.build(model, request.mode, chunk_size=chunk_size)  # type: ignore[arg-type]
+    return LogProbService(trainer, mode=trainer.mode.value, source=request.source)

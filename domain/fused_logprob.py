@@ -130,6 +130,25 @@ def reference_logprob_entropy(
     return torch.where(keep, logp, zero), torch.where(keep, entropy, zero)
 
 
+def validate_temperature(temperature: object) -> float:
+    """Check a sampling temperature.
+
+    Args:
+        temperature: the value to check.
+
+    Returns:
+        It, as a float.
+
+    Raises:
+        InvalidTemperature: not a real number, not finite, or not > 0.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise InvalidTemperature(f"temperature must be a float, got {temperature!r}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise InvalidTemperature(f"temperature must be finite and > 0, got {temperature!r}")
+    return float(temperature)
+
+
 def _validate(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -157,10 +176,7 @@ def _validate(
             f"shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape)}",
             "give one label per hidden-state position",
         )
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise InvalidTemperature(f"temperature must be a float, got {temperature!r}")
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise InvalidTemperature(f"temperature must be finite and > 0, got {temperature!r}")
+    validate_temperature(temperature)
     if chunk_size is not None and (isinstance(chunk_size, bool) or int(chunk_size) < 1):
         raise InvalidTensor("chunk_size", f"{chunk_size!r} is not a positive token count", "use None or >= 1")
 

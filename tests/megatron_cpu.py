@@ -88,6 +88,7 @@ def tiny_gpt_model(
     tied: bool = True,
     post_process: bool = True,
     seed: int = 0,
+    model_cls: type | None = None,
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """A small megatron-core GPTModel with the local (non-Transformer-Engine) layer spec, on CPU.
@@ -98,6 +99,7 @@ def tiny_gpt_model(
         tied: share the embedding and output weights.
         post_process: build the last-stage head (False gives a non-last pipeline stage).
         seed: torch seed used for the parameter initialization.
+        model_cls: a GPTModel subclass to build instead of GPTModel.
         config_overrides: extra TransformerConfig fields.
 
     Returns:
@@ -115,7 +117,7 @@ def tiny_gpt_model(
         use_cpu_initialization=True,
         **config_overrides,
     )
-    model = GPTModel(
+    model = (model_cls or GPTModel)(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=vocab_size,
