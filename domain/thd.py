@@ -160,8 +160,15 @@ class ThdLayout:
         return mask
 
     def position_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Int64 [total]: position of each token within its sequence (padding keeps counting)."""
-        return torch.cat([torch.arange(p, device=device) for p in self.padded_seqlens])
+        """Int64 [total]: position of each token within its sequence; 0 on padding.
+
+        Padding gets 0 so that a learned position table is never indexed past the longest
+        real sequence (the last slot can be much longer than its sequence).
+        """
+        pos = torch.zeros(self.total, dtype=torch.long, device=device)
+        for start, n in zip(self.cu_seqlens_padded, self.seqlens, strict=False):
+            pos[start : start + n] = torch.arange(n, device=device)
+        return pos
 
     def pack(self, sequences: Sequence[torch.Tensor], pad_value: float | int = 0) -> torch.Tensor:
         """Concatenate sequences [L_i, ...] into [total, ...], padding each slot with `pad_value`.

@@ -82,7 +82,7 @@ def test_next_token_labels_stay_inside_each_sequence():
     x = IGNORE_INDEX
     assert labels.tolist() == [2, 3, x, x, 5, x, x, x, 7, 8, 9, x, x, x, x, x]
     pos = layout.position_ids()
-    assert pos.tolist()[:8] == [0, 1, 2, 3, 0, 1, 2, 3] and pos.shape == (16,)
+    assert pos.tolist() == [0, 1, 2, 0, 0, 1, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0]
 
 
 def test_fused_log_probs_on_a_pack_equal_per_sequence_plain_computation():
