@@ -5,4 +5,5 @@ from __future__ import annotations
 # Suite name -> module. Explicit, imported lazily.
 SUITES: dict[str, str] = {
     "codecs": "app.bench.codecs",
+    "export": "app.bench.export",
 }
