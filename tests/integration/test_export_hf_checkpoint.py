@@ -53,7 +53,7 @@ def test_reader_streams_in_layer_order_from_sharded_files(tmp_path: Path) -> Non
 def test_reader_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         HfCheckpoint(tmp_path / "absent")
-    with pytest.raises(CheckpointError, match="no .safetensors files"):
+    with pytest.raises(CheckpointError, match=r"no \.safetensors files"):
         HfCheckpoint(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(CheckpointError, match="not a safetensors index"):
