@@ -1,0 +1,1 @@
+"""Reference QAT backend: pure-torch fake-quantization with the exporter's numerics (CPU or GPU)."""

@@ -1,0 +1,426 @@
+"""Quantization-aware training numerics: train on exactly the values the rollout decodes.
+
+A trainer tensor (a Megatron `linear_qkv`, a Hugging Face `q_proj`, a fused 3-D expert tensor,
+the reference model's fused `qkv`) holds one or more Hugging Face tensors, its `parts`. Its
+fake-quantized value is computed by running those parts through the exporter itself
+(`domain.export.quantize_stream`: same presets, same fused-group global scales, same per-expert
+split) and decoding the checkpoint tensors (`dequantize_weight`), then writing the decoded parts
+back into the trainer's layout. Gradients pass straight through (identity). Activations follow
+the plan's per-token / dynamic scheme through the codec's `fake_quantize_activation`.
+
+The checks a composition root runs around QAT are here too: agreement of the QAT settings with
+the rollout plan (rules 2, 5 and 8 of `domain.dispatch`, reused) and, after the model is built,
+the effective precision of every linear and expert layer against the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+
+from domain import dispatch, naming
+from domain.codecs import QuantizedWeight, dequantize_weight, fake_quantize_activation
+from domain.errors import FusedGroupSplit, QatLayoutError, QatPrecisionMismatch
+from domain.export import quantize_stream
+from domain.formats import BF16, ActivationScheme
+from domain.plan import QuantizationPlan, TensorDecision
+
+Tensor = torch.Tensor
+Shapes = Sequence[tuple[str, tuple[int, ...]]]
+
+
+@attrs.frozen(eq=False)
+class HfPart:
+    """One Hugging Face tensor inside a trainer tensor.
+
+    Attributes:
+        name: its Hugging Face name (`model.layers.0.self_attn.k_proj.weight`).
+        shape: its shape.
+        index: what selects it from the trainer tensor (`trainer[index]`): () for the whole
+            tensor, a row slice, (expert, row slice), or a tensor of row numbers.
+    """
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    index: tuple[object, ...] = attrs.field(default=(), converter=tuple)
+
+
+@attrs.frozen(eq=False)
+class TrainerTensor:
+    """A trainer parameter and the Hugging Face tensors it holds.
+
+    Attributes:
+        name: the trainer's parameter name (`decoder.layers.0.self_attention.linear_qkv.weight`).
+        shape: the parameter's shape.
+        parts: the Hugging Face tensors, in the exporter's (layer) order.
+    """
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    parts: tuple[HfPart, ...] = attrs.field(converter=tuple)
+
+    @property
+    def module(self) -> str:
+        return self.name.rpartition(".")[0]
+
+    @property
+    def param(self) -> str:
+        return self.name.rpartition(".")[2]
+
+
+@attrs.frozen
+class LayerPrecision:
+    """What one trainer tensor computes with.
+
+    Attributes:
+        name: the trainer tensor's name.
+        weight: the weight preset ("BF16" when not fake-quantized; "A+B" when parts differ).
+        activation: the input's ActivationScheme value ("none" when not fake-quantized).
+    """
+
+    name: str
+    weight: str = "BF16"
+    activation: str = ActivationScheme.NONE.value
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.weight != BF16.name or self.activation != ActivationScheme.NONE.value
+
+    def describe(self) -> str:
+        return f"weights {self.weight}, activations {self.activation}"
+
+
+@attrs.frozen
+class QatSummary:
+    """What a QAT backend applied to a model.
+
+    Attributes:
+        backend: the backend's name ("reference", "modelopt").
+        tensors: the model's tensors that hold Linear or expert weights, with their HF parts.
+        precision: the effective precision of each of them, as the backend installed it.
+    """
+
+    backend: str
+    tensors: tuple[TrainerTensor, ...]
+    precision: tuple[LayerPrecision, ...]
+
+    @property
+    def quantized(self) -> tuple[LayerPrecision, ...]:
+        return tuple(p for p in self.precision if p.is_quantized)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "backend": self.backend,
+            "layers": len(self.precision),
+            "fake_quantized": len(self.quantized),
+            "precision": {p.name: {"weight": p.weight, "activation": p.activation} for p in self.precision},
+        }
+
+
+# --- numerics ------------------------------------------------------------------------------
+
+
+def _decode(plan: QuantizationPlan, d: TensorDecision, module: str, shape: tuple[int, ...],
+            dtype: torch.dtype, out: Mapping[str, Tensor]) -> Tensor:
+    tensors = {}
+    for local in d.format.tensor_names:
+        stored = plan.scale_name if local == "weight_scale" else local
+        tensors[local] = out[f"{module}.{stored}"]
+    return dequantize_weight(QuantizedWeight(d.format, tensors, shape, dtype), dtype)
+
+
+@torch.no_grad()
+def exported_values(plan: QuantizationPlan, named: Sequence[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """The values the rollout decodes for each tensor: dequantize(quantize_stream(plan, named)).
+
+    Args:
+        plan: the rollout quantization plan.
+        named: (Hugging Face name, tensor) pairs in layer order; a fused group's members (q/k/v,
+            gate/up) must all be given, as the exporter sees them.
+
+    Returns:
+        name -> tensor of the input's shape and dtype; tensors the plan keeps BF16 are returned
+        unchanged. Raises the exporter's errors (NonDivisibleTensors, InvalidTensor) by name.
+    """
+    out = dict(quantize_stream(plan, named))
+    values: dict[str, Tensor] = {}
+    for name, t in named:
+        shape = tuple(t.shape)
+        d = plan.decide(name, shape)
+        if not d.is_quantized:
+            values[name] = t
+        elif len(shape) == 3:
+            full = torch.empty(shape, dtype=t.dtype, device=t.device)
+            for module, e, rows in naming.expert_split(name, shape):
+                full[e, rows] = _decode(plan, d, module, (rows.stop - rows.start, shape[-1]), t.dtype, out)
+            values[name] = full
+        else:
+            values[name] = _decode(plan, d, naming.module_name(name), shape, t.dtype, out)
+    return values
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: Tensor, fq: Tensor) -> Tensor:  # type: ignore[override]
+        return fq.detach()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def straight_through(w: Tensor, fq: Tensor) -> Tensor:
+    """`fq` in the forward (bit for bit), the identity for `w`'s gradient in the backward.
+
+    Args:
+        w: the trainable tensor.
+        fq: its fake-quantized value (same shape and dtype).
+
+    Returns:
+        A tensor equal to `fq` whose gradient flows to `w` unchanged.
+    """
+    return _StraightThrough.apply(w, fq)
+
+
+def check_parts(tensor: TrainerTensor) -> None:
+    """Validate that the parts of a trainer tensor index into it with the shapes they claim.
+
+    Args:
+        tensor: the trainer tensor.
+
+    Returns:
+        None. Raises QatLayoutError naming the tensor and the part.
+    """
+    probe = torch.empty(tensor.shape, device="meta")
+    for p in tensor.parts:
+        try:
+            got = tuple(probe[p.index].shape) if p.index else tuple(probe.shape)
+        except (IndexError, RuntimeError, TypeError) as err:
+            raise QatLayoutError(f"trainer tensor {tensor.name!r}: part {p.name!r} does not index it ({err})") from None
+        if got != p.shape:
+            raise QatLayoutError(
+                f"trainer tensor {tensor.name!r} {tensor.shape}: part {p.name!r} selects {got}, not {p.shape}; "
+                "the name mapping does not match the model"
+            )
+
+
+def fake_quantize_tensors(plan: QuantizationPlan, items: Sequence[tuple[TrainerTensor, Tensor]]) -> list[Tensor]:
+    """Weight fake-quantization of trainer tensors: the exporter's decoded values, with STE.
+
+    Args:
+        plan: the rollout quantization plan.
+        items: (trainer tensor, its current value) pairs; together they must hold every member
+            of any fused group one of them belongs to (e.g. HF q_proj, k_proj and v_proj).
+
+    Returns:
+        One tensor per item, in the item's dtype: parts the plan quantizes hold the decoded
+        checkpoint values (bit-identical to dequantize(exported tensors)); other parts keep
+        their values. Gradients flow to the inputs unchanged. Items the plan leaves entirely in
+        BF16 are returned as given.
+    """
+    named = [(p.name, w.detach()[p.index] if p.index else w.detach()) for tt, w in items for p in tt.parts]
+    values = exported_values(plan, named)
+    result = []
+    for tt, w in items:
+        quantized = [p for p in tt.parts if plan.decide(p.name, p.shape).is_quantized]
+        if not quantized:
+            result.append(w)
+            continue
+        if len(tt.parts) == 1 and not tt.parts[0].index:
+            fq = values[tt.parts[0].name]
+        else:
+            with torch.no_grad():
+                fq = w.detach().clone()
+                for p in quantized:
+                    fq[p.index] = values[p.name]
+        result.append(straight_through(w, fq))
+    return result
+
+
+def activation_scheme(plan: QuantizationPlan, decision: TensorDecision) -> ActivationScheme:
+    """The activation scheme the rollout applies to the input of a decided tensor.
+
+    Args:
+        plan: the plan.
+        decision: the tensor's decision.
+
+    Returns:
+        NONE for BF16 tensors; the plan's expert scheme for experts, its dense scheme otherwise.
+    """
+    if not decision.is_quantized:
+        return ActivationScheme.NONE
+    return plan.effective_moe_activation if decision.kind == "expert" else plan.effective_linear_activation
+
+
+def fake_quantize_input(scheme: ActivationScheme, x: Tensor, name: str = "activation") -> Tensor:
+    """Activation fake-quantization as the rollout kernels do it (per token / dynamic), with STE.
+
+    Args:
+        scheme: the activation scheme (NONE returns x).
+        x: the layer input [..., K].
+        name: the layer, for errors.
+
+    Returns:
+        The codec's quantize-dequantize of x (`domain.codecs.fake_quantize_activation`).
+    """
+    return fake_quantize_activation(scheme, x, name=name)
+
+
+# --- what each tensor should compute with ----------------------------------------------------
+
+
+def _is_layer(part: HfPart) -> bool:
+    """Linear or expert weights: dense/expert tensors and the default-ignored Linear layers."""
+    cls = naming.classify(part.name, part.shape)
+    if cls.kind != "passthrough":
+        return True
+    return len(part.shape) == 2 and "default ignore" in cls.reason
+
+
+def tensor_precision(plan: QuantizationPlan, tensor: TrainerTensor) -> LayerPrecision:
+    """What a trainer tensor must compute with under `plan`.
+
+    Args:
+        plan: the plan.
+        tensor: the trainer tensor.
+
+    Returns:
+        Its LayerPrecision. Raises FusedGroupSplit when its parts get different formats or
+        activation schemes (one input cannot be quantized two ways).
+    """
+    decisions = [plan.decide(p.name, p.shape) for p in tensor.parts]
+    formats = sorted({d.format.name for d in decisions})
+    schemes = sorted({activation_scheme(plan, d).value for d in decisions})
+    if len(formats) > 1 or len(schemes) > 1:
+        raise FusedGroupSplit(
+            f"trainer tensor {tensor.name!r} holds {[p.name for p in tensor.parts]}, which the plan puts in "
+            f"{formats} with activations {schemes}; keep all of them in BF16 with rollout.quantization.ignore "
+            "or none of them"
+        )
+    return LayerPrecision(tensor.name, formats[0], schemes[0])
+
+
+def layer_tensors(tensors: Sequence[TrainerTensor]) -> tuple[TrainerTensor, ...]:
+    """The trainer tensors that hold Linear or expert weights (what QAT may fake-quantize).
+
+    Args:
+        tensors: every trainer tensor of a model.
+
+    Returns:
+        Those with at least one Linear or expert part, in order.
+    """
+    return tuple(t for t in tensors if any(_is_layer(p) for p in t.parts))
+
+
+def expected_precision(plan: QuantizationPlan, tensors: Sequence[TrainerTensor]) -> dict[str, LayerPrecision]:
+    """The precision every linear and expert layer must train in: the rollout's.
+
+    Args:
+        plan: the rollout plan.
+        tensors: the model's trainer tensors.
+
+    Returns:
+        trainer tensor name -> LayerPrecision, for every Linear or expert tensor.
+    """
+    return {t.name: tensor_precision(plan, t) for t in layer_tensors(tensors)}
+
+
+def check_effective_precision(
+    plan: QuantizationPlan, tensors: Sequence[TrainerTensor], actual: Mapping[str, LayerPrecision]
+) -> None:
+    """After QAT is applied: every linear and expert layer trains in the rollout's precision.
+
+    Args:
+        plan: the rollout plan.
+        tensors: the model's trainer tensors.
+        actual: what the QAT backend installed, by trainer tensor name (missing = BF16).
+
+    Returns:
+        None. Raises QatPrecisionMismatch listing every layer that differs, both ways (the
+        rollout quantizes a layer that trains in BF16, or the trainer fake-quantizes a layer the
+        rollout serves in BF16 or in another format).
+    """
+    expected = expected_precision(plan, tensors)
+    names = list(expected) + [n for n, p in actual.items() if p.is_quantized and n not in expected]
+    diffs = []
+    for name in names:
+        want = expected.get(name, LayerPrecision(name))
+        got = actual.get(name, LayerPrecision(name))
+        if (want.weight, want.activation) != (got.weight, got.activation):
+            diffs.append((name, want.describe(), got.describe()))
+    if diffs:
+        listing = "; ".join(f"{n}: rollout {w}, training {g}" for n, w, g in diffs[:8])
+        more = f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""
+        raise QatPrecisionMismatch(
+            f"{len(diffs)} layer(s) would train in another precision than the rollout serves: {listing}{more}; "
+            "QAT must fake-quantize exactly the layers the rollout quantizes (check rollout.quantization.ignore, "
+            "actor.megatron.qat.ignore_patterns and the backend's name mapping)",
+            layers=tuple(diffs),
+        )
+
+
+# --- agreement of the QAT settings with the rollout plan --------------------------------------
+
+
+@attrs.frozen
+class QatSettings:
+    """actor.megatron.qat.* and the training settings QAT must agree with, as plain values.
+
+    Attributes:
+        mode: actor.megatron.qat.mode (a preset name).
+        ignore: actor.megatron.qat.ignore_patterns.
+        te_fp8, te_fp4: override_transformer_config.fp8 / fp4 (None = off).
+        first_last_layers_bf16: override_transformer_config.first_last_layers_bf16.
+        num_layers_at_start_in_bf16, num_layers_at_end_in_bf16: how many boundary layers.
+    """
+
+    mode: str | None
+    ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    te_fp8: object = None
+    te_fp4: object = None
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+
+
+def _num_layers(shapes: Shapes) -> int:
+    layers = [i for n, _ in shapes if (i := naming.layer_index(n)) is not None]
+    return max(layers) + 1 if layers else 0
+
+
+def check_qat_plan(plan: QuantizationPlan, shapes: Shapes, settings: QatSettings,
+                   num_layers: int | None = None) -> QuantizationPlan:
+    """Check that QAT will train in the rollout's precision; return the plan QAT applies.
+
+    Runs dispatch rule 5 (no Transformer Engine FP8/FP4 recipe with QAT), rule 2 (qat.mode is
+    the rollout's one preset; what qat.ignore_patterns keeps BF16 the rollout keeps BF16) and
+    rule 8 for QAT (layers `first_last_layers_bf16` keeps BF16 in training must be BF16 in the
+    rollout; the error lists the layers that differ).
+
+    Args:
+        plan: the resolved rollout plan.
+        shapes: the model's (Hugging Face name, shape) pairs.
+        settings: the QAT settings.
+        num_layers: decoder layers (default: from the names).
+
+    Returns:
+        The QAT plan: the rollout plan plus the QAT ignore entries and the BF16 boundary layers.
+        When the checks pass it decides every tensor as the rollout plan does.
+    """
+    dispatch.check_qat_te_recipe(qat_enable=True, te_fp8=settings.te_fp8, te_fp4=settings.te_fp4)
+    dispatch.check_qat_mode(plan, qat_enable=True, qat_mode=settings.mode)
+    dispatch.check_qat_ignore(plan, shapes, settings.ignore)
+    bf16_layers = dispatch.bf16_training_layers(
+        _num_layers(shapes) if num_layers is None else num_layers,
+        enabled=settings.first_last_layers_bf16,
+        at_start=settings.num_layers_at_start_in_bf16,
+        at_end=settings.num_layers_at_end_in_bf16,
+    )
+    dispatch.check_boundary_layers(plan, shapes, bf16_layers)
+    extra = list(settings.ignore)
+    if bf16_layers:
+        extra.append(dispatch.layer_ignore_entry(sorted(bf16_layers)))
+    extra = [e for e in extra if e not in plan.ignore]
+    return attrs.evolve(plan, ignore=plan.ignore + tuple(extra)) if extra else plan
