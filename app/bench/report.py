@@ -43,6 +43,10 @@ class BenchRow:
     unit: str
     baseline: str | None = None
     baseline_value: float | None = None
+    # Optional plotting hints for `refit bench all` (app/bench/figures.py); inferred when None.
+    figure: str | None = None  # which figure the row belongs to: throughput, memory, bucket, mismatch
+    preset: str | None = None  # the precision preset the row measures (FP8_BLOCK, ...), for grouping
+    x: float | None = None  # a numeric sweep coordinate, e.g. the bucket size in MiB
 
     @property
     def ratio(self) -> float | None:

@@ -15,8 +15,10 @@ from app.bench.report import BenchReport
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark suite (ratios against baselines in the same run)")
-    p.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
+    p.add_argument("suite", choices=sorted({*SUITES, "all"}), help="which suite to run (all: every suite, one report)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    p.add_argument("--out", metavar="DIR", default="out/bench",
+                   help="with `all`: where bench.json, report.md and the PNG figures go (default out/bench)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -39,6 +41,10 @@ def render(report: BenchReport, console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite == "all":
+        from app.bench.all import cli_run
+
+        return cli_run(args)
     report: BenchReport = importlib.import_module(SUITES[args.suite]).run(quick=args.quick)
     if args.json:
         sys.stdout.write(report.to_json() + "\n")
