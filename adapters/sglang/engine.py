@@ -1,0 +1,231 @@
+"""SglangRolloutEngine: the RolloutEngine port over an SGLang weight-update session.
+
+Per refit: `begin_weight_update()`, a BEGIN marker carrying the staging rule, one
+`update_weights_from_tensor(..., load_format=LOADER_PATH)` per bucket, a FINAL marker (the
+loader rebuilds kernel layouts once, in the captured storage), `end_weight_update()`.
+On any failure the loader restores the live weights from its backup: commit mode TRANSACTIONAL.
+
+The adapter reaches SGLang through `SglangClient`, four calls wide: `EngineClient` wraps a real
+`sglang.Engine` (imported lazily); tests use a fake shaped like it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import attrs
+import structlog
+import torch
+
+from adapters.sglang.staging import ABORT_MARKER, BEGIN_MARKER, FINAL_MARKER, LOADER_PATH, StagingRule, marker
+from domain.buckets import Bucket, unpack_bucket
+from domain.dispatch import check_sglang, check_sync_backend
+from domain.errors import EngineBusy, EngineStale, EngineUpdateFailed, StorageRebound
+from domain.plan import QuantizationPlan
+from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, StorageFingerprint
+
+log = structlog.get_logger()
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+LogProbFn = Callable[[torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+class SglangClient(Protocol):
+    """The four SGLang calls a refit makes, plus the two queries the checks read."""
+
+    def begin_weight_update(self) -> tuple[bool, str]: ...
+
+    def update_weights_from_tensor(self, named_tensors: NamedTensors, load_format: str,
+                                   flush_cache: bool) -> tuple[bool, str]: ...
+
+    def end_weight_update(self) -> tuple[bool, str]: ...
+
+    def storage_fingerprint(self) -> StorageFingerprint: ...
+
+    def live_weights(self) -> Mapping[str, torch.Tensor]: ...
+
+
+def _ok(result: object) -> tuple[bool, str]:
+    if result is None:
+        return True, ""
+    if isinstance(result, tuple):
+        return bool(result[0]), str(result[1]) if len(result) > 1 else ""
+    return bool(getattr(result, "success", True)), str(getattr(result, "message", ""))
+
+
+@attrs.define
+class EngineClient:
+    """A real `sglang.Engine` (started with `custom_weight_loader=[LOADER_PATH]`).
+
+    The captured-storage check runs inside the engine (the loader fails the refit); this process
+    cannot see the engine's pointers, so `storage_fingerprint` is empty and `live_weights` is not
+    available here.
+    """
+
+    engine: Any
+
+    def begin_weight_update(self) -> tuple[bool, str]:
+        return _ok(self.engine.begin_weight_update())
+
+    def update_weights_from_tensor(self, named_tensors: NamedTensors, load_format: str,
+                                   flush_cache: bool) -> tuple[bool, str]:
+        return _ok(self.engine.update_weights_from_tensor(named_tensors, load_format=load_format,
+                                                          flush_cache=flush_cache))
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        return _ok(self.engine.end_weight_update())
+
+    def storage_fingerprint(self) -> StorageFingerprint:
+        return StorageFingerprint({})
+
+    def live_weights(self) -> Mapping[str, torch.Tensor]:
+        raise NotImplementedError("an out-of-process SGLang engine's tensors are not visible here")
+
+
+@attrs.define
+class SglangRolloutEngine:
+    """A RolloutEngine over SGLang.
+
+    Attributes:
+        client: the SGLang seam.
+        plan: the rollout plan (validated against SGLang's restrictions and the sync settings).
+        native_mxfp8: the dispatch chose SGLang's native MXFP8 layout (`weight_scale_inv`).
+        sync_backend: rollout.checkpoint_engine.backend (a quantized rollout rejects delta sync).
+        wire_format: rollout.wire_format (a quantized rollout rejects `delta_flush`).
+        log_prob_fn: serves log-probs; None = not served by this adapter.
+        stale_reason: why it does not serve (it starts stale until the first refit).
+    """
+
+    client: SglangClient
+    plan: QuantizationPlan = attrs.field(factory=QuantizationPlan.bf16)
+    native_mxfp8: bool = False
+    sync_backend: str | None = None
+    wire_format: str | None = None
+    log_prob_fn: LogProbFn | None = None
+    stale_reason: str | None = "no refit has completed yet"
+    _session: RefitSession = attrs.field(init=False, factory=RefitSession)
+    _rule: StagingRule = attrs.field(init=False)
+    _before: StorageFingerprint | None = attrs.field(init=False, default=None)
+    _open: bool = attrs.field(init=False, default=False)
+    _tensors: int = attrs.field(init=False, default=0)
+    _staged_bytes: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        check_sglang("sglang", self.plan)
+        check_sync_backend(self.plan.is_quantized, backend=self.sync_backend, wire_format=self.wire_format)
+        self._rule = StagingRule.for_plan(self.plan, native_mxfp8=self.native_mxfp8)
+
+    @property
+    def commit_mode(self) -> CommitMode:
+        return CommitMode.TRANSACTIONAL
+
+    @property
+    def is_stale(self) -> bool:
+        return self.stale_reason is not None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def _update(self, named: NamedTensors, *, flush_cache: bool = False) -> None:
+        ok, message = self.client.update_weights_from_tensor(named, LOADER_PATH, flush_cache)
+        if not ok:
+            raise EngineUpdateFailed(f"SGLang update_weights_from_tensor failed: {message}")
+
+    def begin_refit(self, refit_id: int) -> None:
+        self._session.begin(refit_id)
+        self._tensors = self._staged_bytes = 0
+        try:
+            self._before = self.client.storage_fingerprint()
+            ok, message = self.client.begin_weight_update()
+            if not ok:
+                raise EngineUpdateFailed(f"SGLang begin_weight_update failed: {message}")
+            self._open = True
+            self._update([(BEGIN_MARKER, self._rule.to_tensor(refit_id))])
+        except Exception as err:
+            self._fail(f"begin: {type(err).__name__}: {err}")
+            raise
+
+    def load_bucket(self, bucket: Bucket) -> None:
+        self._session.accept(bucket)
+        named = list(unpack_bucket(bucket))
+        try:
+            self._update(named)  # returns once SGLang's loader has copied or loaded them
+        except Exception as err:
+            self._fail(f"loading bucket {bucket.index}: {type(err).__name__}: {err}")
+            raise
+        self._tensors += len(named)
+        self._staged_bytes += sum(t.nbytes for n, t in named if self._rule.must_stage(n))
+
+    def finalize_refit(self) -> EngineFinalizeResult:
+        self._session.finalize()
+        t0 = time.perf_counter()
+        try:
+            self._update([marker(FINAL_MARKER)], flush_cache=True)
+            self._close_session()
+            seconds = time.perf_counter() - t0
+            changed = self._before.differences(self.client.storage_fingerprint()) if self._before else []
+            if changed:
+                raise StorageRebound(
+                    f"refit {self._session.refit_id}: {len(changed)} captured tensors changed data pointer, "
+                    f"shape, stride or dtype in SGLang (e.g. {changed[:3]})"
+                )
+        except StorageRebound as err:
+            self._fail(f"finalize: {err}", stale=True)
+            raise
+        except Exception as err:
+            self._fail(f"finalize: {type(err).__name__}: {err}")
+            raise
+        self._session.commit()
+        self.stale_reason = None
+        return EngineFinalizeResult(postprocess_seconds=seconds, tensors_committed=self._tensors,
+                                    peak_staging_bytes=self._staged_bytes)
+
+    def _close_session(self) -> None:
+        if self._open:
+            self._open = False
+            ok, message = self.client.end_weight_update()
+            if not ok:
+                raise EngineUpdateFailed(f"SGLang end_weight_update failed: {message}")
+
+    def abort_refit(self, reason: str) -> None:
+        if self._session.in_progress:
+            self._fail(reason)
+
+    def mark_stale(self, reason: str) -> None:
+        if self._session.in_progress:
+            self._fail(reason)
+        self.stale_reason = reason
+
+    def _fail(self, reason: str, *, stale: bool = False) -> None:
+        refit_id = self._session.refit_id
+        if self._session.in_progress:
+            self._session.fail()
+        try:
+            if self._open:
+                self._update([marker(ABORT_MARKER)])  # restores unless the loader already did
+                self._close_session()
+        except Exception as err:  # could not confirm the restore: never serve a half update
+            stale = True
+            reason = f"{reason}; restore failed: {type(err).__name__}: {err}"
+        if stale:
+            self.stale_reason = f"refit {refit_id} failed ({reason})"
+        log.warning("sglang refit failed", refit_id=refit_id, reason=reason, stale=stale)
+
+    # --- queries and serving ----------------------------------------------------------------
+
+    def storage_fingerprint(self) -> StorageFingerprint:
+        return self.client.storage_fingerprint()
+
+    def live_weights(self) -> Mapping[str, torch.Tensor]:
+        return MappingProxyType(dict(self.client.live_weights()))
+
+    def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._session.in_progress:
+            raise EngineBusy(f"refit {self._session.refit_id} is {self._session.state.value}; not serving")
+        if self.stale_reason is not None:
+            raise EngineStale(f"engine is stale ({self.stale_reason}); run a full refit before serving")
+        if self.log_prob_fn is None:
+            raise NotImplementedError("this SglangRolloutEngine was built without log_prob_fn")
+        return self.log_prob_fn(input_ids, temperature)
