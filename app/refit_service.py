@@ -24,8 +24,6 @@ from domain.refit import RefitOutcome, RefitReport, RefitSession, StorageCheck
 from ports.rollout_engine import RolloutEngine
 from ports.trainer_model import TrainerModel
 
-log = structlog.get_logger()
-
 PHASES = ("export", "quantize", "pack", "load", "finalize", "verify", "total")
 
 
@@ -103,7 +101,7 @@ class RefitService:
             RefitFailed: with `.report` (outcome ROLLED_BACK or STALE) and the cause chained.
         """
         refit_id, self._next_id = self._next_id, self._next_id + 1
-        bound = log.bind(refit_id=refit_id, plan=describe_plan(self.plan))
+        bound = structlog.get_logger().bind(refit_id=refit_id, plan=describe_plan(self.plan))
         clock = _Clock()
         stats = {"bytes_sent": 0, "buckets": 0, "tensors": 0}
         timings = dict.fromkeys(PHASES, 0.0)

@@ -34,8 +34,6 @@ from domain.errors import EngineBusy, EngineStale, EngineTensorMismatch, RefitVe
 from domain.plan import QuantizationPlan
 from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, StorageFingerprint
 
-log = structlog.get_logger()
-
 # A verifier sees one commit group's post-processed tensors ("key.local" -> tensor) before they
 # are committed, and raises to stop the commit.
 Verifier = Callable[[str, Mapping[str, torch.Tensor]], None]
@@ -226,7 +224,7 @@ class ReferenceEngine:
                 gs = staged[GLOBAL]
                 out[GLOBAL] = gs.amax(dim=-1, keepdim=True)
                 if not bool((gs == out[GLOBAL]).all()):
-                    log.warning("fused shards have different global scales; using the maximum", module=key)
+                    structlog.get_logger().warning("fused shards have different global scales; using the maximum", module=key)
             ready[key] = out
         self._post_seconds += time.perf_counter() - t0
         return ready
@@ -270,7 +268,7 @@ class ReferenceEngine:
         if self._touched:
             self._stale = f"refit {self._session.refit_id} failed after live weights were written: {reason}"
             self._effective = None
-        log.warning("refit aborted", refit_id=self._session.refit_id, reason=reason, stale=self.is_stale)
+        structlog.get_logger().warning("refit aborted", refit_id=self._session.refit_id, reason=reason, stale=self.is_stale)
 
     # --- serving ---------------------------------------------------------------------------
 

@@ -85,17 +85,20 @@ class ReferenceTrainer:
 
     @torch.no_grad()
     def perturb_(self, seed: int, scale: float = 0.01) -> None:
-        """A training-like step: every weight w += scale * std(w) * noise, in place.
+        """A training-like step: every weight w += scale * rms(w) * noise, in place.
+
+        The root mean square (not the standard deviation) sets the size, so that norm weights
+        near 1 move by more than one BF16 step too.
 
         Args:
             seed: seed of the noise (one per step).
-            scale: size of the step relative to each tensor's spread.
+            scale: size of the step relative to each tensor's magnitude.
         """
         g = torch.Generator().manual_seed(seed)
         for t in self.weights.values():
             noise = torch.randn(t.shape, generator=g)
-            spread = t.float().std() if t.numel() > 1 else torch.tensor(1.0)
-            t.add_((scale * spread * noise).to(t.dtype))
+            rms = t.float().pow(2).mean().sqrt()
+            t.add_((scale * rms * noise).to(t.dtype))
 
 
 def hf_state_dict(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:

@@ -123,7 +123,7 @@ def test_begin_during_a_refit_is_rejected_and_no_serving_while_staging(engine, r
     with pytest.raises(RefitLifecycleError, match="cannot begin"):
         engine.begin_refit(3)
     engine.load_bucket(refit_buckets[1][0])
-    with pytest.raises(EngineBusy, match="does not serve|not serving"):
+    with pytest.raises(EngineBusy, match=r"does not serve|not serving"):
         engine.log_probs(rs.token_ids())
     engine.abort_refit("test")
 

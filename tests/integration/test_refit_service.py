@@ -1,0 +1,146 @@
+"""RefitService end to end: the report against independent counts, the canonical log line, KV-cache
+scale resets, staging memory per commit mode, post-processing once, and the bootstrap builders."""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+import torch
+
+from adapters.memory import RecordingEngine
+from adapters.reference.config import MICRO_MOE
+from adapters.reference.engine import KV_PLACEHOLDER, ReferenceEngine
+from app.bootstrap import build_mismatch_probe, build_refit_service, build_refit_service_from_config
+from app.refit_service import PHASES, RefitService
+from domain.errors import ConfigError, EngineBusy, RefitFailed
+from domain.plan import QuantizationPlan
+from domain.refit import CommitMode, RefitOutcome
+from tests import refit_support as rs
+
+
+def _service(plan=rs.DEFAULT_PLAN, **engine_kw) -> RefitService:
+    engine = ReferenceEngine(MICRO_MOE, plan, **engine_kw)
+    return RefitService(rs.trainer(), engine, plan, bucket_bytes=rs.SMALL_BUCKET)
+
+
+def test_report_matches_independent_counts():
+    svc = _service()
+    named = rs.stream(svc.trainer)
+    report = svc.refit()
+    assert report.outcome is RefitOutcome.LIVE and report.ok
+    assert report.tensors == len(named)
+    assert report.bytes_sent == sum(t.numel() * t.element_size() for _, t in named)
+    assert report.buckets == len(rs.buckets(named)) > 1
+    assert report.source_bytes == svc.trainer.num_bytes()
+    assert report.bytes_sent < report.source_bytes  # FP8 / NVFP4 are smaller than BF16
+    assert set(report.timings) == set(PHASES) and all(v >= 0 for v in report.timings.values())
+    assert report.timings["total"] >= report.timings["load"] + report.timings["finalize"]
+    assert report.plan == "linear=FP8_BLOCK moe=NVFP4" and report.commit_mode == "transactional"
+    assert report.throughput_gbps > 0 and report.to_dict()["storage"]["ok"] is True
+    assert svc.reports == [report]
+
+
+def test_one_canonical_log_line_per_refit():
+    svc = _service()
+    with structlog.testing.capture_logs() as logs:
+        svc.refit()
+    lines = [e for e in logs if e["event"] == "refit"]
+    assert len(lines) == 1 and lines[0]["outcome"] == "live" and lines[0]["log_level"] == "info"
+    assert lines[0]["buckets"] == svc.reports[-1].buckets and lines[0]["storage"] == "ok"
+    svc.bucket_bytes = 1 << 30
+    svc.engine.begin_refit(99)  # a refit someone else opened: ours cannot begin
+    with structlog.testing.capture_logs() as logs, pytest.raises(RefitFailed, match="failed at begin"):
+        svc.refit()
+    assert [e["log_level"] for e in logs if e["event"] == "refit"] == ["error"]
+    with pytest.raises(EngineBusy):  # the other refit was not aborted by us: still staging
+        svc.engine.log_probs(rs.token_ids())
+
+
+def test_quantized_refit_resets_uncalibrated_kv_scales():
+    svc = _service()
+    report = svc.refit()
+    kv = {n: float(t) for n, t in svc.engine.live_weights().items() if n.endswith("_scale") and ".attn." in n}
+    assert report.kv_scales_reset == MICRO_MOE.num_layers
+    assert len(kv) == 4 * MICRO_MOE.num_layers and set(kv.values()) == {1.0}
+
+
+def test_without_the_reset_the_loader_placeholders_would_stay():
+    svc = _service(reset_kv_scales=False)
+    assert svc.refit().kv_scales_reset == 0
+    kv = [float(t) for n, t in svc.engine.live_weights().items() if ".attn." in n]
+    assert set(kv) == {KV_PLACEHOLDER}
+
+
+def test_calibrated_kv_scales_are_kept_with_a_kv_cache_scheme():
+    engine = ReferenceEngine(MICRO_MOE, rs.DEFAULT_PLAN, kv_cache_scheme={"num_bits": 8, "type": "float"})
+    named = [*rs.stream(rs.trainer()), ("model.layers.1.self_attn.k_scale", torch.tensor(0.5))]
+    result = rs.full_refit(engine, rs.buckets(named))
+    assert result.kv_scales_reset == 0
+    live = engine.live_weights()
+    assert float(live["layers.1.attn.k_scale"]) == 0.5 and float(live["layers.0.attn.k_scale"]) == 1.0
+
+
+def test_bf16_refit_leaves_kv_scales_alone():
+    svc = _service(QuantizationPlan.bf16())
+    assert svc.refit().kv_scales_reset == 0
+
+
+def test_per_layer_staging_is_bounded_by_one_commit_group():
+    peaks = {}
+    for mode in CommitMode:
+        svc = _service(commit_mode=mode)
+        peaks[mode] = svc.refit().peak_staging_bytes
+        layout = svc.engine.layout
+    group_bytes = {}
+    for m in layout.modules.values():
+        size = sum(torch.empty(0, dtype=d).element_size() * torch.Size(s).numel() for s, d in m.staging().values())
+        group_bytes[m.group] = group_bytes.get(m.group, 0) + size
+    assert peaks[CommitMode.TRANSACTIONAL] == sum(group_bytes.values())
+    assert peaks[CommitMode.PER_LAYER] <= max(group_bytes.values()) < peaks[CommitMode.TRANSACTIONAL]
+
+
+def test_post_processing_runs_once_per_module_and_refit():
+    svc = _service()
+    for _ in range(2):
+        svc.refit()
+        assert set(svc.engine.postprocess_counts) == set(svc.engine.layout.modules)
+        assert set(svc.engine.postprocess_counts.values()) == {1}
+    named = rs.stream(rs.trainer())
+    recording = RecordingEngine.for_stream(named)
+    svc = RefitService(rs.trainer(), recording, rs.DEFAULT_PLAN, bucket_bytes=rs.SMALL_BUCKET)
+    r1, r2 = svc.refit(), svc.refit()
+    assert recording.finalize_count(r1.refit_id) == recording.finalize_count(r2.refit_id) == 1
+    kinds = [e[0] for e in recording.events]
+    assert kinds == ["begin", *["bucket"] * r1.buckets, "finalize"] * 2
+    assert [e[1] for e in recording.events if e[0] == "bucket"] == [*range(r1.buckets)] * 2
+
+
+def test_progress_bar_for_long_refits_does_not_change_the_result():
+    svc = _service()
+    svc.progress, svc.progress_min_bytes = True, 0
+    assert svc.refit().ok
+
+
+def test_bootstrap_builds_the_default_service_and_probe():
+    svc = build_refit_service(model="micro-moe", bucket_megabytes=0.0625)
+    assert svc.plan == rs.DEFAULT_PLAN and svc.bucket_bytes == 64 << 10
+    assert svc.refit().ok
+    result = build_mismatch_probe(svc).probe(rs.token_ids())
+    assert result.metrics.k3_kl > 0 and result.metrics.tokens == 2 * 23
+
+
+def test_bootstrap_from_config_and_its_errors():
+    svc = build_refit_service_from_config(
+        {"rollout": {"quantization": {"linear": "MXFP8"},
+                     "checkpoint_engine": {"update_weights_bucket_megabytes": 1}}},
+        model="micro-moe",
+    )
+    assert svc.plan.linear.name == "MXFP8" and not svc.plan.moe.is_quantized and svc.bucket_bytes == 1 << 20
+    with pytest.raises(ConfigError, match=r"rollout\.name"):
+        build_refit_service_from_config({"rollout": {"name": "vllm"}}, model="micro-moe")
+    with pytest.raises(ConfigError, match="--inject-fault"):
+        build_refit_service(model="micro-moe", inject_fault="explode")
+    with pytest.raises(ConfigError, match="commit_mode"):
+        build_refit_service(model="micro-moe", commit_mode="lazy")
+    with pytest.raises(ConfigError, match="bucket_megabytes"):
+        build_refit_service(model="micro-moe", bucket_megabytes=0)
