@@ -135,11 +135,15 @@ class BucketPlanner:
         reuse_buffer: pack every bucket into the same buffer. Safe because the consumer
             acknowledges (returns control to the generator) only after it has copied or consumed
             the bucket; a consumer that keeps views past that point sees them overwritten.
+        buffers: with reuse_buffer, how many buffers the buckets rotate through (consecutive
+            packed buckets never share one). 2 = double buffering: bucket k+1 is packed while bucket k is still
+            in flight, and the consumer must release bucket k before bucket k+2 is requested.
     """
 
     bucket_bytes: int
     alignment: int = DEFAULT_ALIGNMENT
     reuse_buffer: bool = False
+    buffers: int = 1
 
     def __attrs_post_init__(self) -> None:
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
@@ -149,6 +153,8 @@ class BucketPlanner:
                 f"bucket_bytes must be at least the alignment ({self.alignment}), got "
                 f"{self.bucket_bytes}; raise the bucket size"
             )
+        if self.buffers < 1:
+            raise BucketLayoutError(f"buffers must be >= 1, got {self.buffers}")
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
         """Pack the stream, in order, into buckets; the last one has `is_last=True`.
@@ -166,9 +172,15 @@ class BucketPlanner:
         it = iter(named_tensors)
         pending = next(it, None)
         index = 0
-        shared = torch.empty(self.bucket_bytes, dtype=torch.uint8) if self.reuse_buffer else None
+        pool: list[torch.Tensor | None] = [None] * self.buffers
+        pooled = 0  # buckets packed into a pool buffer so far (lone large tensors use none)
         seen: set[str] = set()
         while True:
+            shared = None
+            if self.reuse_buffer:
+                if pool[pooled % self.buffers] is None:
+                    pool[pooled % self.buffers] = torch.empty(self.bucket_bytes, dtype=torch.uint8)
+                shared = pool[pooled % self.buffers]
             buf = shared if shared is not None else None
             metas: list[TensorMeta] = []
             used = 0
@@ -201,6 +213,7 @@ class BucketPlanner:
                 buf = torch.empty(0, dtype=torch.uint8)
             yield Bucket(index, buf if shared is not None else buf[:used], tuple(metas), pending is None)
             index += 1
+            pooled += 1
             if pending is None:
                 return
 

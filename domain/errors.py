@@ -263,3 +263,47 @@ class QatStateError(RefitError, RuntimeError):
 
 class QatUnsupportedModel(RefitError, NotImplementedError):
     """The model has a setting under which QAT cannot reproduce the exporter's bits (named in the message)."""
+
+
+# --- distributed refit: sharding, bucket transport, collective failures (domain/sharding, transfer) --
+
+
+class ShardingError(RefitError, ValueError):
+    """A parallel layout does not fit the model or the refit world. Carries the tensor or config key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+class CollectiveTimeout(RefitError, TimeoutError):
+    """A collective did not complete in time: a peer is hung or gone. Names the rank and the step."""
+
+    def __init__(self, rank: int | None, step: str, seconds: float, peers: tuple[int, ...] = ()) -> None:
+        self.rank = rank
+        self.step = step
+        self.seconds = seconds
+        self.peers = peers
+        who = f"rank {rank}" if rank is not None else "in-process receiver"
+        with_ = f" with ranks {list(peers)}" if peers else ""
+        super().__init__(
+            f"{who}: timed out after {seconds:g} s at step {step!r}{with_}; a peer is hung or gone "
+            "(check its log). The process group is no longer usable: restart the refit world"
+        )
+
+
+class PeerLost(RefitError, ConnectionError):
+    """A collective failed because a peer closed its connection (it crashed or exited)."""
+
+
+class TransportAborted(RefitError, RuntimeError):
+    """The source stopped the bucket stream; the message carries the source's error."""
+
+
+class WireProtocolError(RefitError, RuntimeError):
+    """A transport message is not the one expected (another refit, a corrupt header): ranks are out of step."""
+
+
+class DistributedRefitFailed(RefitFailed):
+    """Every rank of a distributed refit raises this when any rank failed; the message names the
+    failing ranks and steps and what each engine did (kept, restored or stale)."""
