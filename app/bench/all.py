@@ -80,7 +80,7 @@ class AllResult:
         }
 
 
-def suite_names(suites: Mapping[str, str]) -> list[str]:
+def suite_names(suites: Mapping[str, object]) -> list[str]:
     """The suites `all` runs: every registered one but `all`, in registration order."""
     return [name for name in suites if name != "all"]
 
@@ -203,8 +203,8 @@ def cli_run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
     else:
-        out = Console()
-        out.print(f"wrote {result.out_dir / JSON_NAME}, {result.out_dir / REPORT_NAME} and "
+        out, where = Console(), Path(args.out)
+        out.print(f"wrote {where / JSON_NAME}, {where / REPORT_NAME} and "
                   f"{len(result.figures)} figures in {result.seconds:.1f} s")
         if args.quick and result.seconds > QUICK_BUDGET_S:
             out.print(f"[yellow]--quick took {result.seconds:.0f} s, over its {QUICK_BUDGET_S:.0f} s budget[/yellow]")

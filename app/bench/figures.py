@@ -186,7 +186,8 @@ def _draw_mismatch(rows: list[tuple[str, BenchRow]], plt: Any) -> Any:
     for ax, metric in zip(axes, metrics, strict=True):
         sel = [(s, r) for s, r in rows if r.metric == metric]
         as_ratio = all(r.ratio is not None for _, r in sel)
-        items = [(_label(s, r), r.baseline if as_ratio else s, r.ratio if as_ratio else r.value) for s, r in sel]
+        items = [(_label(s, r), str(r.baseline) if as_ratio else s, float(r.ratio if as_ratio else r.value))  # type: ignore[arg-type]
+                 for s, r in sel]
         unit = sel[0][1].unit
         _bars(ax, items, "ratio vs baseline" if as_ratio else (unit or "value"), unit_line=as_ratio)
         ax.set_title(metric, fontsize=9)
