@@ -6,4 +6,5 @@ from __future__ import annotations
 SUITES: dict[str, str] = {
     "codecs": "app.bench.codecs",
     "export": "app.bench.export",
+    "logprobs": "app.bench.logprobs",
 }

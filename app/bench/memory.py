@@ -6,7 +6,8 @@ a `TorchDispatchMode` sees every aten operator that runs inside the block (forwa
 backward alike) and records the storage of each output that the operator's schema marks as
 freshly allocated (no alias annotation: views and in-place results are not new memory). A weak
 reference to each storage tells when it is freed. After every operator, the bytes of the live
-recorded storages are summed; the peak is the largest such sum.
+recorded storages are summed; the peak is the largest such sum. The lifetimes are kept, so a
+peak can also be recomputed without chosen tensors (e.g. the gradients a backward returns).
 
 What it measures: bytes held by tensors created inside the block, at operator boundaries.
 What it does not: memory that existed before the block (inputs, parameters), scratch space an
@@ -16,13 +17,23 @@ caching). Those are the same for the paths a benchmark compares, or small next t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import attrs
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+
+@attrs.define
+class _Lifetime:
+    ptr: int
+    nbytes: int
+    ref: StorageWeakRef
+    born: int
+    died: int | None = None
 
 
 class TensorBytesTracker(TorchDispatchMode):
@@ -31,36 +42,64 @@ class TensorBytesTracker(TorchDispatchMode):
     Usage:
         with TensorBytesTracker() as t:
             run()
-        t.peak_bytes
+        t.peak_bytes, t.peak_bytes_without([x.grad])
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._live: dict[int, _Lifetime] = {}
+        self._all: list[_Lifetime] = []
+        self._step = 0
         self.current_bytes = 0
         self.peak_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        fresh = _fresh_outputs(func, out)
-        for t in fresh:
+        self._step += 1
+        for t in _fresh_outputs(func, out):
             storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if storage.nbytes() and key not in self._live:
-                self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+            ptr = storage.data_ptr()
+            if storage.nbytes() and ptr not in self._live:
+                life = _Lifetime(ptr, storage.nbytes(), StorageWeakRef(storage), self._step)
+                self._live[ptr] = life
+                self._all.append(life)
         self._sweep()
         return out
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        self._step += 1
         self._sweep()
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
-        for k in dead:
-            del self._live[k]
-        self.current_bytes = sum(n for _, n in self._live.values())
+        for ptr in [p for p, life in self._live.items() if life.ref.expired()]:
+            self._live.pop(ptr).died = self._step
+        self.current_bytes = sum(life.nbytes for life in self._live.values())
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def peak_bytes_without(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        """The peak recomputed as if the storages of `tensors` (still alive) had never existed.
+
+        Args:
+            tensors: tensors created inside the block and alive now (e.g. parameter gradients).
+
+        Returns:
+            The peak in bytes, over the same operator boundaries.
+        """
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+        skip = {id(life) for life in self._live.values() if life.ptr in ptrs}
+        delta: dict[int, int] = {}
+        for life in self._all:
+            if id(life) in skip:
+                continue
+            delta[life.born] = delta.get(life.born, 0) + life.nbytes
+            if life.died is not None:
+                delta[life.died] = delta.get(life.died, 0) - life.nbytes
+        peak = current = 0
+        for step in sorted(delta):
+            current += delta[step]
+            peak = max(peak, current)
+        return peak
 
 
 def _fresh_outputs(func: Any, out: Any) -> list[torch.Tensor]:
@@ -68,9 +107,8 @@ def _fresh_outputs(func: Any, out: Any) -> list[torch.Tensor]:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     fresh: list[torch.Tensor] = []
     for i, o in enumerate(outs):
-        aliased = i < len(returns) and returns[i].alias_info is not None
-        if aliased:
-            continue
+        if i < len(returns) and returns[i].alias_info is not None:
+            continue  # a view or an in-place result: no new memory
         flat, _ = tree_flatten(o)
         fresh.extend(t for t in flat if isinstance(t, torch.Tensor))
     return fresh

@@ -1,0 +1,36 @@
+"""The CPU peak-memory tracker of the benchmarks, on allocations whose sizes are known."""
+
+from __future__ import annotations
+
+import torch
+
+from app.bench.memory import TensorBytesTracker, peak_bytes
+
+MB = 1_000_000
+
+
+def test_counts_fresh_storages_once_and_ignores_views_and_in_place():
+    with TensorBytesTracker() as t:
+        a = torch.empty(MB // 4)  # 1 MB
+        b = torch.empty(2 * MB // 4)  # 2 MB
+        del a
+        c = b.view(-1)  # a view: no new memory
+        b.add_(1)  # in place: no new memory
+        d = torch.empty(MB // 4)  # 1 MB, after `a` was freed
+    assert t.peak_bytes == 3 * MB
+    assert t.current_bytes == 3 * MB
+    del b, c, d
+
+
+def test_backward_operators_are_seen_and_gradients_can_be_left_out():
+    x = torch.randn(MB // 4, requires_grad=True)  # created before: not counted
+    with TensorBytesTracker() as t:
+        y = (x * 2).exp()  # x*2 freed after exp (exp saves its result): 1 MB held
+        y.sum().backward()  # grad of exp (1 MB), then x.grad (1 MB)
+    # Plus a few bytes of scalars (the sum and its gradient).
+    assert 3 * MB <= t.peak_bytes < 3 * MB + 64
+    assert 2 * MB <= t.peak_bytes_without([x.grad]) < 2 * MB + 64
+
+
+def test_peak_bytes_helper_on_cpu():
+    assert peak_bytes(lambda: torch.ones(MB // 4) + 1) == 2 * MB
