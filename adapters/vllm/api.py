@@ -1,0 +1,62 @@
+"""Every vLLM name the adapter relies on, checked against the pinned vLLM's source by
+tests/integration/test_engine_conformance.py (static analysis of the downloaded wheel).
+
+Entries: (kind, "module:qualname", details). Kinds:
+- symbol: the name is bound in the module; details = keyword arguments its def/class accepts.
+- member: a method, field or `self.<attr>` of a class; details = keyword arguments of a method.
+- env: an environment variable vLLM reads (a key of the module's environment table).
+- values: a module-level Literal / list holds these string values.
+- contains: the function's source contains these snippets (a behaviour the adapter relies on).
+"""
+
+from __future__ import annotations
+
+from adapters.vllm.hooks import PINNED_VLLM
+
+PACKAGE, VERSION = "vllm", PINNED_VLLM
+
+USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # layerwise reload (hooks.py)
+    ("symbol", "vllm.model_executor.model_loader.reload:initialize_layerwise_reload", ()),
+    ("symbol", "vllm.model_executor.model_loader.reload:finalize_layerwise_reload", ()),
+    ("symbol", "vllm.model_executor.model_loader.reload.layerwise:initialize_layerwise_reload", ("model",)),
+    ("symbol", "vllm.model_executor.model_loader.reload.layerwise:finalize_layerwise_processing",
+     ("model", "model_config")),
+    ("contains", "vllm.model_executor.model_loader.reload.layerwise:_layerwise_process",
+     ("process_weights_after_loading(layer)", "_copy_and_restore_kernel_tensors")),
+    ("contains", "vllm.model_executor.model_loader.reload.layerwise:make_online_process_loader",
+     ("info.loaded_weights.append",)),
+    ("symbol", "vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check", ()),
+    # KV-cache scales
+    ("symbol", "vllm.model_executor.layers.quantization.kv_cache:BaseKVCacheMethod", ("quant_config",)),
+    ("member", "vllm.model_executor.layers.quantization.kv_cache:BaseKVCacheMethod.quant_config", ()),
+    ("symbol", "vllm.model_executor.layers.attention.attention:set_default_quant_scales", ("register_buffer",)),
+    ("contains", "vllm.model_executor.layers.attention.attention:set_default_quant_scales",
+     ("layer._k_scale.fill_(1.0)", "layer._prob_scale.fill_(1.0)")),
+    ("member", "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
+               "CompressedTensorsConfig.kv_cache_scheme", ()),
+    # workers (worker.py) and the engine (engine.py, client.py)
+    ("symbol", "vllm.config:set_current_vllm_config", ()),
+    ("member", "vllm.v1.worker.gpu_worker:Worker.get_model", ()),
+    ("member", "vllm.v1.worker.worker_base:WorkerBase.vllm_config", ()),
+    ("member", "vllm.entrypoints.llm:LLM.collective_rpc", ("args",)),
+    ("member", "vllm.entrypoints.llm:LLM.generate", ("use_tqdm",)),
+    ("symbol", "vllm:SamplingParams", ()),
+    ("symbol", "vllm.sampling_params:SamplingParams", ("max_tokens", "temperature", "prompt_logprobs", "ignore_eos")),
+    ("symbol", "vllm.inputs:TokensPrompt", ()),
+    ("symbol", "vllm.inputs.llm:TokensPrompt", ("prompt_token_ids",)),
+    ("member", "vllm.outputs:RequestOutput.prompt_logprobs", ()),
+    ("member", "vllm.outputs:RequestOutput.outputs", ()),
+    ("member", "vllm.outputs:CompletionOutput.token_ids", ()),
+    ("member", "vllm.logprobs:Logprob.logprob", ()),
+    # engine arguments and environment (engine_args.py)
+    ("symbol", "vllm.engine.arg_utils:EngineArgs",
+     ("hf_overrides", "quantization", "linear_backend", "moe_backend", "kv_cache_dtype", "load_format")),
+    ("values", "vllm.config.kernel:MoEBackend", ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass")),
+    ("values", "vllm.config.kernel:LinearBackend", ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass")),
+    ("env", "vllm.envs:VLLM_USE_DEEP_GEMM", ()),
+    ("env", "vllm.envs:VLLM_MOE_USE_DEEP_GEMM", ()),
+    ("env", "vllm.envs:VLLM_USE_DEEP_GEMM_E8M0", ()),
+    ("env", "vllm.envs:VLLM_ALLOW_INSECURE_SERIALIZATION", ()),
+    ("env", "vllm.envs:VLLM_ENABLE_V1_MULTIPROCESSING", ()),
+)
