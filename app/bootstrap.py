@@ -202,3 +202,62 @@ def build_logprob_service(
 
     trainer = MegatronTrainerModel.build(model, request.mode, chunk_size=chunk_size)  # type: ignore[arg-type]
     return LogProbService(trainer, mode=trainer.mode.value, source=request.source)
+
+
+# --- rollout engine kernels (domain.backend_policy) ------------------------------------------
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def deep_gemm_opt_out(
+    engine: str, engine_kwargs: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> bool:
+    """Whether DeepGEMM requests are switched off: `rollout.engine_kwargs.<engine>.use_deep_gemm: false`
+    or `VERL_ROLLOUT_USE_DEEP_GEMM=0` (either one restores the engine's automatic selection).
+
+    Args:
+        engine: rollout.name ("vllm" or "sglang").
+        engine_kwargs: the `rollout.engine_kwargs` section (a mapping of engine -> kwargs), or None.
+        environ: the environment (default: this process's), read once here.
+
+    Returns:
+        True to opt out. Raises ConfigError naming the key or variable on a value that is not a switch.
+    """
+    from domain.errors import ConfigError
+
+    section = (engine_kwargs or {}).get(engine) if isinstance(engine_kwargs, Mapping) else None
+    value = section.get("use_deep_gemm") if isinstance(section, Mapping) else None
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"rollout.engine_kwargs.{engine}.use_deep_gemm", f"expected true or false, got {value!r}")
+    env = read_environment(environ).get("VERL_ROLLOUT_USE_DEEP_GEMM")
+    if env is not None and env.strip().lower() not in _ON + _OFF:
+        raise ConfigError("VERL_ROLLOUT_USE_DEEP_GEMM", f"expected 1 or 0 (true/false), got {env!r}")
+    return value is False or (env is not None and env.strip().lower() in _OFF)
+
+
+def build_backend_decision(
+    engine: str,
+    plan: object,
+    capability: tuple[int, int] | None = None,
+    *,
+    engine_kwargs: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+):
+    """The kernel backends for a rollout engine (ARCHITECTURE.md section 5), opt-out applied.
+
+    Args:
+        engine: rollout.name ("vllm" or "sglang").
+        plan: the resolved domain.plan.QuantizationPlan.
+        capability: the GPU's compute capability, e.g. torch.cuda.get_device_capability(); None
+            skips the capability gates.
+        engine_kwargs: the `rollout.engine_kwargs` section, for `use_deep_gemm`.
+        environ: the environment, for VERL_ROLLOUT_USE_DEEP_GEMM.
+
+    Returns:
+        domain.backend_policy.BackendDecision.
+    """
+    from domain.backend_policy import decide_backends
+
+    opt_out = deep_gemm_opt_out(engine, engine_kwargs, environ)
+    return decide_backends(engine, plan, capability, opt_out=opt_out)  # type: ignore[arg-type]
