@@ -204,6 +204,38 @@ def build_logprob_service(
     return LogProbService(trainer, mode=trainer.mode.value, source=request.source)
 
 
+# --- refit doctor: the environment probe ------------------------------------------------------
+
+
+def build_environment_probe(environ: Mapping[str, str] | None = None, snapshot_file: str | None = None):
+    """The EnvironmentProbe `refit doctor` inspects: this machine, or a snapshot saved elsewhere.
+
+    Args:
+        environ: the environment to read the honoured variables from (default os.environ).
+        snapshot_file: a JSON file written by `refit doctor --json` (its `environment` object is
+            used); None probes this machine.
+
+    Returns:
+        adapters.system.probe.SystemProbe, or adapters.memory.environment.FixedEnvironmentProbe.
+    """
+    if snapshot_file is not None:
+        import json
+        from pathlib import Path
+
+        from adapters.memory.environment import FixedEnvironmentProbe
+        from domain.errors import ConfigError
+
+        try:
+            data = json.loads(Path(snapshot_file).read_text())
+            return FixedEnvironmentProbe.from_dict(data.get("environment", data))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError("--environment", f"cannot read an environment snapshot from {snapshot_file}: {err}; "
+                              "pass the JSON that `refit doctor --json` prints") from None
+    from adapters.system.probe import SystemProbe
+
+    return SystemProbe(environ=read_environment(environ))
+
+
 # --- rollout engine kernels (domain.backend_policy) ------------------------------------------
 
 _ON = ("1", "true", "yes", "on")

@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "bench": "app.cli.bench",
     "plan": "app.cli.plan",
     "export": "app.cli.export",
+    "doctor": "app.cli.doctor",
 }
 
 

@@ -1,0 +1,1 @@
+"""Adapters that look at the machine itself (installed packages, GPUs)."""
