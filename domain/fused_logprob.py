@@ -19,11 +19,12 @@ weight-gradient accumulator. This module is the reference implementation and the
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from domain.errors import InvalidTensor, InvalidTemperature, UnsupportedDtype
+from domain.errors import InvalidTemperature, InvalidTensor, UnsupportedDtype
 
 IGNORE_INDEX = -100
 # Default bytes of one [chunk, vocab] float32 buffer; the forward holds about two of them.
@@ -193,7 +194,7 @@ def _validate_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -
         )
 
 
-def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, op=op, group=group)
     return t
@@ -201,7 +202,7 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | N
 
 class _FusedLogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx, hidden, weight, labels, temperature, chunk, ignore_index, group, vocab_start, reduce_grad
     ):
         n_tok, vocab = hidden.shape[0], weight.shape[0]
@@ -232,7 +233,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
+    def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, labels, row_max, log_sum, mean_shift = ctx.saved_tensors
         temperature, chunk, ignore_index, group, vocab_start, reduce_grad = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -72,6 +72,10 @@ def sequence_alignment(recipe_align: int, tp: int = 1, cp: int = 1) -> int:
     return math.lcm(recipe_align, tp * cp * (2 if cp > 1 else 1))
 
 
+def _int_tuple(values: Sequence[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
 def _positive_lengths(_: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
     if not value:
         raise ThdPackingError(f"{attribute.name}: no sequences to pack")
@@ -90,8 +94,8 @@ class ThdLayout:
         align: the per-sequence alignment the layout was planned with.
     """
 
-    seqlens: tuple[int, ...] = attrs.field(converter=tuple, validator=_positive_lengths)
-    padded_seqlens: tuple[int, ...] = attrs.field(converter=tuple)
+    seqlens: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_positive_lengths)
+    padded_seqlens: tuple[int, ...] = attrs.field(converter=_int_tuple)
     align: int = 1
 
     @padded_seqlens.validator

@@ -122,7 +122,7 @@ def run(quick: bool = False) -> BenchReport:
     chunk = auto_chunk_size(vocab, chunk_bytes=int(cfg["chunk_bytes"]))  # type: ignore[call-overload]
     report = BenchReport("logprobs")
 
-    def fused(h, w, y, temperature):  # type: ignore[no-untyped-def]
+    def fused(h, w, y, temperature):
         return fused_logprob_entropy(h, w, y, temperature=temperature, chunk_size=chunk)
 
     results: dict[int, dict[str, dict[str, float]]] = {}

@@ -53,7 +53,7 @@ class TensorBytesTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._step += 1
         for t in _fresh_outputs(func, out):

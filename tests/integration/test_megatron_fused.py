@@ -27,7 +27,7 @@ from domain.errors import FusedForwardModeError, FusedHookUnavailable, InvalidTe
 from domain.fused_forward_mode import FusedForwardMode
 from tests.megatron_cpu import causal_mask, megatron_cpu_env, tiny_gpt_model  # noqa: F401
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]
 VOCAB = 64
 HOOK, LEGACY, AUTO = FusedForwardMode.HOOK, FusedForwardMode.LEGACY, FusedForwardMode.AUTO
 
@@ -66,7 +66,7 @@ def _param_grads(model):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_hook_and_legacy_agree_and_equal_plain_logits(megatron_cpu_env, tied):
+def test_hook_and_legacy_agree_and_equal_plain_logits(tied):
     ids = _ids()
     plain_model = tiny_gpt_model(tied=tied)
     hook_model, legacy_model = tiny_gpt_model(tied=tied), tiny_gpt_model(tied=tied)
@@ -92,7 +92,7 @@ def test_hook_and_legacy_agree_and_equal_plain_logits(megatron_cpu_env, tied):
         assert (gh[name] - gp[name]).abs().max() <= 1e-4 * max(1.0, float(gp[name].abs().max())), name
 
 
-def test_auto_picks_hook_on_installed_megatron_and_leaves_forward_untouched(megatron_cpu_env):
+def test_auto_picks_hook_on_installed_megatron_and_leaves_forward_untouched():
     model = tiny_gpt_model()
     trainer = MegatronTrainerModel.build(model, AUTO)
     assert trainer.mode is HOOK and stored_mode(model) is HOOK
@@ -100,7 +100,7 @@ def test_auto_picks_hook_on_installed_megatron_and_leaves_forward_untouched(mega
     assert model.forward.__func__ is type(model).forward
 
 
-def test_auto_picks_legacy_when_forward_lacks_hook_parameters(megatron_cpu_env):
+def test_auto_picks_legacy_when_forward_lacks_hook_parameters():
     model = tiny_gpt_model(model_cls=_old_forward_class())
     plain = plain_from_logits(model, _ids(), 1.3)
     trainer = MegatronTrainerModel.build(model, AUTO)
@@ -109,7 +109,7 @@ def test_auto_picks_legacy_when_forward_lacks_hook_parameters(megatron_cpu_env):
     assert (lp - plain[0]).abs().max() < 1e-5 and (ent - plain[1]).abs().max() < 1e-5
 
 
-def test_forced_hook_without_the_contract_fails_at_build_naming_the_version(megatron_cpu_env):
+def test_forced_hook_without_the_contract_fails_at_build_naming_the_version():
     model = tiny_gpt_model(model_cls=_old_forward_class())
     with pytest.raises(FusedHookUnavailable, match=r"Megatron-Core 0\.19") as err:
         build_logprob_service(model, "hook", environ={})
@@ -121,7 +121,7 @@ def test_forced_hook_without_the_contract_fails_at_build_naming_the_version(mega
     ("config_value", "env", "key"),
     [("maybe", {}, "actor.fused_forward"), (None, {"VERL_FUSED_USE_OP_HOOK": "2"}, "VERL_FUSED_USE_OP_HOOK")],
 )
-def test_invalid_values_fail_at_build_listing_accepted_ones(megatron_cpu_env, config_value, env, key):
+def test_invalid_values_fail_at_build_listing_accepted_ones(config_value, env, key):
     model = tiny_gpt_model()
     with pytest.raises(FusedForwardModeError, match="accepted") as err:
         build_logprob_service(model, config_value, environ=env)
@@ -130,7 +130,7 @@ def test_invalid_values_fail_at_build_listing_accepted_ones(megatron_cpu_env, co
     assert not hasattr(model, MODE_ATTR)
 
 
-def test_environment_is_read_once_at_build(megatron_cpu_env, monkeypatch):
+def test_environment_is_read_once_at_build(monkeypatch):
     monkeypatch.setenv("VERL_FUSED_USE_OP_HOOK", "No")
     model = tiny_gpt_model()
     service = build_logprob_service(model)
@@ -141,14 +141,14 @@ def test_environment_is_read_once_at_build(megatron_cpu_env, monkeypatch):
     assert stored_mode(model) is LEGACY
 
 
-def test_configuration_wins_over_environment(megatron_cpu_env):
+def test_configuration_wins_over_environment():
     model = tiny_gpt_model()
     service = build_logprob_service(model, "HOOK", environ={"VERL_FUSED_USE_OP_HOOK": "0"})
     assert (service.mode, service.source) == ("hook", "actor.fused_forward")
     assert not is_patched(model)
 
 
-def test_patch_and_unpatch_are_idempotent_and_restore_exactly(megatron_cpu_env):
+def test_patch_and_unpatch_are_idempotent_and_restore_exactly():
     model = tiny_gpt_model()
     original = type(model).forward
     assert patch_fused_forward(model) is True
@@ -173,7 +173,7 @@ def _recording_pre_hook(model):
     return seen
 
 
-def test_hook_mode_passes_context_and_never_temperature(megatron_cpu_env):
+def test_hook_mode_passes_context_and_never_temperature():
     hook_model, legacy_model = tiny_gpt_model(), tiny_gpt_model()
     seen_hook, seen_legacy = _recording_pre_hook(hook_model), _recording_pre_hook(legacy_model)
     MegatronTrainerModel.build(hook_model, HOOK).log_probs(_ids(), temperature=0.6)
@@ -185,7 +185,7 @@ def test_hook_mode_passes_context_and_never_temperature(megatron_cpu_env):
     assert kw["temperature"] == 0.6 and "output_processor" not in kw
 
 
-def test_sequence_parallel_gather_runs_before_the_fused_computation(megatron_cpu_env):
+def test_sequence_parallel_gather_runs_before_the_fused_computation():
     model = tiny_gpt_model(tied=False)
     seq, batch = 8, 2
     full = torch.randn(seq, batch, 32)
@@ -214,7 +214,7 @@ def test_sequence_parallel_gather_runs_before_the_fused_computation(megatron_cpu
     assert events == []
 
 
-def test_non_last_pipeline_stage_returns_hidden_states_in_both_modes(megatron_cpu_env):
+def test_non_last_pipeline_stage_returns_hidden_states_in_both_modes():
     model = tiny_gpt_model(post_process=False)
     ids = _ids()
     args = (ids, torch.arange(12).expand_as(ids), causal_mask(12))
@@ -227,7 +227,7 @@ def test_non_last_pipeline_stage_returns_hidden_states_in_both_modes(megatron_cp
     assert torch.equal(model(*args, labels=ids, temperature=0.5), reference)
 
 
-def test_mode_is_stored_on_the_real_model_behind_wrappers(megatron_cpu_env):
+def test_mode_is_stored_on_the_real_model_behind_wrappers():
     from megatron.core.transformer.module import Float16Module
 
     inner = tiny_gpt_model(bf16=True)
@@ -253,11 +253,11 @@ def test_mode_is_stored_on_the_real_model_behind_wrappers(megatron_cpu_env):
     trainer = MegatronTrainerModel.build(outer, AUTO)
     assert trainer.mode is LEGACY and vars(lm)[MODE_ATTR] is LEGACY and is_patched(lm)
     plain = plain_from_logits(tiny_gpt_model(), _ids(), 1.0)
-    lp, ent = trainer.log_probs(_ids(), temperature=1.0)
+    lp, _ = trainer.log_probs(_ids(), temperature=1.0)
     assert (lp - plain[0]).abs().max() < 1e-5
 
 
-def test_decision_is_kept_unless_a_different_mode_is_requested(megatron_cpu_env):
+def test_decision_is_kept_unless_a_different_mode_is_requested():
     model = tiny_gpt_model()
     assert resolve_fused_forward(model, LEGACY) is LEGACY and is_patched(model)
     assert resolve_fused_forward(model, AUTO) is LEGACY and is_patched(model)
@@ -265,7 +265,7 @@ def test_decision_is_kept_unless_a_different_mode_is_requested(megatron_cpu_env)
     assert "forward" not in vars(model)
 
 
-def test_bad_temperature_fails_before_the_forward(megatron_cpu_env):
+def test_bad_temperature_fails_before_the_forward():
     trainer = MegatronTrainerModel.build(tiny_gpt_model(), HOOK)
     with pytest.raises(InvalidTemperature):
         trainer.log_probs(_ids(), temperature=0.0)

@@ -9,13 +9,13 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (the `megatron` extra)")
 
-from adapters.megatron.thd import megatron_recipe_alignment, packed_seq_params, plan_packing  # noqa: E402
-from adapters.megatron.trainer_model import MegatronTrainerModel  # noqa: E402
-from domain.fused_forward_mode import FusedForwardMode  # noqa: E402
-from domain.thd import RECIPE_ALIGNMENT, ThdLayout  # noqa: E402
-from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: E402, F401
+from adapters.megatron.thd import megatron_recipe_alignment, packed_seq_params, plan_packing
+from adapters.megatron.trainer_model import MegatronTrainerModel
+from domain.fused_forward_mode import FusedForwardMode
+from domain.thd import RECIPE_ALIGNMENT, ThdLayout
+from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: F401
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_packed_seq_params_fields_and_megatron_seq_idx():
 
 
 @pytest.mark.parametrize("mode", [FusedForwardMode.HOOK, FusedForwardMode.LEGACY])
-def test_packed_forward_equals_one_sequence_at_a_time(megatron_cpu_env, mode):
+def test_packed_forward_equals_one_sequence_at_a_time(mode):
     # Megatron's local attention does not take packed input (that needs Transformer Engine), so
     # the model here has no transformer layers: every token is then scored from its own
     # embedding and position, and a packed forward must match per-sequence forwards exactly.

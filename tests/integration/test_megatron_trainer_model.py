@@ -7,20 +7,20 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (the `megatron` extra)")
 
-from adapters.megatron.trainer_model import MegatronTrainerModel  # noqa: E402
-from app.bootstrap import build_logprob_service  # noqa: E402
-from app.logprob_service import LogProbService  # noqa: E402
-from domain.fused_forward_mode import FusedForwardMode  # noqa: E402
-from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: E402, F401
+from adapters.megatron.trainer_model import MegatronTrainerModel
+from app.bootstrap import build_logprob_service
+from app.logprob_service import LogProbService
+from domain.fused_forward_mode import FusedForwardMode
+from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: F401
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]
 
 
 def _model(tied: bool):
     return tiny_gpt_model(tied=tied, num_layers=1, num_query_groups=2, gated_linear_unit=True)
 
 
-def test_names_in_layer_order_and_lm_head_only_when_untied(megatron_cpu_env):
+def test_names_in_layer_order_and_lm_head_only_when_untied():
     names = [n for n, _ in MegatronTrainerModel.build(_model(False), FusedForwardMode.HOOK).named_weights()]
     assert names[0] == "model.embed_tokens.weight"
     assert names[-1] == "lm_head.weight"
@@ -33,7 +33,7 @@ def test_names_in_layer_order_and_lm_head_only_when_untied(megatron_cpu_env):
     assert "lm_head.weight" not in tied and len(tied) == len(names) - 1
 
 
-def test_qkv_and_gate_up_split_agree_with_megatron_modules(megatron_cpu_env):
+def test_qkv_and_gate_up_split_agree_with_megatron_modules():
     model = _model(False)
     weights = dict(MegatronTrainerModel.build(model, FusedForwardMode.HOOK).named_weights())
     cfg = model.config
@@ -54,7 +54,7 @@ def test_qkv_and_gate_up_split_agree_with_megatron_modules(megatron_cpu_env):
         torch.testing.assert_close(x @ weights[p + "up_proj.weight"].T + weights[p + "up_proj.bias"], up)
 
 
-def test_service_over_megatron_and_over_a_ready_trainer_model(megatron_cpu_env):
+def test_service_over_megatron_and_over_a_ready_trainer_model():
     model = _model(True)
     service = build_logprob_service(model, "legacy", environ={})
     ids = torch.randint(0, 64, (3, 7))

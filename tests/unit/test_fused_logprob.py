@@ -160,9 +160,9 @@ def test_bad_temperature_is_a_typed_error(tau):
 
 def test_bad_inputs_are_typed_errors_naming_the_tensor():
     h, w, y = inputs()
-    with pytest.raises(InvalidTensor, match="'labels'.*outside the vocabulary"):
+    with pytest.raises(InvalidTensor, match=r"'labels'.*outside the vocabulary"):
         fused_logprob_entropy(h, w, torch.full((T,), V))
-    with pytest.raises(InvalidTensor, match="'labels'.*does not match"):
+    with pytest.raises(InvalidTensor, match=r"'labels'.*does not match"):
         fused_logprob_entropy(h, w, y[:-1])
     with pytest.raises(InvalidTensor, match="'weight'"):
         fused_logprob_entropy(h, w[:, :-1], y)

@@ -30,7 +30,7 @@ def test_sequence_alignment(recipe, tp, cp, expected):
 
 
 def test_unknown_recipe_and_bad_sizes_are_typed_errors():
-    with pytest.raises(ThdPackingError, match="'custom'.*pass the alignment"):
+    with pytest.raises(ThdPackingError, match=r"'custom'.*pass the alignment"):
         recipe_alignment("custom")
     with pytest.raises(ThdPackingError, match="tp"):
         sequence_alignment(16, tp=0)
