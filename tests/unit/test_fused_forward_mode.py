@@ -93,3 +93,18 @@ def test_token_scores_validate_their_tensors():
         TokenScores(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3))
     with pytest.raises(InvalidTensor, match="'mask'"):
         TokenScores(torch.zeros(2, 3), torch.zeros(2, 3)).mean_entropy(torch.ones(3, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(
+    "module", ["adapters.megatron.fused_forward", "adapters.megatron.thd", "adapters.megatron.trainer_model"]
+)
+def test_adapter_without_megatron_names_itself_and_the_package(monkeypatch, module):
+    import importlib
+    import sys
+
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith(("megatron.", "adapters.megatron."))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "megatron", None)  # import megatron -> ImportError
+    with pytest.raises(ModuleNotFoundError, match=r"adapters\.megatron\.\w+ needs megatron-core") as err:
+        importlib.import_module(module)
+    assert err.value.name == "megatron.core"
