@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from domain.backend_policy import (
+    MIN_CAPABILITY,
     AUTO,
     DEEP_GEMM,
     FLASHINFER_CUTLASS,
@@ -176,3 +177,40 @@ def test_bootstrap_rejects_values_that_are_not_switches() -> None:
         deep_gemm_opt_out("vllm", None, {"VERL_ROLLOUT_USE_DEEP_GEMM": "maybe"})
     with pytest.raises(ConfigError, match=r"rollout\.engine_kwargs\.vllm\.use_deep_gemm"):
         deep_gemm_opt_out("vllm", {"vllm": {"use_deep_gemm": "no"}}, {})
+
+
+# --- docs/engines.md's support matrix is the policy's ----------------------------------------
+
+
+def _matrix_rows() -> list[list[str]]:
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()
+    section = text.split("### Support matrix", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| linear")]
+    return rows
+
+
+def test_docs_support_matrix_matches_the_policy() -> None:
+    from domain.dispatch import check_sglang
+    from domain.errors import EngineRejectsQuantization
+
+    rows = _matrix_rows()
+    assert len(rows) >= 10
+    for linear, moe, act, gpu, vllm, sglang, _why in rows:
+        lin, mo = (None if linear == "BF16" else linear), (None if moe == "BF16" else moe)
+        kw = {}
+        if act != "default":
+            kw["linear_activation" if mo is None else "moe_activation"] = act
+        p = plan(lin, mo, **kw)
+        for engine, cell in (("vllm", vllm), ("sglang", sglang)):
+            try:
+                check_sglang(engine, p)
+            except EngineRejectsQuantization:
+                assert cell == "rejected", (linear, moe, act, engine)
+                continue
+            d = decide_backends(engine, p, BLACKWELL)
+            assert cell == f"{d.linear.backend} / {d.moe.backend}", (linear, moe, act, engine)
+        need = max(MIN_CAPABILITY[f.name] for f in p.formats)
+        assert gpu == f"SM{need[0]}{need[1]}+"
