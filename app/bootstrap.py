@@ -293,3 +293,83 @@ def build_backend_decision(
 
     opt_out = deep_gemm_opt_out(engine, engine_kwargs, environ)
     return decide_backends(engine, plan, capability, opt_out=opt_out)  # type: ignore[arg-type]
+
+
+# --- distributed refit: trainer and engine ranks over torch.distributed ----------------------
+
+
+def build_distributed_refit(
+    world: object,
+    rank: int,
+    *,
+    plan: object | None = None,
+    model: str = "tiny-moe",
+    seed: int = 0,
+    commit_mode: str = "transactional",
+    bucket_megabytes: float = 64,
+    window: int = 2,
+    step_timeout_s: float = 60.0,
+    phase_timeout_s: float = 600.0,
+    fault: object | None = None,
+    restore: str | None = None,
+    hang_s: float = 60.0,
+):
+    """This rank's DistributedRefitService on the embedded reference model, in an initialized
+    torch.distributed world (every rank calls it, in the same order: it creates process groups).
+
+    Args:
+        world: a domain.sharding.RefitWorld (trainer layout, engine count).
+        rank: this process's rank.
+        plan: a QuantizationPlan (default build_plan()).
+        model: reference model preset; trainer ranks build it from `seed` and keep their slices.
+        seed: seed of the trainer's weights.
+        commit_mode: the engines' commit mode (`transactional` or `per-layer`).
+        bucket_megabytes: bucket capacity, MiB.
+        window: buckets in flight (2 = double buffering, 1 = none).
+        step_timeout_s: bound on every per-bucket and tensor-parallel wait.
+        phase_timeout_s: bound on turns and agreements (they include other ranks' work).
+        fault: a domain.transfer.RankFault (tests, demos); an engine rank's bucket / finalize /
+            verify failure is a ScriptedFaultyEngine around its engine.
+        restore: `replay` or `stale` (None: by commit mode).
+        hang_s: how long an injected hang sleeps.
+
+    Returns:
+        app.distributed_refit.DistributedRefitService.
+    """
+    from adapters.reference.config import hf_weight_shapes, preset
+    from adapters.transport.torch_dist import TorchDistCollectives
+    from app.distributed_refit import DistributedRefitService
+    from domain.errors import ConfigError
+    from domain.refit import CommitMode, FaultPoint, FaultScript
+    from domain.sharding import TRAINER
+
+    plan = plan if plan is not None else build_plan()
+    cfg = preset(model)
+    if bucket_megabytes <= 0:
+        raise ConfigError("rollout.checkpoint_engine.update_weights_bucket_megabytes", "must be positive")
+    bucket_bytes = int(bucket_megabytes * 2**20)
+    try:
+        mode = CommitMode.parse(commit_mode)
+    except ValueError as err:
+        raise ConfigError("commit_mode", str(err)) from None
+    comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)  # type: ignore[arg-type]
+    trainer = engine = None
+    if world.role(rank) == TRAINER:  # type: ignore[attr-defined]
+        from adapters.reference.trainer import ReferenceTrainer
+        from adapters.sharded.sliced_trainer import SlicedTrainer
+
+        trainer = SlicedTrainer(ReferenceTrainer.from_seed(cfg, seed), world.layout, rank)  # type: ignore[attr-defined]
+    else:
+        from adapters.reference.engine import ReferenceEngine
+
+        engine = ReferenceEngine(cfg, plan, commit_mode=mode)  # type: ignore[arg-type]
+        f = fault
+        if f is not None and f.rank == rank and not f.hang and f.point in ("bucket", "finalize", "verify"):  # type: ignore[attr-defined]
+            from adapters.memory.faulty import ScriptedFaultyEngine
+
+            script = FaultScript(FaultPoint(f.point), f.index, after=f.refit)  # type: ignore[attr-defined]
+            engine = ScriptedFaultyEngine(engine, script)  # type: ignore[assignment]
+    return DistributedRefitService(
+        world, comm, plan, hf_weight_shapes(cfg), trainer=trainer, engine=engine, bucket_bytes=bucket_bytes,  # type: ignore[arg-type]
+        window=window, restore=restore, fault=fault, hang_s=hang_s,  # type: ignore[arg-type]
+    )

@@ -300,6 +300,10 @@ class TransportAborted(RefitError, RuntimeError):
     """The source stopped the bucket stream; the message carries the source's error."""
 
 
+class PeerFailed(RefitError, RuntimeError):
+    """A peer rank failed (its own error says why); this rank stopped the same refit with it."""
+
+
 class WireProtocolError(RefitError, RuntimeError):
     """A transport message is not the one expected (another refit, a corrupt header): ranks are out of step."""
 

@@ -318,6 +318,14 @@ def checkpoint_items(
     return [(f"{module}.{plan.scale_name if k == 'weight_scale' else k}", t) for k, t in tensors.items()]
 
 
+def piece_nbytes(piece: Mapping[str, torch.Tensor]) -> int:
+    """Bytes `flatten_piece` makes of a piece (each tensor 16-byte aligned)."""
+    end = 0
+    for t in piece.values():
+        end = align_up(end + t.numel() * t.element_size(), _PIECE_ALIGN)
+    return end
+
+
 def flatten_piece(piece: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """One flat uint8 buffer holding a piece's tensors, each at a 16-byte-aligned offset."""
     sizes = [t.numel() * t.element_size() for t in piece.values()]
@@ -392,7 +400,7 @@ class ShardMap:
             The ShardMap. Raises ShardingError (a size that does not divide the model, naming the
             tensor and the configuration key) and NonDivisibleTensors (dispatch rule 9).
         """
-        placements = _place(layout, shapes)
+        placements = place_tensors(layout, shapes)
         return cls(layout, placements, _units(plan, placements))
 
     def units_of(self, rank: int) -> tuple[ExportUnit, ...]:
@@ -412,7 +420,17 @@ class ShardMap:
         return tuple(p for p in self.placements.values() if rank in p.holders)
 
 
-def _place(layout: ParallelLayout, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, Placement]:
+def place_tensors(layout: ParallelLayout, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, Placement]:
+    """Place every tensor of a model on the layout (see the module docstring for the rules).
+
+    Args:
+        layout: tp / pp / ep sizes.
+        shapes: (name, full shape) of every tensor, in layer order.
+
+    Returns:
+        name -> Placement, in stream order. Raises ShardingError naming the tensor or the
+        configuration key when a size does not divide the model.
+    """
     layers = [naming.layer_index(n) for n, _ in shapes]
     known = [i for i in layers if i is not None]
     num_layers = max(known) + 1 if known else 1

@@ -1,0 +1,137 @@
+"""Start a refit world of local processes over gloo on 127.0.0.1, bounded in time.
+
+Rank 0 serves a TCPStore on a free loopback port (the OS picks it, so two worlds never race for
+one) and publishes it to the others; every child joins the default process group through it, runs
+`fn(rank, *args)` and sends back a small picklable result (or its error, as text). Children that are still running at the
+deadline are killed: a hung world ends, it never hangs its caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+try:
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+except ImportError as err:  # pragma: no cover
+    raise ModuleNotFoundError("launch_world needs torch.distributed", name="torch.distributed") from err
+
+LOOPBACK = "127.0.0.1"
+
+
+@attrs.frozen
+class RankResult:
+    """What one process of a world returned.
+
+    Attributes:
+        rank: the process's rank.
+        ok: True when `fn` returned.
+        value: its return value (ok), else None.
+        error: `Type: message` of what it raised, or why it did not report (killed at the deadline).
+        traceback: the formatted traceback, when it raised.
+    """
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str | None = None
+    traceback: str | None = None
+
+
+def _join(rank: int, size: int, port: Any, pg_timeout_s: float) -> None:
+    """Rank 0 serves the rendezvous store on a port the OS picks and publishes it; the others read
+    it. (The parent runs no store: a server thread in the parent could hold a lock across fork.)"""
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
+    if rank == 0:
+        store = dist.TCPStore(LOOPBACK, 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
+        port.value = store.port
+    else:
+        deadline = time.monotonic() + pg_timeout_s
+        while port.value == 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: rank 0 did not publish the rendezvous port in {pg_timeout_s:g} s")
+            time.sleep(0.005)
+        store = dist.TCPStore(LOOPBACK, port.value, size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def _child(fn: Callable[..., Any], rank: int, size: int, port: Any, results: Any, args: tuple[Any, ...],
+           threads: int, pg_timeout_s: float, dump_after_s: float) -> None:
+    # One intra-op thread: safe after fork (OpenMP pools do not survive it) and fair on few cores.
+    torch.set_num_threads(threads)
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)  # a hung world shows where it hangs
+    try:
+        _join(rank, size, port, pg_timeout_s)
+        value = fn(rank, *args)
+        results.put(RankResult(rank, True, value))
+    except BaseException as err:  # report everything: the parent decides
+        results.put(RankResult(rank, False, None, f"{type(err).__name__}: {err}", traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        results.close()
+        results.join_thread()
+        os._exit(0)  # never block on a broken process group's destructor
+
+
+def launch_world(
+    fn: Callable[..., Any],
+    size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float = 120.0,
+    start_method: str = "fork",
+    threads: int = 1,
+    pg_timeout_s: float = 600.0,
+) -> list[RankResult]:
+    """Run `fn(rank, *args)` in `size` processes joined in one gloo process group on 127.0.0.1.
+
+    Args:
+        fn: a module-level function (picklable for `spawn`); its return value must be picklable
+            plain data (tensors as bytes).
+        size: processes (world size).
+        args: extra arguments, the same for every rank.
+        timeout_s: wall-clock bound on the whole world; stragglers are killed.
+        start_method: `fork` (fast; the children set one thread) or `spawn` / `forkserver`.
+        threads: torch intra-op threads per process.
+        pg_timeout_s: the process group's own timeout (collective waits are bounded tighter).
+
+    Returns:
+        One RankResult per rank, by rank.
+    """
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = ctx.Value("i", 0)
+    dump_after = max(timeout_s - 2.0, 1.0)
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, size, port, results, tuple(args), threads, pg_timeout_s, dump_after),
+                    daemon=True)
+        for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, RankResult] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < size and time.monotonic() < deadline:
+        try:
+            r = results.get(timeout=min(0.2, max(deadline - time.monotonic(), 0.01)))
+            got[r.rank] = r
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+    for p in procs:
+        p.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    late = f"no result within {timeout_s:g} s (killed, or it exited without reporting)"
+    return [got.get(r, RankResult(r, False, None, late)) for r in range(size)]

@@ -1,0 +1,313 @@
+"""torch.distributed transport and collectives: gloo on CPU, NCCL on GPU.
+
+TorchDistTransport broadcasts one refit's bucket stream from a source rank to a group of receivers:
+per bucket a header, the metadata and the flat buffer (asynchronously, so the source packs bucket
+k+1 while bucket k is on the wire). Receivers post bucket k+1's receive into their second buffer
+while they consume bucket k from the first. TorchDistCollectives builds every process group a
+refit world needs (all ranks call it in the same order) and runs the agreement, turn and
+tensor-parallel collectives. Every wait is bounded: a silent peer raises CollectiveTimeout naming
+this rank and the step.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+try:
+    import torch.distributed as dist
+except ImportError as err:  # pragma: no cover - torch built without distributed support
+    raise ModuleNotFoundError("TorchDistTransport needs torch.distributed", name="torch.distributed") from err
+if not dist.is_available():  # pragma: no cover
+    raise ModuleNotFoundError("TorchDistTransport needs torch.distributed (this torch build lacks it)", name="torch.distributed")
+
+from domain.buckets import Bucket
+from domain.errors import CollectiveTimeout, PeerLost, TransportAborted
+from domain.sharding import RefitWorld
+from domain.transfer import (
+    HEADER_WORDS,
+    STATUS_BYTES,
+    FrameKind,
+    Header,
+    RankStatus,
+    TransferStats,
+    decode_metas,
+    decode_text,
+    encode_metas,
+    encode_text,
+)
+
+_STATUS_PAD = 16  # bytes in front of a gathered piece: its holder's failure flag
+
+
+def wait_work(work: Any, rank: int, step: str, timeout_s: float, peers: Sequence[int]) -> float:
+    """Wait for an async collective, at most `timeout_s`; returns the seconds waited.
+
+    Raises:
+        CollectiveTimeout: the collective did not complete in time (naming rank, step, peers).
+        PeerLost: a peer closed its connection.
+    """
+    t0 = time.perf_counter()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        text = str(err)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise CollectiveTimeout(rank, step, timeout_s, tuple(peers)) from err
+        first = text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
+        raise PeerLost(
+            f"rank {rank}: step {step!r} with ranks {list(peers)} failed: {first}; a peer crashed or "
+            "exited. Restart the refit world"
+        ) from err
+    return time.perf_counter() - t0
+
+
+@attrs.define
+class TorchDistTransport:
+    """A BucketTransport over one process group: `source` broadcasts, every other member receives.
+
+    Attributes:
+        group: the process group ({source} + receivers).
+        source: the source's global rank.
+        rank: this process's global rank.
+        peers: every rank in the group (for errors).
+        refit_id: the refit the stream belongs to (checked in every header).
+        bucket_bytes: capacity of a receive buffer (larger buckets get their own).
+        timeout_s: bound on each wait.
+        window: buckets in flight (2 = double buffering, 1 = none).
+        device: where receive buffers live (CPU for gloo, a CUDA device for NCCL).
+    """
+
+    group: Any
+    source: int
+    rank: int
+    peers: tuple[int, ...]
+    refit_id: int = 0
+    bucket_bytes: int = 64 << 20
+    timeout_s: float = 60.0
+    window: int = 2
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), converter=torch.device)
+    _rbufs: list[torch.Tensor | None] = attrs.field(init=False, factory=lambda: [None, None])
+
+    def _bcast(self, t: torch.Tensor, step: str) -> float:
+        work = dist.broadcast(t, self.source, group=self.group, async_op=True)
+        return wait_work(work, self.rank, step, self.timeout_s, self.peers)
+
+    def _bcast_async(self, t: torch.Tensor) -> Any:
+        return dist.broadcast(t, self.source, group=self.group, async_op=True)
+
+    # --- source ------------------------------------------------------------------------------
+
+    def send(self, buckets: Iterable[Bucket]) -> TransferStats:
+        """Broadcast every bucket, then END; see ports.bucket_transport.BucketTransport.send."""
+        t0 = time.perf_counter()
+        n = payload = wire = 0
+        blocked = 0.0
+        inflight: collections.deque[tuple[Any, int]] = collections.deque()
+        it = iter(buckets)
+        while True:
+            try:
+                bucket = next(it)  # packs bucket k+1 while bucket k is on the wire
+            except StopIteration:
+                break
+            except Exception as err:
+                blocked += self._drain(inflight)
+                self._abort(f"{type(err).__name__}: {err}", n)
+                raise
+            step = f"bucket {bucket.index}"
+            meta = encode_metas(bucket.metas)
+            header = Header(FrameKind.BUCKET, self.refit_id, bucket.index, bucket.is_last, bucket.nbytes, meta.numel())
+            blocked += self._bcast(header.to_tensor(), f"{step} header")
+            blocked += self._bcast(meta, f"{step} metadata")
+            if bucket.nbytes:
+                data = bucket.buffer[: bucket.nbytes]
+                inflight.append((self._bcast_async(data if data.device == self.device else data.to(self.device)), bucket.index))
+            n, payload, wire = n + 1, payload + bucket.payload_bytes, wire + bucket.nbytes
+            if len(inflight) >= self.window:  # the oldest buffer is reused by the next bucket
+                work, index = inflight.popleft()
+                blocked += wait_work(work, self.rank, f"bucket {index} data", self.timeout_s, self.peers)
+        blocked += self._drain(inflight)
+        blocked += self._bcast(Header(FrameKind.END, self.refit_id, n).to_tensor(), "end of stream")
+        return TransferStats(n, payload, wire, time.perf_counter() - t0, blocked)
+
+    def _drain(self, inflight: collections.deque[tuple[Any, int]]) -> float:
+        waited = 0.0
+        while inflight:
+            work, index = inflight.popleft()
+            waited += wait_work(work, self.rank, f"bucket {index} data", self.timeout_s, self.peers)
+        return waited
+
+    def _abort(self, text: str, sent: int) -> None:
+        body = encode_text(text[:4000])
+        self._bcast(Header(FrameKind.ABORT, self.refit_id, sent, meta_len=body.numel()).to_tensor(), "abort header")
+        if body.numel():
+            self._bcast(body, "abort text")
+
+    # --- receivers ---------------------------------------------------------------------------
+
+    def _buffer(self, n: int, nbytes: int) -> torch.Tensor:
+        if nbytes > self.bucket_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # a lone large tensor
+        slot = n % min(self.window, 2)
+        buf = self._rbufs[slot]
+        if buf is None:
+            buf = self._rbufs[slot] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+    def receive(self, consume: Callable[[Bucket], None]) -> TransferStats:
+        """Consume buckets until END; see ports.bucket_transport.BucketTransport.receive."""
+        t0 = time.perf_counter()
+        n = payload = wire = 0
+        times = {"blocked": 0.0, "consume": 0.0}
+        errors: list[BaseException] = []
+        prev: tuple[Bucket, Any] | None = None
+        while True:
+            raw = torch.empty(HEADER_WORDS, dtype=torch.int64)
+            times["blocked"] += self._bcast(raw, f"bucket {n} header")
+            header = Header.from_tensor(raw, self.refit_id, self.source)
+            if header.kind is FrameKind.END:
+                break
+            if header.kind is FrameKind.ABORT:
+                text = torch.empty(header.meta_len, dtype=torch.uint8)
+                if header.meta_len:
+                    self._bcast(text, "abort text")
+                self._finish(prev, consume, errors, times)
+                raise TransportAborted(
+                    f"rank {self.source} aborted the bucket stream of refit {self.refit_id} after "
+                    f"{header.index} buckets: {decode_text(text)}"
+                )
+            meta = torch.empty(header.meta_len, dtype=torch.uint8)
+            times["blocked"] += self._bcast(meta, f"bucket {header.index} metadata")
+            if self.window < 2:  # one buffer: consume the previous bucket before reusing it
+                self._finish(prev, consume, errors, times)
+                prev = None
+            buf = self._buffer(n, header.nbytes)
+            work = self._bcast_async(buf) if header.nbytes else None
+            self._finish(prev, consume, errors, times)  # overlaps with this bucket's transfer
+            prev = (Bucket(header.index, buf, decode_metas(meta), header.is_last), work)
+            n, wire = n + 1, wire + header.nbytes
+            payload += prev[0].payload_bytes
+        self._finish(prev, consume, errors, times)
+        if errors:
+            raise errors[0]
+        return TransferStats(n, payload, wire, time.perf_counter() - t0, times["blocked"], times["consume"])
+
+    def _finish(self, prev: tuple[Bucket, Any] | None, consume: Callable[[Bucket], None],
+                errors: list[BaseException], times: dict[str, float]) -> None:
+        if prev is None:
+            return
+        bucket, work = prev
+        if work is not None:
+            times["blocked"] += wait_work(work, self.rank, f"bucket {bucket.index} data", self.timeout_s, self.peers)
+        if errors:
+            return  # drain only: the engine already failed this refit
+        t1 = time.perf_counter()
+        try:
+            consume(bucket)
+        except Exception as err:
+            errors.append(err)
+        finally:
+            times["consume"] += time.perf_counter() - t1
+
+
+@attrs.define
+class TorchDistCollectives:
+    """RefitCollectives over torch.distributed: the process groups of one RefitWorld.
+
+    Construct it on every rank, in the same order relative to other group creations: it creates
+    the world group, one TP group per (stage, ep_rank), and per source a broadcast group
+    ({source} + engines) and a turn group (its TP group + engines).
+
+    Attributes:
+        world: the refit world (layout and engine count).
+        rank: this process's rank.
+        step_timeout_s: bound on every per-bucket and tensor-parallel wait.
+        phase_timeout_s: bound on waits that include other ranks' work (turns, agreement).
+        bucket_bytes: receive buffer capacity.
+        window: buckets in flight per stream (2 = double buffering).
+        device: receive buffers' device (CPU for gloo; the rank's GPU for NCCL).
+    """
+
+    world: RefitWorld
+    rank: int
+    step_timeout_s: float = 60.0
+    phase_timeout_s: float = 600.0
+    bucket_bytes: int = 64 << 20
+    window: int = 2
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), converter=torch.device)
+    _groups: dict[tuple[int, ...], Any] = attrs.field(init=False, factory=dict)
+    _transports: dict[int, TorchDistTransport] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("TorchDistCollectives: call torch.distributed.init_process_group first")
+        if dist.get_world_size() != self.world.size:
+            raise ValueError(
+                f"the process group has {dist.get_world_size()} ranks but the refit world needs {self.world.size} "
+                f"({self.world.layout.describe()}, {self.world.engines} engines)"
+            )
+        timeout = datetime.timedelta(seconds=max(self.step_timeout_s, self.phase_timeout_s))
+        layout, engines = self.world.layout, self.world.engine_ranks
+        wanted = [tuple(range(self.world.size))]
+        for stage in range(layout.pp):
+            for ep_rank in range(layout.ep):
+                tp = layout.tp_ranks(stage, ep_rank)
+                wanted += [tp, (tp[0], *engines), (*tp, *engines)]
+        for ranks in wanted:
+            if ranks not in self._groups:  # the same order on every rank
+                self._groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
+
+    def _group(self, ranks: Sequence[int]) -> Any:
+        return self._groups[tuple(ranks)]
+
+    def agree(self, step: str, status: RankStatus) -> tuple[RankStatus, ...]:
+        ranks = tuple(range(self.world.size))
+        out = [torch.empty(STATUS_BYTES, dtype=torch.uint8) for _ in ranks]
+        work = dist.all_gather(out, status.to_tensor(), group=self._group(ranks), async_op=True)
+        wait_work(work, self.rank, f"agreement: {step}", self.phase_timeout_s, ranks)
+        return tuple(RankStatus.from_tensor(t) for t in out)
+
+    def turn(self, source: int, step: str, failed: bool, next_index: int) -> tuple[bool, int]:
+        layout = self.world.layout
+        c = layout.coords(source)
+        ranks = (*layout.tp_ranks(c.stage, c.ep_rank), *self.world.engine_ranks)
+        t = torch.tensor([int(failed), next_index], dtype=torch.int64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group(ranks), async_op=True)
+        wait_work(work, self.rank, step, self.phase_timeout_s, ranks)
+        return bool(t[0]), int(t[1])
+
+    def tp_exchange(self, holders: Sequence[int], step: str, failed: bool, amax: torch.Tensor) -> tuple[bool, torch.Tensor]:
+        t = torch.tensor([float(failed), float(amax)], dtype=torch.float64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group(holders), async_op=True)
+        wait_work(work, self.rank, step, self.step_timeout_s, holders)
+        return bool(t[0] > 0), t[1].to(torch.float32)
+
+    def tp_gather(self, holders: Sequence[int], step: str, piece: torch.Tensor, failed: bool) -> tuple[bool, list[torch.Tensor]]:
+        send = torch.zeros(_STATUS_PAD + piece.numel(), dtype=torch.uint8)
+        send[0] = int(failed)
+        send[_STATUS_PAD:] = piece
+        source = holders[0]
+        gather = [torch.empty_like(send) for _ in holders] if self.rank == source else None
+        work = dist.gather(send, gather, dst=source, group=self._group(holders), async_op=True)
+        wait_work(work, self.rank, step, self.step_timeout_s, holders)
+        if gather is None:
+            return failed, []
+        return failed or any(bool(g[0]) for g in gather), [g[_STATUS_PAD:] for g in gather]
+
+    def transport(self, source: int, refit_id: int) -> TorchDistTransport:
+        t = self._transports.get(source)
+        if t is None:
+            ranks = (source, *self.world.engine_ranks)
+            t = TorchDistTransport(
+                self._group(ranks), source, self.rank, ranks, refit_id, self.bucket_bytes,
+                self.step_timeout_s, self.window, self.device,
+            )
+            self._transports[source] = t  # receive buffers are kept from one refit to the next
+        t.refit_id = refit_id
+        return t
