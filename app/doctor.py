@@ -32,8 +32,6 @@ from domain.fused_forward_mode import (
     select_fused_forward_mode,
 )
 
-DEEP_GEMM_ENV = "VERL_ROLLOUT_USE_DEEP_GEMM"
-
 
 @attrs.frozen
 class FusedForwardDecision:
@@ -130,7 +128,7 @@ def _engine_check(env: EnvironmentSnapshot, engine: str) -> Check:
     if engine not in POLICY_ENGINES:
         return Check("config", "rollout.name", Status.ERROR, f"{engine}: rl-refit has no engine adapter for it",
                      Reason.NOT_SUPPORTED, "use vllm, sglang or reference")
-    found = package_check(env, "config", engine, f"rollout.name={engine}", f"pip install {engine} (on a GPU machine)")
+    found = package_check(env, "config", engine, f"rollout.name={engine}", f"pip install -e '.[{engine}]' (on a GPU machine)")
     if found.status is not Status.OK:
         return attrs.evolve(found, name="rollout.name", status=Status.ERROR)
     if not env.gpus:
@@ -139,8 +137,7 @@ def _engine_check(env: EnvironmentSnapshot, engine: str) -> Check:
     return Check("config", "rollout.name", Status.OK, f"{engine} {env.version(engine)}")
 
 
-def _kernel_check(env: EnvironmentSnapshot, engine: str, plan: Any) -> Check:
-    opt_out = env.environ.get(DEEP_GEMM_ENV, "").strip().lower() in ("0", "false", "no")
+def _kernel_check(env: EnvironmentSnapshot, engine: str, plan: Any, opt_out: bool) -> Check:
     if env.capability is None:
         return Check("config", "kernels", Status.ERROR, f"{engine} serving {plan.linear.name}/{plan.moe.name} needs "
                      "a GPU; none is visible", Reason.NO_GPU, "run on a GPU machine")
@@ -153,7 +150,7 @@ def _kernel_check(env: EnvironmentSnapshot, engine: str, plan: Any) -> Check:
                  + "; ".join(decision.notes))
 
 
-def config_checks(env: EnvironmentSnapshot, cfg: Any) -> list[Check]:
+def config_checks(env: EnvironmentSnapshot, cfg: Any, *, deep_gemm_opt_out: bool = False) -> list[Check]:
     """Can this configuration run here? A loaded configuration (app.config.Section) in, checks out."""
     from app.planning import make_plan
 
@@ -169,19 +166,23 @@ def config_checks(env: EnvironmentSnapshot, cfg: Any) -> list[Check]:
     engine = report.engine
     out.append(_engine_check(env, engine))
     if engine in POLICY_ENGINES and plan.is_quantized:
-        out.append(_kernel_check(env, engine, plan))
+        out.append(_kernel_check(env, engine, plan, deep_gemm_opt_out))
     if cfg.actor.megatron.qat.enable:
         out.append(Check("config", "actor.megatron.qat", Status.OK, f"QAT {cfg.actor.megatron.qat.mode}: built-in "
                          "fake quantization runs here"))
     return out
 
 
-def diagnose(env: EnvironmentSnapshot, config: Mapping[str, Any] | None = None) -> DoctorReport:
+def diagnose(
+    env: EnvironmentSnapshot, config: Mapping[str, Any] | None = None, *, deep_gemm_opt_out: bool = False
+) -> DoctorReport:
     """The doctor's report for one machine and, optionally, one configuration.
 
     Args:
         env: the machine (EnvironmentProbe.snapshot()).
         config: a loaded configuration (app.config.Section), or None.
+        deep_gemm_opt_out: DeepGEMM requests switched off (the composition root's
+            `deep_gemm_opt_out`, from the configuration and VERL_ROLLOUT_USE_DEEP_GEMM).
 
     Returns:
         The DoctorReport: machine checks, then config checks, and the fused-forward decision.
@@ -189,7 +190,7 @@ def diagnose(env: EnvironmentSnapshot, config: Mapping[str, Any] | None = None) 
     checks = environment_checks(env)
     fused_value = None
     if config is not None:
-        checks += config_checks(env, config)
+        checks += config_checks(env, config, deep_gemm_opt_out=deep_gemm_opt_out)
         fused_value = config["actor"]["fused_forward"]
     fused = fused_forward_decision(env, fused_value)
     checks.append(_fused_check(fused))

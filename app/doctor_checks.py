@@ -12,7 +12,7 @@ import enum
 import attrs
 
 from domain.backend_policy import MIN_CAPABILITY
-from domain.environment import EnvironmentSnapshot, version_at_least
+from domain.environment import EnvironmentSnapshot, parse_version, version_at_least
 
 MIN_PYTHON = (3, 11)
 MIN_VERSIONS: dict[str, tuple[int, ...]] = {  # what rl-refit's own requirements say
@@ -46,6 +46,7 @@ class Reason(enum.Enum):
     VERSION_TOO_OLD = "version too old"
     NO_GPU = "no GPU"
     GPU_TOO_OLD = "GPU too old"
+    VERSION_DIFFERS = "version differs"
     NOT_SUPPORTED = "not supported"
     CONFIG = "configuration"
 
@@ -145,15 +146,27 @@ def kernel_checks(env: EnvironmentSnapshot) -> list[Check]:
             for preset, need in MIN_CAPABILITY.items()]
 
 
+def pinned_engine_versions() -> dict[str, str]:
+    """The engine versions the vLLM and SGLang adapters are written and checked against."""
+    from adapters.sglang.staging import PINNED_SGLANG
+    from adapters.vllm.hooks import PINNED_VLLM
+
+    return {"vllm": PINNED_VLLM, "sglang": PINNED_SGLANG}
+
+
 def engine_checks(env: EnvironmentSnapshot) -> list[Check]:
     """The rollout engines rl-refit has adapters for."""
     out = [Check("engines", "reference", Status.OK, "the embedded pure-torch engine (CPU or GPU)")]
-    for engine in ("vllm", "sglang"):
-        check = package_check(env, "engines", engine, f"the {engine} rollout adapter",
-                              f"pip install {engine} (on a GPU machine)")
+    for engine, pinned in pinned_engine_versions().items():
+        install = f"pip install -e '.[{engine}]' (pins {engine} {pinned}; on a GPU machine)"
+        check = package_check(env, "engines", engine, f"the {engine} rollout adapter", install)
+        have = env.version(engine)
         if check.status is Status.OK and not env.gpus:
-            check = Check("engines", engine, Status.UNAVAILABLE, f"{env.version(engine)} installed, but {engine} "
+            check = Check("engines", engine, Status.UNAVAILABLE, f"{have} installed, but {engine} "
                           "serves on CUDA GPUs and none is visible", Reason.NO_GPU, "run on a GPU machine")
+        elif check.status is Status.OK and parse_version(have) != parse_version(pinned):
+            check = Check("engines", engine, Status.WARNING, f"{have} installed; the adapter is written and checked "
+                          f"against {engine} {pinned}, whose internals it calls", Reason.VERSION_DIFFERS, install)
         out.append(check)
     return out
 

@@ -46,10 +46,14 @@ def render(report: DoctorReport, console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.bootstrap import build_environment_probe
+    from app.bootstrap import build_environment_probe, deep_gemm_opt_out
 
     cfg = config_from_args(args) if args.args else None
-    report = diagnose(build_environment_probe(snapshot_file=args.environment).snapshot(), cfg)
+    env = build_environment_probe(snapshot_file=args.environment).snapshot()
+    opt_out = False
+    if cfg is not None and cfg.rollout.name in ("vllm", "sglang"):
+        opt_out = deep_gemm_opt_out(cfg.rollout.name, cfg.rollout.to_dict().get("engine_kwargs"), env.environ)
+    report = diagnose(env, cfg, deep_gemm_opt_out=opt_out)
     if args.json:
         sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")
     else:

@@ -23,7 +23,7 @@ B200 = GpuInfo("NVIDIA B200", (10, 0))
 A100 = GpuInfo("NVIDIA A100-SXM4-80GB", (8, 0))
 FULL = {
     "torch": "2.13.0", "compressed-tensors": "0.20.1", "safetensors": "0.8.0", "megatron-core": "0.19.2",
-    "transformer-engine": "2.8.0", "vllm": "0.11.0", "sglang": "0.5.3", "nvidia-modelopt": "0.47.0",
+    "transformer-engine": "2.8.0", "vllm": "0.33.0", "sglang": "0.5.23", "nvidia-modelopt": "0.47.0",
     "flash-linear-attention": "0.6.0", "causal-conv1d": None, "triton": "3.5.0", "torchao": "0.18.0",
     "transformers": "5.0.0",
 }
@@ -105,7 +105,15 @@ def test_no_gpu() -> None:
 def test_installed_engine_without_gpu_is_unavailable() -> None:
     r = diagnose(machine(gpus=()))
     c = check(r, "vllm", "engines")
-    assert (c.status, c.reason) == (Status.UNAVAILABLE, Reason.NO_GPU) and "0.11.0" in c.detail
+    assert (c.status, c.reason) == (Status.UNAVAILABLE, Reason.NO_GPU) and "0.33.0" in c.detail
+
+
+def test_engine_version_other_than_the_pinned_one_is_a_warning() -> None:
+    from adapters.vllm.hooks import PINNED_VLLM
+
+    c = check(diagnose(machine(vllm="0.11.0")), "vllm", "engines")
+    assert (c.status, c.reason) == (Status.WARNING, Reason.VERSION_DIFFERS)
+    assert "0.11.0" in c.detail and PINNED_VLLM in c.detail and f"pins vllm {PINNED_VLLM}" in c.fix
 
 
 def test_missing_packages() -> None:
@@ -272,6 +280,17 @@ def test_cli_exit_code_follows_the_config(saved: Path, capsys: pytest.CaptureFix
     text = capsys.readouterr().out
     assert "cannot run here" in text and "GPU too old" in text
     assert main(["doctor", "--environment", str(saved), "rollout.quantization.linear=FP8_BLOCK"]) == 0
+
+
+def test_cli_deep_gemm_opt_out(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(saved.read_text())
+    data["environment"]["gpus"] = [{"name": H100.name, "capability": [9, 0]}]
+    data["environment"]["environ"] = {"VERL_ROLLOUT_USE_DEEP_GEMM": "0"}
+    saved.write_text(json.dumps(data))
+    argv = ["doctor", "--environment", str(saved), "--json", "rollout.name=vllm", "rollout.quantization.linear=FP8_BLOCK"]
+    assert main(argv) == 0
+    kernels = next(c for c in json.loads(capsys.readouterr().out)["checks"] if c["name"] == "kernels")
+    assert "deep_gemm" not in kernels["detail"] and "opt-out" in kernels["detail"]
 
 
 def test_cli_table_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
