@@ -239,6 +239,42 @@ def fake_quantize_tensors(plan: QuantizationPlan, items: Sequence[tuple[TrainerT
     return result
 
 
+def fused_units(plan: QuantizationPlan, tensors: Sequence[TrainerTensor]) -> dict[str, list[TrainerTensor]]:
+    """Trainer tensors that must be fake-quantized together: their parts share a fused group.
+
+    HF q_proj, k_proj and v_proj are three trainer tensors of one NVFP4 group; a Megatron
+    linear_qkv is one trainer tensor holding the whole group.
+
+    Args:
+        plan: the plan (it decides the groups).
+        tensors: the trainer tensors to fake-quantize, in model order.
+
+    Returns:
+        trainer tensor name -> its unit (the tensors to pass together to fake_quantize_tensors,
+        in model order).
+    """
+    units: list[list[TrainerTensor]] = []
+    owner: dict[str, int] = {}
+    for t in tensors:
+        keys = {d.group for p in t.parts if (d := plan.decide(p.name, p.shape)).group is not None}
+        hit = sorted({owner[k] for k in keys if k in owner})
+        target = hit[0] if hit else len(units)
+        if not hit:
+            units.append([])
+        for other in hit[1:]:
+            units[target].extend(units[other])
+            units[other] = []
+            owner.update({k: target for k, v in owner.items() if v == other})
+        units[target].append(t)
+        owner.update(dict.fromkeys(keys, target))
+    order = {t.name: i for i, t in enumerate(tensors)}
+    out: dict[str, list[TrainerTensor]] = {}
+    for unit in units:
+        unit.sort(key=lambda t: order[t.name])
+        out.update({t.name: unit for t in unit})
+    return out
+
+
 def activation_scheme(plan: QuantizationPlan, decision: TensorDecision) -> ActivationScheme:
     """The activation scheme the rollout applies to the input of a decided tensor.
 

@@ -32,6 +32,7 @@ from domain.qat import (
     check_parts,
     fake_quantize_input,
     fake_quantize_tensors,
+    fused_units,
     layer_tensors,
     tensor_precision,
 )
@@ -80,36 +81,6 @@ class _LinearInputs(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _units(plan: QuantizationPlan, tensors: list[TrainerTensor]) -> dict[str, list[TrainerTensor]]:
-    """Trainer tensors that must be fake-quantized together (their parts share a fused group)."""
-    owner: dict[str, int] = {}
-    groups: list[list[TrainerTensor]] = []
-    for t in tensors:
-        keys = {d.group for p in t.parts if (d := plan.decide(p.name, p.shape)).group is not None}
-        hit = sorted({owner[k] for k in keys if k in owner})
-        if hit:
-            target = hit[0]
-            for other in hit[1:]:
-                groups[target].extend(groups[other])
-                for k, v in list(owner.items()):
-                    if v == other:
-                        owner[k] = target
-                groups[other] = []
-            groups[target].append(t)
-        else:
-            target = len(groups)
-            groups.append([t])
-        for k in keys:
-            owner[k] = target
-    order = {t.name: i for i, t in enumerate(tensors)}
-    out: dict[str, list[TrainerTensor]] = {}
-    for g in groups:
-        g.sort(key=lambda t: order[t.name])
-        for t in g:
-            out[t.name] = g
-    return out
-
-
 @attrs.define
 class ReferenceQatBackend:
     """QatBackend in pure torch for torch / transformers modules, Megatron-Core models (one rank)
@@ -138,7 +109,7 @@ class ReferenceQatBackend:
             check_parts(t)
         precision = {t.name: tensor_precision(plan, t) for t in layers}
         quantized = [t for t in layers if precision[t.name].weight != "BF16"]
-        units = _units(plan, quantized)
+        units = fused_units(plan, quantized)
         summary = QatSummary(self.name, layers, tuple(precision.values()))
         applied = _Applied(model, root, plan, layout, summary)
         by_module: dict[str, list[_Site]] = {}

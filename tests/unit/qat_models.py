@@ -47,11 +47,19 @@ class Experts(nn.Module):
         return out
 
 
+# The Linear class the tiny models use: RecLinear records; plain nn.Linear is what ModelOpt converts.
+LINEAR: list[type[nn.Linear]] = [RecLinear]
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return LINEAR[0](n_in, n_out, bias=False)
+
+
 class Attn(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj = RecLinear(H, Q, bias=False), RecLinear(H, KV, bias=False), RecLinear(H, KV, bias=False)
-        self.o_proj = RecLinear(Q, H, bias=False)
+        self.q_proj, self.k_proj, self.v_proj = _linear(H, Q), _linear(H, KV), _linear(H, KV)
+        self.o_proj = _linear(Q, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k, v = self.k_proj(x), self.v_proj(x)
@@ -61,8 +69,8 @@ class Attn(nn.Module):
 class Mlp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj = RecLinear(H, INTER, bias=False), RecLinear(H, INTER, bias=False)
-        self.down_proj = RecLinear(INTER, H, bias=False)
+        self.gate_proj, self.up_proj = _linear(H, INTER), _linear(H, INTER)
+        self.down_proj = _linear(INTER, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -71,7 +79,7 @@ class Mlp(nn.Module):
 class Moe(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.gate = RecLinear(H, EXPERTS, bias=False)
+        self.gate = _linear(H, EXPERTS)
         self.experts = Experts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,11 +107,15 @@ class Inner(nn.Module):
 class TinyHf(nn.Module):
     """`model.layers.{0,1}...` and `lm_head`, like a transformers causal LM's parameters."""
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> None:
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, seed: int = 0, linear: type[nn.Linear] = RecLinear) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.model = Inner()
-        self.lm_head = RecLinear(H, 32, bias=False)
+        LINEAR[0] = linear
+        try:
+            self.model = Inner()
+            self.lm_head = _linear(H, 32)
+        finally:
+            LINEAR[0] = RecLinear
         with torch.no_grad():
             for p in self.parameters():
                 if p.dim() == 2:
