@@ -23,6 +23,7 @@ import torch
 from adapters.sglang.staging import ABORT_MARKER, BEGIN_MARKER, FINAL_MARKER, LOADER_PATH, StagingRule, marker
 from domain.buckets import Bucket, unpack_bucket
 from domain.dispatch import check_sglang, check_sync_backend
+from domain.engine_layout import Layout, check_bucket
 from domain.errors import EngineBusy, EngineStale, EngineUpdateFailed, StorageRebound
 from domain.plan import QuantizationPlan
 from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, StorageFingerprint
@@ -96,6 +97,9 @@ class SglangRolloutEngine:
         sync_backend: rollout.checkpoint_engine.backend (a quantized rollout rejects delta sync).
         wire_format: rollout.wire_format (a quantized rollout rejects `delta_flush`).
         log_prob_fn: serves log-probs; None = not served by this adapter.
+        expected_layout: checkpoint name -> (shape, dtype) of every tensor a refit sends; when
+            given, a bucket with an unknown, mis-shaped, mis-typed or repeated tensor is rejected
+            (EngineTensorMismatch) before SGLang sees it.
         stale_reason: why it does not serve (it starts stale until the first refit).
     """
 
@@ -105,7 +109,9 @@ class SglangRolloutEngine:
     sync_backend: str | None = None
     wire_format: str | None = None
     log_prob_fn: LogProbFn | None = None
+    expected_layout: Layout | None = None
     stale_reason: str | None = "no refit has completed yet"
+    _seen: set[str] = attrs.field(init=False, factory=set)
     _session: RefitSession = attrs.field(init=False, factory=RefitSession)
     _rule: StagingRule = attrs.field(init=False)
     _before: StorageFingerprint | None = attrs.field(init=False, default=None)
@@ -136,6 +142,7 @@ class SglangRolloutEngine:
     def begin_refit(self, refit_id: int) -> None:
         self._session.begin(refit_id)
         self._tensors = self._staged_bytes = 0
+        self._seen = set()
         try:
             self._before = self.client.storage_fingerprint()
             ok, message = self.client.begin_weight_update()
@@ -151,6 +158,8 @@ class SglangRolloutEngine:
         self._session.accept(bucket)
         named = list(unpack_bucket(bucket))
         try:
+            if self.expected_layout is not None:
+                check_bucket(bucket, self.expected_layout, self._seen)
             self._update(named)  # returns once SGLang's loader has copied or loaded them
         except Exception as err:
             self._fail(f"loading bucket {bucket.index}: {type(err).__name__}: {err}")

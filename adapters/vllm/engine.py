@@ -21,6 +21,7 @@ import torch
 
 from adapters.vllm.worker import WorkerRefit
 from domain.buckets import Bucket, unpack_bucket
+from domain.engine_layout import Layout, check_bucket
 from domain.errors import EngineBusy, EngineStale, StorageRebound
 from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, StorageFingerprint
 
@@ -74,6 +75,9 @@ class VllmRolloutEngine:
         log_prob_fn: serves `log_probs(input_ids, temperature)` (client.LlmLogProbs on a real
             engine); None = this engine does not serve log-probs.
         reset_kv_scales: reset uncalibrated KV-cache scales after each refit.
+        expected_layout: checkpoint name -> (shape, dtype) of every tensor a refit sends; when
+            given, a bucket with an unknown, mis-shaped, mis-typed or repeated tensor is rejected
+            (EngineTensorMismatch) before vLLM sees it (vLLM's loaders would cast or skip it).
         stale_reason: why the engine does not serve (it starts stale: until the first refit its
             weights are whatever it was started with, e.g. a dummy load).
     """
@@ -81,7 +85,9 @@ class VllmRolloutEngine:
     workers: VllmWorkers
     log_prob_fn: LogProbFn | None = None
     reset_kv_scales: bool = True
+    expected_layout: Layout | None = None
     stale_reason: str | None = "no refit has completed yet"
+    _seen: set[str] = attrs.field(init=False, factory=set)
     _session: RefitSession = attrs.field(init=False, factory=RefitSession)
     _before: StorageFingerprint | None = attrs.field(init=False, default=None)
     _started: bool = attrs.field(init=False, default=False)
@@ -105,6 +111,7 @@ class VllmRolloutEngine:
     def begin_refit(self, refit_id: int) -> None:
         self._session.begin(refit_id)
         self._started = False
+        self._seen = set()
         try:
             self._before = self.workers.call("fingerprint")
             self.workers.call("begin")
@@ -116,6 +123,8 @@ class VllmRolloutEngine:
     def load_bucket(self, bucket: Bucket) -> None:
         self._session.accept(bucket)
         try:
+            if self.expected_layout is not None:
+                check_bucket(bucket, self.expected_layout, self._seen)
             # views of the bucket's buffer: the worker copies them before this returns
             self.workers.call("load", list(unpack_bucket(bucket)))
         except Exception as err:

@@ -19,7 +19,7 @@ from domain.errors import (
 from domain.refit import CommitMode, FaultPoint, FaultScript
 from tests import refit_support as rs
 
-ENGINES = ("reference-transactional", "reference-per-layer", "recording", "faulty-wrapper")
+ENGINES = ("reference-transactional", "reference-per-layer", "recording", "faulty-wrapper", "vllm-fake", "sglang-fake")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,10 @@ def make_engine(kind: str):
     if kind.startswith("reference"):
         mode = CommitMode.PER_LAYER if kind.endswith("per-layer") else CommitMode.TRANSACTIONAL
         return ReferenceEngine(MICRO_MOE, rs.DEFAULT_PLAN, commit_mode=mode)
+    if kind in ("vllm-fake", "sglang-fake"):  # the engine adapters over CPU fakes of vLLM / SGLang
+        from tests.engine_fakes import stream_engine
+
+        return stream_engine(kind.removesuffix("-fake"), MICRO_MOE.vocab_size)
     recording = RecordingEngine.for_stream(rs.stream(rs.trainer()), vocab_size=MICRO_MOE.vocab_size)
     if kind == "recording":
         return recording

@@ -257,3 +257,49 @@ class FakeTrainer:
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0):  # type: ignore[no-untyped-def]
         raise NotImplementedError
+
+
+# --- an SGLang-shaped model for any refit stream (the RolloutEngine contract suite) ------------
+
+
+class FakeGenericRebindMethod(FakeUnquantizedMethod):
+    """Post-processing that rebinds every parameter's `.data` (same values, new storage)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.calls += 1
+        for p in layer.parameters(recurse=False):
+            p.data = p.data.clone()
+
+
+class StreamSglangModel(nn.Module):
+    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        super().__init__()
+        for name, t in named:
+            *path, local = name.split(".")
+            module: nn.Module = self
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(local, _zeros(*t.shape, dtype=t.dtype))
+            module.quant_method = FakeGenericRebindMethod()
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t)
+
+
+def stream_engine(named: list[tuple[str, torch.Tensor]], plan, vocab_size: int):  # type: ignore[no-untyped-def]
+    """An SglangRolloutEngine over StreamSglangModel, serving a uniform distribution."""
+    import math
+
+    from adapters.sglang.engine import SglangRolloutEngine
+    from domain.engine_layout import layout_of
+
+    def uniform(input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+        return torch.full(shape, -math.log(vocab_size)), torch.full(shape, math.log(vocab_size))
+
+    return SglangRolloutEngine(FakeSglangEngine(StreamSglangModel(named)), plan, log_prob_fn=uniform,
+                               expected_layout=layout_of(named))

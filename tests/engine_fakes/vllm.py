@@ -335,3 +335,63 @@ class FakeTrainer:
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.named_weights())
+
+
+# --- a vLLM-shaped model for any refit stream (the RolloutEngine contract suite) ---------------
+
+
+class FakeGenericMethod:
+    """A quant method that replaces every parameter of its layer (new objects, same values)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.calls += 1
+        for name, p in list(layer.named_parameters(recurse=False)):
+            setattr(layer, name, nn.Parameter(p.data.clone(), requires_grad=False))
+
+
+class StreamVllmModel(nn.Module):
+    """One module per checkpoint module of a stream, one parameter per checkpoint tensor."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().__init__()
+        for name, t in named:
+            *path, local = name.split(".")
+            module: nn.Module = self
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(local, _param(tuple(t.shape), t.dtype, [t.shape[0] if t.dim() else 1]))
+            module.quant_method = FakeGenericMethod()
+        self.ckpt_meta = {m: {n: (tuple(p.shape), p.dtype, p.weight_loader, p.shard_rows)
+                              for n, p in m.named_parameters(recurse=False)} for m in self.modules()}
+        for m in self.modules():
+            if isinstance(getattr(m, "quant_method", None), FakeGenericMethod):
+                m.quant_method.process_weights_after_loading(m)
+                m.quant_method.calls = 0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            p = params[name]  # a KeyError for an unknown name, as vLLM's loaders raise
+            p.weight_loader(p, tensor.reshape(p.shape) if tensor.dim() == 0 else tensor)
+        return set()
+
+
+def stream_engine(named: list[tuple[str, torch.Tensor]], vocab_size: int):  # type: ignore[no-untyped-def]
+    """A VllmRolloutEngine over StreamVllmModel, serving a uniform distribution."""
+    from adapters.vllm.engine import VllmRolloutEngine
+    from domain.engine_layout import layout_of
+
+    model = StreamVllmModel(named)
+    layerwise = FakeLayerwise()
+
+    def uniform(input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+        return torch.full(shape, -math.log(vocab_size)), torch.full(shape, math.log(vocab_size))
+
+    return VllmRolloutEngine.in_process(model, None, fake_hooks(layerwise), log_prob_fn=uniform,
+                                        expected_layout=layout_of(named))
