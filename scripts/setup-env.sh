@@ -14,7 +14,7 @@ fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # The CPU build of torch 2.13.0; any looser request would pull a multi-GB CUDA build.
 "${pip[@]}" install "torch==2.13.0"
-"${pip[@]}" install -e ".[test,megatron,modelopt,fla,plot]"
+"${pip[@]}" install -e ".[test,megatron,modelopt,fla,plot,docs]"
 # megatron-core 0.19.2 declares Python >= 3.12, but its wheel runs on 3.11. Never install
 # transformer-engine here: it cannot be built without CUDA and a half install breaks megatron.core.
 "${pip[@]}" install --no-deps --ignore-requires-python "megatron-core==0.19.2"
