@@ -373,3 +373,57 @@ def build_distributed_refit(
         world, comm, plan, hf_weight_shapes(cfg), trainer=trainer, engine=engine, bucket_bytes=bucket_bytes,  # type: ignore[arg-type]
         window=window, restore=restore, fault=fault, hang_s=hang_s,  # type: ignore[arg-type]
     )
+
+
+# --- quantization-aware training -------------------------------------------------------------
+
+
+def build_qat_backend(
+    config: Mapping[str, object] | object | None = None,
+    *,
+    model: object,
+    backend: str = "reference",
+    numerics: str = "exporter",
+    layout: str = "auto",
+    model_config: Mapping[str, object] | None = None,
+    qat_backend: object | None = None,
+):
+    """QAT for a built trainer model, per actor.megatron.qat.* and the rollout quantization.
+
+    Resolves the rollout plan on the model's tensors, checks the QAT settings against it
+    (mode, Transformer Engine recipe, ignore patterns, first/last BF16 layers), applies the
+    backend, and checks every linear and expert layer's effective precision against the plan.
+
+    Args:
+        config: a configuration dict, YAML path or app.config Section.
+        model: the trainer model (torch / transformers module, Megatron-Core model on one rank,
+            or the embedded reference model as adapters.qat_reference.embedded.EmbeddedModule).
+        backend: "reference" (pure torch) or "modelopt" (nvidia-modelopt).
+        numerics: ModelOpt only: "exporter" (default) or "modelopt" (its own kernels, checked).
+        layout: the name mapping: "auto", "torch", "megatron" or "reference".
+        model_config: the checkpoint's config.json, when there is one.
+        qat_backend: a QatBackend to use instead of building one (tests, custom backends).
+
+    Returns:
+        app.qat_setup.QatSession (call its refresh() after every optimizer step), or None when
+        actor.megatron.qat.enable is false.
+    """
+    from app.config import Section, load_config
+    from app.qat_setup import prepare_qat
+    from domain.errors import ConfigError
+
+    cfg = config if isinstance(config, Section) else load_config(config)  # type: ignore[arg-type]
+    if not cfg.actor.megatron.qat.enable:
+        return None
+    if qat_backend is None:
+        if backend == "reference":
+            from adapters.qat_reference.backend import ReferenceQatBackend
+
+            qat_backend = ReferenceQatBackend(layout=layout)
+        elif backend == "modelopt":
+            from adapters.modelopt.backend import ModelOptQatBackend
+
+            qat_backend = ModelOptQatBackend(numerics=numerics, layout=layout)
+        else:
+            raise ConfigError("actor.megatron.qat.backend", f"{backend!r} is not one of reference, modelopt")
+    return prepare_qat(cfg, model, qat_backend, layout=layout, model_config=model_config)  # type: ignore[arg-type]
