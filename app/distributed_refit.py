@@ -269,13 +269,13 @@ class DistributedRefitService:
         gen = exporter.stream(units)
         planner = BucketPlanner(self.bucket_bytes, self.alignment, reuse_buffer=True, buffers=self.window)
         clock = {"export": 0.0, "pack": 0.0}
-        buckets = self._numbered(r, _timed(clock, "pack", planner.pack(_timed(clock, "export", gen))), offset, final)
+        buckets = self._numbered(exporter, _timed(clock, "pack", planner.pack(_timed(clock, "export", gen))), offset, final)
         try:
-            r.transfer = self.comm.transport(self.rank, r.refit_id).send(buckets)
+            r.transfer = self.comm.transport(self.rank, r.refit_id).send(_counted(r, buckets))
         except (CollectiveTimeout, PeerLost):
             raise
         except Exception as err:
-            r.fail(r.where if r.where.startswith("bucket") else exporter.where, err)
+            r.fail(exporter.where, err)
         finally:
             gen.close()  # an unfinished export tells its TP peers to stop
             r.source_bytes += exporter.source_bytes
@@ -283,12 +283,11 @@ class DistributedRefitService:
             r.timings["pack"] += max(clock["pack"] - clock["export"], 0.0)
             r.timings["wire"] += r.transfer.blocked_seconds
 
-    def _numbered(self, r: _Refit, buckets: Iterable[Bucket], offset: int, final: bool) -> Iterator[Bucket]:
+    def _numbered(self, exporter: ShardExporter, buckets: Iterable[Bucket], offset: int, final: bool) -> Iterator[Bucket]:
         for b in buckets:
             index = b.index + offset
-            r.where = f"bucket {index}"
+            exporter.where = f"bucket {index}"
             self._fires("bucket", index)
-            r.tensors += len(b.metas)
             yield attrs.evolve(b, index=index, is_last=b.is_last and final)
 
     def _serve(self, r: _Refit, source: int, units: Sequence[ExportUnit]) -> None:
@@ -417,6 +416,12 @@ class DistributedRefitService:
         if outcome is not RefitOutcome.LIVE:
             self.reports.append(report)
         return report
+
+
+def _counted(r: _Refit, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
+    for b in buckets:
+        r.tensors += len(b.metas)
+        yield b
 
 
 def _timed(clock: dict[str, float], key: str, it: Iterable[object]) -> Iterator[object]:

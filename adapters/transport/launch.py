@@ -12,6 +12,7 @@ import datetime
 import faulthandler
 import os
 import queue
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -37,8 +38,9 @@ class RankResult:
         rank: the process's rank.
         ok: True when `fn` returned.
         value: its return value (ok), else None.
-        error: `Type: message` of what it raised, or why it did not report (killed at the deadline).
+            error: `Type: message` of what it raised, or why it did not report (killed at the deadline).
         traceback: the formatted traceback, when it raised.
+        output: the end of what it wrote to stdout / stderr (when `capture_output`).
     """
 
     rank: int
@@ -46,6 +48,7 @@ class RankResult:
     value: Any = None
     error: str | None = None
     traceback: str | None = None
+    output: str = ""
 
 
 def _join(rank: int, size: int, port: Any, pg_timeout_s: float) -> None:
@@ -66,7 +69,11 @@ def _join(rank: int, size: int, port: Any, pg_timeout_s: float) -> None:
 
 
 def _child(fn: Callable[..., Any], rank: int, size: int, port: Any, results: Any, args: tuple[Any, ...],
-           threads: int, pg_timeout_s: float, dump_after_s: float) -> None:
+           threads: int, pg_timeout_s: float, dump_after_s: float, log_dir: str | None) -> None:
+    if log_dir is not None:  # the rank's stdout and stderr (logs, tracebacks) go to its own file
+        fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
     # One intra-op thread: safe after fork (OpenMP pools do not survive it) and fair on few cores.
     torch.set_num_threads(threads)
     faulthandler.dump_traceback_later(dump_after_s, exit=False)  # a hung world shows where it hangs
@@ -92,6 +99,7 @@ def launch_world(
     start_method: str = "fork",
     threads: int = 1,
     pg_timeout_s: float = 600.0,
+    capture_output: bool = True,
 ) -> list[RankResult]:
     """Run `fn(rank, *args)` in `size` processes joined in one gloo process group on 127.0.0.1.
 
@@ -104,17 +112,36 @@ def launch_world(
         start_method: `fork` (fast; the children set one thread) or `spawn` / `forkserver`.
         threads: torch intra-op threads per process.
         pg_timeout_s: the process group's own timeout (collective waits are bounded tighter).
+        capture_output: send each rank's stdout / stderr to a file and return its end in
+            `RankResult.output` (False: they share the caller's terminal).
 
     Returns:
         One RankResult per rank, by rank.
     """
     ctx = mp.get_context(start_method)
+    with tempfile.TemporaryDirectory(prefix="refit-world-") as log_dir:
+        results = _run(ctx, fn, size, tuple(args), timeout_s, threads, pg_timeout_s, log_dir if capture_output else None)
+        if capture_output:
+            results = [attrs.evolve(r, output=_tail(os.path.join(log_dir, f"rank{r.rank}.log"))) for r in results]
+    return results
+
+
+def _tail(path: str, n: int = 6000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def _run(ctx: Any, fn: Callable[..., Any], size: int, args: tuple[Any, ...], timeout_s: float, threads: int,
+         pg_timeout_s: float, log_dir: str | None) -> list[RankResult]:
     results = ctx.Queue()
     port = ctx.Value("i", 0)
     dump_after = max(timeout_s - 2.0, 1.0)
     procs = [
-        ctx.Process(target=_child, args=(fn, r, size, port, results, tuple(args), threads, pg_timeout_s, dump_after),
-                    daemon=True)
+        ctx.Process(target=_child, daemon=True,
+                    args=(fn, r, size, port, results, args, threads, pg_timeout_s, dump_after, log_dir))
         for r in range(size)
     ]
     for p in procs:

@@ -1,0 +1,205 @@
+"""Helpers of the multi-process tests: per-rank programs run by launch_world, and the
+single-process references they are compared with (computed in the test process)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from adapters.reference.config import MICRO_MOE, hf_weight_shapes
+from adapters.reference.trainer import ReferenceTrainer
+from domain.plan import QuantizationPlan
+from domain.sharding import ParallelLayout, RefitWorld
+from domain.transfer import RankFault
+
+MODEL = "micro-moe"
+BUCKET_MB = 1 / 16  # 64 KiB: the micro model's refit takes several buckets
+STEP_SCALE = 0.02
+
+
+def plan(linear: str | None, moe: str | None) -> QuantizationPlan:
+    return QuantizationPlan.from_presets(linear=linear, moe=moe)
+
+
+def digest(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """sha256 of every tensor's bytes: equal digests = bit-identical tensors."""
+    return {
+        n: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in weights.items()
+    }
+
+
+@torch.no_grad()
+def advance(trainer: ReferenceTrainer, step: int) -> None:
+    """A training-like step whose result does not depend on the intra-op thread count (the
+    processes run one thread, the test process more): noise scaled by each tensor's amax, an
+    exact reduction (a standard deviation's summation order would depend on the threads)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for t in trainer.weights.values():
+        noise = torch.randn(t.shape, generator=g)
+        t.add_((STEP_SCALE * t.float().abs().amax() * noise).to(t.dtype))
+
+
+def trainer_at(step: int, seed: int = 0) -> ReferenceTrainer:
+    """The reference trainer after `step` training-like steps (step 0 = the seed's weights)."""
+    t = ReferenceTrainer.from_seed(MICRO_MOE, seed)
+    for i in range(1, step + 1):
+        advance(t, i)
+    return t
+
+
+def single_process_digest(p: QuantizationPlan, step: int, seed: int = 0) -> dict[str, str]:
+    """The engine's live weights after a single-process refit of the trainer at `step`."""
+    from app.bootstrap import build_refit_service
+
+    svc = build_refit_service(plan=p, model=MODEL, trainer=trainer_at(step, seed), bucket_megabytes=BUCKET_MB)
+    svc.refit()
+    return digest(dict(svc.engine.live_weights()))
+
+
+def _service(world: RefitWorld, rank: int, comm: Any, p: QuantizationPlan, full: ReferenceTrainer | None,
+             engine: Any, fault: RankFault | None, restore: str | None = None) -> Any:
+    from adapters.sharded.sliced_trainer import SlicedTrainer
+    from app.distributed_refit import DistributedRefitService
+
+    trainer = SlicedTrainer(full, world.layout, rank) if full is not None else None
+    return DistributedRefitService(
+        world, comm, p, hf_weight_shapes(MICRO_MOE), trainer=trainer, engine=engine,
+        bucket_bytes=int(BUCKET_MB * 2**20), fault=fault, restore=restore, hang_s=4.0,
+    )
+
+
+def _engine(p: QuantizationPlan, commit_mode: str) -> Any:
+    from adapters.reference.engine import ReferenceEngine
+
+    return ReferenceEngine(MICRO_MOE, p, commit_mode=commit_mode)
+
+
+def _faulty(inner: Any, fault: RankFault | None, rank: int) -> Any:
+    """An engine rank's own bucket / finalize / verify faults fail inside its engine."""
+    if inner is None or fault is None or fault.rank != rank or fault.hang or fault.point not in ("bucket", "finalize", "verify"):
+        return inner
+    from adapters.memory.faulty import ScriptedFaultyEngine
+    from domain.refit import FaultPoint, FaultScript
+
+    return ScriptedFaultyEngine(inner, FaultScript(FaultPoint(fault.point), fault.index, after=fault.refit))
+
+
+class _ScaleSpy:
+    """The collectives, recording the NVFP4 global scale each split unit's amax all-reduce gives."""
+
+    def __init__(self, comm: Any, scales: dict[str, list[float]]) -> None:
+        self._comm, self.scales = comm, scales
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def tp_exchange(self, holders: Sequence[int], step: str, failed: bool, amax: torch.Tensor) -> Any:
+        from domain.sharding import global_scale_from_amax
+
+        any_failed, reduced = self._comm.tp_exchange(holders, step, failed, amax)
+        if step.startswith("export ") and not step.endswith("(quantized)") and float(reduced) > 0:
+            unit = step.removeprefix("export ")
+            self.scales.setdefault(unit, []).append(float(global_scale_from_amax(reduced, unit)))
+        return any_failed, reduced
+
+
+def layouts_rank(rank: int, cases: Sequence[tuple[dict[str, int], int, tuple[str | None, str | None]]]) -> list[Any]:
+    """Bit-identity runs: for each (layout, engines, plan), two refits (step 0, then step 1).
+
+    Returns, per case: every rank's outcomes, the trainer sources' NVFP4 global scales as they
+    computed them, and the engines' digests after each refit.
+    """
+    from adapters.transport.torch_dist import TorchDistCollectives
+
+    out = []
+    for layout_kwargs, engines, presets in cases:
+        world = RefitWorld(ParallelLayout(**layout_kwargs), engines)
+        comm = TorchDistCollectives(world, rank, step_timeout_s=20, phase_timeout_s=40,
+                                    bucket_bytes=int(BUCKET_MB * 2**20))
+        p = plan(*presets)
+        full = trainer_at(0) if world.role(rank) == "trainer" else None
+        engine = _engine(p, "transactional") if full is None else None
+        scales: dict[str, list[float]] = {}
+        spy = _ScaleSpy(comm, scales)
+        svc = _service(world, rank, spy, p, full, engine, None)
+        record: dict[str, Any] = {"outcomes": [], "digests": []}
+        for step in (0, 1):
+            if step and full is not None:
+                advance(full, step)
+            report = svc.refit()
+            record["outcomes"].append(report.outcome.value)
+            if engine is not None:
+                record["digests"].append(digest(dict(engine.live_weights())))
+        record["scales"] = scales
+        out.append(record)
+    return out
+
+
+def faults_rank(rank: int, layout_kwargs: dict[str, int], engines: int, presets: tuple[str | None, str | None],
+                commit_mode: str, faults: Sequence[RankFault]) -> list[dict[str, Any]]:
+    """For each fault: refit 0 (step 0) succeeds, refit 1 (step 1) fails as scripted, refit 2
+    (step 2) succeeds. Returns per fault: outcomes, error texts and the engine's digests."""
+    from adapters.transport.torch_dist import TorchDistCollectives
+    from domain.errors import DistributedRefitFailed
+
+    world = RefitWorld(ParallelLayout(**layout_kwargs), engines)
+    comm = TorchDistCollectives(world, rank, step_timeout_s=20, phase_timeout_s=40, bucket_bytes=int(BUCKET_MB * 2**20))
+    p = plan(*presets)
+    inner = _engine(p, commit_mode) if world.role(rank) == "engine" else None
+    out = []
+    for fault in faults:
+        full = trainer_at(0) if inner is None else None
+        svc = _service(world, rank, comm, p, full, _faulty(inner, fault, rank), fault)
+        record: dict[str, Any] = {"outcomes": [], "errors": [], "digests": [], "stale": []}
+        for step in (0, 1, 2):
+            if step and full is not None:
+                advance(full, step)
+            try:
+                record["outcomes"].append(svc.refit().outcome.value)
+                record["errors"].append(None)
+            except DistributedRefitFailed as err:
+                record["outcomes"].append(err.report.outcome.value)  # type: ignore[attr-defined]
+                record["errors"].append(str(err))
+            if inner is not None:
+                record["digests"].append(digest(dict(inner.live_weights())))
+                record["stale"].append(inner.is_stale)
+        out.append(record)
+    return out
+
+
+def hang_rank(rank: int, layout_kwargs: dict[str, int], engines: int, fault: RankFault,
+              step_timeout_s: float, phase_timeout_s: float) -> dict[str, Any]:
+    """One good refit, then one where `fault` hangs its rank. Returns what this rank raised."""
+    import time
+
+    from adapters.transport.torch_dist import TorchDistCollectives
+
+    world = RefitWorld(ParallelLayout(**layout_kwargs), engines)
+    comm = TorchDistCollectives(world, rank, step_timeout_s=step_timeout_s, phase_timeout_s=phase_timeout_s,
+                                bucket_bytes=int(BUCKET_MB * 2**20))
+    p = plan("FP8_BLOCK", "NVFP4")
+    inner = _engine(p, "transactional") if world.role(rank) == "engine" else None
+    full = trainer_at(0) if inner is None else None
+    svc = _service(world, rank, comm, p, full, inner, fault)
+    svc.refit()
+    before = digest(dict(inner.live_weights())) if inner is not None else None
+    t0 = time.monotonic()
+    try:
+        svc.refit()
+        raised: dict[str, Any] = {"type": None}
+    except Exception as err:
+        raised = {"type": type(err).__name__, "text": str(err), "rank": getattr(err, "rank", None),
+                  "step": getattr(err, "step", None), "report": getattr(err, "report", None) is not None}
+    raised["seconds"] = time.monotonic() - t0
+    if inner is not None:
+        raised["kept"] = digest(dict(inner.live_weights())) == before
+        raised["busy"] = False
+        try:
+            inner.log_probs(torch.zeros(1, 4, dtype=torch.int64))
+        except Exception as err:
+            raised["busy"] = type(err).__name__
+    return raised
