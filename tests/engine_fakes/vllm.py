@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -137,7 +138,7 @@ def set_default_quant_scales(layer: nn.Module, register_buffer: bool = False) ->
 class FakeVllmModel(nn.Module):
     """A two-layer decoder as vLLM builds it (fused qkv and gate/up)."""
 
-    stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    stacked: ClassVar[dict[str, tuple[str, int]]] = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, quantized: bool = True, kv_cache_scheme: dict | None = None,
@@ -221,7 +222,7 @@ class FakeLayerwise:
             info = {"kernel": kernel, "meta": meta, "loaded": [], "numel": 0,
                     "total": sum(math.prod(s) for s, *_ in meta.values()), "done": False}
             self.info[m] = info
-            for name, (shape, dtype, loader, rows) in meta.items():
+            for name, (shape, dtype, _loader, rows) in meta.items():
                 p = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
                 p.weight_loader = self._deferred(m, name)  # type: ignore[attr-defined]
                 p.shard_rows = rows  # type: ignore[attr-defined]

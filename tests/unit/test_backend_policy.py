@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from domain.backend_policy import (
-    MIN_CAPABILITY,
     AUTO,
     DEEP_GEMM,
     FLASHINFER_CUTLASS,
     FLASHINFER_TRTLLM,
+    MIN_CAPABILITY,
     check_capability,
     decide_backends,
 )
@@ -139,7 +139,7 @@ def test_unknown_capability_skips_the_gates_and_says_so() -> None:
 
 
 def test_engine_without_policy_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="rollout.name"):
+    with pytest.raises(ConfigError, match=r"rollout\.name"):
         decide_backends("trtllm", plan("FP8_BLOCK"), HOPPER)
 
 

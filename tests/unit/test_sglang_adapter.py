@@ -69,7 +69,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_one_rebuild_per_refit_despite_sglangs_end_of_session_postprocessing() -> None:
-    model, fake, engine, plan = build()
+    model, _fake, engine, plan = build()
     for n in (1, 2, 3):
         refit(engine, stream(plan, n), n)
         assert all(qm.calls == n for qm in model.quant_methods())
@@ -96,7 +96,7 @@ def test_mxfp8_scales_are_staged_and_land_swizzled_in_captured_storage() -> None
 
 
 def test_native_mxfp8_translates_weight_scale_to_weight_scale_inv() -> None:
-    model, fake, engine, plan = build(plan_native=False)  # the trainer names scales weight_scale
+    model, _fake, engine, plan = build(plan_native=False)  # the trainer names scales weight_scale
     named = stream(plan, seed=2)
     assert any(n.endswith(".weight_scale") for n, _ in named)
     refit(engine, named, 1)
@@ -107,7 +107,7 @@ def test_native_mxfp8_translates_weight_scale_to_weight_scale_inv() -> None:
 
 
 def test_fp4_experts_are_staged_into_one_load() -> None:
-    model, fake, engine, plan = build(linear=None, moe="MXFP4")
+    model, _fake, engine, plan = build(linear=None, moe="MXFP4")
     named = stream(plan, seed=3)
     refit(engine, named, 1)
     sent = dict(named)
@@ -133,7 +133,7 @@ def test_without_staging_the_fp4_loader_fails_and_nothing_changes() -> None:
 
 
 def test_clones_staged_tensors_out_of_the_reused_buffer() -> None:
-    model, fake, engine, plan = build()
+    model, _fake, engine, plan = build()
     refit(engine, stream(plan, 1), 1)
     named = stream(plan, 2)
     refit(engine, named, 2)  # reuse_buffer=True: later buckets overwrite earlier bytes
@@ -171,7 +171,7 @@ def test_failure_at_any_bucket_leaves_live_weights_intact(fail_at: int) -> None:
 
 
 def test_postprocessing_failure_restores_layers_already_rebuilt() -> None:
-    model, fake, engine, plan = build()
+    model, _fake, engine, plan = build()
     refit(engine, stream(plan, 1), 1)
     live = snapshot(model)
     model.layers[1].o_proj.quant_method.fail = True  # layer 0 is rebuilt before this raises

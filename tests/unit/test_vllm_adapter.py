@@ -115,7 +115,7 @@ def test_the_fake_really_aliases_uncloned_views() -> None:
 
 
 def test_captured_storage_is_kept() -> None:
-    model, _, engine = build()
+    _model, _, engine = build()
     before = engine.storage_fingerprint()
     refit(engine, checkpoint_stream(True), 1)
     assert before.differences(engine.storage_fingerprint()) == []
@@ -250,7 +250,7 @@ def test_bf16_engine_kwargs_drop_the_quantization_config() -> None:
 
 
 def test_engine_kwargs_reject_bad_inputs() -> None:
-    with pytest.raises(ConfigError, match="rollout.name"):
+    with pytest.raises(ConfigError, match=r"rollout\.name"):
         vllm_engine_kwargs(None, decide_backends("sglang", fp8_plan(), None))
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         vllm_engine_kwargs(None, decide_backends("vllm", fp8_plan(), None), kv_cache_dtype="int3")
@@ -268,3 +268,22 @@ def test_missing_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ModuleNotFoundError, match=r"adapters\.vllm .*needs vllm==") as info:
         VllmHooks.from_vllm()
     assert info.value.name == "vllm"
+
+
+def test_expected_layout_rejects_a_repeated_tensor_before_vllm_sees_it() -> None:
+    import attrs
+
+    from domain.engine_layout import layout_of
+    from domain.errors import EngineTensorMismatch
+
+    model, _, engine = build()
+    named = checkpoint_stream(True)
+    engine.expected_layout = layout_of(named)
+    engine.begin_refit(1)
+    first = next(iter(pack_buckets(named, SMALL_BUCKET)))
+    assert not first.is_last
+    engine.load_bucket(first)
+    calls = model.load_calls
+    with pytest.raises(EngineTensorMismatch, match="arrived twice"):
+        engine.load_bucket(attrs.evolve(first, index=1))
+    assert model.load_calls == calls and engine.is_stale
