@@ -11,6 +11,7 @@ PACKAGE, VERSION = "sglang", PINNED_SGLANG
 
 USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # the weight-update session (engine.py)
+    ("symbol", "sglang:Engine", ()),
     ("member", "sglang.srt.entrypoints.engine:Engine.begin_weight_update", ()),
     ("member", "sglang.srt.entrypoints.engine:Engine.end_weight_update", ()),
     ("member", "sglang.srt.entrypoints.engine:Engine.update_weights_from_tensor", ("load_format", "flush_cache")),

@@ -20,7 +20,15 @@ import attrs
 import structlog
 import torch
 
-from adapters.sglang.staging import ABORT_MARKER, BEGIN_MARKER, FINAL_MARKER, LOADER_PATH, StagingRule, marker
+from adapters.sglang.staging import (
+    ABORT_MARKER,
+    BEGIN_MARKER,
+    FINAL_MARKER,
+    LOADER_PATH,
+    PINNED_SGLANG,
+    StagingRule,
+    marker,
+)
 from domain.buckets import Bucket, unpack_bucket
 from domain.dispatch import check_sglang, check_sync_backend
 from domain.engine_layout import Layout, check_bucket
@@ -67,6 +75,22 @@ class EngineClient:
     """
 
     engine: Any
+
+    @classmethod
+    def launch(cls, **server_kwargs: Any) -> EngineClient:
+        """Start `sglang.Engine(**server_kwargs)` (see engine_args.sglang_engine_kwargs).
+
+        Raises ModuleNotFoundError naming the adapter when sglang is not installed.
+        """
+        try:
+            from sglang import Engine
+        except ModuleNotFoundError as err:
+            if err.name is None or not err.name.startswith("sglang"):
+                raise
+            raise ModuleNotFoundError(
+                f"adapters.sglang (SglangRolloutEngine) needs sglang=={PINNED_SGLANG} "
+                f"(pip install 'sglang=={PINNED_SGLANG}')", name="sglang") from err
+        return cls(Engine(**server_kwargs))
 
     def begin_weight_update(self) -> tuple[bool, str]:
         return _ok(self.engine.begin_weight_update())

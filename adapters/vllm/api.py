@@ -42,6 +42,7 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("member", "vllm.entrypoints.llm:LLM.collective_rpc", ("args",)),
     ("member", "vllm.entrypoints.llm:LLM.generate", ("use_tqdm",)),
     ("symbol", "vllm:SamplingParams", ()),
+    ("symbol", "vllm:LLM", ()),
     ("symbol", "vllm.sampling_params:SamplingParams", ("max_tokens", "temperature", "prompt_logprobs", "ignore_eos")),
     ("symbol", "vllm.inputs:TokensPrompt", ()),
     ("symbol", "vllm.inputs.llm:TokensPrompt", ("prompt_token_ids",)),

@@ -19,6 +19,7 @@ import attrs
 import structlog
 import torch
 
+from adapters.vllm.hooks import PINNED_VLLM
 from adapters.vllm.worker import WorkerRefit
 from domain.buckets import Bucket, unpack_bucket
 from domain.engine_layout import Layout, check_bucket
@@ -58,6 +59,21 @@ class LlmWorkers:
     """
 
     llm: Any
+
+    @classmethod
+    def launch(cls, **engine_kwargs: Any) -> LlmWorkers:
+        """Start `vllm.LLM(**engine_kwargs)` (see engine_args.vllm_engine_kwargs; apply
+        engine_args.vllm_environment first). Raises ModuleNotFoundError naming the adapter
+        when vllm is not installed."""
+        try:
+            from vllm import LLM
+        except ModuleNotFoundError as err:
+            if err.name is None or not err.name.startswith("vllm"):
+                raise
+            raise ModuleNotFoundError(
+                f"adapters.vllm (VllmRolloutEngine) needs vllm=={PINNED_VLLM} (pip install 'vllm=={PINNED_VLLM}')",
+                name="vllm") from err
+        return cls(LLM(**engine_kwargs))
 
     def call(self, step: str, *args: Any) -> Any:
         from adapters.vllm import worker

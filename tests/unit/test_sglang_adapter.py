@@ -266,3 +266,21 @@ def test_server_kwargs() -> None:
     assert "quantization" not in bf16 and bf16["moe_runner_backend"] == "auto"
     with pytest.raises(ConfigError):
         sglang_engine_kwargs(None, decide_backends("vllm", plan_for(None, None), None))
+
+
+def test_missing_sglang_names_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from adapters.sglang.engine import EngineClient
+
+    real_import = builtins.__import__
+
+    def no_sglang(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "sglang" or name.startswith("sglang."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_sglang)
+    with pytest.raises(ModuleNotFoundError, match=r"adapters\.sglang .*needs sglang==0\.5\.23") as info:
+        EngineClient.launch(model_path="/m")
+    assert info.value.name == "sglang"

@@ -287,3 +287,18 @@ def test_expected_layout_rejects_a_repeated_tensor_before_vllm_sees_it() -> None
     with pytest.raises(EngineTensorMismatch, match="arrived twice"):
         engine.load_bucket(attrs.evolve(first, index=1))
     assert model.load_calls == calls and engine.is_stale
+
+
+def test_launch_without_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adapters.vllm.engine import LlmWorkers
+
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "vllm" or name.startswith("vllm."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    with pytest.raises(ModuleNotFoundError, match=r"adapters\.vllm .*needs vllm==0\.33\.0"):
+        LlmWorkers.launch(model="/m")
