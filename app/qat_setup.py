@@ -21,23 +21,14 @@ import structlog
 import torch
 
 from app.config import Section
-from app.planning import make_plan
+from app.planning import dispatch_input
+from domain.dispatch import resolve
+from domain.formats import MxScaleRule
 from domain.plan import QuantizationPlan
 from domain.qat import QatSettings, QatSummary, check_effective_precision, check_qat_plan
 from ports.qat_backend import QatBackend
 
 log = structlog.get_logger()
-
-
-@attrs.frozen
-class _ModelShapes:
-    """The model as `make_plan` reads a checkpoint: its config.json and its tensors' shapes."""
-
-    config: dict[str, Any]
-    shapes: tuple[tuple[str, tuple[int, ...]], ...]
-
-    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        return list(self.shapes)
 
 
 @attrs.define
@@ -95,6 +86,26 @@ def model_shapes(model: torch.nn.Module, layout: str = "auto") -> list[tuple[str
     return [(p.name, p.shape) for t in chosen.tensors(chosen.root(model)) for p in t.parts]
 
 
+def rollout_plan_for(cfg: Section, shapes: list[tuple[str, tuple[int, ...]]],
+                     model_config: Mapping[str, Any] | None = None) -> QuantizationPlan:
+    """The rollout plan the dispatch rules resolve for this configuration and model.
+
+    The same resolution as `app.planning.make_plan` (which also builds the engine's
+    quantization_config, importing compressed-tensors; QAT needs only the plan).
+
+    Args:
+        cfg: the validated configuration.
+        shapes: the model's (Hugging Face name, shape) pairs.
+        model_config: the checkpoint's config.json, or None.
+
+    Returns:
+        The plan, with rollout.quantization.scale_rule applied.
+    """
+    plan = resolve(dispatch_input(cfg, model_config), shapes).plan
+    rule = MxScaleRule(cfg.rollout.quantization.scale_rule)
+    return plan if plan.scale_rule is rule else attrs.evolve(plan, scale_rule=rule)
+
+
 def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend, *, layout: str = "auto",
                 model_config: Mapping[str, Any] | None = None) -> QatSession | None:
     """Check and apply QAT for a configuration (see the module docstring).
@@ -114,8 +125,7 @@ def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend, *, la
     if not cfg.actor.megatron.qat.enable:
         return None
     shapes = model_shapes(model, layout)
-    report = make_plan(cfg, _ModelShapes(dict(model_config or {}), tuple(shapes)))
-    rollout_plan = report.plan
+    rollout_plan = rollout_plan_for(cfg, shapes, model_config)
     plan = check_qat_plan(rollout_plan, shapes, qat_settings(cfg))
     summary = backend.apply(model, plan)
     try:
