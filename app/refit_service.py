@@ -10,7 +10,7 @@ RefitFailed carrying the report. It logs one canonical line per refit.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 import structlog
@@ -155,7 +155,7 @@ class RefitService:
             commit_mode=self.engine.commit_mode.value, source_bytes=clock.source_bytes,
             bucket_bytes=self.bucket_bytes, timings=timings, storage=storage,
             peak_staging_bytes=result.peak_staging_bytes, kv_scales_reset=result.kv_scales_reset,
-            **stats,
+            bytes_sent=stats["bytes_sent"], buckets=stats["buckets"], tensors=stats["tensors"],
         )
         self.reports.append(report)
         bound.info("refit", **_log_fields(report))
@@ -189,12 +189,13 @@ class RefitService:
             refit_id=refit_id, outcome=outcome, plan=describe_plan(self.plan),
             commit_mode=self.engine.commit_mode.value, source_bytes=source_bytes,
             bucket_bytes=self.bucket_bytes, timings=timings, storage=storage, peak_staging_bytes=0,
-            error=f"refit {refit_id} failed at {phase} ({reason}); {state}", **stats,
+            error=f"refit {refit_id} failed at {phase} ({reason}); {state}",
+            bytes_sent=stats["bytes_sent"], buckets=stats["buckets"], tensors=stats["tensors"],
         )
         self.reports.append(report)
         return report
 
-    def _progress_bar(self):  # type: ignore[no-untyped-def]
+    def _progress_bar(self) -> _ProgressBar:
         total = getattr(self.trainer, "num_bytes", lambda: 0)()
         return _ProgressBar(total if self.progress and total >= self.progress_min_bytes else 0)
 
@@ -206,13 +207,14 @@ class _ProgressBar:
         self.total = total
         self._progress: Progress | None = None
 
-    def __enter__(self):  # type: ignore[no-untyped-def]
+    def __enter__(self) -> Callable[[int], None]:
         if not self.total:
             return lambda done: None
         self._progress = Progress(TextColumn("refit"), BarColumn(), DownloadColumn(), TimeElapsedColumn(), transient=True)
         self._progress.start()
         task = self._progress.add_task("refit", total=self.total)
-        return lambda done: self._progress.update(task, completed=done)  # type: ignore[union-attr]
+        progress = self._progress
+        return lambda done: progress.update(task, completed=done)
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:

@@ -31,6 +31,14 @@ def _non_negative(_inst: object, attr: attrs.Attribute, value: int) -> None:
         raise BucketLayoutError(f"{attr.name} must be >= 0, got {value}")
 
 
+def _shape(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(d) for d in value)
+
+
+def _metas(value: Iterable[TensorMeta]) -> tuple[TensorMeta, ...]:
+    return tuple(value)
+
+
 def _tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     numel = 1
     for d in shape:
@@ -51,7 +59,7 @@ class TensorMeta:
     """
 
     name: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
     dtype: torch.dtype
     offset: int = attrs.field(validator=_non_negative)
     nbytes: int = attrs.field(validator=_non_negative)
@@ -89,7 +97,7 @@ class Bucket:
 
     index: int = attrs.field(validator=_non_negative)
     buffer: torch.Tensor
-    metas: tuple[TensorMeta, ...] = attrs.field(converter=tuple)
+    metas: tuple[TensorMeta, ...] = attrs.field(converter=_metas)
     is_last: bool
 
     def __attrs_post_init__(self) -> None:
@@ -196,7 +204,7 @@ class BucketPlanner:
                     # Larger than a bucket: it travels alone, as a view of its own bytes.
                     seen.add(name)
                     pending = next(it, None)
-                    meta = TensorMeta(name, tuple(t.shape), t.dtype, 0, nbytes)
+                    meta = TensorMeta(name, _shape(t.shape), t.dtype, 0, nbytes)
                     yield Bucket(index, _as_bytes(t), (meta,), is_last=pending is None)
                     index += 1
                     if pending is None:
@@ -205,13 +213,13 @@ class BucketPlanner:
                 if buf is None:
                     buf = torch.empty(self.bucket_bytes, dtype=torch.uint8)
                 buf[offset : offset + nbytes].copy_(_as_bytes(t))
-                metas.append(TensorMeta(name, tuple(t.shape), t.dtype, offset, nbytes))
+                metas.append(TensorMeta(name, _shape(t.shape), t.dtype, offset, nbytes))
                 seen.add(name)
                 used = offset + nbytes
                 pending = next(it, None)
             if buf is None:
                 buf = torch.empty(0, dtype=torch.uint8)
-            yield Bucket(index, buf if shared is not None else buf[:used], tuple(metas), pending is None)
+            yield Bucket(index, buf if shared is not None else buf[:used], _metas(metas), pending is None)
             index += 1
             pooled += 1
             if pending is None:

@@ -72,5 +72,6 @@ class RolloutEngine(Protocol):
         ...
 
     def live_weights(self) -> Mapping[str, torch.Tensor]:
-        """The live tensors by checkpoint name (read-only use: tests, checks, probes)."""
+        """The live (captured) tensors by the engine's own names, exactly the ones the storage
+        fingerprint covers (read-only use: tests, checks, probes)."""
         ...

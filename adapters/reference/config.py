@@ -7,7 +7,13 @@ one 2-D tensor per projection and per expert (`mlp.experts.3.gate_proj.weight`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
+
+
+def _layers(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(i) for i in value)
 
 
 def _positive(_inst: object, attr: attrs.Attribute, value: int) -> None:
@@ -47,7 +53,7 @@ class ReferenceModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 0
-    mlp_only_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    mlp_only_layers: tuple[int, ...] = attrs.field(default=(), converter=_layers)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     init_std: float = 0.02

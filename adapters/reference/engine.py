@@ -42,6 +42,10 @@ KV_PLACEHOLDER = -1.0  # what a loader leaves in an uncalibrated scale
 _KV_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.((?:q|k|v|prob)_scale)$")
 
 
+def _commit_mode(value: str | CommitMode) -> CommitMode:
+    return CommitMode.parse(value)
+
+
 @attrs.define
 class ReferenceEngine:
     """A RolloutEngine on CPU (or any torch device) for the reference model.
@@ -58,7 +62,7 @@ class ReferenceEngine:
 
     config: ReferenceModelConfig
     plan: QuantizationPlan = attrs.field(factory=QuantizationPlan.bf16)
-    commit_mode: CommitMode = attrs.field(default=CommitMode.TRANSACTIONAL, converter=CommitMode.parse)
+    commit_mode: CommitMode = attrs.field(default=CommitMode.TRANSACTIONAL, converter=_commit_mode)
     kv_cache_scheme: Mapping[str, object] | None = None
     reset_kv_scales: bool = True
     verifiers: list[Verifier] = attrs.field(factory=list)

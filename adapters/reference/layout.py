@@ -10,6 +10,8 @@ reduces the slots to their maximum (engines take the shard maximum and warn when
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -95,7 +97,7 @@ class Target:
 
     key: str
     local: str
-    index: tuple[object, ...]
+    index: tuple[Any, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
 

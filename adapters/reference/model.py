@@ -108,12 +108,12 @@ def fused_shapes(cfg: ReferenceModelConfig) -> dict[str, tuple[int, ...]]:
     hf = dict(hf_weight_shapes(cfg))
     for module, slot in slot_table(cfg).items():
         shape = hf[module + ".weight"]
-        cur = shapes.setdefault(slot.key, [0, *shape[1:]])
+        cur = shapes.setdefault(slot.key, [0, *list(shape[1:])])
         cur[0] = max(cur[0], slot.rows.stop)
     out: dict[str, tuple[int, ...]] = {}
-    for key, shape in shapes.items():
+    for key, dims in shapes.items():
         leaf = key.rsplit(".", 1)[-1]
-        out[key] = (cfg.num_experts, *shape) if leaf in ("w13", "w2") else tuple(shape)
+        out[key] = (cfg.num_experts, *dims) if leaf in ("w13", "w2") else tuple(dims)
     return out
 
 

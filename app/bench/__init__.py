@@ -7,4 +7,5 @@ SUITES: dict[str, str] = {
     "codecs": "app.bench.codecs",
     "export": "app.bench.export",
     "logprobs": "app.bench.logprobs",
+    "refit": "app.bench.refit",
 }

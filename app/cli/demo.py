@@ -13,8 +13,10 @@ import argparse
 import json
 import logging
 import sys
+from typing import Any
 
 import attrs
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -38,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--presets", action="store_true", help="add one arm per low-precision preset")
     p.add_argument("--plot", metavar="PNG", default=None, help="draw the mismatch per step for every preset")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: the embedded model's ops are too small to gain from more)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--verbose", action="store_true", help="log the canonical line of every refit (stderr)")
 
@@ -71,9 +75,9 @@ def _row(r: StepRecord) -> list[str]:
     ]
 
 
-def _summary(result: DemoResult) -> list[dict[str, object]]:
-    bf16_mb = None
-    rows = []
+def _summary(result: DemoResult) -> list[dict[str, Any]]:
+    bf16_mb: float | None = None
+    rows: list[dict[str, Any]] = []
     for arm in result.arms:
         recs = [r for r in result.of(arm) if r.report.ok]
         probes = [r.probe.metrics for r in recs if r.probe]
@@ -119,14 +123,14 @@ def _render(result: DemoResult, console: Console) -> None:
         console.print(f"- {line}")
 
 
-def _notes(result: DemoResult, summary: list[dict[str, object]]) -> list[str]:
+def _notes(result: DemoResult, summary: list[dict[str, Any]]) -> list[str]:
     notes = []
     bf16 = [r for r in result.of("BF16") if r.probe]
     if bf16:
         exact = all(r.probe.metrics.k3_kl == 0 and r.probe.metrics.mean_abs_logp_diff == 0 for r in bf16)  # type: ignore[union-attr]
         notes.append("BF16 refits: k3 KL = 0 and |dlogp| = 0 exactly (bit-identical weights and logits)"
                      if exact else "BF16 refits: NOT bit-identical (a bug: BF16 should be exact)")
-    ranked = sorted((r for r in summary if r["refits_ok"]), key=lambda r: r["k3_kl"])  # type: ignore[arg-type,return-value]
+    ranked = sorted((r for r in summary if r["refits_ok"]), key=lambda r: r["k3_kl"])
     notes.append("mismatch, lowest first: " + " < ".join(str(r["arm"]) for r in ranked))
     if result.fault_fired is False:
         notes.append(f"the injected fault {result.settings.inject_fault} never fired (fewer buckets than K?)")
@@ -162,6 +166,11 @@ def run(args: argparse.Namespace) -> int:
     from app.logging import configure_logging
 
     configure_logging(json=args.json, level=logging.INFO if args.verbose else logging.CRITICAL)
+    if args.threads < 1:
+        from domain.errors import ConfigError
+
+        raise ConfigError("--threads", f"must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     try:
         settings = settings_from_args(args)
     except ValueError as err:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import structlog
+import torch
 
 from app.cli.main import main
 
@@ -14,12 +15,14 @@ MICRO = ["--model", "micro-moe", "--steps", "1"]
 
 @pytest.fixture(autouse=True)
 def _restore_logging(monkeypatch):
-    """The CLI configures structlog for the process; undo it so later tests can capture logs."""
+    """The CLI configures structlog and torch threads for the process; undo both afterwards."""
     import app.logging
 
+    threads = torch.get_num_threads()
     monkeypatch.setattr(app.logging, "_configured", False)
     yield
     structlog.reset_defaults()
+    torch.set_num_threads(threads)
 
 
 def _demo_json(capsys, *args: str) -> dict:
