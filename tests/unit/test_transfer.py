@@ -1,0 +1,93 @@
+"""domain.transfer: frame headers, bucket metadata, rank statuses, failure summaries, fault scripts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from domain.buckets import TensorMeta
+from domain.errors import WireProtocolError
+from domain.transfer import (
+    STATUS_BYTES,
+    EngineState,
+    FrameKind,
+    Header,
+    RankFault,
+    RankStatus,
+    decode_metas,
+    encode_metas,
+    failure_summary,
+)
+
+
+def test_header_round_trip_and_checks() -> None:
+    h = Header(FrameKind.BUCKET, refit_id=7, index=3, is_last=True, nbytes=1 << 33, meta_len=120)
+    assert Header.from_tensor(h.to_tensor(), 7, source=0) == h
+    with pytest.raises(WireProtocolError, match="refit 6 while this rank is in refit 7"):
+        Header.from_tensor(Header(FrameKind.END, 6).to_tensor(), 7, source=2)
+    corrupt = h.to_tensor()
+    corrupt[0] = 1
+    with pytest.raises(WireProtocolError, match="corrupt frame header from rank 4"):
+        Header.from_tensor(corrupt, 7, source=4)
+
+
+def test_metadata_round_trip_every_dtype() -> None:
+    metas = (
+        TensorMeta("a.weight", (4, 8), torch.float8_e4m3fn, 0, 32),
+        TensorMeta("a.weight_scale", (1, 1), torch.float32, 256, 4),
+        TensorMeta("b.weight_packed", (2, 3), torch.uint8, 512, 6),
+        TensorMeta("c.weight", (3,), torch.bfloat16, 768, 6),
+    )
+    assert decode_metas(encode_metas(metas)) == metas
+    with pytest.raises(WireProtocolError, match="corrupt bucket metadata"):
+        decode_metas(torch.tensor(list(b"[[1,2]]"), dtype=torch.uint8))
+
+
+def test_status_round_trip_and_truncation() -> None:
+    s = RankStatus(3, "engine", engine=EngineState.RESTORED, fingerprint="abcd1234")
+    s = s.failed("bucket 2", ValueError("boom"))
+    t = s.to_tensor()
+    assert t.shape == (STATUS_BYTES,) and RankStatus.from_tensor(t) == s
+    assert s.failed("finalize", "later").step == "bucket 2"  # the first failure is kept
+    long = RankStatus(0, "trainer").failed("export x", "E: " + "y" * 5000)
+    back = RankStatus.from_tensor(long.to_tensor())
+    assert not back.ok and back.error.startswith("E: yyy") and back.error.endswith("...")
+
+
+def test_failure_summary_names_the_cause_and_every_engine() -> None:
+    statuses = [
+        RankStatus(0, "trainer").failed("bucket 1", "TransportAborted: rank 0 aborted"),
+        RankStatus(1, "trainer").failed("export q", "InjectedFault: boom"),
+        RankStatus(2, "engine", engine=EngineState.KEPT).failed("bucket 1", "TransportAborted: rank 0 aborted"),
+        RankStatus(3, "engine", engine=EngineState.RESTORED),
+    ]
+    text = failure_summary(5, statuses)
+    assert text.startswith("refit 5 failed: rank 1 (trainer) at export q: InjectedFault: boom;")
+    assert "rank 2 (engine)" not in text and text.endswith("engines: rank 2 kept, rank 3 restored")
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("bucket:2", RankFault(1, "bucket", 2)),
+        ("export:0", RankFault(1, "export", 0)),
+        ("finalize", RankFault(1, "finalize")),
+        ("HANG:verify", RankFault(1, "verify", hang=True)),
+        ("hang:bucket:4", RankFault(1, "bucket", 4, hang=True)),
+    ],
+)
+def test_rank_fault_parse(text: str, want: RankFault) -> None:
+    got = RankFault.parse(text, rank=1)
+    assert got == want and RankFault.parse(str(got), rank=1) == got
+
+
+@pytest.mark.parametrize("text", ["bucket", "finalize:2", "explode", "bucket:-1", "hang:", "bucket:x"])
+def test_rank_fault_parse_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match=r"unknown fault"):
+        RankFault.parse(text, rank=0)
+
+
+def test_rank_fault_hits_one_rank_one_refit_one_step() -> None:
+    f = RankFault(2, "bucket", 1, refit=3)
+    assert f.hits(2, 3, "bucket", 1)
+    assert not f.hits(1, 3, "bucket", 1) and not f.hits(2, 2, "bucket", 1) and not f.hits(2, 3, "bucket", 0)
