@@ -48,7 +48,7 @@ from ports.rollout_engine import RolloutEngine
 from ports.sharded_trainer import ShardedTrainerModel
 
 log = structlog.get_logger()
-PHASES = ("export", "pack", "wire", "load", "finalize", "verify", "agree", "total")
+PHASES = ("export", "pack", "stream", "wire", "load", "finalize", "verify", "agree", "total")
 
 
 @attrs.define
@@ -281,6 +281,7 @@ class DistributedRefitService:
             r.source_bytes += exporter.source_bytes
             r.timings["export"] += clock["export"]
             r.timings["pack"] += max(clock["pack"] - clock["export"], 0.0)
+            r.timings["stream"] += r.transfer.seconds
             r.timings["wire"] += r.transfer.blocked_seconds
 
     def _numbered(self, exporter: ShardExporter, buckets: Iterable[Bucket], offset: int, final: bool) -> Iterator[Bucket]:
@@ -318,6 +319,7 @@ class DistributedRefitService:
             stats = self.comm.transport(source, r.refit_id).receive(consume)
             r.transfer = attrs.evolve(stats, buckets=r.transfer.buckets + stats.buckets,
                                       payload_bytes=r.transfer.payload_bytes + stats.payload_bytes)
+            r.timings["stream"] += stats.seconds
             r.timings["wire"] += stats.blocked_seconds
             r.timings["load"] += stats.consume_seconds
         except (CollectiveTimeout, PeerLost):

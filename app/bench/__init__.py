@@ -8,4 +8,5 @@ SUITES: dict[str, str] = {
     "export": "app.bench.export",
     "logprobs": "app.bench.logprobs",
     "refit": "app.bench.refit",
+    "transport": "app.bench.transport",
 }
