@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -176,7 +177,8 @@ def markdown(result: AllResult) -> str:
         for r in s.report.rows:
             base = f"{r.baseline} ({_fmt(r.baseline_value, r.unit)})" if r.baseline else "-"
             ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
-            lines.append(f"| {r.case} | {r.metric} | {_fmt(r.value, r.unit)} | {base} | {ratio} |")
+            cells = (r.case, r.metric, _fmt(r.value, r.unit), base, ratio)
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         lines += [""] + [f"- {n}" for n in s.report.notes]
     if result.figures:
         lines += ["", "## Figures"]
@@ -193,7 +195,7 @@ def cli_run(args: argparse.Namespace) -> int:
     from app.bench import SUITES
     from app.logging import configure_logging
 
-    configure_logging(json=args.json)
+    configure_logging(json=args.json, level=logging.WARNING)  # suites log every refit at info; keep it readable
     err = Console(stderr=True)
 
     def progress(res: SuiteResult) -> None:

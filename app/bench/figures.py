@@ -5,8 +5,8 @@ Each row lands in at most one figure. A suite may say which with `BenchRow.figur
 
 - `throughput`: throughputs (`.../s`) with a baseline: ours / baseline per preset, one bar per
   baseline, one panel per suite;
-- `memory`: bytes with a baseline in the `logprobs` suite (or a metric naming log-probs): the
-  plain path's peak memory / the fused path's, per case;
+- `memory`: bytes with a baseline in the `logprobs` suite (or a metric naming log-probs, or rows
+  marked `memory`): the baseline's peak memory / ours, per case, one panel per suite;
 - `bucket`: rows of the `refit` / `transport` suites with a bucket size (`x`, or `64 MiB` in the
   case name): throughput ratio and memory ratio against the bucket size;
 - `mismatch`: mismatch metrics (k3 KL, log-prob difference, importance ratio) per preset;
@@ -20,6 +20,7 @@ describing the machine.
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,9 @@ FIGURES: dict[str, FigureSpec] = {
     for f in (
         FigureSpec("throughput", "Throughput per preset against each baseline",
                    "ours / baseline throughput (higher is better); one panel per suite, one bar per baseline"),
-        FigureSpec("memory", "Peak memory: plain log-probs / fused log-probs",
-                   "how many times less memory the fused path needs than the plain [tokens, vocab] path"),
+        FigureSpec("memory", "Peak memory against each baseline (baseline / ours)",
+                   "how many times less memory than the baseline (fused log-probs against the plain "
+                   "[tokens, vocab] path; a refit against its bound, where 1.0 means exactly at the bound)"),
         FigureSpec("bucket", "Refit throughput and peak memory against bucket size",
                    "ratios against the same-run baseline as the bucket grows (x: bucket MiB, log scale)"),
         FigureSpec("mismatch", "Train-rollout mismatch per preset",
@@ -128,8 +130,8 @@ def _bars(ax: Any, items: Sequence[tuple[str, str, float]], ylabel: str, *, unit
                 hs.append(h)
         bars = ax.bar(xs, hs, width, label=name)
         ax.bar_label(bars, labels=[f"{h:.3g}" for h in hs], fontsize=7, padding=1)
-    ax.set_xticks(range(len(groups)), groups, rotation=20 if len(groups) > 4 else 0, fontsize=8, ha="right"
-                  if len(groups) > 4 else "center")
+    width_chars = max(8, 88 // max(len(groups), 1))  # wrap long case names to their slot
+    ax.set_xticks(range(len(groups)), [textwrap.fill(g, width_chars) for g in groups], fontsize=8)
     ax.set_xlim(-0.6, len(groups) - 0.4)
     positive = [h for _, _, h in items if h > 0]
     if positive and max(positive) / min(positive) > 50:
@@ -152,7 +154,10 @@ def _draw_bars_by_suite(rows: list[tuple[str, BenchRow]], plt: Any, series_of: A
     suites = list(dict.fromkeys(s for s, _ in rows))
     fig, axes = _panels(len(suites), plt)
     for ax, suite in zip(axes, suites, strict=True):
-        items = [(_label(s, r), series_of(r), r.ratio) for s, r in rows if s == suite and r.ratio is not None]
+        mine = [r for s, r in rows if s == suite and r.ratio is not None]
+        items = [(_label(suite, r), series_of(r), float(r.ratio)) for r in mine]  # type: ignore[arg-type]
+        if len({(g, s) for g, s, _ in items}) < len(items):  # the preset alone is ambiguous: use the case
+            items = [(r.case, series_of(r), float(r.ratio)) for r in mine]  # type: ignore[arg-type]
         _bars(ax, items, ylabel, unit_line=True)
         ax.set_title(f"suite {suite}", fontsize=9)
     return fig
@@ -168,7 +173,8 @@ def _draw_bucket(rows: list[tuple[str, BenchRow]], plt: Any) -> Any:
         for suite, r in rows:
             x = bucket_mib(r)
             if keep(r) and r.ratio is not None and x is not None:
-                lines.setdefault(f"{suite}: {r.metric} vs {r.baseline}", []).append((x, r.ratio))
+                case = " ".join(_SIZE.sub("", r.case).replace("bucket", "").split())
+                lines.setdefault(f"{case}: {r.metric}", []).append((x, r.ratio))
         for name, pts in lines.items():
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
