@@ -170,7 +170,7 @@ def _draw_bucket(rows: list[tuple[str, BenchRow]], plt: Any) -> Any:
     fig, axes = _panels(len(present), plt)
     for ax, (kind, keep) in zip(axes, present, strict=True):
         lines: dict[str, list[tuple[float, float]]] = {}
-        for suite, r in rows:
+        for _, r in rows:
             x = bucket_mib(r)
             if keep(r) and r.ratio is not None and x is not None:
                 case = " ".join(_SIZE.sub("", r.case).replace("bucket", "").split())
