@@ -88,7 +88,9 @@ def run_qat_demo(
               "actor": {"megatron": {"qat": {"enable": True, "mode": mode}}}}
     modules = {arm: EmbeddedModule.from_seed(cfg, seed) for arm in ARMS}
     session = build_qat_backend(config, model=modules["qat"])
-    plan = session.rollout_plan  # type: ignore[union-attr]
+    if session is None:  # the configuration above enables QAT
+        raise RuntimeError("build_qat_backend returned no QAT session")
+    plan = session.rollout_plan
     quantized = {arm: build_refit_service(plan=plan, model=model, trainer=modules[arm].trainer()) for arm in ARMS}
     bf16 = build_refit_service(plan=QuantizationPlan.bf16(), model=model, trainer=modules["bf16"].trainer())
     optimizers = {arm: torch.optim.AdamW(modules[arm].parameters(), lr=lr, weight_decay=0.0) for arm in ARMS}
@@ -105,7 +107,7 @@ def run_qat_demo(
                 optimizers[arm].step()
                 optimizers[arm].zero_grad(set_to_none=True)
                 losses[arm] = float(loss.detach())
-            session.refresh()  # type: ignore[union-attr]
+            session.refresh()
         for arm in ARMS:
             record = _probe(step, arm, modules[arm], quantized[arm], bf16 if arm == "bf16" else None, eval_ids, mask)
             record["train_loss"] = losses[arm]
@@ -115,7 +117,7 @@ def run_qat_demo(
     last = {r["arm"]: r for r in records if r["step"] == steps}
     return {
         "mode": mode, "model": model, "steps": steps,
-        "qat_layers": len(session.summary.quantized),  # type: ignore[union-attr]
+        "qat_layers": len(session.summary.quantized),
         "records": records,
         "final": {"k3_quantized_without_qat": last["bf16"]["k3_quantized"],
                   "k3_quantized_with_qat": last["qat"]["k3_quantized"],

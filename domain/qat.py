@@ -15,7 +15,8 @@ the effective precision of every linear and expert layer against the plan.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -31,6 +32,18 @@ Tensor = torch.Tensor
 Shapes = Sequence[tuple[str, tuple[int, ...]]]
 
 
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def _index(value: Iterable[object]) -> tuple[object, ...]:
+    return tuple(value)
+
+
+def _parts(value: Iterable[HfPart]) -> tuple[HfPart, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(eq=False)
 class HfPart:
     """One Hugging Face tensor inside a trainer tensor.
@@ -43,8 +56,13 @@ class HfPart:
     """
 
     name: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
-    index: tuple[object, ...] = attrs.field(default=(), converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_ints)
+    index: tuple[object, ...] = attrs.field(default=(), converter=_index)
+
+    def select(self, tensor: Tensor) -> Tensor:
+        """This part of the trainer tensor (a view, or a copy for row lists)."""
+        index: Any = self.index
+        return tensor[index] if index else tensor
 
 
 @attrs.frozen(eq=False)
@@ -58,8 +76,8 @@ class TrainerTensor:
     """
 
     name: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
-    parts: tuple[HfPart, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_ints)
+    parts: tuple[HfPart, ...] = attrs.field(converter=_parts)
 
     @property
     def module(self) -> str:
@@ -163,11 +181,11 @@ def exported_values(plan: QuantizationPlan, named: Sequence[tuple[str, Tensor]])
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w: Tensor, fq: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, w: Tensor, fq: Tensor) -> Tensor:
         return fq.detach()
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return grad, None
 
 
@@ -196,7 +214,7 @@ def check_parts(tensor: TrainerTensor) -> None:
     probe = torch.empty(tensor.shape, device="meta")
     for p in tensor.parts:
         try:
-            got = tuple(probe[p.index].shape) if p.index else tuple(probe.shape)
+            got = tuple(p.select(probe).shape)
         except (IndexError, RuntimeError, TypeError) as err:
             raise QatLayoutError(f"trainer tensor {tensor.name!r}: part {p.name!r} does not index it ({err})") from None
         if got != p.shape:
@@ -220,7 +238,7 @@ def fake_quantize_tensors(plan: QuantizationPlan, items: Sequence[tuple[TrainerT
         their values. Gradients flow to the inputs unchanged. Items the plan leaves entirely in
         BF16 are returned as given.
     """
-    named = [(p.name, w.detach()[p.index] if p.index else w.detach()) for tt, w in items for p in tt.parts]
+    named = [(p.name, p.select(w.detach())) for tt, w in items for p in tt.parts]
     values = exported_values(plan, named)
     result = []
     for tt, w in items:
@@ -234,7 +252,8 @@ def fake_quantize_tensors(plan: QuantizationPlan, items: Sequence[tuple[TrainerT
             with torch.no_grad():
                 fq = w.detach().clone()
                 for p in quantized:
-                    fq[p.index] = values[p.name]
+                    index: Any = p.index
+                    fq[index] = values[p.name]
         result.append(straight_through(w, fq))
     return result
 
@@ -459,4 +478,4 @@ def check_qat_plan(plan: QuantizationPlan, shapes: Shapes, settings: QatSettings
     if bf16_layers:
         extra.append(dispatch.layer_ignore_entry(sorted(bf16_layers)))
     extra = [e for e in extra if e not in plan.ignore]
-    return attrs.evolve(plan, ignore=plan.ignore + tuple(extra)) if extra else plan
+    return attrs.evolve(plan, ignore=plan.ignore + tuple(extra)) if extra else plan  # type: ignore[arg-type]

@@ -70,7 +70,7 @@ class _LinearInputs(TorchFunctionMode):
         self.sites = sites
         self.hits: dict[int, int] = dict.fromkeys(sites, 0)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and len(args) >= 2 and isinstance(args[1], torch.Tensor):
             key = args[1].untyped_storage().data_ptr()
@@ -138,7 +138,7 @@ class ReferenceQatBackend:
             if previous is None:
                 del module.forward
             else:
-                module.forward = previous  # type: ignore[method-assign]
+                module.forward = previous
         self._applied = None
 
     def effective_precision(self, model: torch.nn.Module) -> dict[str, LayerPrecision]:
@@ -202,7 +202,7 @@ class ReferenceQatBackend:
                     applied.saved.pop(name, None)
 
         forward._qat_backend = self  # type: ignore[attr-defined]
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         applied.wrapped[module_name] = (module, previous)
 
 

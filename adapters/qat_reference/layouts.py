@@ -30,7 +30,8 @@ LINEAR = "linear"
 
 
 class Layout(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def root(self, model: torch.nn.Module) -> torch.nn.Module: ...
 
@@ -129,7 +130,8 @@ class MegatronLayout:
             if p.dim() == 0:
                 continue
             parts = []
-            for hf, rows in hf_named_weights(_RowNumbers(model.config, name, p.shape[0])):  # type: ignore[arg-type]
+            config = getattr(model, "config")  # noqa: B009
+            for hf, rows in hf_named_weights(_RowNumbers(config, name, p.shape[0])):  # type: ignore[arg-type]
                 parts.append(HfPart(hf, (rows.numel(), *p.shape[1:]), _row_index(rows, p.shape[0])))
             out.append(TrainerTensor(name, tuple(p.shape), tuple(parts)))
         return out
@@ -170,7 +172,7 @@ class EmbeddedLayout:
         from adapters.reference.config import hf_weight_shapes
         from adapters.reference.model import slot_table
 
-        cfg = model.config  # type: ignore[attr-defined]
+        cfg = getattr(model, "config")  # noqa: B009 - an EmbeddedModule attribute, not a submodule
         shapes = dict(hf_weight_shapes(cfg))
         parts: dict[str, list[HfPart]] = {}
         for module, slot in slot_table(cfg).items():
@@ -179,10 +181,11 @@ class EmbeddedLayout:
             parts.setdefault(slot.key, []).append(HfPart(hf, shapes[hf], index))
         out = []
         for key, members in parts.items():
-            p = model.get_parameter(model.param_name(key))  # type: ignore[attr-defined]
+            name = getattr(model, "param_name")(key)  # noqa: B009
+            p = model.get_parameter(name)
             whole = len(members) == 1 and tuple(p.shape) == members[0].shape
             members = [HfPart(members[0].name, members[0].shape)] if whole else members
-            out.append(TrainerTensor(model.param_name(key), tuple(p.shape), tuple(members)))  # type: ignore[attr-defined]
+            out.append(TrainerTensor(name, tuple(p.shape), tuple(members)))
         return out
 
     def site(self, model: torch.nn.Module, tensor: TrainerTensor) -> str:

@@ -14,7 +14,7 @@ import torch
 from tests.megatron_cpu import causal_mask, megatron_cpu_env, tiny_gpt_model  # noqa: F401
 from tests.unit.qat_models import rollout_values
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]
 
 CONFIG = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
               gated_linear_unit=True, add_bias_linear=False, tied=False, vocab_size=64)
@@ -62,7 +62,7 @@ def _split_to_hf(model: torch.nn.Module, name: str, weight: torch.Tensor) -> dic
 
 
 @pytest.mark.parametrize("preset", ["FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4"])
-def test_megatron_linears_compute_with_the_exported_values(megatron_cpu_env, preset: str) -> None:
+def test_megatron_linears_compute_with_the_exported_values(preset: str) -> None:
     from adapters.megatron.hf_names import hf_named_weights
     from adapters.qat_reference.backend import ReferenceQatBackend
     from domain.plan import QuantizationPlan
@@ -85,7 +85,7 @@ def test_megatron_linears_compute_with_the_exported_values(megatron_cpu_env, pre
     assert checked == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
 
 
-def test_megatron_inputs_are_fake_quantized_and_gradients_flow(megatron_cpu_env) -> None:
+def test_megatron_inputs_are_fake_quantized_and_gradients_flow() -> None:
     from adapters.qat_reference.backend import ReferenceQatBackend
     from domain.codecs import fake_quantize_activation
     from domain.formats import ActivationScheme
@@ -113,7 +113,7 @@ def test_megatron_inputs_are_fake_quantized_and_gradients_flow(megatron_cpu_env)
     assert all(g is not None and bool(g.abs().sum() > 0) for n, g in grads.items() if "linear" in n), grads.keys()
 
 
-def test_gradient_accumulation_fusion_is_rejected_by_name(megatron_cpu_env) -> None:
+def test_gradient_accumulation_fusion_is_rejected_by_name() -> None:
     from adapters.qat_reference.backend import ReferenceQatBackend
     from domain.errors import QatUnsupportedModel
     from domain.plan import QuantizationPlan

@@ -8,7 +8,13 @@ import torch
 
 from adapters.qat_reference.backend import ReferenceQatBackend
 from app.bootstrap import build_qat_backend
-from domain.errors import BoundaryLayersMismatch, ConfigError, QatModeMismatch, QatPrecisionMismatch, QatWithTeRecipe
+from domain.errors import (
+    BoundaryLayersMismatch,
+    ConfigError,
+    QatModeMismatch,
+    QatPrecisionMismatch,
+    QatWithTeRecipe,
+)
 from domain.plan import QuantizationPlan
 from domain.qat import QatSummary
 from tests.unit.qat_models import H, TinyHf
@@ -41,11 +47,11 @@ def test_qat_is_applied_and_checked() -> None:
 
 
 def test_wrong_mode_and_te_recipe_fail_by_key() -> None:
-    with pytest.raises(QatModeMismatch, match="qat.mode='MXFP4'"):
+    with pytest.raises(QatModeMismatch, match=r"qat\.mode='MXFP4'"):
         build_qat_backend(_config("MXFP4"), model=TinyHf())
     with pytest.raises(QatWithTeRecipe):
         build_qat_backend(_config(te={"fp8": "e4m3"}), model=TinyHf())
-    with pytest.raises(ConfigError, match="actor.megatron.qat.backend"):
+    with pytest.raises(ConfigError, match=r"actor\.megatron\.qat\.backend"):
         build_qat_backend(_config(), model=TinyHf(), backend="nope")
 
 

@@ -36,7 +36,7 @@ def _shapes(layers: int = 4) -> list[tuple[str, tuple[int, ...]]]:
         out += [(f"{p}.input_layernorm.weight", (64,)), (f"{p}.self_attn.q_proj.weight", (64, 64)),
                 (f"{p}.self_attn.k_proj.weight", (32, 64)), (f"{p}.self_attn.v_proj.weight", (32, 64)),
                 (f"{p}.self_attn.o_proj.weight", (64, 64)), (f"{p}.mlp.down_proj.weight", (64, 64))]
-    return out + [("lm_head.weight", (128, 64))]
+    return [*out, ("lm_head.weight", (128, 64))]
 
 
 def test_qat_mode_must_be_the_rollouts_preset() -> None:
