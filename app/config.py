@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -237,7 +237,7 @@ class Section(Mapping[str, Any]):
             node = getattr(node, part) if isinstance(node, Section) else node[part]
         return node
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[str]:
         return iter(self._tree)
 
     def __len__(self) -> int:

@@ -7,26 +7,30 @@ outcome in words (what `refit plan` prints).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from domain import naming
 from domain.errors import (
-    BoundaryLayersMismatch,
     EngineRejectsQuantization,
-    FusedGroupSplit,
     NativeLayoutOverride,
-    NonDivisibleTensors,
     QatModeMismatch,
     QatWithTeRecipe,
     QuantizedDeltaSync,
     UnsupportedCombination,
     UnsupportedQuantMethod,
 )
-from domain.export import misaligned_pattern
 from domain.formats import MXFP4, MXFP8, NVFP4, ActivationScheme, format_by_name
+from domain.model_rules import (
+    Shapes,
+    bf16_training_layers,
+    check_block_divisible,
+    check_boundary_layers,
+    check_fused_groups,
+    check_qat_ignore,
+)
 from domain.native_config import (
     OVERRIDE_ABSENT,
     NativeConfig,
@@ -42,8 +46,6 @@ DELTA_WIRE_FORMATS = ("delta_flush",)
 # Models whose own exporter emits the release quantized layout (rule 3).
 RELEASE_LAYOUT_MODEL_TYPES = ("deepseek_v4",)
 RELEASE_LAYOUT_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
-
-Shapes = Sequence[tuple[str, tuple[int, ...]]]
 
 
 @attrs.frozen
@@ -216,28 +218,6 @@ def check_qat_mode(plan: QuantizationPlan, *, qat_enable: bool, qat_mode: str | 
         )
 
 
-def check_qat_ignore(plan: QuantizationPlan, shapes: Shapes, qat_ignore: Sequence[str]) -> None:
-    """Rule 2, per tensor: what QAT keeps in BF16 (ignore_patterns) the rollout must not quantize.
-
-    Args:
-        plan: the resolved plan.
-        shapes: every tensor's (name, shape).
-        qat_ignore: actor.megatron.qat.ignore_patterns.
-
-    Returns:
-        None. Raises QatModeMismatch listing the tensors and the ignore entries to add.
-    """
-    bad = [(n, e) for n, shape in shapes
-           if (e := naming.first_match(qat_ignore, n)) is not None and plan.decide(n, shape).is_quantized]
-    if bad:
-        entries = sorted({e for _, e in bad})
-        raise QatModeMismatch(
-            f"actor.megatron.qat.ignore_patterns {entries} keep {len(bad)} tensor(s) in BF16 during training "
-            f"(e.g. {bad[0][0]}) but the rollout quantizes them; add the same entries to "
-            "rollout.quantization.ignore"
-        )
-
-
 def check_sync_backend(quantized: bool, *, backend: str | None, wire_format: str | None) -> None:
     """Rule 4: a quantized rollout needs the complete bucket sequence to finalize.
 
@@ -344,103 +324,6 @@ def check_static_activations(plan: QuantizationPlan) -> None:
             )
 
 
-# --- rules 8 and 9, fused groups: need the model's tensor names and shapes ----------------------
-
-
-def bf16_training_layers(num_layers: int, *, enabled: bool, at_start: int, at_end: int) -> set[int]:
-    """The decoder layers that low-precision training keeps in BF16.
-
-    Args:
-        num_layers: number of decoder layers.
-        enabled: override_transformer_config.first_last_layers_bf16.
-        at_start, at_end: num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16.
-
-    Returns:
-        The set of layer indices.
-    """
-    if not enabled:
-        return set()
-    return set(range(min(at_start, num_layers))) | set(range(max(num_layers - at_end, 0), num_layers))
-
-
-def check_boundary_layers(plan: QuantizationPlan, shapes: Shapes, training_bf16: set[int]) -> None:
-    """Rule 8: layers that NVFP4 training keeps BF16 must be BF16 in the rollout too.
-
-    Args:
-        plan: the resolved plan.
-        shapes: every tensor's (name, shape).
-        training_bf16: layer indices training keeps BF16 (bf16_training_layers).
-
-    Returns:
-        None. Raises BoundaryLayersMismatch listing the layers and the ignore entry to add.
-    """
-    if not training_bf16 or not plan.is_quantized:
-        return
-    quantized = sorted({
-        layer for name, shape in shapes
-        if (layer := naming.layer_index(name)) in training_bf16 and plan.decide(name, shape).is_quantized
-    })
-    if quantized:
-        entry = layer_ignore_entry(sorted(training_bf16))
-        raise BoundaryLayersMismatch(
-            f"training keeps layers {sorted(training_bf16)} in BF16 (first_last_layers_bf16) but the rollout "
-            f"quantizes layers {quantized}; add {entry!r} to rollout.quantization.ignore, or turn "
-            "first_last_layers_bf16 off"
-        )
-
-
-def check_fused_groups(plan: QuantizationPlan, shapes: Shapes) -> None:
-    """Members of a fused module (q/k/v, gate/up) must all be quantized or all stay BF16.
-
-    Args:
-        plan: the resolved plan.
-        shapes: every tensor's (name, shape).
-
-    Returns:
-        None. Raises FusedGroupSplit naming the group and the ignored members.
-    """
-    seen: dict[str, dict[str, bool]] = {}
-    for name, shape in shapes:
-        cls = naming.classify(name, tuple(shape))
-        if cls.group is not None:
-            seen.setdefault(cls.group, {})[cls.module] = plan.decide(name, shape).is_quantized
-    for group, members in seen.items():
-        if len(set(members.values())) > 1:
-            kept = sorted(m for m, q in members.items() if not q)
-            raise FusedGroupSplit(
-                f"rollout.quantization.ignore keeps {kept} in BF16 but not the rest of fused group {group!r} "
-                f"({sorted(members)}); engines load these as one layer: ignore all of them or none"
-            )
-
-
-def check_block_divisible(plan: QuantizationPlan, shapes: Shapes) -> None:
-    """Rule 9: every quantized tensor's K must be a multiple of its format's block along K.
-
-    Args:
-        plan: the resolved plan.
-        shapes: every tensor's (name, shape).
-
-    Returns:
-        None. Raises NonDivisibleTensors listing the tensors and the ignore entries excluding them.
-    """
-    bad: list[tuple[str, int, int]] = []
-    for name, shape in shapes:
-        d = plan.decide(name, tuple(shape))
-        if d.is_quantized and shape[-1] % d.format.k_multiple:
-            bad.append((name, shape[-1], d.format.k_multiple))
-    if bad:
-        tensors = tuple(n for n, _, _ in bad)
-        patterns = tuple(dict.fromkeys(misaligned_pattern(naming.module_name(n)) for n in tensors))
-        listing = "; ".join(f"{n} (K={k}, block {b})" for n, k, b in bad[:8])
-        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
-        raise NonDivisibleTensors(
-            f"{len(bad)} tensor(s) cannot be quantized because K is not a multiple of the block: {listing}{more}; "
-            f"keep them in BF16 with rollout.quantization.ignore: {list(patterns)}",
-            tensors=tensors,
-            patterns=patterns,
-        )
-
-
 def _num_layers(model_config: Mapping[str, Any] | None, shapes: Shapes) -> int:
     for cfg in (model_config or {}, (model_config or {}).get("text_config") or {}):
         if isinstance(cfg.get("num_hidden_layers"), int):
@@ -514,7 +397,7 @@ def _select(inp: DispatchInput, override: object) -> tuple[str, QuantizationPlan
     if len(requested) > 1:
         raise UnsupportedCombination(f"{' and '.join(requested)} are both set; set only one of them")
     if override is not OVERRIDE_ABSENT:
-        if override is None:
+        if not isinstance(override, Mapping):
             return "hf_overrides", QuantizationPlan.bf16(), None
         return _from_native(parse_quantization_config(override, ignore=inp.ignore), "hf_overrides", inp)
     if inp.config_file is not None:
@@ -550,9 +433,9 @@ def resolve(inp: DispatchInput, shapes: Shapes | None = None) -> Resolution:
     outcomes = [RuleOutcome(5, "QAT vs TE recipe", "ok")]
     check_qat_te_recipe(qat_enable=inp.qat_enable, te_fp8=inp.te_fp8, te_fp4=inp.te_fp4)
     if check_release_layout(inp, override):
-        native = parse_quantization_config((find_quantization_config(inp.model_config) or ("", {}))[1])
+        release = parse_quantization_config((find_quantization_config(inp.model_config) or ("", {}))[1])
         outcomes.append(RuleOutcome(3, "release layout", "native quantization_config passes through unchanged"))
-        return Resolution(QuantizationPlan.bf16(), "checkpoint", "native-passthrough", native, tuple(outcomes))
+        return Resolution(QuantizationPlan.bf16(), "checkpoint", "native-passthrough", release, tuple(outcomes))
     outcomes.append(RuleOutcome(3, "release layout", "n/a"))
     source, plan, native = _select(inp, override)
     if native is not None and not native.exportable:
@@ -579,16 +462,3 @@ def resolve(inp: DispatchInput, shapes: Shapes | None = None) -> Resolution:
     if layout in ("sglang-mxfp8", "native-fp8"):
         plan = attrs.evolve(plan, scale_name="weight_scale_inv")
     return Resolution(plan, source, layout, native, tuple(sorted(outcomes, key=lambda o: o.rule)))
-
-
-def layer_ignore_entry(layers: Sequence[int]) -> str:
-    """An ignore entry keeping whole decoder layers in BF16.
-
-    Args:
-        layers: layer indices.
-
-    Returns:
-        `re:.*layers\\.(0|47)\\..*`
-    """
-    return "re:.*layers\\.(" + "|".join(str(i) for i in layers) + ")\\..*"
-

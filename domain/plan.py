@@ -7,6 +7,8 @@ MX scale rule. `decide(name, shape)` is a pure function of those and the tensor'
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from domain import naming
@@ -56,6 +58,10 @@ class TensorDecision:
     @property
     def is_quantized(self) -> bool:
         return self.format.is_quantized
+
+
+def _to_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
 
 
 def _check_ignore(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -158,7 +164,7 @@ class QuantizationPlan:
     linear: PrecisionFormat = BF16
     moe: PrecisionFormat = BF16
     moe_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
-    ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_check_ignore)
+    ignore: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_check_ignore)
     scale_rule: MxScaleRule = MxScaleRule.RCEIL
     scale_name: str = attrs.field(default="weight_scale", validator=attrs.validators.in_(SCALE_NAMES))
     linear_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
@@ -173,7 +179,7 @@ class QuantizationPlan:
         cls,
         linear: str | PrecisionFormat | None = None,
         moe: str | PrecisionFormat | None = None,
-        ignore: tuple[str, ...] | list[str] = (),
+        ignore: Iterable[str] = (),
         moe_activation: str | ActivationScheme | None = None,
         scale_rule: str | MxScaleRule = MxScaleRule.RCEIL,
         scale_name: str = "weight_scale",

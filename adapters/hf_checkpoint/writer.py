@@ -108,7 +108,7 @@ class CheckpointWriter:
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         f = self._files[i]
         f.seek(offset)
-        f.write(memoryview(data))
+        f.write(data.data)
         self._written.add(name)
 
     def close(self) -> None:

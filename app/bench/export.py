@@ -21,14 +21,14 @@ import torch
 
 from app.bench.report import BenchReport
 
-FULL = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, vocab_size=32000,
+FULL: dict[str, Any] = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, vocab_size=32000,
             num_attention_heads=16, num_key_value_heads=8, head_dim=64)
-QUICK = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, vocab_size=8192,
+QUICK: dict[str, Any] = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, vocab_size=8192,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 PRESET = "NVFP4"
 
 
-def build_checkpoint(directory: Path, dims: dict[str, int], seed: int = 0) -> int:
+def build_checkpoint(directory: Path, dims: dict[str, Any], seed: int = 0) -> int:
     """Write a random BF16 Qwen3 checkpoint tensor by tensor (config.json from transformers' Qwen3Config).
 
     Returns:
@@ -39,7 +39,7 @@ def build_checkpoint(directory: Path, dims: dict[str, int], seed: int = 0) -> in
     from adapters.hf_checkpoint.writer import CheckpointWriter
     from domain.export import TensorSpec
 
-    config = Qwen3Config(**dims, tie_word_embeddings=False, torch_dtype="bfloat16")
+    config = Qwen3Config(**dims, tie_word_embeddings=False, dtype="bfloat16")
     h, inter, heads, kv, hd = dims["hidden_size"], dims["intermediate_size"], dims["num_attention_heads"], \
         dims["num_key_value_heads"], dims["head_dim"]
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (dims["vocab_size"], h))]
@@ -132,8 +132,8 @@ def _compressed_tensors(src: str, out: str) -> None:
             gs = generate_gparam(w.amin().reshape(1), w.amax().reshape(1))
             g = w.reshape(w.shape[0], -1, 16)
             scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights, global_scale=gs)
-            module.weight_global_scale.data.copy_(gs)
-            module.weight_scale.data.copy_(scale)
+            getattr(module, "weight_global_scale").data.copy_(gs)  # noqa: B009 - registered by compressed-tensors
+            getattr(module, "weight_scale").data.copy_(scale)  # noqa: B009
     compressor = ModelCompressor(quantization_config=qc)
     compressor.compress_model(model)
     model.save_pretrained(out)

@@ -111,7 +111,7 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False) 
         rows = ([{"tensors": d.name, "count": 1, "kind": d.kind, "format": d.format.name, "group": d.group,
                   "reason": d.reason} for d in report.decisions] if every_tensor else _classes(report))
         for r in rows:
-            table.add_row(r["tensors"], str(r["count"]), r["kind"], r["format"], r["group"] or "-", r["reason"])
+            table.add_row(*(str(r[k] or "-") for k in ("tensors", "count", "kind", "format", "group", "reason")))
         console.print(table)
     else:
         console.print("[dim]no model given (--model DIR or model.path): per-tensor decisions and rules 8-9 skipped[/dim]")

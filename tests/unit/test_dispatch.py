@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from domain import dispatch
+from domain import dispatch, model_rules
 from domain.dispatch import DispatchInput, resolve
 from domain.errors import (
     BoundaryLayersMismatch,
@@ -211,16 +211,16 @@ def test_rule7_trtllm_accepts_no_quantization() -> None:
 # --- rule 8 -----------------------------------------------------------------------------------------
 
 def test_rule8_bf16_training_layers() -> None:
-    assert dispatch.bf16_training_layers(10, enabled=True, at_start=1, at_end=2) == {0, 8, 9}
-    assert dispatch.bf16_training_layers(10, enabled=False, at_start=1, at_end=2) == set()
-    assert dispatch.bf16_training_layers(2, enabled=True, at_start=3, at_end=3) == {0, 1}
+    assert model_rules.bf16_training_layers(10, enabled=True, at_start=1, at_end=2) == {0, 8, 9}
+    assert model_rules.bf16_training_layers(10, enabled=False, at_start=1, at_end=2) == set()
+    assert model_rules.bf16_training_layers(2, enabled=True, at_start=3, at_end=3) == {0, 1}
 
 
 def test_rule8_nvfp4_training_boundary_layers_must_be_bf16_in_the_rollout() -> None:
     te = {"te_fp4": "e2m1", "first_last_layers_bf16": True}
     with pytest.raises(BoundaryLayersMismatch, match=r"layers \[0, 3\].*re:\.\*layers\\\\\.\(0\|3\)"):
         resolve(DispatchInput(requested=plan(linear="NVFP4"), **te), dense_shapes())
-    entry = dispatch.layer_ignore_entry([0, 3])
+    entry = model_rules.layer_ignore_entry([0, 3])
     res = resolve(DispatchInput(requested=plan(linear="NVFP4", ignore=[entry]), **te), dense_shapes())
     assert "[0, 3]" in next(o.outcome for o in res.outcomes if o.rule == 8)
     # BF16 training or no boundary setting: nothing to agree on
