@@ -128,7 +128,14 @@ class ModelOptQatBackend:
                 mtq, p.weight, numerics=self.numerics, backend=state.backend, tensor=t.name)})
             entries.append({"quantizer_name": f"{t.module}.input_quantizer", "cfg": input_attributes(
                 mtq, ActivationScheme(p.activation), numerics=self.numerics, backend=state.backend, tensor=t.name)})
-        mtq.quantize(root, {"quant_cfg": entries, "algorithm": None})
+        try:
+            mtq.quantize(root, {"quant_cfg": entries, "algorithm": None})
+        except (RuntimeError, ValueError, KeyError) as err:
+            unregister_quant_backend(state.backend)
+            raise QatUnsupportedModel(
+                f"ModelOpt could not put quantizers on the plan's layers ({err}); ModelOpt converts only the "
+                "module classes it knows (nn.Linear, Megatron's parallel linears): use the reference QAT backend"
+            ) from err
         self._state = state
         self._set_group_amax(state)
         self._arm_checks(state)

@@ -16,13 +16,13 @@ import torch
 
 pytest.importorskip("modelopt.torch.quantization", reason="needs nvidia-modelopt (the `modelopt` extra)")
 
-from adapters.modelopt.backend import ModelOptQatBackend  # noqa: E402
-from domain.codecs import fake_quantize_activation  # noqa: E402
-from domain.errors import QatNumericsMismatch, QatUnsupportedModel  # noqa: E402
-from domain.formats import ActivationScheme  # noqa: E402
-from domain.plan import QuantizationPlan  # noqa: E402
-from domain.qat import check_effective_precision  # noqa: E402
-from tests.unit.qat_models import H, TinyHf, rollout_values  # noqa: E402
+from adapters.modelopt.backend import ModelOptQatBackend
+from domain.codecs import fake_quantize_activation
+from domain.errors import QatNumericsMismatch, QatUnsupportedModel
+from domain.formats import ActivationScheme
+from domain.plan import QuantizationPlan
+from domain.qat import check_effective_precision
+from tests.unit.qat_models import H, TinyHf, rollout_values
 
 
 def _model() -> torch.nn.Module:
@@ -110,3 +110,9 @@ def test_unsupported_settings_fail_at_apply_with_the_reason() -> None:
         ModelOptQatBackend().apply(_model(), QuantizationPlan.from_presets(None, "NVFP4"))
     with pytest.raises(QatUnsupportedModel, match="CUDA"):
         ModelOptQatBackend(numerics="modelopt").apply(_model(), QuantizationPlan.from_presets("MXFP8", None))
+
+
+def test_modules_modelopt_does_not_convert_are_reported() -> None:
+    model = TinyHf()  # its Linear subclass is not a class ModelOpt converts
+    with pytest.raises(QatUnsupportedModel, match="reference QAT backend"):
+        ModelOptQatBackend().apply(model, QuantizationPlan.from_presets("FP8_BLOCK", None))
