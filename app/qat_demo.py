@@ -185,3 +185,27 @@ def render_qat_demo(result: dict[str, Any], console: Any) -> None:
         f"after {result['steps']} steps, k3 KL of the {result['mode']} rollout: {f['k3_quantized_without_qat']:.3e} "
         f"trained without QAT, {f['k3_quantized_with_qat']:.3e} with QAT; BF16 level {f['k3_bf16_level']:.3e}"
     )
+
+
+def run_cli(args: Any) -> int:
+    """`refit demo --qat [PRESET]`: run the QAT comparison and print it (a table, or JSON).
+
+    Args:
+        args: the demo command's arguments (qat, model, steps, seed, json).
+
+    Returns:
+        The exit status.
+    """
+    import json
+    import sys
+
+    from rich.console import Console
+
+    console = Console(stderr=bool(args.json))
+    with console.status(f"training with and without QAT ({args.qat}), {args.steps} steps"):
+        result = run_qat_demo(mode=args.qat, model=args.model, steps=args.steps, seed=args.seed)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    else:
+        render_qat_demo(result, console)
+    return 0
