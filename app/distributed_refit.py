@@ -138,6 +138,11 @@ class DistributedRefitService:
         return self.comm.rank
 
     @property
+    def broken(self) -> str | None:
+        """Why the world cannot run more refits (a collective timed out or lost a peer), or None."""
+        return self._broken
+
+    @property
     def role(self) -> str:
         return self.world.role(self.rank)
 

@@ -12,6 +12,7 @@ import datetime
 import faulthandler
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -74,10 +75,11 @@ def _child(fn: Callable[..., Any], rank: int, size: int, port: Any, results: Any
         fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-    # One intra-op thread: safe after fork (OpenMP pools do not survive it) and fair on few cores.
-    torch.set_num_threads(threads)
-    faulthandler.dump_traceback_later(dump_after_s, exit=False)  # a hung world shows where it hangs
     try:
+        # One intra-op thread: safe after fork (OpenMP pools do not survive it) and fair on few cores.
+        torch.set_num_threads(threads)
+        # A hung world shows where it hangs (on fd 2: sys.stderr may be a capture without one).
+        faulthandler.dump_traceback_later(dump_after_s, exit=False, file=sys.__stderr__ or 2)
         _join(rank, size, port, pg_timeout_s)
         value = fn(rank, *args)
         results.put(RankResult(rank, True, value))

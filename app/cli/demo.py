@@ -44,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch intra-op threads (default 1: the embedded model's ops are too small to gain from more)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--verbose", action="store_true", help="log the canonical line of every refit (stderr)")
+    from app.distributed_demo import add_procs_arguments
+
+    add_procs_arguments(p)  # --procs N, --fault-rank R
 
 
 def _none(preset: str | None) -> str | None:
@@ -171,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError("--threads", f"must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
+    if args.procs is not None:  # trainer and engine ranks in separate processes
+        from app.distributed_demo import run_procs
+
+        return run_procs(args)
     try:
         settings = settings_from_args(args)
     except ValueError as err:
