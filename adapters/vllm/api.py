@@ -53,6 +53,11 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # engine arguments and environment (engine_args.py)
     ("symbol", "vllm.engine.arg_utils:EngineArgs",
      ("hf_overrides", "quantization", "linear_backend", "moe_backend", "kv_cache_dtype", "load_format")),
+    # what the GPU check (tests/gpu/check_vllm_refit.py) passes besides
+    ("symbol", "vllm.engine.arg_utils:EngineArgs",
+     ("model", "skip_tokenizer_init", "dtype", "seed", "max_model_len", "kv_cache_memory_bytes",
+      "gpu_memory_utilization", "compilation_config")),
+    ("member", "vllm.config.compilation:CompilationConfig.cudagraph_capture_sizes", ()),
     ("values", "vllm.config.kernel:MoEBackend", ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass")),
     ("values", "vllm.config.kernel:LinearBackend", ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass")),
     ("env", "vllm.envs:VLLM_USE_DEEP_GEMM", ()),

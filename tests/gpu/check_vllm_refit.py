@@ -99,7 +99,7 @@ def stage_model(out: pathlib.Path) -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                      tie_word_embeddings=False, torch_dtype="bfloat16")
+                      tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
