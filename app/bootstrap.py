@@ -427,3 +427,38 @@ def build_qat_backend(
         else:
             raise ConfigError("actor.megatron.qat.backend", f"{backend!r} is not one of reference, modelopt")
     return prepare_qat(cfg, model, qat_backend, layout=layout, model_config=model_config)  # type: ignore[arg-type]
+
+
+# --- rollout quantization plan and trainer-side export ---------------------------------------
+
+
+def build_rollout_plan(
+    config: Mapping[str, object] | str | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
+    *,
+    model: str | None = None,
+):
+    """Resolve the rollout quantization of a configuration (and of a checkpoint, when there is one).
+
+    Args:
+        config: a configuration dict or YAML path (None: defaults).
+        overrides: dotted `KEY=VALUE` overrides.
+        model: a checkpoint directory (wins over `model.path`); only its headers are read.
+
+    Returns:
+        (app.planning.PlanReport, adapters.hf_checkpoint.reader.HfCheckpoint or None). Raises the
+        dispatch rule's typed error when the configuration is rejected.
+    """
+    import json
+
+    from app.config import load_config
+    from app.planning import make_plan
+
+    extra = [f"model.path={json.dumps(model)}"] if model else []
+    cfg = load_config(config, [*overrides, *extra])  # type: ignore[arg-type]
+    checkpoint = None
+    if cfg.model.path:
+        from adapters.hf_checkpoint.reader import HfCheckpoint
+
+        checkpoint = HfCheckpoint(cfg.model.path)
+    return make_plan(cfg, checkpoint), checkpoint

@@ -10,9 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from app.cli.plan import add_config_arguments, config_from_args
+from app.cli.plan import add_config_arguments, split_config_args
 from app.exporting import ExportResult, export_checkpoint
-from app.planning import make_plan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,23 +41,20 @@ def _render(result: ExportResult, console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adapters.hf_checkpoint.reader import HfCheckpoint
+    from app.bootstrap import build_rollout_plan
     from app.logging import configure_logging
+    from domain.errors import ConfigError
 
     configure_logging(json=args.json)
-
-    cfg = config_from_args(args, [f"model.path={json.dumps(args.model)}"] if args.model else None)
-    if not cfg.model.path:
-        from domain.errors import ConfigError
-
+    source, overrides = split_config_args(args)
+    report, checkpoint = build_rollout_plan(source, overrides, model=args.model)
+    if checkpoint is None:
         raise ConfigError("model.path", "no model given; pass --model DIR or set model.path")
     quiet = args.json or not sys.stderr.isatty()
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=Console(stderr=True), disable=quiet) as progress:
-        checkpoint = HfCheckpoint(cfg.model.path)
         task = progress.add_task("exporting", total=checkpoint.total_bytes)
         checkpoint.on_read = lambda n: progress.advance(task, n)
-        report = make_plan(cfg, checkpoint)
         result = export_checkpoint(checkpoint, args.out, report, force=args.force,
                                    shard_bytes=args.shard_size_mb * 2**20)
     if args.json:

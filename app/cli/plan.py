@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Section, load_config
-from app.planning import PlanReport, make_plan
+from app.planning import PlanReport
 from domain.errors import RefitError
 
 
@@ -26,9 +26,15 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> Section:
     """Load the configuration named by the positional arguments (file first, then overrides)."""
+    source, overrides = split_config_args(args)
+    return load_config(source, [*overrides, *(extra or [])])
+
+
+def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The positional arguments as (YAML file or None, overrides)."""
     items = list(args.args)
     source = items.pop(0) if items and "=" not in items[0] else None
-    return load_config(source, [*items, *(extra or [])])
+    return source, items
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -121,14 +127,11 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False) 
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_from_args(args, [f"model.path={json.dumps(args.model)}"] if args.model else None)
-        checkpoint = None
-        if cfg.model.path:
-            from adapters.hf_checkpoint.reader import HfCheckpoint
+    from app.bootstrap import build_rollout_plan
 
-            checkpoint = HfCheckpoint(cfg.model.path)
-        report = make_plan(cfg, checkpoint)
+    try:
+        source, overrides = split_config_args(args)
+        report, _ = build_rollout_plan(source, overrides, model=args.model)
     except RefitError as err:
         if args.json:
             sys.stdout.write(json.dumps({"error": {"type": type(err).__name__, "message": str(err)}}) + "\n")
