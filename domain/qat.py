@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from domain import dispatch, naming
+from domain import dispatch, model_rules, naming
 from domain.codecs import QuantizedWeight, dequantize_weight, fake_quantize_activation
 from domain.errors import FusedGroupSplit, QatLayoutError, QatPrecisionMismatch
 from domain.export import quantize_stream
@@ -451,7 +451,7 @@ def check_qat_plan(plan: QuantizationPlan, shapes: Shapes, settings: QatSettings
 
     Runs dispatch rule 5 (no Transformer Engine FP8/FP4 recipe with QAT), rule 2 (qat.mode is
     the rollout's one preset; what qat.ignore_patterns keeps BF16 the rollout keeps BF16) and
-    rule 8 for QAT (layers `first_last_layers_bf16` keeps BF16 in training must be BF16 in the
+    rule 8 for QAT (`domain.dispatch`, `domain.model_rules`) (layers `first_last_layers_bf16` keeps BF16 in training must be BF16 in the
     rollout; the error lists the layers that differ).
 
     Args:
@@ -466,16 +466,16 @@ def check_qat_plan(plan: QuantizationPlan, shapes: Shapes, settings: QatSettings
     """
     dispatch.check_qat_te_recipe(qat_enable=True, te_fp8=settings.te_fp8, te_fp4=settings.te_fp4)
     dispatch.check_qat_mode(plan, qat_enable=True, qat_mode=settings.mode)
-    dispatch.check_qat_ignore(plan, shapes, settings.ignore)
-    bf16_layers = dispatch.bf16_training_layers(
+    model_rules.check_qat_ignore(plan, shapes, settings.ignore)
+    bf16_layers = model_rules.bf16_training_layers(
         _num_layers(shapes) if num_layers is None else num_layers,
         enabled=settings.first_last_layers_bf16,
         at_start=settings.num_layers_at_start_in_bf16,
         at_end=settings.num_layers_at_end_in_bf16,
     )
-    dispatch.check_boundary_layers(plan, shapes, bf16_layers)
+    model_rules.check_boundary_layers(plan, shapes, bf16_layers)
     extra = list(settings.ignore)
     if bf16_layers:
-        extra.append(dispatch.layer_ignore_entry(sorted(bf16_layers)))
+        extra.append(model_rules.layer_ignore_entry(sorted(bf16_layers)))
     extra = [e for e in extra if e not in plan.ignore]
     return attrs.evolve(plan, ignore=plan.ignore + tuple(extra)) if extra else plan  # type: ignore[arg-type]
