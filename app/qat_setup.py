@@ -3,7 +3,7 @@
 `prepare_qat` is what `app.bootstrap.build_qat_backend` runs once the trainer model exists:
 1. the rollout plan, through the dispatch rules, on the model's own Hugging Face tensor names
    (`refit plan` decides the same way);
-2. `domain.qat.check_qat_plan`: QAT mode vs rollout (rule 2), no Transformer Engine FP8/FP4
+2. `domain.qat_checks.check_qat_plan`: QAT mode vs rollout (rule 2), no Transformer Engine FP8/FP4
    recipe (rule 5), qat.ignore_patterns, and first/last BF16 layers vs the rollout ignore list;
 3. the backend's `apply`;
 4. the effective precision of every linear and expert layer against the rollout plan (QAT is
@@ -25,7 +25,8 @@ from app.planning import dispatch_input
 from domain.dispatch import resolve
 from domain.formats import MxScaleRule
 from domain.plan import QuantizationPlan
-from domain.qat import QatSettings, QatSummary, check_effective_precision, check_qat_plan
+from domain.qat import QatSummary
+from domain.qat_checks import QatSettings, check_effective_precision, check_qat_plan
 from ports.qat_backend import QatBackend
 
 log = structlog.get_logger()

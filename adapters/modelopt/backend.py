@@ -32,10 +32,9 @@ from domain.qat import (
     fake_quantize_input,
     fake_quantize_tensors,
     fused_units,
-    layer_tensors,
     straight_through,
-    tensor_precision,
 )
+from domain.qat_checks import layer_tensors, tensor_precision
 
 try:
     import modelopt.torch.quantization as mtq

@@ -33,9 +33,8 @@ from domain.qat import (
     fake_quantize_input,
     fake_quantize_tensors,
     fused_units,
-    layer_tensors,
-    tensor_precision,
 )
+from domain.qat_checks import layer_tensors, tensor_precision
 
 log = structlog.get_logger()
 _INPUT_KWARGS = ("input", "input_", "x", "hidden_states")

@@ -21,7 +21,7 @@ from domain.codecs import fake_quantize_activation
 from domain.errors import QatNumericsMismatch, QatUnsupportedModel
 from domain.formats import ActivationScheme
 from domain.plan import QuantizationPlan
-from domain.qat import check_effective_precision
+from domain.qat_checks import check_effective_precision
 from tests.unit.qat_models import H, TinyHf, rollout_values
 
 

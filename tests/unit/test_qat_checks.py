@@ -16,11 +16,9 @@ from domain.errors import (
     RefitError,
 )
 from domain.plan import QuantizationPlan
-from domain.qat import (
-    HfPart,
-    LayerPrecision,
+from domain.qat import HfPart, LayerPrecision, TrainerTensor
+from domain.qat_checks import (
     QatSettings,
-    TrainerTensor,
     check_effective_precision,
     check_qat_plan,
     expected_precision,
