@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 STEP_TIMEOUT_S, PHASE_TIMEOUT_S = 10.0, 30.0
@@ -62,7 +63,7 @@ def demo_rank(rank: int, run: _Run) -> list[dict[str, Any]]:
     svc = build_distributed_refit(
         run.world, rank, plan=run.plan, model=run.model, seed=run.seed, commit_mode=run.commit_mode,
         bucket_megabytes=run.bucket_megabytes, fault=run.fault, step_timeout_s=STEP_TIMEOUT_S,
-        phase_timeout_s=PHASE_TIMEOUT_S, hang_s=STEP_TIMEOUT_S * 3,
+        phase_timeout_s=PHASE_TIMEOUT_S, hang_s=STEP_TIMEOUT_S + 5,
     )
     records = []
     for step in range(run.steps + 1):
@@ -166,8 +167,9 @@ def run_procs(args: argparse.Namespace) -> int:
         f"gloo on 127.0.0.1" + (f", fault {fault} on rank {fault.rank} at step {fault.refit}" if fault else "")
     )
     if args.json:
+        fired = None if fault is None else any(r["error"] for r in records if r["step"] == fault.refit)
         payload = {"header": header, "world": {"layout": world.layout.describe(), "engines": world.engines},
-                   "records": records, "engines_match_single_process": identical}
+                   "records": records, "engines_match_single_process": identical, "fault_fired": fired}
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
         return 0
     console = Console(width=max(Console().width, 120))
@@ -180,6 +182,8 @@ def run_procs(args: argparse.Namespace) -> int:
                       str(r["buckets"]), r["weights"])
     console.print(table)
     for err in dict.fromkeys(r["error"] for r in records if r["error"]):
-        console.print(f"- failure: {err}")
+        console.print(f"- failure: {escape(err)}")
+    if fault is not None and not any(r["error"] for r in records if r["step"] == fault.refit):
+        console.print(f"- the injected fault {fault} never fired (fewer buckets than K, or a step past --steps?)")
     console.print(f"- every engine bit-identical to the single-process refit: {'yes' if identical else 'NO'}")
     return 0 if identical else 1
