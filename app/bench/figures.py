@@ -7,8 +7,9 @@ Each row lands in at most one figure. A suite may say which with `BenchRow.figur
   baseline, one panel per suite;
 - `memory`: bytes with a baseline in the `logprobs` suite (or a metric naming log-probs, or rows
   marked `memory`): the baseline's peak memory / ours, per case, one panel per suite;
-- `bucket`: rows of the `refit` / `transport` suites with a bucket size (`x`, or `64 MiB` in the
-  case name): throughput ratio and memory ratio against the bucket size;
+- `bucket`: rows with a sweep coordinate `x` (the bucket size in MiB), or marked `bucket` (then a
+  size written in the case name, `64 MiB`, serves as `x`): throughput and memory ratios against
+  the bucket size;
 - `mismatch`: mismatch metrics (k3 KL, log-prob difference, importance ratio) per preset;
 - `other`: any other row with a ratio, so that no measurement is dropped from the pictures.
 
@@ -31,7 +32,6 @@ from app.bench.report import BenchRow
 
 PRESETS = ("FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4", "BF16")
 BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
-SWEEP_SUITES = ("refit", "transport")
 _MISMATCH = re.compile(r"\bk3\b|\bkl\b|mismatch|logp|log-prob diff|importance|prob diff", re.IGNORECASE)
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(KiB|MiB|GiB|KB|MB|GB)\b")
 
@@ -85,7 +85,7 @@ def classify(suite: str, row: BenchRow) -> str | None:
     text = f"{row.metric} {row.case}"
     if _MISMATCH.search(row.metric):
         return "mismatch"
-    if suite in SWEEP_SUITES and bucket_mib(row) is not None and row.ratio is not None:
+    if row.x is not None and row.ratio is not None:  # a sweep coordinate: the bucket size
         return "bucket"
     if row.unit in BYTE_UNITS and row.ratio is not None and (suite == "logprobs" or "log-prob" in text
                                                               or "logprob" in text):

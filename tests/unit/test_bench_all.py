@@ -41,8 +41,8 @@ def logprobs_like(quick: bool) -> BenchReport:
 def refit_like(quick: bool) -> BenchReport:
     r = BenchReport("refit")
     for mib in (1, 4, 16):
-        r.add(f"bucket {mib} MiB", "refit throughput", 100.0 * mib, "MiB/s", "single copy", 400.0)
-        r.add(f"bucket {mib} MiB", "peak memory", 2.0 * mib, "MiB", "whole model", 64.0)
+        r.add(f"bucket {mib} MiB", "refit throughput", 100.0 * mib, "MiB/s", "single copy", 400.0, x=mib)
+        r.add(f"bucket {mib} MiB", "peak memory", 2.0 * mib, "MiB", "whole model", 64.0, figure="bucket")
     r.add("odd", "latency", 2.0, "s", "other way", 3.0, figure="no-such-figure")
     return r
 
@@ -140,11 +140,11 @@ def test_markdown_report(result) -> None:
 
 def test_classification() -> None:
     row = BenchRow("bucket 64 MiB", "refit throughput", 1.0, "GB/s", "copy", 2.0)
-    assert figures.classify("refit", row) == "bucket"
+    assert figures.classify("refit", row) == "throughput"  # a size in the name alone is not a sweep
+    assert figures.classify("refit", BenchRow("c", "refit throughput", 1.0, "GB/s", "copy", 2.0, x=8)) == "bucket"
     assert figures.bucket_mib(row) == 64
     assert figures.bucket_mib(BenchRow("bucket 512 KiB", "m", 1.0, "s")) == 0.5
     assert figures.bucket_mib(BenchRow("c", "m", 1.0, "s", x=3.0)) == 3.0
-    assert figures.classify("codecs", row) == "throughput"  # a bucket size outside the sweep suites
     assert figures.classify("codecs", BenchRow("c", "m", 1.0, "GB/s")) is None  # no baseline, no figure
     assert figures.classify("x", BenchRow("c", "m", 1.0, "s", "b", 2.0, figure="mismatch")) == "mismatch"
     assert figures.classify("logprobs", BenchRow("c", "peak", 1.0, "B", "plain", 4.0)) == "memory"
