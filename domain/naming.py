@@ -25,6 +25,9 @@ DEFAULT_IGNORE_REASONS: dict[str, str] = {
     r"re:.*mlp\.gate$": "MoE router",
     r"re:.*\.router$": "MoE router",
     "re:.*shared_expert_gate$": "shared-expert gate",
+    # GatedDeltaNet b/a projections feed the gating nonlinearities; released FP8 checkpoints keep
+    # them BF16 and engines do not block-quantize them (their output is 2 x heads wide).
+    r"re:.*linear_attn\.in_proj_(ba|a|b)$": "GatedDeltaNet b/a projection",
     r"re:(.*\.)?(visual|vision_tower|vision_model|multi_modal_projector)\..*": "vision tower",
 }
 DEFAULT_IGNORE: tuple[str, ...] = tuple(DEFAULT_IGNORE_REASONS)

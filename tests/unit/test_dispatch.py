@@ -230,10 +230,10 @@ def test_rule8_nvfp4_training_boundary_layers_must_be_bf16_in_the_rollout() -> N
 # --- rule 9 and fused groups ----------------------------------------------------------------------------
 
 def test_rule9_non_divisible_tensors_are_listed_with_the_ignore_entry() -> None:
-    shapes = [*dense_shapes(layers=1), ("model.layers.0.linear_attn.in_proj_ba.weight", (16, 40))]
+    shapes = [*dense_shapes(layers=1), ("model.layers.0.linear_attn.out_proj.weight", (16, 40))]
     with pytest.raises(NonDivisibleTensors, match=r"1 tensor") as err:
         resolve(DispatchInput(requested=plan(linear="NVFP4")), shapes)
-    assert err.value.patterns == ("re:.*\\.in_proj_ba$",)
+    assert err.value.patterns == ("re:.*\\.out_proj$",)
     ok = resolve(DispatchInput(requested=plan(linear="NVFP4", ignore=list(err.value.patterns))), shapes)
     assert ok.plan.is_quantized
     assert resolve(DispatchInput(requested=plan(linear="FP8_BLOCK")), shapes).plan.is_quantized  # edge blocks allowed
