@@ -72,7 +72,7 @@ class StepRecord:
         step: 0 = initial sync.
         report: the refit's report (failed refits included).
         probe: the mismatch, or None when the engine refused to serve.
-        serving: "yes", or why the engine refused.
+        serving: "yes", or "no (stale)" / "no (busy)" when the engine refused.
         weights_unchanged: after a failed refit, whether live weights are bit-identical to before.
     """
 
@@ -181,6 +181,8 @@ def _step(label: str, step: int, svc: RefitService, ids: torch.Tensor, mask: tor
     try:
         probe = build_mismatch_probe(svc).probe(ids, mask)
         serving = "yes"
-    except (EngineStale, EngineBusy) as err:
-        probe, serving = None, f"refuses ({type(err).__name__})"
+    except EngineStale:
+        probe, serving = None, "no (stale)"
+    except EngineBusy:
+        probe, serving = None, "no (busy)"
     return StepRecord(label, step, report, probe, serving, unchanged)

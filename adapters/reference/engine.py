@@ -42,6 +42,14 @@ KV_PLACEHOLDER = -1.0  # what a loader leaves in an uncalibrated scale
 _KV_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.((?:q|k|v|prob)_scale)$")
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """NaN and Inf propagate into the minimum and maximum: one pass, no boolean temporary."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t.reshape(-1))
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def _commit_mode(value: str | CommitMode) -> CommitMode:
     return CommitMode.parse(value)
 
@@ -236,7 +244,7 @@ class ReferenceEngine:
     def _verify(self, group: str, ready: dict[str, dict[str, torch.Tensor]]) -> None:
         flat = {f"{k}.{local}": t for k, m in ready.items() for local, t in m.items()}
         for name, t in flat.items():
-            if t.dtype in (torch.bfloat16, torch.float32, torch.float16) and not bool(torch.isfinite(t).all()):
+            if t.dtype in (torch.bfloat16, torch.float32, torch.float16) and not _finite(t):
                 raise RefitVerificationFailed(f"staged tensor {name!r} holds NaN or Inf; nothing was committed")
         for verify in self.verifiers:
             verify(group, MappingProxyType(flat))

@@ -11,7 +11,7 @@ Rows (ratios against the same-run baseline, or against the memory bound):
 - peak extra memory: the engine's staging bytes plus the sender's one bucket, against the bound
   (transactional: the staged quantized tensors; per-layer: one bucket plus one commit group);
 - every tensor allocated during a refit (TensorBytesTracker), for the default plan;
-- a bucket-size sweep; with the full run, the refit with compiled codecs;
+- a bucket-size sweep;
 - mismatch (k3 KL) per preset on the tiny model, to read next to the throughput.
 """
 
@@ -150,25 +150,6 @@ def _sweep_rows(report: BenchReport, trainer: ReferenceTrainer, model: str, size
                        figure="bucket", preset=label, x=mb)
 
 
-def _compiled_rows(report: BenchReport, trainer: ReferenceTrainer, model: str, bucket_mb: float) -> None:
-    from domain.codecs import compile as kernels
-
-    label, plan = "FP8_BLOCK/NVFP4", _plans()["FP8_BLOCK/NVFP4"]
-    base_gbps = trainer.num_bytes() / 1e9 / _baseline_seconds(trainer, plan)
-    kernels.set_compiled(True)
-    try:
-        svc = _service(trainer, plan, CommitMode.TRANSACTIONAL, bucket_mb)
-        t0 = time.perf_counter()
-        svc.refit()
-        first = time.perf_counter() - t0
-        r = svc.refit()
-    finally:
-        kernels.set_compiled(False)
-    report.add(f"{model} {label} transactional, compiled codecs", "refit throughput", r.throughput_gbps, "GB/s",
-               BASELINE, base_gbps, figure="throughput", preset=label)
-    report.notes.append(f"compiled codecs: the first refit took {first:.1f} s (torch.compile), later ones reuse it")
-
-
 def _mismatch_rows(report: BenchReport, model: str) -> None:
     from app.mismatch_probe import MismatchProbe, response_mask, token_batch
 
@@ -220,8 +201,6 @@ def _run(model: str, bucket_mb: float, sizes: tuple[float, ...], quick: bool) ->
     )
     _throughput_rows(report, trainer, model, bucket_mb)
     _sweep_rows(report, trainer, model, sizes)
-    if not quick:
-        _compiled_rows(report, trainer, model, bucket_mb)
     _mismatch_rows(report, "micro-moe" if quick else "tiny-moe")
     report.notes.append("target: at least 3x the baseline's throughput; memory rows: ratio >= 1 means within the bound")
     report.notes.append(

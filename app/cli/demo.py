@@ -69,8 +69,6 @@ def _row(r: StepRecord) -> list[str]:
     rep = r.report
     m = r.probe.metrics if r.probe else None
     outcome = rep.outcome.value
-    if r.weights_unchanged is not None:
-        outcome += " (weights bit-identical)" if r.weights_unchanged else " (WEIGHTS CHANGED)"
     return [
         str(r.step), r.arm, outcome, f"{rep.timings['total'] * 1e3:.0f}", f"{rep.bytes_sent / 2**20:.2f}",
         str(rep.buckets), str(rep.storage), r.serving,
@@ -108,7 +106,8 @@ def _render(result: DemoResult, console: Console) -> None:
     )
     table = Table(title="one row per arm and step (step 0 = initial sync)")
     for col in ("step", "arm", "outcome", "refit ms", "MB sent", "buckets", "storage", "serving", "k3 KL", "|dlogp|"):
-        table.add_column(col, justify="right" if col not in ("arm", "outcome", "serving") else "left")
+        table.add_column(col, justify="right" if col not in ("arm", "outcome", "serving") else "left",
+                         min_width=15 if col == "arm" else None)
     for r in result.records:
         table.add_row(*_row(r))
     console.print(table)
@@ -122,8 +121,21 @@ def _render(result: DemoResult, console: Console) -> None:
                      f"{row['k3_kl']:.3e}", f"{row['mean_abs_logp_diff']:.3e}", f"{row['prob_diff_max']:.3e}",
                      str(row["kv_scales_reset"]))
     console.print(comp)
-    for line in _notes(result, summary):
+    for line in _failures(result) + _notes(result, summary):
         console.print(f"- {line}")
+
+
+def _failures(result: DemoResult) -> list[str]:
+    lines = []
+    for r in result.records:
+        if r.report.ok:
+            continue
+        line = f"step {r.step}, {r.arm}: {r.report.error}"
+        if r.weights_unchanged is not None:
+            verdict = "yes" if r.weights_unchanged else "no"
+            line += f". Checked: live weights bit-identical to before the refit: {verdict}"
+        lines.append(line)
+    return lines
 
 
 def _notes(result: DemoResult, summary: list[dict[str, Any]]) -> list[str]:
@@ -178,11 +190,13 @@ def run(args: argparse.Namespace) -> int:
         from app.distributed_demo import run_procs
 
         return run_procs(args)
+    from domain.errors import ConfigError, RefitError
+
     try:
         settings = settings_from_args(args)
-    except ValueError as err:
-        from domain.errors import ConfigError
-
+    except RefitError:
+        raise
+    except ValueError as err:  # DemoSettings' own checks name the option
         raise ConfigError("refit demo", str(err)) from None
     result = run_demo(settings)
     if args.plot:
@@ -192,11 +206,11 @@ def run(args: argparse.Namespace) -> int:
             "model": settings.model, "parameters": result.parameters, "arms": list(result.arms),
             "settings": {**attrs.asdict(settings, recurse=False), "plan": describe_plan(settings.plan)},
             "steps": [r.to_dict() for r in result.records], "summary": _summary(result),
-            "notes": _notes(result, _summary(result)), "plot": args.plot,
+            "notes": _failures(result) + _notes(result, _summary(result)), "plot": args.plot,
         }
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
         return 0
-    console = Console(width=max(Console().width, 110))
+    console = Console(width=max(Console().width, 120))
     _render(result, console)
     if args.plot:
         console.print(f"- plot written to {args.plot}")

@@ -66,7 +66,7 @@ def test_injected_fault_in_per_layer_mode_goes_stale_then_recovers(capsys):
     out = _demo_json(capsys, "--steps", "2", "--commit-mode", "per-layer", "--inject-fault", "finalize")
     by_step = {s["step"]: s for s in _rows(out, "FP8_BLOCK/NVFP4")}
     assert by_step[1]["refit"]["outcome"] == "stale" and by_step[1]["weights_unchanged"] is False
-    assert by_step[1]["serving"].startswith("refuses") and by_step[1]["mismatch"] is None
+    assert by_step[1]["serving"] == "no (stale)" and by_step[1]["mismatch"] is None
     assert by_step[2]["refit"]["outcome"] == "live" and by_step[2]["serving"] == "yes"
 
 
