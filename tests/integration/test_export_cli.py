@@ -175,3 +175,39 @@ def test_hf_overrides_null_exports_bf16_from_a_quantized_checkpoint(moe_dir: Pat
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and "quantization_config" not in config["text_config"]
     assert set(load_file(out / "model.safetensors")) == set(load_file(moe_dir / "model.safetensors"))
+
+
+def test_vision_language_and_gated_deltanet_names(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from tests.integration.export_models import decompress_with_model_compressor
+
+    src = tmp_path / "src"
+    src.mkdir()
+    p = "model.language_model.layers"
+    tensors = {
+        "model.language_model.embed_tokens.weight": torch.randn(64, 64),
+        "model.visual.blocks.0.attn.qkv.weight": torch.randn(96, 64),
+        f"{p}.0.linear_attn.in_proj_qkvz.weight": torch.randn(128, 64),
+        f"{p}.0.linear_attn.in_proj_ba.weight": torch.randn(8, 64),
+        f"{p}.0.linear_attn.conv1d.weight": torch.randn(96, 1, 4),
+        f"{p}.0.linear_attn.A_log": torch.randn(4),
+        f"{p}.0.linear_attn.out_proj.weight": torch.randn(64, 64),
+        f"{p}.1.self_attn.q_proj.weight": torch.randn(64, 64),
+        f"{p}.1.self_attn.k_proj.weight": torch.randn(32, 64),
+        f"{p}.1.self_attn.v_proj.weight": torch.randn(32, 64),
+        "lm_head.weight": torch.randn(64, 64),
+    }
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 2}}))
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(src), "--out", str(out), "rollout.name=vllm", "rollout.quantization.linear=NVFP4"]) == 0
+    exported = load_file(out / "model.safetensors")
+    for kept in ("model.visual.blocks.0.attn.qkv.weight", f"{p}.0.linear_attn.in_proj_ba.weight",
+                 f"{p}.0.linear_attn.conv1d.weight", "model.language_model.embed_tokens.weight", "lm_head.weight"):
+        assert exported[kept].dtype == torch.bfloat16, kept
+    assert exported[f"{p}.1.self_attn.k_proj.weight_global_scale"] == exported[f"{p}.1.self_attn.q_proj.weight_global_scale"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    decompressed = decompress_with_model_compressor(qc, exported)
+    assert sorted(decompressed) == sorted([f"{p}.0.linear_attn.in_proj_qkvz", f"{p}.0.linear_attn.out_proj",
+                                           f"{p}.1.self_attn.q_proj", f"{p}.1.self_attn.k_proj", f"{p}.1.self_attn.v_proj"])
