@@ -111,3 +111,35 @@ def test_silent_peers_time_out() -> None:
 def test_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window"):
         InProcessTransport(window=0)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_double_buffering_packs_the_next_bucket_while_this_one_is_consumed(window: int) -> None:
+    """Structural, not timed: with window 2 the consumer of bucket k can wait until the sender has
+    started producing bucket k+1; with window 1 bucket k+1 is produced only after k is released."""
+    stream = _stream(30)
+    started: dict[int, threading.Event] = {}
+    released: list[int] = []
+    order: list[tuple[str, int]] = []
+
+    def produce():
+        for b in BucketPlanner(4096, reuse_buffer=True, buffers=window).pack(stream):
+            order.append(("produced", b.index))
+            started.setdefault(b.index, threading.Event()).set()
+            yield b
+
+    def consume(b: Bucket) -> None:
+        if window == 2 and b.index + 1 < 5:
+            assert started.setdefault(b.index + 1, threading.Event()).wait(timeout=10), "no overlap"
+        order.append(("released", b.index))
+        released.append(b.index)
+
+    box = _run(InProcessTransport(window=window, timeout_s=15), produce(), consume)
+    assert "send_error" not in box and "recv_error" not in box, box
+    produced_at = {i: order.index(("produced", i)) for _, i in order if ("produced", i) in order}
+    released_at = {i: order.index(("released", i)) for i in released}
+    pairs = [k for k in released_at if k + 1 in produced_at]
+    if window == 1:
+        assert all(produced_at[k + 1] > released_at[k] for k in pairs)
+    else:
+        assert any(produced_at[k + 1] < released_at[k] for k in pairs)
