@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import attrs
 import structlog
+import torch
 
 from app.distributed_export import ShardExporter
 from app.refit_service import describe_plan
@@ -78,6 +79,26 @@ class _Refit:
 
 
 @attrs.define
+class _BufferPool:
+    """Receive buffers an engine keeps as its replay copy, recycled from one refit to the next:
+    the bytes land once, where they are kept, with no copy and (after the first refits) no
+    allocation."""
+
+    capacity: int
+    free: list[torch.Tensor] = attrs.field(factory=list)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for i, b in enumerate(self.free):
+            if b.numel() >= nbytes:
+                return self.free.pop(i)[:nbytes]
+        return torch.empty(max(nbytes, self.capacity), dtype=torch.uint8)[:nbytes]
+
+    def give(self, buckets: Iterable[Bucket]) -> None:
+        for b in buckets:  # the whole allocation behind the bucket's view
+            self.free.append(torch.empty(0, dtype=torch.uint8).set_(b.buffer.untyped_storage()))
+
+
+@attrs.define
 class DistributedRefitService:
     """This rank's side of a distributed refit.
 
@@ -116,6 +137,7 @@ class DistributedRefitService:
     _next_id: int = attrs.field(init=False, default=1)
     _refits: int = attrs.field(init=False, default=0)
     _replay: list[Bucket] | None = attrs.field(init=False, default=None)
+    _pool: _BufferPool = attrs.field(init=False)
     _broken: str | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -131,6 +153,7 @@ class DistributedRefitService:
             raise ConfigError("distributed refit", f"rank {self.rank}: the trainer's weights differ from the model "
                               "the refit was configured with (names or shapes); give every rank the same model")
         self.shard_map = ShardMap.build(self.world.layout, self.shapes, self.plan)
+        self._pool = _BufferPool(self.bucket_bytes)
         sources = [s for s, _ in self.shard_map.segments()]
         f = self.fault
         if f is not None and f.rank == self.rank and f.point == "bucket" and role == TRAINER and self.rank not in sources:
@@ -322,11 +345,11 @@ class DistributedRefitService:
             self._fires("bucket", bucket.index)
             self.engine.load_bucket(bucket)  # type: ignore[union-attr]
             r.next_index, r.tensors = bucket.index + 1, r.tensors + len(bucket.metas)
-            if keep:  # the bytes, for a replay if a later step fails elsewhere
-                r.incoming.append(Bucket(bucket.index, bucket.buffer[: bucket.nbytes].clone(), bucket.metas, bucket.is_last))
+            if keep:  # received into a buffer of our own: kept for a replay if a later step fails
+                r.incoming.append(bucket)
 
         try:
-            stats = self.comm.transport(source, r.refit_id).receive(consume)
+            stats = self.comm.transport(source, r.refit_id).receive(consume, self._pool.take if keep else None)
             r.transfer = attrs.evolve(stats, buckets=r.transfer.buckets + stats.buckets,
                                       payload_bytes=r.transfer.payload_bytes + stats.payload_bytes)
             r.timings["stream"] += stats.seconds
@@ -368,6 +391,8 @@ class DistributedRefitService:
         """After a failure anywhere: leave this engine with its previous weights, or stale."""
         if self.engine is None:
             return
+        self._pool.give(r.incoming)  # this refit's bytes will not be replayed
+        r.incoming = []
         reason = f"refit {r.refit_id} failed ({r.status.error or 'on another rank'})"
         if r.state is EngineState.COMMITTED:
             r.state = self._restore(r, reason)
@@ -401,7 +426,8 @@ class DistributedRefitService:
     def _succeeded(self, r: _Refit, t0: float) -> RefitReport:
         r.state = EngineState.LIVE  # on every rank: the refit is live on every engine
         if self.engine is not None and self.restore_policy == "replay":
-            self._replay = r.incoming
+            self._pool.give(self._replay or [])
+            self._replay, r.incoming = r.incoming, []
         report = self._report(r, t0)
         self.reports.append(report)
         log.info("distributed refit", **_fields(report, self.rank, self.role))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+import torch
+
 from domain.buckets import Bucket
 from domain.transfer import TransferStats
 
@@ -38,11 +40,16 @@ class BucketTransport(Protocol):
         """
         ...
 
-    def receive(self, consume: Callable[[Bucket], None]) -> TransferStats:
+    def receive(
+        self, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None = None
+    ) -> TransferStats:
         """Receiver side: call `consume(bucket)` for each bucket, in order, until the end.
 
         Args:
             consume: copies or consumes the bucket before returning (e.g. an engine's load_bucket).
+            allocate: `allocate(nbytes)` returns a flat uint8 tensor of nbytes to receive one bucket
+                into; the consumer may then keep that bucket (no copy needed). None: the transport
+                reuses its own buffers and the consumer must copy what it keeps.
 
         Returns:
             TransferStats. When `consume` raises, the stream is still drained to its end (so every

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import attrs
+import torch
 
 from domain.buckets import Bucket
 from domain.errors import CollectiveTimeout, TransportAborted
@@ -75,8 +76,11 @@ class InProcessTransport:
             outstanding -= 1
         return TransferStats(n, payload, wire, time.perf_counter() - t0, blocked)
 
-    def receive(self, consume: Callable[[Bucket], None]) -> TransferStats:
-        """Consume buckets until the end; see ports.bucket_transport.BucketTransport.receive."""
+    def receive(self, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None = None) -> TransferStats:
+        """Consume buckets until the end; see ports.bucket_transport.BucketTransport.receive.
+
+        Without `allocate` the consumer sees the sender's own buffer (zero copy); with it, each
+        bucket is first copied into the allocated buffer, which the consumer may keep."""
         t0 = time.perf_counter()
         n = payload = wire = 0
         blocked = consumed = 0.0
@@ -95,6 +99,10 @@ class InProcessTransport:
             t1 = time.perf_counter()
             try:
                 if first_error is None:
+                    if allocate is not None:
+                        own = allocate(item.nbytes)
+                        own.copy_(item.buffer[: item.nbytes])
+                        item = Bucket(item.index, own, item.metas, item.is_last)
                     consume(item)
             except Exception as err:  # keep draining: the sender is still sending
                 first_error = err

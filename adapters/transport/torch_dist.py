@@ -160,7 +160,7 @@ class TorchDistTransport:
             buf = self._rbufs[slot] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
         return buf[:nbytes]
 
-    def receive(self, consume: Callable[[Bucket], None]) -> TransferStats:
+    def receive(self, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None = None) -> TransferStats:
         """Consume buckets until END; see ports.bucket_transport.BucketTransport.receive."""
         t0 = time.perf_counter()
         n = payload = wire = 0
@@ -187,7 +187,7 @@ class TorchDistTransport:
             if self.window < 2:  # one buffer: consume the previous bucket before reusing it
                 self._finish(prev, consume, errors, times)
                 prev = None
-            buf = self._buffer(n, header.nbytes)
+            buf = allocate(header.nbytes) if allocate is not None else self._buffer(n, header.nbytes)
             work = self._bcast_async(buf) if header.nbytes else None
             self._finish(prev, consume, errors, times)  # overlaps with this bucket's transfer
             prev = (Bucket(header.index, buf, decode_metas(meta), header.is_last), work)

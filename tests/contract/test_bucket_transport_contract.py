@@ -3,7 +3,8 @@ torch.distributed (two processes over gloo on 127.0.0.1, marked distributed).
 
 Scenarios: an ordered, intact stream with a tensor larger than a bucket; a source that fails
 mid-stream (the receiver gets TransportAborted with the source's error); a receiver whose consumer
-fails (it drains the stream, then raises; the source finishes).
+fails (it drains the stream, then raises; the source finishes); a receiver that keeps every bucket
+in buffers of its own (`allocate`), intact after the stream.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from domain.buckets import Bucket, BucketPlanner, unpack_bucket
 
-SCENARIOS = ("order", "source_fails", "consumer_fails")
+SCENARIOS = ("order", "source_fails", "consumer_fails", "keep")
 BUCKET = 8192
 
 
@@ -59,8 +60,18 @@ def receiver(scenario: str, transport: Any) -> dict[str, Any]:
         for name, view in unpack_bucket(b):
             hashes[name] = _hash(view)
 
+    kept: list[Bucket] = []
+
+    def keep(b: Bucket) -> None:
+        seen.append((b.index, b.is_last))
+        kept.append(b)
+
     try:
-        stats = transport.receive(consume)
+        if scenario == "keep":
+            stats = transport.receive(keep, lambda n: torch.empty(n, dtype=torch.uint8))
+            hashes.update({name: _hash(view) for b in kept for name, view in unpack_bucket(b)})
+        else:
+            stats = transport.receive(consume)
         out: dict[str, Any] = {"buckets": stats.buckets, "payload": stats.payload_bytes}
     except Exception as err:
         out = {"error": type(err).__name__, "text": str(err)}
@@ -141,3 +152,10 @@ def test_consumer_failure_drains_then_raises(run: Any, window: int) -> None:
     sent, got = run("consumer_fails", window)
     assert "error" not in sent and sent["buckets"] > 2  # the source finished its stream
     assert got["error"] == "RuntimeError" and [i for i, _ in got["seen"]] == [0, 1]
+
+
+@pytest.mark.parametrize("run", ADAPTERS)
+def test_kept_buckets_stay_intact_in_the_receivers_own_buffers(run: Any, window: int) -> None:
+    sent, got = run("keep", window)
+    assert "error" not in got and got["buckets"] == sent["buckets"]
+    assert got["hashes"] == {n: _hash(t) for n, t in _stream()}
