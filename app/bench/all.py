@@ -18,6 +18,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -126,16 +127,26 @@ def run_all(
         The AllResult, with the paths of the figures written.
     """
     t0 = time.perf_counter()
+    load_before = _load_average()
     results = []
     for name in suite_names(suites):
         res = run_suite(name, suites[name], quick)
         results.append(res)
         if on_suite is not None:
             on_suite(res)
-    result = AllResult(quick, machine_description(), results, time.perf_counter() - t0)
+    machine = {**machine_description(), "load_average_before": load_before, "load_average_after": _load_average()}
+    result = AllResult(quick, machine, results, time.perf_counter() - t0)
     if out_dir is not None:
         write(result, Path(out_dir))
     return result
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (other work on the machine skews every timing), None if unknown."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def write(result: AllResult, out_dir: Path) -> None:
@@ -161,7 +172,9 @@ def markdown(result: AllResult) -> str:
     lines = [
         "# rl-refit benchmark report", "",
         f"`refit bench all{' --quick' if result.quick else ''}` ({mode} sizes), {result.seconds:.1f} s in all.",
-        f"Machine: {figures.machine_line(result.machine)}; {result.machine.get('platform')}.", "",
+        f"Machine: {figures.machine_line(result.machine)}; {result.machine.get('platform')}.",
+        f"Load average (1 min) before and after: {result.machine.get('load_average_before')} and "
+        f"{result.machine.get('load_average_after')}; timings are only comparable on an otherwise idle machine.", "",
         "Every ratio is against a baseline measured in the same run: for throughputs ours / baseline, "
         "for times and bytes baseline / ours, so above 1 is better.", "",
         "| suite | status | seconds | rows |", "|---|---|---|---|",

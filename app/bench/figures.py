@@ -107,10 +107,12 @@ def group_rows(reports: Mapping[str, Sequence[BenchRow]]) -> dict[str, list[tupl
 
 
 def machine_line(machine: Mapping[str, Any]) -> str:
-    """One line describing the machine (cores, memory, torch, GPU) for captions and reports."""
+    """One line describing the machine (cores, memory, torch, GPU, load) for captions and reports."""
     gpu = machine.get("cuda") or "no GPU"
+    load = machine.get("load_average_before")
     return (f"{machine.get('cpu_count')} cores ({machine.get('torch_threads')} torch threads), "
-            f"{machine.get('memory_gib')} GiB, torch {machine.get('torch')}, Python {machine.get('python')}, {gpu}")
+            f"{machine.get('memory_gib')} GiB, torch {machine.get('torch')}, Python {machine.get('python')}, {gpu}"
+            + ("" if load is None else f", load average {load}"))
 
 
 def _label(suite: str, row: BenchRow) -> str:

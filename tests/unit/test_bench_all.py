@@ -94,7 +94,7 @@ def test_json_holds_every_row_with_its_ratio(result) -> None:
     _, out = result
     data = json.loads((out / JSON_NAME).read_text())
     assert data["quick"] is True
-    assert {"cpu_count", "memory_gib", "torch"} <= set(data["machine"])
+    assert {"cpu_count", "memory_gib", "torch", "load_average_before", "load_average_after"} <= set(data["machine"])
     assert set(data["suites"]) == {"codecs", "logprobs", "refit", "broken", "vllm-only", "typo"}
     for name, fn in (("codecs", codecs_like), ("logprobs", logprobs_like), ("refit", refit_like)):
         expected = fn(True).rows
