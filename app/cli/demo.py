@@ -158,6 +158,7 @@ def _plot(result: DemoResult, path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError("refit demo --plot needs matplotlib (pip install rl-refit[plot])", name="matplotlib") from err
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -166,8 +167,9 @@ def _plot(result: DemoResult, path: str) -> None:
         steps = [r.step for r in recs]
         axes[0].plot(steps, [r.probe.metrics.k3_kl for r in recs], marker="o", label=arm)  # type: ignore[union-attr]
         axes[1].plot(steps, [r.probe.metrics.mean_abs_logp_diff for r in recs], marker="o", label=arm)  # type: ignore[union-attr]
-    for ax, title in zip(axes, ("k3 KL (trainer || rollout)", "mean |log p_trainer - log p_rollout|"), strict=True):
+    for ax, title in zip(axes, ("k3 KL(rollout || trainer)", "mean |log p_trainer - log p_rollout|"), strict=True):
         ax.set_yscale("symlog", linthresh=1e-7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)
