@@ -52,11 +52,11 @@ def _fake_quantize(
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, scheme, global_scale, name):  # type: ignore[no-untyped-def]
+    def forward(ctx, x, scheme, global_scale, name):
         return _fake_quantize(scheme, x, global_scale, name)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+    def backward(ctx, grad):
         return grad, None, None, None
 
 
