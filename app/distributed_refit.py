@@ -138,13 +138,13 @@ class DistributedRefitService:
     _refits: int = attrs.field(init=False, default=0)
     _replay: list[Bucket] | None = attrs.field(init=False, default=None)
     _pool: _BufferPool = attrs.field(init=False)
+    _planner: BucketPlanner = attrs.field(init=False)
     _broken: str | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         role = self.world.role(self.comm.rank)
         if (role == TRAINER) != (self.trainer is not None) or (role == ENGINE) != (self.engine is not None):
             raise ConfigError("distributed refit", f"rank {self.comm.rank} is a {role} rank: give it a {role} only")
-        BucketPlanner(self.bucket_bytes, self.alignment)  # validate sizes now, not mid-refit
         if self.restore not in (None, "replay", "stale"):
             raise ConfigError("restore", f"{self.restore!r} is not one of replay, stale")
         if self.window not in (1, 2):
@@ -154,6 +154,8 @@ class DistributedRefitService:
                               "the refit was configured with (names or shapes); give every rank the same model")
         self.shard_map = ShardMap.build(self.world.layout, self.shapes, self.plan)
         self._pool = _BufferPool(self.bucket_bytes)
+        # One planner for every refit: its `window` buffers stay allocated (validated sizes, too).
+        self._planner = BucketPlanner(self.bucket_bytes, self.alignment, reuse_buffer=True, buffers=self.window)
         sources = [s for s, _ in self.shard_map.segments()]
         f = self.fault
         if f is not None and f.rank == self.rank and f.point == "bucket" and role == TRAINER and self.rank not in sources:
@@ -300,9 +302,9 @@ class DistributedRefitService:
     def _send(self, r: _Refit, units: Sequence[ExportUnit], offset: int, final: bool) -> None:
         exporter = self._exporter()
         gen = exporter.stream(units)
-        planner = BucketPlanner(self.bucket_bytes, self.alignment, reuse_buffer=True, buffers=self.window)
         clock = {"export": 0.0, "pack": 0.0}
-        buckets = self._numbered(exporter, _timed(clock, "pack", planner.pack(_timed(clock, "export", gen))), offset, final)
+        packed = self._planner.pack(_timed(clock, "export", gen))
+        buckets = self._numbered(exporter, _timed(clock, "pack", packed), offset, final)
         try:
             r.transfer = self.comm.transport(self.rank, r.refit_id).send(_counted(r, buckets))
         except (CollectiveTimeout, PeerLost):

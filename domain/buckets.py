@@ -152,6 +152,9 @@ class BucketPlanner:
     alignment: int = DEFAULT_ALIGNMENT
     reuse_buffer: bool = False
     buffers: int = 1
+    # With reuse_buffer, the buffers stay allocated from one pack() to the next (no page faults
+    # per refit); one pack() at a time per planner.
+    _pool: list[torch.Tensor | None] = attrs.field(init=False, factory=list, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
@@ -180,7 +183,8 @@ class BucketPlanner:
         it = iter(named_tensors)
         pending = next(it, None)
         index = 0
-        pool: list[torch.Tensor | None] = [None] * self.buffers
+        pool = self._pool
+        pool.extend([None] * (self.buffers - len(pool)))
         pooled = 0  # buckets packed into a pool buffer so far (lone large tensors use none)
         seen: set[str] = set()
         while True:

@@ -1,7 +1,8 @@
 """What travels between ranks besides bucket bytes: frame headers, bucket metadata, rank statuses.
 
-A source sends each bucket as three messages: a fixed header (int64 words), the bucket's tensor
-metadata (UTF-8 JSON) and the flat buffer. The stream ends with an END header, or with an ABORT
+A source sends each bucket as two messages: a fixed-size control message (the header's int64
+words, then the bucket's tensor metadata as UTF-8 JSON; metadata too long for it follows in a
+message of its own) and the flat buffer. The stream ends with an END header, or with an ABORT
 header followed by the source's error text. At each agreement point every rank contributes one
 fixed-size RankStatus record, so all ranks learn who failed, where, and why, from one all-gather.
 All of it is pure encoding: the collectives that move these bytes live in the transport adapter.
@@ -77,6 +78,39 @@ class Header:
                 "ranks are out of step: restart the refit world"
             )
         return cls(FrameKind(w[1]), w[2], w[3], bool(w[4]), w[5], w[6])
+
+
+CONTROL_BYTES = 64 << 10  # one control message: the header words, then as much metadata as fits
+_INLINE = CONTROL_BYTES - HEADER_WORDS * 8
+
+
+def encode_control(header: Header, body: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A header and its metadata (or error text) as one fixed-size control message.
+
+    Args:
+        header: the frame header (its meta_len must be body's length).
+        body: uint8 metadata or error text.
+
+    Returns:
+        (control message uint8 [CONTROL_BYTES], the rest of the body that did not fit, or None).
+        One small message per bucket instead of two: per-message latency dominates small ones.
+    """
+    out = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
+    out[: HEADER_WORDS * 8] = header.to_tensor().view(torch.uint8)
+    n = min(body.numel(), _INLINE)
+    out[HEADER_WORDS * 8 : HEADER_WORDS * 8 + n] = body[:n]
+    return out, (body[n:] if body.numel() > n else None)
+
+
+def decode_control(control: torch.Tensor, refit_id: int, source: int) -> tuple[Header, torch.Tensor, int]:
+    """Inverse of `encode_control`.
+
+    Returns:
+        (the checked header, the inline part of its body, bytes of body still to receive).
+    """
+    header = Header.from_tensor(control[: HEADER_WORDS * 8].view(torch.int64), refit_id, source)
+    n = min(header.meta_len, _INLINE)
+    return header, control[HEADER_WORDS * 8 : HEADER_WORDS * 8 + n], header.meta_len - n
 
 
 def encode_metas(metas: Sequence[TensorMeta]) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """torch.distributed transport and collectives: gloo on CPU, NCCL on GPU.
 
 TorchDistTransport broadcasts one refit's bucket stream from a source rank to a group of receivers:
-per bucket a header, the metadata and the flat buffer (asynchronously, so the source packs bucket
-k+1 while bucket k is on the wire). Receivers post bucket k+1's receive into their second buffer
+per bucket a control message (header and metadata) and the flat buffer (asynchronously, so the
+source packs bucket k+1 while bucket k is on the wire). Receivers post bucket k+1's receive into their second buffer
 while they consume bucket k from the first. TorchDistCollectives builds every process group a
 refit world needs (all ranks call it in the same order) and runs the agreement, turn and
 tensor-parallel collectives. Every wait is bounded: a silent peer raises CollectiveTimeout naming
@@ -31,14 +31,16 @@ from domain.buckets import Bucket
 from domain.errors import CollectiveTimeout, PeerLost, TransportAborted
 from domain.sharding import RefitWorld
 from domain.transfer import (
-    HEADER_WORDS,
+    CONTROL_BYTES,
     STATUS_BYTES,
     FrameKind,
     Header,
     RankStatus,
     TransferStats,
+    decode_control,
     decode_metas,
     decode_text,
+    encode_control,
     encode_metas,
     encode_text,
 )
@@ -109,7 +111,8 @@ class TorchDistTransport:
         t0 = time.perf_counter()
         n = payload = wire = 0
         blocked = 0.0
-        inflight: collections.deque[tuple[Any, int]] = collections.deque()
+        # Per bucket in flight: its collectives (control message, buffer) and the tensors they read.
+        inflight: collections.deque[list[tuple[Any, str, torch.Tensor]]] = collections.deque()
         it = iter(buckets)
         while True:
             try:
@@ -120,34 +123,41 @@ class TorchDistTransport:
                 blocked += self._drain(inflight)
                 self._abort(f"{type(err).__name__}: {err}", n)
                 raise
-            step = f"bucket {bucket.index}"
             meta = encode_metas(bucket.metas)
             header = Header(FrameKind.BUCKET, self.refit_id, bucket.index, bucket.is_last, bucket.nbytes, meta.numel())
-            blocked += self._bcast(header.to_tensor(), f"{step} header")
-            blocked += self._bcast(meta, f"{step} metadata")
+            step = f"bucket {bucket.index}"
+            sent = [(self._bcast_async(t), f"{step} header", t) for t in self._control_parts(header, meta)]
             if bucket.nbytes:
                 data = bucket.buffer[: bucket.nbytes]
-                inflight.append((self._bcast_async(data if data.device == self.device else data.to(self.device)), bucket.index))
+                data = data if data.device == self.device else data.to(self.device)
+                sent.append((self._bcast_async(data), f"{step} data", data))
+            inflight.append(sent)
             n, payload, wire = n + 1, payload + bucket.payload_bytes, wire + bucket.nbytes
             if len(inflight) >= self.window:  # the oldest buffer is reused by the next bucket
-                work, index = inflight.popleft()
-                blocked += wait_work(work, self.rank, f"bucket {index} data", self.timeout_s, self.peers)
+                blocked += self._wait_all(inflight.popleft())
         blocked += self._drain(inflight)
-        blocked += self._bcast(Header(FrameKind.END, self.refit_id, n).to_tensor(), "end of stream")
+        blocked += self._control(Header(FrameKind.END, self.refit_id, n), encode_text(""), "end of stream")
         return TransferStats(n, payload, wire, time.perf_counter() - t0, blocked)
 
-    def _drain(self, inflight: collections.deque[tuple[Any, int]]) -> float:
+    def _control_parts(self, header: Header, body: torch.Tensor) -> list[torch.Tensor]:
+        control, rest = encode_control(header, body)
+        return [control] if rest is None else [control, rest]
+
+    def _control(self, header: Header, body: torch.Tensor, step: str) -> float:
+        return sum(self._bcast(t, step) for t in self._control_parts(header, body))
+
+    def _wait_all(self, sent: list[tuple[Any, str, torch.Tensor]]) -> float:
+        return sum(wait_work(work, self.rank, step, self.timeout_s, self.peers) for work, step, _ in sent)
+
+    def _drain(self, inflight: collections.deque[list[tuple[Any, str, torch.Tensor]]]) -> float:
         waited = 0.0
         while inflight:
-            work, index = inflight.popleft()
-            waited += wait_work(work, self.rank, f"bucket {index} data", self.timeout_s, self.peers)
+            waited += self._wait_all(inflight.popleft())
         return waited
 
     def _abort(self, text: str, sent: int) -> None:
         body = encode_text(text[:4000])
-        self._bcast(Header(FrameKind.ABORT, self.refit_id, sent, meta_len=body.numel()).to_tensor(), "abort header")
-        if body.numel():
-            self._bcast(body, "abort text")
+        self._control(Header(FrameKind.ABORT, self.refit_id, sent, meta_len=body.numel()), body, "abort header")
 
     # --- receivers ---------------------------------------------------------------------------
 
@@ -168,22 +178,21 @@ class TorchDistTransport:
         errors: list[BaseException] = []
         prev: tuple[Bucket, Any] | None = None
         while True:
-            raw = torch.empty(HEADER_WORDS, dtype=torch.int64)
-            times["blocked"] += self._bcast(raw, f"bucket {n} header")
-            header = Header.from_tensor(raw, self.refit_id, self.source)
+            control = torch.empty(CONTROL_BYTES, dtype=torch.uint8)
+            times["blocked"] += self._bcast(control, f"bucket {n} header")
+            header, meta, rest = decode_control(control, self.refit_id, self.source)
+            if rest:
+                more = torch.empty(rest, dtype=torch.uint8)
+                times["blocked"] += self._bcast(more, f"bucket {n} header (metadata)")
+                meta = torch.cat([meta, more])
             if header.kind is FrameKind.END:
                 break
             if header.kind is FrameKind.ABORT:
-                text = torch.empty(header.meta_len, dtype=torch.uint8)
-                if header.meta_len:
-                    self._bcast(text, "abort text")
                 self._finish(prev, consume, errors, times)
                 raise TransportAborted(
                     f"rank {self.source} aborted the bucket stream of refit {self.refit_id} after "
-                    f"{header.index} buckets: {decode_text(text)}"
+                    f"{header.index} buckets: {decode_text(meta)}"
                 )
-            meta = torch.empty(header.meta_len, dtype=torch.uint8)
-            times["blocked"] += self._bcast(meta, f"bucket {header.index} metadata")
             if self.window < 2:  # one buffer: consume the previous bucket before reusing it
                 self._finish(prev, consume, errors, times)
                 prev = None

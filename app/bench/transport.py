@@ -75,26 +75,34 @@ def _raw_broadcast(rank: int, trainer: Any, bucket_bytes: int, repeats: int) -> 
     return {"seconds": statistics.median(times[1:]), "bytes": int(sizes[1:].sum()), "buckets": len(bufs)}
 
 
-def _refits(rank: int, s: _Settings, plan: Any, window: int, trainer: Any, repeats: int) -> dict[str, Any]:
-    """`repeats` distributed refits (after one warm-up) with double buffering on or off."""
+def _refits(rank: int, s: _Settings, plan: Any, trainer: Any, repeats: int) -> dict[int, dict[str, float]]:
+    """Distributed refits with double buffering (window 2) and without (window 1), alternating
+    (w2, w1, w2, w1, ...) so that both see the same machine; one warm-up each, then medians."""
     from adapters.reference.engine import ReferenceEngine
     from adapters.transport.torch_dist import TorchDistCollectives
     from app.distributed_refit import DistributedRefitService
     from domain.sharding import RefitWorld
 
     world = RefitWorld()
-    comm = TorchDistCollectives(world, rank, step_timeout_s=300, phase_timeout_s=600, bucket_bytes=s.bucket_bytes,
-                                window=window)
-    engine = ReferenceEngine(s.cfg, plan) if rank == 1 else None
-    svc = DistributedRefitService(world, comm, plan, hf_weight_shapes(s.cfg), trainer=trainer if rank == 0 else None,
-                                  engine=engine, bucket_bytes=s.bucket_bytes, window=window)
-    stream, total, nbytes = [], [], 0
+    engine = ReferenceEngine(s.cfg, plan) if rank == 1 else None  # one engine, refitted by both
+    services = {}
+    for window in (2, 1):
+        comm = TorchDistCollectives(world, rank, step_timeout_s=300, phase_timeout_s=600,
+                                    bucket_bytes=s.bucket_bytes, window=window)
+        services[window] = DistributedRefitService(
+            world, comm, plan, hf_weight_shapes(s.cfg), trainer=trainer if rank == 0 else None, engine=engine,
+            bucket_bytes=s.bucket_bytes, window=window,
+        )
+    runs: dict[int, list[tuple[float, float, int]]] = {2: [], 1: []}
     for _ in range(repeats + 1):
-        report = svc.refit()
-        stream.append(report.timings["stream"])
-        total.append(report.timings["total"])
-        nbytes = report.bytes_sent
-    return {"stream": statistics.median(stream[1:]), "total": statistics.median(total[1:]), "bytes": nbytes}
+        for window, svc in services.items():
+            report = svc.refit()
+            runs[window].append((report.timings["stream"], report.timings["total"], report.bytes_sent))
+    return {
+        w: {"stream": statistics.median(r[0] for r in rs[1:]), "total": statistics.median(r[1] for r in rs[1:]),
+            "bytes": rs[-1][2]}
+        for w, rs in runs.items()
+    }
 
 
 def bench_rank(rank: int, s: _Settings) -> dict[str, Any]:
@@ -107,10 +115,9 @@ def bench_rank(rank: int, s: _Settings) -> dict[str, Any]:
     trainer = SlicedTrainer(ReferenceTrainer.from_seed(s.cfg, 0), ParallelLayout(), 0) if rank == 0 else None
     bf16, quantized = QuantizationPlan.bf16(), QuantizationPlan.from_presets("FP8_BLOCK", "NVFP4")
     out: dict[str, Any] = {"raw": _raw_broadcast(rank, trainer, s.bucket_bytes, s.repeats)}
-    for window in (2, 1):
-        out[f"bf16_w{window}"] = _refits(rank, s, bf16, window, trainer, s.repeats)
-    for window in (2, 1):
-        out[f"quant_w{window}"] = _refits(rank, s, quantized, window, trainer, s.quantized_repeats)
+    for name, plan, repeats in (("bf16", bf16, s.repeats), ("quant", quantized, s.quantized_repeats)):
+        for window, r in _refits(rank, s, plan, trainer, repeats).items():
+            out[f"{name}_w{window}"] = r
     return out
 
 
@@ -118,7 +125,7 @@ def run(quick: bool = False) -> BenchReport:
     from adapters.transport.launch import launch_world
 
     cfg = QUICK_MODEL if quick else preset("bench-moe")
-    s = _Settings(cfg, (4 if quick else 16) << 20, 3 if quick else 5, 2 if quick else 3)
+    s = _Settings(cfg, (4 if quick else 16) << 20, 5 if quick else 7, 3 if quick else 5)
     load_before = os.getloadavg()[0]
     results = launch_world(bench_rank, 2, (s,), timeout_s=300 if quick else 1800, capture_output=True)
     load_after = os.getloadavg()[0]
