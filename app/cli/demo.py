@@ -44,6 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch intra-op threads (default 1: the embedded model's ops are too small to gain from more)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--verbose", action="store_true", help="log the canonical line of every refit (stderr)")
+    p.add_argument("--qat", nargs="?", const="NVFP4", default=None, metavar="PRESET",
+                   help="train with QAT in PRESET (default NVFP4, served everywhere) and without; compare k3 KL")
     from app.distributed_demo import add_procs_arguments
 
     add_procs_arguments(p)  # --procs N, --fault-rank R
@@ -188,6 +190,10 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError("--threads", f"must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
+    if args.qat:  # training with and without QAT (app.qat_demo)
+        from app.qat_demo import run_cli
+
+        return run_cli(args)
     if args.procs is not None:  # trainer and engine ranks in separate processes
         from app.distributed_demo import run_procs
 
