@@ -210,7 +210,11 @@ def _patched_gdn(env: EnvironmentSnapshot, version: str | None) -> Check:
 def qat_checks(env: EnvironmentSnapshot) -> list[Check]:
     """Quantization-aware training backends."""
     out = [Check("qat", "built-in QAT", Status.OK, "fake quantization through the exporter's own codecs (any device)")]
-    out.append(package_check(env, "qat", "nvidia-modelopt", "the ModelOpt QAT backend", "pip install -e '.[modelopt]'"))
+    modelopt = package_check(env, "qat", "nvidia-modelopt", "the ModelOpt QAT backend", "pip install -e '.[modelopt]'")
+    if modelopt.status is Status.OK and not env.gpus:
+        modelopt = attrs.evolve(modelopt, detail=f"{modelopt.detail}; without a GPU only numerics=exporter (and FP8 "
+                                "block with ModelOpt's own numerics) run: its MX and NVFP4 kernels need CUDA")
+    out.append(modelopt)
     return out
 
 

@@ -99,6 +99,8 @@ def test_no_gpu() -> None:
     assert check(r, "codecs").status is Status.OK  # export runs on CPU
     assert check(r, "reference").status is Status.OK
     assert check(r, "gloo").status is Status.OK
+    assert "need CUDA" in check(r, "nvidia-modelopt").detail and "need CUDA" not in check(diagnose(machine()),
+                                                                                          "nvidia-modelopt").detail
     assert "CUDA 12.4 but sees no GPU" in check(diagnose(attrs.evolve(CPU_ONLY, torch_cuda="12.4")), "gpu").detail
 
 
