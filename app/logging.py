@@ -42,6 +42,6 @@ def configure_logging(*, json: bool = False, level: int = logging.INFO) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=False,  # keeps structlog.testing.capture_logs working after setup
     )
     _configured = True
