@@ -425,7 +425,7 @@ def build_qat_backend(
 
             qat_backend = ModelOptQatBackend(numerics=numerics, layout=layout)
         else:
-            raise ConfigError("actor.megatron.qat.backend", f"{backend!r} is not one of reference, modelopt")
+            raise ConfigError("build_qat_backend(backend=...)", f"{backend!r} is not one of reference, modelopt")
     return prepare_qat(cfg, model, qat_backend, layout=layout, model_config=model_config)  # type: ignore[arg-type]
 
 

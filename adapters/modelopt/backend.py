@@ -94,7 +94,7 @@ class ModelOptQatBackend:
     @numerics.validator
     def _check_numerics(self, attribute: attrs.Attribute, value: str) -> None:
         if value not in NUMERICS:
-            raise ConfigError("actor.megatron.qat.numerics", f"{value!r} is not one of {', '.join(NUMERICS)}")
+            raise ConfigError("ModelOptQatBackend(numerics=...)", f"{value!r} is not one of {', '.join(NUMERICS)}")
 
     # --- port ------------------------------------------------------------------------------
 
