@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from adapters.reference.config import MICRO_MOE, ReferenceModelConfig
@@ -45,3 +46,13 @@ def full_refit(engine: object, bucket_list: list[Bucket], refit_id: int = 1) -> 
 def token_ids(cfg: ReferenceModelConfig = MICRO_MOE, batch: int = 2, seq: int = 24, seed: int = 5) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Refit tests run many small operators: on a shared machine, more than one intra-op thread
+    makes each of them wait on descheduled workers. Imported by the refit test modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

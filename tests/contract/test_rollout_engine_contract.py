@@ -18,6 +18,7 @@ from domain.errors import (
 )
 from domain.refit import CommitMode, FaultPoint, FaultScript
 from tests import refit_support as rs
+from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 
 ENGINES = ("reference-transactional", "reference-per-layer", "recording", "faulty-wrapper", "vllm-fake", "sglang-fake")
 

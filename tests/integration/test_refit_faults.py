@@ -14,6 +14,7 @@ from app.refit_service import RefitService
 from domain.errors import EngineStale, InjectedFault, RefitFailed
 from domain.refit import CommitMode, FaultScript, RefitOutcome
 from tests import refit_support as rs
+from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 
 N_BUCKETS = len(rs.buckets(rs.stream(rs.trainer())))
 FAULTS = [f"bucket:{k}" for k in range(N_BUCKETS)] + ["finalize", "verify"]

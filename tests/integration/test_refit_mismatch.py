@@ -17,6 +17,7 @@ from domain.export import quantize_stream
 from domain.formats import NVFP4
 from domain.plan import QuantizationPlan
 from tests import refit_support as rs
+from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 
 PLANS = {
     "FP8_BLOCK/NVFP4": rs.DEFAULT_PLAN,

@@ -17,6 +17,7 @@ from domain.export import quantize_stream
 from domain.formats import FORMATS
 from domain.plan import QuantizationPlan
 from tests import refit_support as rs
+from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 
 MICRO_DENSE = attrs.evolve(MICRO_MOE, num_experts=0, moe_intermediate_size=0, mlp_only_layers=())
 

@@ -16,6 +16,7 @@ from domain.errors import ConfigError, EngineBusy, RefitFailed
 from domain.plan import QuantizationPlan
 from domain.refit import CommitMode, RefitOutcome
 from tests import refit_support as rs
+from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 
 
 def _service(plan=rs.DEFAULT_PLAN, **engine_kw) -> RefitService:

@@ -11,6 +11,7 @@ from app.refit_service import RefitService
 from domain.errors import EngineStale, RefitFailed, StorageRebound
 from domain.refit import CommitMode, RefitOutcome, StorageFingerprint
 from tests import refit_support as rs
+from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.mark.parametrize("mode", list(CommitMode))
