@@ -348,7 +348,8 @@ def check_model(inp: DispatchInput, plan: QuantizationPlan, shapes: Shapes) -> l
         check_qat_ignore(plan, shapes, inp.qat_ignore)
     training_bf16 = bf16_training_layers(
         _num_layers(inp.model_config, shapes),
-        enabled=inp.first_last_layers_bf16 and inp.te_fp4 not in (None, False, ""),
+        # NVFP4 training keeps them BF16 either through Transformer Engine's FP4 recipe or QAT.
+        enabled=inp.first_last_layers_bf16 and (inp.qat_enable or inp.te_fp4 not in (None, False, "")),
         at_start=inp.num_layers_at_start_in_bf16,
         at_end=inp.num_layers_at_end_in_bf16,
     )

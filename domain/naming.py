@@ -42,7 +42,7 @@ _EXPERT_2D = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gat
 _EXPERT_3D = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$")
 _QKV = re.compile(r"^(?P<prefix>.*)\.(?P<proj>q_proj|k_proj|v_proj)$")
 _GATE_UP = re.compile(r"^(?P<prefix>.*)\.(?P<proj>gate_proj|up_proj|w1|w3)$")
-_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings|embedding)$")
+_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_positions|wte|wpe|word_embeddings|position_embeddings|tok_embeddings|embedding)$")
 
 # Members of each kind of fused group, by projection name.
 QKV_MEMBERS = ("q_proj", "k_proj", "v_proj")
