@@ -18,6 +18,7 @@ from domain.transfer import RankFault
 MODEL = "micro-moe"
 BUCKET_MB = 1 / 16  # 64 KiB: the micro model's refit takes several buckets
 STEP_SCALE = 0.02
+HANG_S = 5.0  # an injected hang: longer than every bound the timeout tests check
 
 
 def plan(linear: str | None, moe: str | None) -> QuantizationPlan:
@@ -68,7 +69,7 @@ def _service(world: RefitWorld, rank: int, comm: Any, p: QuantizationPlan, full:
     trainer = SlicedTrainer(full, world.layout, rank) if full is not None else None
     return DistributedRefitService(
         world, comm, p, hf_weight_shapes(MICRO_MOE), trainer=trainer, engine=engine,
-        bucket_bytes=int(BUCKET_MB * 2**20), fault=fault, restore=restore, hang_s=4.0,
+        bucket_bytes=int(BUCKET_MB * 2**20), fault=fault, restore=restore, hang_s=HANG_S,
     )
 
 

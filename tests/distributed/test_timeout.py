@@ -1,7 +1,7 @@
 """A hung peer ends in a timeout error naming the rank and the step, never in a hang.
 
 World: one trainer (rank 0) and two engines (ranks 1, 2) over gloo on 127.0.0.1, with short
-bounds (step 1.5 s, phase 2.5 s). After one good refit, a rank hangs (sleeps 4 s) in the next:
+bounds (step 1.5 s, phase 2.5 s). After one good refit, a rank hangs (sleeps 5 s) in the next:
 its peers must raise CollectiveTimeout (or PeerLost, once a timed-out peer has exited) within
 the bounds, and every engine must still hold the previous refit's weights and serve them.
 """
@@ -32,7 +32,7 @@ def test_hung_source_times_out_its_engines() -> None:
         assert got["type"] == "CollectiveTimeout", got
         assert got["rank"] == rank and got["step"] == "bucket 1 header", got
         assert f"rank {rank}: timed out after {STEP_S:g} s" in got["text"]
-        assert got["seconds"] < STEP_S + 3.0, got  # bounded: the timeout, not the hang (4 s)
+        assert got["seconds"] < STEP_S + 2.5 < support.HANG_S, got  # bounded by the timeout, not the hang
         assert got["report"], "the error carries this rank's report"
         assert got["kept"] and got["busy"] is False, "the engine keeps and serves its previous weights"
     assert results[0]["type"] is not None  # the hung rank fails too once it wakes up
@@ -44,6 +44,6 @@ def test_hung_engine_times_out_the_agreement() -> None:
         got = results[rank]
         assert got["type"] in ("CollectiveTimeout", "PeerLost"), got
         assert got["step"] == "agreement: finalized" or "agreement: finalized" in got["text"], got
-        assert got["seconds"] < PHASE_S + 3.0, got
+        assert got["seconds"] < PHASE_S + 2.0 < support.HANG_S, got
     # Engine 1 had committed when the agreement timed out: it replayed the previous refit.
     assert results[1]["kept"] and results[1]["busy"] is False
