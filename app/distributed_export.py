@@ -26,10 +26,7 @@ import torch
 from domain.errors import CollectiveTimeout, PeerFailed, PeerLost, ShardingError
 from domain.export import quantize_stream
 from domain.plan import QuantizationPlan
-from domain.sharding import (
-    ExportUnit,
-    Placement,
-    ShardMap,
+from domain.shard_export import (
     checkpoint_items,
     concat_shards,
     flatten_piece,
@@ -39,6 +36,7 @@ from domain.sharding import (
     quantize_shard,
     unflatten_piece,
 )
+from domain.sharding import ExportUnit, Placement, ShardMap
 from ports.refit_collectives import RefitCollectives
 from ports.sharded_trainer import ShardedTrainerModel
 

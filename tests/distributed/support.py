@@ -99,7 +99,7 @@ class _ScaleSpy:
         return getattr(self._comm, name)
 
     def tp_exchange(self, holders: Sequence[int], step: str, failed: bool, amax: torch.Tensor) -> Any:
-        from domain.sharding import global_scale_from_amax
+        from domain.shard_export import global_scale_from_amax
 
         any_failed, reduced = self._comm.tp_exchange(holders, step, failed, amax)
         if step.startswith("export ") and not step.endswith("(quantized)") and float(reduced) > 0:

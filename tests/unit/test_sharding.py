@@ -13,19 +13,16 @@ from domain.codecs import nvfp4_global_scale
 from domain.errors import NonFiniteTensor, ShardingError
 from domain.export import checkpoint_names, quantize_stream
 from domain.plan import QuantizationPlan
-from domain.sharding import (
-    ParallelLayout,
-    RefitWorld,
-    ShardMap,
+from domain.shard_export import (
     checkpoint_items,
     concat_shards,
     flatten_piece,
     global_scale_from_amax,
     local_amax,
-    place_tensors,
     quantize_shard,
     unflatten_piece,
 )
+from domain.sharding import ParallelLayout, RefitWorld, ShardMap, place_tensors
 
 SHAPES = hf_weight_shapes(MICRO_MOE)
 
