@@ -1,13 +1,15 @@
 """The adapters against the pinned vLLM and SGLang sources: every module, class, function,
 field, keyword argument and environment variable they use exists in that version.
 
-The wheels are downloaded once (`pip download --no-deps`) into .cache/wheels (git-ignored) and
+The wheels are downloaded once (`pip download --no-deps`) into ~/.cache/rl-refit/wheels (or
+$RL_REFIT_WHEEL_CACHE), shared by every checkout on the machine, and
 read as zip files by static analysis (nothing is installed or imported). Without a reachable
 registry the tests skip, saying so. A mutated copy proves the check fails when a symbol goes.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 from types import ModuleType
@@ -19,7 +21,9 @@ import adapters.vllm.api as vllm_api
 from tests.integration.engine_source import Source, adapter_imports, check_uses, fetch_wheel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache" / "wheels"
+CACHE = pathlib.Path(
+    os.environ.get("RL_REFIT_WHEEL_CACHE", pathlib.Path.home() / ".cache" / "rl-refit" / "wheels")
+)
 APIS = {"vllm": vllm_api, "sglang": sglang_api}
 
 
