@@ -140,24 +140,10 @@ def check_divisible(decision: TensorDecision, shape: tuple[int, ...]) -> None:
     )
 
 
-# Rows quantized per codec call: bounds the codec's float32 temporaries (about ten copies of the
-# chunk) independently of the tensor's size. Every format's blocks lie within 128 rows, so
-# quantizing 128-row-aligned chunks with one global scale is bit-identical to the whole tensor.
-CHUNK_ELEMENTS = 2**20
-
-
 def _quantize(plan: QuantizationPlan, fmt: PrecisionFormat, w: Tensor, name: str, global_scale: Tensor | None) -> dict[str, Tensor]:
-    from domain.codecs import nvfp4_global_scale, quantize_weight
+    from domain.codecs import quantize_weight  # bounds its own scratch memory (row chunks)
 
-    rows = max(128, CHUNK_ELEMENTS // max(w.shape[-1], 1) // 128 * 128)
-    if w.dim() != 2 or w.shape[0] <= rows:
-        return quantize_weight(fmt, w, name=name, global_scale=global_scale, scale_rule=plan.scale_rule).tensors
-    if global_scale is None and "weight_global_scale" in fmt.tensor_names:
-        global_scale = nvfp4_global_scale(w, name=name)
-    parts = [quantize_weight(fmt, w[i:i + rows], name=name, global_scale=global_scale, scale_rule=plan.scale_rule).tensors
-             for i in range(0, w.shape[0], rows)]
-    return {local: parts[0][local] if local == "weight_global_scale" else torch.cat([p[local] for p in parts])
-            for local in parts[0]}
+    return quantize_weight(fmt, w, name=name, global_scale=global_scale, scale_rule=plan.scale_rule).tensors
 
 
 def _emit(plan: QuantizationPlan, module: str, weight: Tensor, fmt, global_scale=None) -> Iterator[tuple[str, Tensor]]:

@@ -144,3 +144,16 @@ def test_rceil_and_even_differ_on_the_documented_share_of_blocks(fmt, low, high)
     b = quantize_weight(fmt, w, scale_rule=MxScaleRule.EVEN).tensors["weight_scale"]
     share = (a != b).float().mean().item()
     assert low < share < high
+
+
+@pytest.mark.parametrize("fmt", [FP8_BLOCK, MXFP8, MXFP4, NVFP4])
+@pytest.mark.parametrize("shape", [(700, 96), (2, 300, 64)])
+def test_row_chunking_changes_no_bit(fmt, shape, monkeypatch) -> None:
+    from domain.codecs import api
+
+    w = torch.randn(*shape, dtype=torch.bfloat16) * torch.linspace(0.1, 10, shape[-2]).unsqueeze(-1)
+    whole = quantize_weight(fmt, w).tensors
+    monkeypatch.setattr(api, "CHUNK_ELEMENTS", 2048)  # forces many chunks
+    chunked = quantize_weight(fmt, w).tensors
+    for key in whole:
+        assert torch.equal(whole[key].view(torch.uint8), chunked[key].view(torch.uint8)), key

@@ -163,16 +163,3 @@ def test_every_preset_round_trips_through_the_stream() -> None:
         if fmt.is_quantized:
             out = dict(quantize_stream(QuantizationPlan(linear=fmt), _model(layers=1)))
             assert f"{L0}.mlp.down_proj.{fmt.weight_name}" in out
-
-
-@pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if f.is_quantized], ids=lambda f: f.name)
-def test_row_chunked_quantization_is_bit_identical(monkeypatch: pytest.MonkeyPatch, fmt) -> None:  # type: ignore[no-untyped-def]
-    import domain.export as export
-
-    w = torch.randn(300, 64).to(torch.bfloat16)  # 300 rows: chunks of 128, 128 and 44
-    monkeypatch.setattr(export, "CHUNK_ELEMENTS", 128 * 64)
-    out = dict(quantize_stream(QuantizationPlan(linear=fmt), [("m.layers.0.mlp.down_proj.weight", w)]))
-    ref = quantize_weight(fmt, w)
-    for local, t in ref.tensors.items():
-        got = out[f"m.layers.0.mlp.down_proj.{local}"]
-        assert got.shape == t.shape and torch.equal(got.view(torch.uint8), t.view(torch.uint8)), local
