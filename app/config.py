@@ -240,7 +240,10 @@ class Section(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         node: Any = self
         for part in key.split("."):
-            node = getattr(node, part) if isinstance(node, Section) else node[part]
+            try:
+                node = getattr(node, part) if isinstance(node, Section) else node[part]
+            except (AttributeError, TypeError):
+                raise KeyError(key) from None  # Mapping.get and `in` expect KeyError
         return node
 
     def __iter__(self) -> Iterator[str]:
