@@ -455,7 +455,7 @@ def build_rollout_plan(
     from app.planning import make_plan
 
     extra = [f"model.path={json.dumps(model)}"] if model else []
-    cfg = load_config(config, [*overrides, *extra])  # type: ignore[arg-type]
+    cfg = load_config(config, [*overrides, *extra])
     checkpoint = None
     if cfg.model.path:
         from adapters.hf_checkpoint.reader import HfCheckpoint
