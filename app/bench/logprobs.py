@@ -26,10 +26,15 @@ import torch
 
 from app.bench.memory import TensorBytesTracker
 from app.bench.report import BenchReport
-from domain.fused_logprob import auto_chunk_size, fused_logprob_entropy, reference_logprob_entropy
+from domain.fused_logprob import (
+    DEFAULT_CHUNK_BYTES,
+    auto_chunk_size,
+    fused_logprob_entropy,
+    reference_logprob_entropy,
+)
 
 GIB = 2**30
-FULL = dict(vocab=151_936, hidden=2_048, tokens=(1_024, 4_096, 16_384), chunk_bytes=128 * 2**20)
+FULL = dict(vocab=151_936, hidden=2_048, tokens=(1_024, 4_096, 16_384), chunk_bytes=DEFAULT_CHUNK_BYTES)
 QUICK = dict(vocab=8_192, hidden=256, tokens=(256, 1_024), chunk_bytes=4 * 2**20)
 # Timed calls per measurement (the memory-tracked call is one of them): fewer for large cases,
 # whose single calls run for many seconds.

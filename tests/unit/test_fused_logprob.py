@@ -9,6 +9,7 @@ import torch
 
 from domain.errors import InvalidTemperature, InvalidTensor, RefitError, UnsupportedDtype
 from domain.fused_logprob import (
+    DEFAULT_CHUNK_BYTES,
     IGNORE_INDEX,
     auto_chunk_size,
     fused_logprob_entropy,
@@ -146,7 +147,8 @@ def test_empty_input_gives_empty_outputs():
 
 def test_auto_chunk_size_fits_the_budget():
     c = auto_chunk_size(151936)
-    assert c * 151936 * 4 <= 128 * 2**20 < (c + 1) * 151936 * 4
+    assert c * 151936 * 4 <= DEFAULT_CHUNK_BYTES < (c + 1) * 151936 * 4
+    assert auto_chunk_size(1000, chunk_bytes=4000 * 7) == 7
     assert auto_chunk_size(10**12) == 1
 
 
