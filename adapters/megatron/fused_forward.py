@@ -37,7 +37,7 @@ except ImportError as err:  # pragma: no cover - exercised only without megatron
     ) from err
 
 from adapters.megatron.version import megatron_core_version
-from domain.errors import FusedForwardUnsupported, InvalidTensor
+from domain.errors import FusedForwardUnsupported, FusedHookUnavailable, InvalidTensor
 from domain.fused_forward_mode import FusedForwardMode, select_fused_forward_mode
 from domain.fused_logprob import IGNORE_INDEX, fused_logprob_entropy, validate_temperature
 
@@ -136,9 +136,14 @@ def resolve_fused_forward(
     if previous is not None and requested in (FusedForwardMode.AUTO, previous):
         return previous
     if previous is FusedForwardMode.LEGACY:
-        unpatch_fused_forward(real)
+        unpatch_fused_forward(real)  # probe the model's own forward, not the patch
     version = megatron_core_version()
-    mode = select_fused_forward_mode(requested, hook_available=forward_has_hook(real), megatron_version=version)
+    try:
+        mode = select_fused_forward_mode(requested, hook_available=forward_has_hook(real), megatron_version=version)
+    except FusedHookUnavailable:
+        if previous is FusedForwardMode.LEGACY:  # leave the earlier decision as it was
+            patch_fused_forward(real, chunk_size=chunk_size, gather=gather)
+        raise
     if mode is FusedForwardMode.LEGACY:
         patch_fused_forward(real, chunk_size=chunk_size, gather=gather)
     setattr(real, MODE_ATTR, mode)

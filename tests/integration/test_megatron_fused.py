@@ -263,6 +263,11 @@ def test_decision_is_kept_unless_a_different_mode_is_requested():
     assert resolve_fused_forward(model, AUTO) is LEGACY and is_patched(model)
     assert resolve_fused_forward(model, HOOK) is HOOK and not is_patched(model)
     assert "forward" not in vars(model)
+    old = tiny_gpt_model(model_cls=_old_forward_class())
+    assert resolve_fused_forward(old, LEGACY) is LEGACY
+    with pytest.raises(FusedHookUnavailable):
+        resolve_fused_forward(old, HOOK)
+    assert stored_mode(old) is LEGACY and is_patched(old)  # the failed request changed nothing
 
 
 def test_bad_temperature_fails_before_the_forward():
