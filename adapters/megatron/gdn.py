@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 
 from adapters.megatron.gdn_forward import check_packed_input, is_packed, packed_forward
 from adapters.megatron.gdn_kernels import GdnKernels, select_kernels
+from adapters.megatron.version import megatron_core_version
 
 log = structlog.get_logger()
 
@@ -42,14 +42,6 @@ def megatron_gdn_class() -> type:
             name="megatron.core",
         ) from err
     return GatedDeltaNet
-
-
-def megatron_core_version() -> str:
-    """The installed megatron-core version (from the package metadata), or "unknown"."""
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 @attrs.frozen
