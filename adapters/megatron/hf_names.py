@@ -74,7 +74,7 @@ def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     Returns:
         An iterator; `lm_head.weight` only when the output layer is not tied.
     """
-    config = model.config
+    config: Any = model.config
     for name, tensor in model.state_dict(keep_vars=False).items():
         if name.endswith("_extra_state"):
             continue
