@@ -14,6 +14,7 @@ from tests.codecs.special import special_weight
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the reference")
 from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor  # noqa: E402
 from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor  # noqa: E402
+from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme  # noqa: E402
@@ -126,3 +127,17 @@ def test_fp8_block_scales_match_compressed_tensors(dtype: torch.dtype) -> None:
     ours = quantize_weight(FP8_BLOCK, w).tensors["weight_scale"]
     assert ours.dtype == torch.float32
     assert torch.equal(ours, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_block_matches_the_float_compressor_bitwise(dtype: torch.dtype) -> None:
+    w = special_weight(256, 384, dtype, block=128, seed=3)
+    scheme = _scheme("FP8_BLOCK")
+    blocks = w.float().reshape(2, 128, 3, 128)
+    scale, _ = calculate_qparams(blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3)), scheme.weights)
+    ref = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+    q = quantize_weight(FP8_BLOCK, w)
+    assert torch.equal(q.tensors["weight"].view(torch.uint8), ref["weight"].view(torch.uint8))
+    assert torch.equal(q.tensors["weight_scale"], ref["weight_scale"])
+    back = FloatQuantizationCompressor.decompress(dict(q.tensors), scheme)["weight"]
+    assert torch.equal(dequantize_weight(q, back.dtype), back)
