@@ -171,8 +171,12 @@ def build_logprob_service(
     *,
     environ: Mapping[str, str] | None = None,
     chunk_size: int | None = None,
+    config: Mapping[str, object] | None = None,
 ):
     """A LogProbService over a Megatron GPTModel (wrappers allowed) or any TrainerModel.
+
+    A Megatron model with GatedDeltaNet layers also gets packed (THD) GDN input made safe here
+    (`apply_packed_gdn`, kernels from `actor.megatron.gdn_kernels` in `config`).
 
     The fused-forward mode is decided here, once: `fused_forward` (the value of
     `actor.fused_forward`, None when unset) wins; else `VERL_FUSED_USE_OP_HOOK` from the
@@ -184,6 +188,7 @@ def build_logprob_service(
         fused_forward: "auto" / "hook" / "legacy" or an alias (see docs/fused-forward.md).
         environ: the environment to read (default: the process environment).
         chunk_size: tokens per chunk of the fused computation (None: sized from the vocabulary).
+        config: the configuration (only `actor.megatron.gdn_kernels` is read here).
 
     Returns:
         app.logprob_service.LogProbService.
@@ -200,6 +205,7 @@ def build_logprob_service(
         return LogProbService(model, mode="none", source=request.source)  # type: ignore[arg-type]
     from adapters.megatron.trainer_model import MegatronTrainerModel
 
+    apply_packed_gdn(model, config)  # a no-op without GatedDeltaNet layers
     trainer = MegatronTrainerModel.build(model, request.mode, chunk_size=chunk_size)  # type: ignore[arg-type]
     return LogProbService(trainer, mode=trainer.mode.value, source=request.source)
 

@@ -348,3 +348,26 @@ def test_bootstrap_step_reads_the_kernel_choice(mc) -> None:
         bootstrap.apply_packed_gdn(
             torch.nn.Sequential(layer), {"actor": {"megatron": {"gdn_kernels": "triton"}}}
         )
+
+
+def test_the_composition_root_makes_a_megatron_models_gdn_layers_packed_safe(mc, monkeypatch) -> None:
+    from adapters.megatron import trainer_model
+    from app import bootstrap
+
+    built = []
+    monkeypatch.setattr(
+        trainer_model.MegatronTrainerModel, "build",
+        classmethod(lambda cls, model, mode, chunk_size=None: built.append(model) or _Stub()),
+    )
+    model = torch.nn.Sequential(mc.build())
+    bootstrap.build_logprob_service(model, "auto", environ={})
+    assert built == [model]
+    layer = model[0]
+    assert getattr(layer, gdn_adapter._VALIDATION_HANDLE, None) is not None  # native 0.19.2: validated
+    with pytest.raises(ValueError, match="gdn_kernels"):
+        bootstrap.build_logprob_service(model, "auto", environ={},
+                                        config={"actor": {"megatron": {"gdn_kernels": "bogus"}}})
+
+
+class _Stub:
+    mode = types.SimpleNamespace(value="hook")
