@@ -12,9 +12,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from adapters.engine_overrides import check_request, with_quantization_config
 from adapters.sglang.staging import LOADER_PATH
 from domain.backend_policy import DEEP_GEMM, BackendDecision
-from domain.errors import ConfigError
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
@@ -40,17 +40,14 @@ def sglang_engine_kwargs(
         The keyword arguments. Raises ConfigError for a decision of another engine or an
         unknown kv_cache_dtype.
     """
-    if decision.engine != "sglang":
-        raise ConfigError("rollout.name", f"a backend decision for {decision.engine!r} cannot configure SGLang")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError("rollout.kv_cache_dtype", f"{kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    check_request("sglang", "SGLang", decision, kv_cache_dtype, KV_CACHE_DTYPES)
     kwargs = dict(base or {})
-    overrides = kwargs.get("json_model_override_args") or {}
-    overrides = dict(json.loads(overrides) if isinstance(overrides, str) else overrides)
-    overrides.pop("quantization_config", None)
-    if quantization_config is not None:
-        overrides["quantization_config"] = dict(quantization_config)
-        kwargs["quantization"] = str(quantization_config.get("quant_method", "compressed-tensors"))
+    given = kwargs.get("json_model_override_args") or {}
+    overrides, quantization = with_quantization_config(
+        json.loads(given) if isinstance(given, str) else given, quantization_config
+    )
+    if quantization is not None:
+        kwargs["quantization"] = quantization
     if overrides:
         kwargs["json_model_override_args"] = json.dumps(overrides)
     else:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from adapters.engine_overrides import check_request, with_quantization_config
 from domain.backend_policy import DEEP_GEMM, BackendDecision
-from domain.errors import ConfigError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -38,16 +38,11 @@ def vllm_engine_kwargs(
         The keyword arguments. Raises ConfigError for a decision of another engine or an
         unknown kv_cache_dtype.
     """
-    if decision.engine != "vllm":
-        raise ConfigError("rollout.name", f"a backend decision for {decision.engine!r} cannot configure vLLM")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError("rollout.kv_cache_dtype", f"{kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    check_request("vllm", "vLLM", decision, kv_cache_dtype, KV_CACHE_DTYPES)
     kwargs = dict(base or {})
-    overrides = dict(kwargs.get("hf_overrides") or {})
-    overrides.pop("quantization_config", None)
-    if quantization_config is not None:
-        overrides["quantization_config"] = dict(quantization_config)
-        kwargs["quantization"] = str(quantization_config.get("quant_method", "compressed-tensors"))
+    overrides, quantization = with_quantization_config(kwargs.get("hf_overrides") or {}, quantization_config)
+    if quantization is not None:
+        kwargs["quantization"] = quantization
     if overrides:
         kwargs["hf_overrides"] = overrides
     else:
