@@ -9,13 +9,13 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from app.bench import SUITES
+import app.bench
 from app.bench.report import BenchReport
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark suite (ratios against baselines in the same run)")
-    p.add_argument("suite", choices=sorted({*SUITES, "all"}), help="which suite to run (all: every suite, one report)")
+    p.add_argument("suite", choices=sorted({*app.bench.SUITES, "all"}), help="which suite to run (all: every suite, one report)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--out", metavar="DIR", default="out/bench",
                    help="with `all`: where bench.json, report.md and the PNG figures go (default out/bench)")
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         from app.bench.all import cli_run
 
         return cli_run(args)
-    report: BenchReport = importlib.import_module(SUITES[args.suite]).run(quick=args.quick)
+    report: BenchReport = importlib.import_module(app.bench.SUITES[args.suite]).run(quick=args.quick)
     if args.json:
         sys.stdout.write(report.to_json() + "\n")
     else:
