@@ -345,6 +345,8 @@ class DistributedRefitService:
         def consume(bucket: Bucket) -> None:
             r.where = f"bucket {bucket.index}"
             self._fires("bucket", bucket.index)
+            if keep:  # our own buffer, kept until the next refit succeeds: the engine may stage views
+                bucket = attrs.evolve(bucket, retained=True)
             self.engine.load_bucket(bucket)  # type: ignore[union-attr]
             r.next_index, r.tensors = bucket.index + 1, r.tensors + len(bucket.metas)
             if keep:  # received into a buffer of our own: kept for a replay if a later step fails

@@ -93,12 +93,16 @@ class Bucket:
         buffer: flat uint8 tensor holding every tensor's bytes at its offset.
         metas: the tensors, in stream order.
         is_last: True on the final bucket of a refit (which may be empty).
+        retained: the buffer stays valid and unchanged until the refit ends (finalize or abort),
+            so a consumer may keep views of it instead of copying (an engine staging by
+            reference). False: the buffer may be reused as soon as the consumer returns.
     """
 
     index: int = attrs.field(validator=_non_negative)
     buffer: torch.Tensor
     metas: tuple[TensorMeta, ...] = attrs.field(converter=_metas)
     is_last: bool
+    retained: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.buffer.dtype != torch.uint8 or self.buffer.dim() != 1:

@@ -2,7 +2,9 @@
 
 It stages a refit's buckets into shadow tensors, post-processes each fused module once, verifies
 the staged weights, and copies them into its live tensors in place: their data pointers, shapes,
-strides and dtypes never change (what CUDA-graph capture needs). Two commit modes:
+strides and dtypes never change (what CUDA-graph capture needs). A bucket marked `retained` (its
+buffer stays valid until the refit ends) is staged by reference: the engine keeps views of it and
+copies each tensor once, from the bucket into the live tensor, at commit. Two commit modes:
 
 - transactional (default): nothing live is touched until every bucket is in and verified; any
   failure leaves the live weights bit-identical. Extra memory: the staged quantized tensors.
@@ -20,6 +22,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import Any
 
 import attrs
 import structlog
@@ -37,6 +40,8 @@ from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, Storage
 # A verifier sees one commit group's post-processed tensors ("key.local" -> tensor) before they
 # are committed, and raises to stop the commit.
 Verifier = Callable[[str, Mapping[str, torch.Tensor]], None]
+# A staged tensor: a whole staging tensor, or views staged by reference ((live index, view), ...).
+Staged = torch.Tensor | tuple[tuple[tuple[Any, ...], torch.Tensor], ...]
 KV_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 KV_PLACEHOLDER = -1.0  # what a loader leaves in an uncalibrated scale
 _KV_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.((?:q|k|v|prob)_scale)$")
@@ -82,6 +87,8 @@ class ReferenceEngine:
     _session: RefitSession = attrs.field(init=False, factory=RefitSession)
     _stale: str | None = attrs.field(init=False, default="no refit has completed yet")
     _staged: dict[str, dict[str, torch.Tensor]] = attrs.field(init=False, factory=dict)
+    # Staged by reference (retained buckets): key -> local -> [(index into the live tensor, view)].
+    _refs: dict[str, dict[str, list[tuple[tuple[Any, ...], torch.Tensor]]]] = attrs.field(init=False, factory=dict)
     _staged_kv: dict[str, torch.Tensor] = attrs.field(init=False, factory=dict)
     _pending: dict[str, set[str]] = attrs.field(init=False, factory=dict)
     _received: set[str] = attrs.field(init=False, factory=set)
@@ -126,6 +133,7 @@ class ReferenceEngine:
     def begin_refit(self, refit_id: int) -> None:
         self._session.begin(refit_id)
         self._received = set()
+        self._staged, self._refs = {}, {}
         self._pending = {g: set(names) for g, names in self.layout.groups().items()}
         self._touched = False
         self._committed = 0
@@ -140,7 +148,7 @@ class ReferenceEngine:
         self._session.accept(bucket)
         try:
             for name, view in unpack_bucket(bucket):
-                self._stage(name, view)
+                self._stage(name, view, bucket.retained)
         except Exception as err:
             self._fail(f"loading bucket {bucket.index}: {err}")
             raise
@@ -154,7 +162,7 @@ class ReferenceEngine:
                     f"refit {self._session.refit_id}: {len(missing)} tensors never arrived, e.g. "
                     f"{missing[:3]}; the trainer's stream does not match the engine's layout"
                 )
-            groups = [g for g in self.layout.groups() if any(k in self._staged for k in self._keys(g))]
+            groups = [g for g in self.layout.groups() if any(k in self._staged or k in self._refs for k in self._keys(g))]
             ready = {g: self._postprocess(g) for g in groups}
             for g in groups:
                 self._verify(g, ready[g])
@@ -185,7 +193,7 @@ class ReferenceEngine:
     def _keys(self, group: str) -> list[str]:
         return [k for k, m in self.layout.modules.items() if m.group == group]
 
-    def _stage(self, name: str, view: torch.Tensor) -> None:
+    def _stage(self, name: str, view: torch.Tensor, retained: bool = False) -> None:
         kv = _KV_NAME.match(name)
         if kv is not None and self.kv_cache_scheme is not None:  # calibrated KV-cache scales
             self._staged_kv[f"layers.{kv[1]}.attn.{kv[2]}"] = view.detach().reshape(()).float().clone()
@@ -200,8 +208,14 @@ class ReferenceEngine:
                 f"tensor {name!r}: got {view.dtype} {tuple(view.shape)}, the engine expects "
                 f"{target.dtype} {target.shape}; trainer and engine plans differ"
             )
-        staged = self._staged.get(target.key) or self._allocate(target.key)
-        staged[target.local][target.index].copy_(view)  # copied before the bucket is acknowledged
+        staged = self._staged.get(target.key, {})
+        # By reference only where the committed tensor is exactly what arrived: global scales are
+        # post-processed (tiny; copied) and extra verifiers are handed whole staged tensors.
+        if retained and target.local != GLOBAL and not self.verifiers and target.local not in staged:
+            self._refs.setdefault(target.key, {}).setdefault(target.local, []).append((target.index, view))
+        else:
+            into = self._staging(target.key, target.local)
+            into[target.index].copy_(view)  # copied before the bucket is acknowledged
         self._received.add(name)
         group = self.layout.modules[target.key].group
         self._pending[group].discard(name)
@@ -210,29 +224,36 @@ class ReferenceEngine:
             self._verify(group, ready)
             self._commit(group, ready)
 
-    def _allocate(self, key: str) -> dict[str, torch.Tensor]:
-        spec = self.layout.modules[key].staging()
-        staged = {local: torch.empty(shape, dtype=dtype) for local, (shape, dtype) in spec.items()}
-        self._staged[key] = staged
-        self._staged_bytes += sum(t.numel() * t.element_size() for t in staged.values())
-        self._peak_bytes = max(self._peak_bytes, self._staged_bytes)
-        return staged
+    def _staging(self, key: str, local: str) -> torch.Tensor:
+        """The staging tensor of one module's tensor, allocated on first use. Views staged by
+        reference for it so far are copied in (a later bucket that is not retained)."""
+        staged = self._staged.setdefault(key, {})
+        if local not in staged:
+            shape, dtype = self.layout.modules[key].staging()[local]
+            staged[local] = t = torch.empty(shape, dtype=dtype)
+            self._staged_bytes += t.numel() * t.element_size()
+            self._peak_bytes = max(self._peak_bytes, self._staged_bytes)
+            for index, view in self._refs.get(key, {}).pop(local, []):
+                t[index].copy_(view)
+        return staged[local]
 
     def _release(self, key: str) -> None:
         staged = self._staged.pop(key, None) or {}
+        self._refs.pop(key, None)
         self._staged_bytes -= sum(t.numel() * t.element_size() for t in staged.values())
 
-    def _postprocess(self, group: str) -> dict[str, dict[str, torch.Tensor]]:
+    def _postprocess(self, group: str) -> dict[str, dict[str, Staged]]:
         """Once per module and refit: fused NVFP4 shards' global scales -> their maximum."""
         t0 = time.perf_counter()
-        ready = {}
+        ready: dict[str, dict[str, Staged]] = {}
         for key in self._keys(group):
-            staged = self._staged.get(key)
-            if staged is None:
+            staged, refs = self._staged.get(key), self._refs.get(key)
+            if staged is None and refs is None:
                 continue
             self.postprocess_counts[key] = self.postprocess_counts.get(key, 0) + 1
-            out = dict(staged)
-            if GLOBAL in staged:
+            out: dict[str, Staged] = {local: tuple(pieces) for local, pieces in (refs or {}).items()}
+            out.update(staged or {})
+            if staged is not None and GLOBAL in staged:
                 gs = staged[GLOBAL]
                 out[GLOBAL] = gs.amax(dim=-1, keepdim=True)
                 if not bool((gs == out[GLOBAL]).all()):
@@ -241,19 +262,29 @@ class ReferenceEngine:
         self._post_seconds += time.perf_counter() - t0
         return ready
 
-    def _verify(self, group: str, ready: dict[str, dict[str, torch.Tensor]]) -> None:
-        flat = {f"{k}.{local}": t for k, m in ready.items() for local, t in m.items()}
-        for name, t in flat.items():
-            if t.dtype in (torch.bfloat16, torch.float32, torch.float16) and not _finite(t):
-                raise RefitVerificationFailed(f"staged tensor {name!r} holds NaN or Inf; nothing was committed")
-        for verify in self.verifiers:
-            verify(group, MappingProxyType(flat))
+    def _verify(self, group: str, ready: dict[str, dict[str, Staged]]) -> None:
+        for key, m in ready.items():
+            for local, t in m.items():
+                views = t if isinstance(t, tuple) else ((None, t),)
+                for _, v in views:
+                    if v.dtype in (torch.bfloat16, torch.float32, torch.float16) and not _finite(v):
+                        name = f"{key}.{local}"
+                        raise RefitVerificationFailed(f"staged tensor {name!r} holds NaN or Inf; nothing was committed")
+        if self.verifiers:  # never staged by reference: every value is a whole tensor
+            flat = {f"{k}.{local}": t for k, m in ready.items() for local, t in m.items()}
+            for verify in self.verifiers:
+                verify(group, MappingProxyType(flat))  # type: ignore[arg-type]
 
-    def _commit(self, group: str, ready: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _commit(self, group: str, ready: dict[str, dict[str, Staged]]) -> None:
         for key, tensors in ready.items():
             for local, t in tensors.items():
                 self._touched = True
-                self._live[key][local].copy_(t)  # in place: the captured storage stays
+                live = self._live[key][local]  # written in place: the captured storage stays
+                if isinstance(t, tuple):
+                    for index, view in t:  # straight from the retained bucket
+                        live[index].copy_(view)
+                else:
+                    live.copy_(t)
                 self._committed += 1
             self._release(key)
 
@@ -272,7 +303,7 @@ class ReferenceEngine:
         return len(reset_layers)
 
     def _fail(self, reason: str) -> None:
-        for key in list(self._staged):
+        for key in [*self._staged, *self._refs]:
             self._release(key)
         self._staged_kv = {}
         if self._session.in_progress:

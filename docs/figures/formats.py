@@ -10,11 +10,11 @@ import pathlib
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-from domain.codecs import dequantize_weight, quantize_weight  # noqa: E402
-from domain.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule  # noqa: E402
+from domain.codecs import dequantize_weight, quantize_weight
+from domain.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
 
 OUT = pathlib.Path(__file__).with_suffix(".png")
 
