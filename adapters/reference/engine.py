@@ -255,8 +255,8 @@ class ReferenceEngine:
             out.update(staged or {})
             if staged is not None and GLOBAL in staged:
                 gs = staged[GLOBAL]
-                out[GLOBAL] = gs.amax(dim=-1, keepdim=True)
-                if not bool((gs == out[GLOBAL]).all()):
+                out[GLOBAL] = top = gs.amax(dim=-1, keepdim=True)
+                if not bool(torch.eq(gs, top).all()):
                     structlog.get_logger().warning("fused shards have different global scales; using the maximum", module=key)
             ready[key] = out
         self._post_seconds += time.perf_counter() - t0
