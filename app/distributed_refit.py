@@ -44,7 +44,7 @@ from domain.errors import (
 from domain.plan import QuantizationPlan
 from domain.refit import CommitMode, RefitOutcome, RefitReport, StorageCheck, StorageFingerprint
 from domain.sharding import ENGINE, TRAINER, ExportUnit, RefitWorld, ShardMap
-from domain.transfer import EngineState, RankFault, RankStatus, TransferStats, failure_summary
+from domain.transfer import LEAD_BYTES, EngineState, RankFault, RankStatus, TransferStats, failure_summary
 from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine
 from ports.sharded_trainer import ShardedTrainerModel
@@ -155,7 +155,9 @@ class DistributedRefitService:
         self.shard_map = ShardMap.build(self.world.layout, self.shapes, self.plan)
         self._pool = _BufferPool(self.bucket_bytes)
         # One planner for every refit: its `window` buffers stay allocated (validated sizes, too).
-        self._planner = BucketPlanner(self.bucket_bytes, self.alignment, reuse_buffer=True, buffers=self.window)
+        # Packed buckets leave room for the transport's lead record: one message per bucket.
+        self._planner = BucketPlanner(self.bucket_bytes, self.alignment, reuse_buffer=True, buffers=self.window,
+                                      lead_bytes=LEAD_BYTES)
         sources = [s for s, _ in self.shard_map.segments()]
         f = self.fault
         if f is not None and f.rank == self.rank and f.point == "bucket" and role == TRAINER and self.rank not in sources:

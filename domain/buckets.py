@@ -150,12 +150,16 @@ class BucketPlanner:
         buffers: with reuse_buffer, how many buffers the buckets rotate through (consecutive
             packed buckets never share one). 2 = double buffering: bucket k+1 is packed while bucket k is still
             in flight, and the consumer must release bucket k before bucket k+2 is requested.
+        lead_bytes: bytes left free at the front of every packed bucket (tensors start at the next
+            aligned offset), where a transport writes its per-bucket record so that record and
+            data travel as one message. Lone large tensors and empty buckets get no room.
     """
 
     bucket_bytes: int
     alignment: int = DEFAULT_ALIGNMENT
     reuse_buffer: bool = False
     buffers: int = 1
+    lead_bytes: int = 0
     # With reuse_buffer, the buffers stay allocated from one pack() to the next (no page faults
     # per refit); one pack() at a time per planner.
     _pool: list[torch.Tensor | None] = attrs.field(init=False, factory=list, eq=False, repr=False)
@@ -170,6 +174,10 @@ class BucketPlanner:
             )
         if self.buffers < 1:
             raise BucketLayoutError(f"buffers must be >= 1, got {self.buffers}")
+        if not 0 <= self.lead_bytes < self.bucket_bytes:
+            raise BucketLayoutError(
+                f"lead_bytes must be >= 0 and smaller than bucket_bytes ({self.bucket_bytes}), got {self.lead_bytes}"
+            )
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
         """Pack the stream, in order, into buckets; the last one has `is_last=True`.
@@ -199,7 +207,7 @@ class BucketPlanner:
                 shared = pool[pooled % self.buffers]
             buf = shared if shared is not None else None
             metas: list[TensorMeta] = []
-            used = 0
+            used = self.lead_bytes
             while pending is not None:
                 name, t = pending
                 if name in seen:
@@ -227,7 +235,7 @@ class BucketPlanner:
                 pending = next(it, None)
             if buf is None:
                 buf = torch.empty(0, dtype=torch.uint8)
-            yield Bucket(index, buf if shared is not None else buf[:used], _metas(metas), pending is None)
+            yield Bucket(index, buf if shared is not None else buf[: used if metas else 0], _metas(metas), pending is None)
             index += 1
             pooled += 1
             if pending is None:

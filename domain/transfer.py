@@ -11,7 +11,9 @@ All of it is pure encoding: the collectives that move these bytes live in the tr
 from __future__ import annotations
 
 import enum
+import functools
 import json
+import zlib
 from collections.abc import Sequence
 
 import attrs
@@ -43,6 +45,7 @@ class Header:
         is_last: the bucket is the refit's last (BUCKET).
         nbytes: bytes of the buffer that follows (BUCKET).
         meta_len: bytes of the metadata (BUCKET) or error text (ABORT) that follow.
+        layout: in a lead record, the digest of the stream layout the bucket follows (0 elsewhere).
     """
 
     kind: FrameKind
@@ -51,10 +54,12 @@ class Header:
     is_last: bool = False
     nbytes: int = 0
     meta_len: int = 0
+    layout: int = 0
 
     def to_tensor(self) -> torch.Tensor:
         """int64 [HEADER_WORDS]."""
-        words = [MAGIC, int(self.kind), self.refit_id, self.index, int(self.is_last), self.nbytes, self.meta_len, 0]
+        words = [MAGIC, int(self.kind), self.refit_id, self.index, int(self.is_last), self.nbytes, self.meta_len,
+                 self.layout]
         return torch.tensor(words, dtype=torch.int64)
 
     @classmethod
@@ -77,7 +82,7 @@ class Header:
                 f"rank {source} sent a frame of refit {w[2]} while this rank is in refit {refit_id}; "
                 "ranks are out of step: restart the refit world"
             )
-        return cls(FrameKind(w[1]), w[2], w[3], bool(w[4]), w[5], w[6])
+        return cls(FrameKind(w[1]), w[2], w[3], bool(w[4]), w[5], w[6], w[7])
 
 
 CONTROL_BYTES = 64 << 10  # one control message: the header words, then as much metadata as fits
@@ -126,6 +131,62 @@ def decode_metas(data: torch.Tensor) -> tuple[TensorMeta, ...]:
         return tuple(TensorMeta(n, tuple(s), getattr(torch, d), o, b) for n, s, d, o, b in rows)
     except (ValueError, TypeError, AttributeError) as err:
         raise WireProtocolError(f"corrupt bucket metadata: {err}") from None
+
+
+# The lead record: the first bytes of a bucket's first message once the stream layout is known.
+# Planners of distributed streams leave this much room in front of each packed bucket's tensors,
+# so the record rides in the same message as the data (one message per bucket, no control).
+LEAD_BYTES = 256
+_LEAD_TEXT = LEAD_BYTES - HEADER_WORDS * 8
+
+
+@attrs.frozen(cache_hash=False, slots=False)
+class StreamLayout:
+    """The shape of one source's bucket stream: every bucket's wire size and tensors, in order.
+
+    Both ends learn it from the first complete stream (control messages carry the metadata); it
+    stays the same while the plan, the model, the bucket size and the alignment do (what the
+    refit's begin agreement checks). Afterwards a bucket travels as its data alone, with a lead
+    record in front, and the receiver posts each receive as soon as the previous bucket is in.
+
+    Attributes:
+        buckets: per bucket, (bytes on the wire, its tensors).
+    """
+
+    buckets: tuple[tuple[int, tuple[TensorMeta, ...]], ...]
+
+    @functools.cached_property
+    def digest(self) -> int:
+        """A 31-bit checksum of the layout, carried by every lead record."""
+        rows = [(n, [(m.name, m.shape, str(m.dtype), m.offset, m.nbytes) for m in metas]) for n, metas in self.buckets]
+        return zlib.crc32(repr(rows).encode()) & 0x7FFF_FFFF
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    @staticmethod
+    def has_lead_room(metas: Sequence[TensorMeta]) -> bool:
+        """The bucket's buffer has LEAD_BYTES free in front of its first tensor (packed buckets of
+        a lead-reserving planner; not a lone large tensor, not an empty bucket)."""
+        return bool(metas) and metas[0].offset >= LEAD_BYTES
+
+
+def encode_lead(header: Header, text: str = "") -> torch.Tensor:
+    """A lead record: the header words, then (ABORT) as much of the error text as fits."""
+    body = text.encode()[:_LEAD_TEXT]
+    header = attrs.evolve(header, meta_len=len(body))
+    out = torch.zeros(LEAD_BYTES, dtype=torch.uint8)
+    out[: HEADER_WORDS * 8] = header.to_tensor().view(torch.uint8)
+    if body:
+        out[HEADER_WORDS * 8 : HEADER_WORDS * 8 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    return out
+
+
+def decode_lead(lead: torch.Tensor, refit_id: int, source: int) -> tuple[Header, str]:
+    """Inverse of `encode_lead` (checks magic and refit id like `Header.from_tensor`)."""
+    header = Header.from_tensor(lead[: HEADER_WORDS * 8].clone().view(torch.int64), refit_id, source)
+    text = decode_text(lead[HEADER_WORDS * 8 : HEADER_WORDS * 8 + min(header.meta_len, _LEAD_TEXT)])
+    return header, text
 
 
 def encode_text(text: str) -> torch.Tensor:

@@ -27,20 +27,24 @@ except ImportError as err:  # pragma: no cover - torch built without distributed
 if not dist.is_available():  # pragma: no cover
     raise ModuleNotFoundError("TorchDistTransport needs torch.distributed (this torch build lacks it)", name="torch.distributed")
 
-from domain.buckets import Bucket
-from domain.errors import CollectiveTimeout, PeerLost, TransportAborted
+from domain.buckets import Bucket, TensorMeta
+from domain.errors import CollectiveTimeout, PeerLost, TransportAborted, WireProtocolError
 from domain.sharding import RefitWorld
 from domain.transfer import (
     CONTROL_BYTES,
+    LEAD_BYTES,
     STATUS_BYTES,
     FrameKind,
     Header,
     RankStatus,
+    StreamLayout,
     TransferStats,
     decode_control,
+    decode_lead,
     decode_metas,
     decode_text,
     encode_control,
+    encode_lead,
     encode_metas,
     encode_text,
 )
@@ -96,6 +100,7 @@ class TorchDistTransport:
     window: int = 2
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), converter=torch.device)
     _rbufs: list[torch.Tensor | None] = attrs.field(init=False, factory=lambda: [None, None])
+    _layout: StreamLayout | None = attrs.field(init=False, default=None)
 
     def _bcast(self, t: torch.Tensor, step: str) -> float:
         work = dist.broadcast(t, self.source, group=self.group, async_op=True)
@@ -107,37 +112,74 @@ class TorchDistTransport:
     # --- source ------------------------------------------------------------------------------
 
     def send(self, buckets: Iterable[Bucket]) -> TransferStats:
-        """Broadcast every bucket, then END; see ports.bucket_transport.BucketTransport.send."""
+        """Broadcast every bucket, then END; see ports.bucket_transport.BucketTransport.send.
+
+        The first complete stream sends a control message per bucket (header and metadata) and
+        both ends learn its StreamLayout. Later streams send each bucket as its data alone, with a
+        lead record in front (in the same message where the planner left room), and check that
+        every bucket still matches the layout.
+        """
         t0 = time.perf_counter()
         n = payload = wire = 0
         blocked = 0.0
+        layout, learned = self._layout, []
         # Per bucket in flight: its collectives (control message, buffer) and the tensors they read.
         inflight: collections.deque[list[tuple[Any, str, torch.Tensor]]] = collections.deque()
         it = iter(buckets)
         while True:
             try:
                 bucket = next(it)  # packs bucket k+1 while bucket k is on the wire
+                if layout is not None and (n >= len(layout) or layout.buckets[n] != (bucket.nbytes, bucket.metas)):
+                    raise WireProtocolError(
+                        f"bucket {bucket.index} differs from the stream layout of earlier refits (tensor names, "
+                        "shapes, dtypes or bucket size changed); every rank must keep the same plan and model"
+                    )
             except StopIteration:
+                if layout is not None and n < len(layout):
+                    err = WireProtocolError(f"the stream ended after {n} buckets; earlier refits sent {len(layout)}")
+                    blocked += self._drain(inflight)
+                    self._abort(str(err), n, layout)
+                    raise err from None
                 break
             except Exception as err:
                 blocked += self._drain(inflight)
-                self._abort(f"{type(err).__name__}: {err}", n)
+                self._abort(f"{type(err).__name__}: {err}", n, layout)
                 raise
-            meta = encode_metas(bucket.metas)
-            header = Header(FrameKind.BUCKET, self.refit_id, bucket.index, bucket.is_last, bucket.nbytes, meta.numel())
             step = f"bucket {bucket.index}"
-            sent = [(self._bcast_async(t), f"{step} header", t) for t in self._control_parts(header, meta)]
-            if bucket.nbytes:
-                data = bucket.buffer[: bucket.nbytes]
-                data = data if data.device == self.device else data.to(self.device)
-                sent.append((self._bcast_async(data), f"{step} data", data))
+            if layout is None:
+                meta = encode_metas(bucket.metas)
+                header = Header(FrameKind.BUCKET, self.refit_id, bucket.index, bucket.is_last, bucket.nbytes, meta.numel())
+                messages = [(f"{step} header", t) for t in self._control_parts(header, meta)]
+                if bucket.nbytes:
+                    messages.append((f"{step} data", bucket.buffer[: bucket.nbytes]))
+                learned.append((bucket.nbytes, bucket.metas))
+            else:
+                header = Header(FrameKind.BUCKET, self.refit_id, bucket.index, bucket.is_last, bucket.nbytes,
+                                layout=layout.digest)
+                messages = self._lead_messages(bucket.buffer, bucket.metas, bucket.nbytes, encode_lead(header), step)
+            sent = []
+            for what, t in messages:
+                t = t if t.device == self.device else t.to(self.device)
+                sent.append((self._bcast_async(t), what, t))
             inflight.append(sent)
             n, payload, wire = n + 1, payload + bucket.payload_bytes, wire + bucket.nbytes
             if len(inflight) >= self.window:  # the oldest buffer is reused by the next bucket
                 blocked += self._wait_all(inflight.popleft())
         blocked += self._drain(inflight)
         blocked += self._control(Header(FrameKind.END, self.refit_id, n), encode_text(""), "end of stream")
+        if layout is None:
+            self._layout = StreamLayout(tuple(learned))
         return TransferStats(n, payload, wire, time.perf_counter() - t0, blocked)
+
+    @staticmethod
+    def _lead_messages(buffer: torch.Tensor, metas: Sequence[TensorMeta], nbytes: int, lead: torch.Tensor,
+                       step: str) -> list[tuple[str, torch.Tensor]]:
+        """A bucket once the layout is known: one message (lead record in the room the planner left,
+        then the data) or, for lone large tensors and empty buckets, the lead record and the data."""
+        if StreamLayout.has_lead_room(metas):
+            buffer[:LEAD_BYTES].copy_(lead)
+            return [(step, buffer[:nbytes])]
+        return [(f"{step} lead", lead)] + ([(f"{step} data", buffer[:nbytes])] if nbytes else [])
 
     def _control_parts(self, header: Header, body: torch.Tensor) -> list[torch.Tensor]:
         control, rest = encode_control(header, body)
@@ -155,7 +197,17 @@ class TorchDistTransport:
             waited += self._wait_all(inflight.popleft())
         return waited
 
-    def _abort(self, text: str, sent: int) -> None:
+    def _abort(self, text: str, sent: int, layout: StreamLayout | None) -> None:
+        """Tell the receivers the stream failed after `sent` buckets. With a known layout they
+        have posted bucket `sent`'s receives: fill them with an ABORT lead record (and filler)."""
+        self._layout = None  # both ends relearn the layout with the next stream
+        if layout is not None and sent < len(layout):
+            nbytes, metas = layout.buckets[sent]
+            lead = encode_lead(Header(FrameKind.ABORT, self.refit_id, sent, layout=layout.digest), text)
+            filler = torch.zeros(max(nbytes, LEAD_BYTES), dtype=torch.uint8, device=self.device)
+            for what, t in self._lead_messages(filler, metas, nbytes, lead.to(self.device), f"abort of bucket {sent}"):
+                self._bcast(t, what)
+            return
         body = encode_text(text[:4000])
         self._control(Header(FrameKind.ABORT, self.refit_id, sent, meta_len=body.numel()), body, "abort header")
 
@@ -172,57 +224,152 @@ class TorchDistTransport:
 
     def receive(self, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None = None) -> TransferStats:
         """Consume buckets until END; see ports.bucket_transport.BucketTransport.receive."""
-        t0 = time.perf_counter()
-        n = payload = wire = 0
-        times = {"blocked": 0.0, "consume": 0.0}
-        errors: list[BaseException] = []
-        prev: tuple[Bucket, Any] | None = None
+        rx = _Receive(time.perf_counter(), consume, allocate)
+        try:
+            if self._layout is None:
+                self._receive_learning(rx)
+            else:
+                self._receive_known(rx, self._layout)
+        except TransportAborted:
+            self._layout = None
+            raise
+        if rx.errors:
+            raise rx.errors[0]
+        return TransferStats(rx.n, rx.payload, rx.wire, time.perf_counter() - rx.t0, rx.blocked, rx.consumed)
+
+    def _end(self, rx: _Receive, after: str) -> None:
+        """The END or ABORT control message that closes every stream."""
+        header, meta = self._receive_control(rx, after)
+        if header.kind is FrameKind.ABORT:
+            self._finish(rx, None)
+            raise TransportAborted(
+                f"rank {self.source} aborted the bucket stream of refit {self.refit_id} after "
+                f"{header.index} buckets: {decode_text(meta)}"
+            )
+        if header.kind is not FrameKind.END:
+            raise WireProtocolError(f"rank {self.source} sent a {header.kind.name} frame where the stream should end")
+
+    def _receive_control(self, rx: _Receive, step: str) -> tuple[Header, torch.Tensor]:
+        control = torch.empty(CONTROL_BYTES, dtype=torch.uint8)
+        rx.blocked += self._bcast(control, step)
+        header, meta, rest = decode_control(control, self.refit_id, self.source)
+        if rest:
+            more = torch.empty(rest, dtype=torch.uint8)
+            rx.blocked += self._bcast(more, f"{step} (metadata)")
+            meta = torch.cat([meta, more])
+        return header, meta
+
+    def _receive_learning(self, rx: _Receive) -> None:
+        """A stream whose layout this end does not know yet: a control message per bucket."""
+        learned = []
         while True:
-            control = torch.empty(CONTROL_BYTES, dtype=torch.uint8)
-            times["blocked"] += self._bcast(control, f"bucket {n} header")
-            header, meta, rest = decode_control(control, self.refit_id, self.source)
-            if rest:
-                more = torch.empty(rest, dtype=torch.uint8)
-                times["blocked"] += self._bcast(more, f"bucket {n} header (metadata)")
-                meta = torch.cat([meta, more])
+            header, meta = self._receive_control(rx, f"bucket {rx.n} header")
             if header.kind is FrameKind.END:
                 break
             if header.kind is FrameKind.ABORT:
-                self._finish(prev, consume, errors, times)
+                self._finish(rx, None)
                 raise TransportAborted(
                     f"rank {self.source} aborted the bucket stream of refit {self.refit_id} after "
                     f"{header.index} buckets: {decode_text(meta)}"
                 )
             if self.window < 2:  # one buffer: consume the previous bucket before reusing it
-                self._finish(prev, consume, errors, times)
-                prev = None
-            buf = allocate(header.nbytes) if allocate is not None else self._buffer(n, header.nbytes)
-            work = self._bcast_async(buf) if header.nbytes else None
-            self._finish(prev, consume, errors, times)  # overlaps with this bucket's transfer
-            prev = (Bucket(header.index, buf, decode_metas(meta), header.is_last), work)
-            n, wire = n + 1, wire + header.nbytes
-            payload += prev[0].payload_bytes
-        self._finish(prev, consume, errors, times)
-        if errors:
-            raise errors[0]
-        return TransferStats(n, payload, wire, time.perf_counter() - t0, times["blocked"], times["consume"])
+                self._finish(rx, None)
+            metas = decode_metas(meta)
+            buf = self._take(rx, header.nbytes)
+            works = [self._bcast_async(buf)] if header.nbytes else []
+            self._finish(rx, (Bucket(header.index, buf, metas, header.is_last), works))  # overlaps this transfer
+            learned.append((header.nbytes, metas))
+        self._finish(rx, None)
+        self._layout = StreamLayout(tuple(learned))
 
-    def _finish(self, prev: tuple[Bucket, Any] | None, consume: Callable[[Bucket], None],
-                errors: list[BaseException], times: dict[str, float]) -> None:
+    def _receive_known(self, rx: _Receive, layout: StreamLayout) -> None:
+        """A stream of a known layout: post bucket k+1's receive as soon as bucket k is in, then
+        consume bucket k while k+1 is on the wire."""
+        pending = self._post(rx, layout, 0) if len(layout) else None
+        for k in range(len(layout)):
+            assert pending is not None
+            buf, lead, works = pending
+            for work, what in works:
+                rx.blocked += wait_work(work, self.rank, what, self.timeout_s, self.peers)
+            header, text = decode_lead(lead, self.refit_id, self.source)
+            if header.layout != layout.digest:
+                raise WireProtocolError(
+                    f"rank {self.source} sent bucket {header.index} of another stream layout "
+                    f"({header.layout:08x}, this rank knows {layout.digest:08x}); restart the refit world"
+                )
+            if header.kind is FrameKind.ABORT:
+                self._finish(rx, None)
+                raise TransportAborted(
+                    f"rank {self.source} aborted the bucket stream of refit {self.refit_id} after {k} buckets: {text}"
+                )
+            bucket = Bucket(header.index, buf, layout.buckets[k][1], header.is_last)
+            self._count(rx, bucket)
+            if self.window < 2:  # one buffer: consume bucket k before bucket k+1 lands in it
+                self._consume(rx, bucket)
+            pending = self._post(rx, layout, k + 1) if k + 1 < len(layout) else None
+            if self.window >= 2:
+                self._consume(rx, bucket)  # overlaps bucket k+1's transfer
+        self._end(rx, "end of stream")
+
+    def _post(self, rx: _Receive, layout: StreamLayout, k: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Any, str]]]:
+        """Post every receive of bucket k of a known layout; returns (buffer, lead record, works)."""
+        nbytes, metas = layout.buckets[k]
+        buf = self._take(rx, nbytes, k)
+        step = f"bucket {k}"
+        if StreamLayout.has_lead_room(metas):
+            return buf, buf[:LEAD_BYTES], [(self._bcast_async(buf), step)]
+        lead = torch.empty(LEAD_BYTES, dtype=torch.uint8, device=self.device)
+        works = [(self._bcast_async(lead), f"{step} lead")]
+        if nbytes:
+            works.append((self._bcast_async(buf), f"{step} data"))
+        return buf, lead, works
+
+    def _take(self, rx: _Receive, nbytes: int, k: int | None = None) -> torch.Tensor:
+        return rx.allocate(nbytes) if rx.allocate is not None else self._buffer(rx.n if k is None else k, nbytes)
+
+    def _finish(self, rx: _Receive, nxt: tuple[Bucket, list[Any]] | None) -> None:
+        """Wait for and consume the bucket in hand, then hold `nxt` (whose receive is posted)."""
+        prev, rx.held = rx.held, nxt
+        if nxt is not None:
+            self._count(rx, nxt[0])
         if prev is None:
             return
-        bucket, work = prev
-        if work is not None:
-            times["blocked"] += wait_work(work, self.rank, f"bucket {bucket.index} data", self.timeout_s, self.peers)
-        if errors:
+        bucket, works = prev
+        for work in works:
+            rx.blocked += wait_work(work, self.rank, f"bucket {bucket.index} data", self.timeout_s, self.peers)
+        self._consume(rx, bucket)
+
+    @staticmethod
+    def _count(rx: _Receive, bucket: Bucket) -> None:
+        rx.n, rx.wire, rx.payload = rx.n + 1, rx.wire + bucket.nbytes, rx.payload + bucket.payload_bytes
+
+    @staticmethod
+    def _consume(rx: _Receive, bucket: Bucket) -> None:
+        if rx.errors:
             return  # drain only: the engine already failed this refit
         t1 = time.perf_counter()
         try:
-            consume(bucket)
+            rx.consume(bucket)
         except Exception as err:
-            errors.append(err)
+            rx.errors.append(err)
         finally:
-            times["consume"] += time.perf_counter() - t1
+            rx.consumed += time.perf_counter() - t1
+
+
+@attrs.define
+class _Receive:
+    """One receive call's state."""
+
+    t0: float
+    consume: Callable[[Bucket], None]
+    allocate: Callable[[int], torch.Tensor] | None
+    n: int = 0
+    payload: int = 0
+    wire: int = 0
+    blocked: float = 0.0
+    consumed: float = 0.0
+    errors: list[BaseException] = attrs.field(factory=list)
+    held: tuple[Bucket, list[Any]] | None = None
 
 
 @attrs.define

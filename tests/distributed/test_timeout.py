@@ -8,6 +8,8 @@ the bounds, and every engine must still hold the previous refit's weights and se
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from adapters.transport.launch import launch_world
@@ -30,7 +32,8 @@ def test_hung_source_times_out_its_engines() -> None:
     for rank in (1, 2):
         got = results[rank]
         assert got["type"] == "CollectiveTimeout", got
-        assert got["rank"] == rank and got["step"] == "bucket 1 header", got
+        # the second refit: the layout is known, so bucket 1 is one message (or lead and data)
+        assert got["rank"] == rank and re.fullmatch(r"bucket 1( lead)?", got["step"]), got
         assert f"rank {rank}: timed out after {STEP_S:g} s" in got["text"]
         assert got["seconds"] < STEP_S + 2.5 < support.HANG_S, got  # bounded by the timeout, not the hang
         assert got["report"], "the error carries this rank's report"

@@ -176,3 +176,18 @@ def test_packing_invariants(specs, bucket_bytes, alignment):
         if b.metas and nxt.metas:
             need = align_up(b.nbytes, alignment) + nxt.metas[0].nbytes
             assert need > bucket_bytes
+
+
+def test_lead_room_in_front_of_every_packed_bucket_and_none_for_lone_tensors():
+    stream = _stream([((300,), torch.float32)] * 6 + [((5000,), torch.float32)] + [((10,), torch.bfloat16)])
+    buckets = list(BucketPlanner(4096, alignment=256, lead_bytes=200).pack(stream))
+    lone = [b for b in buckets if b.metas[0].nbytes > 4096]
+    assert len(lone) == 1 and lone[0].metas[0].offset == 0  # its own bytes, no room, no copy
+    for b in buckets:
+        if b not in lone:
+            assert b.metas[0].offset == 256 and b.nbytes <= 4096  # the lead, aligned up
+    out = [x for b in buckets for x in unpack_bucket(b)]
+    assert [n for n, _ in out] == [n for n, _ in stream]
+    assert all(torch.equal(_bits(a), _bits(c)) for (_, a), (_, c) in zip(stream, out, strict=True))
+    with pytest.raises(BucketLayoutError, match="lead_bytes"):
+        BucketPlanner(4096, lead_bytes=4096)

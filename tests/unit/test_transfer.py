@@ -8,13 +8,17 @@ import torch
 from domain.buckets import TensorMeta
 from domain.errors import WireProtocolError
 from domain.transfer import (
+    LEAD_BYTES,
     STATUS_BYTES,
     EngineState,
     FrameKind,
     Header,
     RankFault,
     RankStatus,
+    StreamLayout,
+    decode_lead,
     decode_metas,
+    encode_lead,
     encode_metas,
     failure_summary,
 )
@@ -91,3 +95,32 @@ def test_rank_fault_hits_one_rank_one_refit_one_step() -> None:
     f = RankFault(2, "bucket", 1, refit=3)
     assert f.hits(2, 3, "bucket", 1)
     assert not f.hits(1, 3, "bucket", 1) and not f.hits(2, 2, "bucket", 1) and not f.hits(2, 3, "bucket", 0)
+
+
+def test_lead_record_round_trip_and_truncated_error_text() -> None:
+    h = Header(FrameKind.BUCKET, refit_id=9, index=4, is_last=True, nbytes=1 << 20, layout=0x1234567)
+    lead = encode_lead(h)
+    assert lead.numel() == LEAD_BYTES
+    assert decode_lead(lead, 9, source=0) == (h, "")
+    abort = encode_lead(Header(FrameKind.ABORT, 9, 4), "x" * 1000)
+    header, text = decode_lead(abort, 9, source=0)
+    assert header.kind is FrameKind.ABORT and text == "x" * (LEAD_BYTES - 64)
+    with pytest.raises(WireProtocolError, match="out of step"):
+        decode_lead(lead, 10, source=0)
+
+
+def test_stream_layout_digest_is_stable_and_sees_every_field() -> None:
+    a = TensorMeta("a.weight", (4, 8), torch.bfloat16, 256, 64)
+    layout = StreamLayout(((320, (a,)), (0, ())))
+    assert layout.digest == StreamLayout(((320, (a,)), (0, ()))).digest and len(layout) == 2
+    changed = [
+        StreamLayout(((320, (TensorMeta("b.weight", (4, 8), torch.bfloat16, 256, 64),)), (0, ()))),
+        StreamLayout(((320, (TensorMeta("a.weight", (8, 4), torch.bfloat16, 256, 64),)), (0, ()))),
+        StreamLayout(((320, (TensorMeta("a.weight", (4, 8), torch.float16, 256, 64),)), (0, ()))),
+        StreamLayout(((576, (TensorMeta("a.weight", (4, 8), torch.bfloat16, 512, 64),)), (0, ()))),
+        StreamLayout(((320, (a,)),)),
+    ]
+    assert len({layout.digest, *(c.digest for c in changed)}) == 6
+    assert 0 <= layout.digest < 2**31
+    assert StreamLayout.has_lead_room((a,)) and not StreamLayout.has_lead_room(())
+    assert not StreamLayout.has_lead_room((TensorMeta("big", (4, 8), torch.bfloat16, 0, 64),))
