@@ -167,7 +167,7 @@ def run(quick: bool = False) -> BenchReport:
     w2, w1 = engine["quant_w2"], engine["quant_w1"]
     report.notes += [
         f"same bytes: raw {raw['bytes'] / 2**20:.1f} MiB in {raw['buckets']} buckets, refit {bf['bytes'] / 2**20:.1f} MiB",
-        f"double-buffered BF16 refit stream at {share:.0%} of the raw broadcast with {sizes[0] >> 20} MiB buckets "
+        f"double-buffered BF16 refit stream at {share:.0%} of the raw broadcast with {sizes[0] >> 20} MiB buckets"
         + (f" (the {TARGET:.0%} target is judged on the full run, at the default 64 MiB buckets)" if quick
            else f" ({'meets' if share >= TARGET else 'misses'} the {TARGET:.0%} target)")
         + "".join(f"; {shares[x][0]:.0%} with {x >> 20} MiB" for x in sizes[1:]),
