@@ -35,7 +35,9 @@ class RolloutEngine(Protocol):
 
     def load_bucket(self, bucket: Bucket) -> None:
         """Stage one bucket. Returns only after the bucket's bytes are copied or consumed, so the
-        sender may reuse its buffer as soon as this returns (the acknowledgement)."""
+        sender may reuse its buffer as soon as this returns (the acknowledgement). When
+        `bucket.retained` is True the buffer stays valid until the refit is finalized or aborted,
+        and the engine may keep views of it instead of copying (stage by reference)."""
         ...
 
     def finalize_refit(self) -> EngineFinalizeResult:
