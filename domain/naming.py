@@ -11,6 +11,7 @@ GatedDeltaNet blocks (`linear_attn.*`).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Iterable
 
@@ -135,8 +136,10 @@ def _group_of(module: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def classify(name: str, shape: tuple[int, ...]) -> TensorClass:
-    """Classify one tensor for quantization, from its Hugging Face name and shape.
+    """Classify one tensor for quantization, from its Hugging Face name and shape (a pure
+    function, cached: every refit classifies the same names again).
 
     Args:
         name: full tensor name, e.g. `model.layers.0.self_attn.q_proj.weight`.
