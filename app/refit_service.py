@@ -72,6 +72,10 @@ class RefitService:
         bucket_bytes: capacity of one bucket.
         alignment: byte alignment of every tensor in a bucket.
         reuse_buffer: pack every bucket into one sender buffer (memory: one bucket).
+        by_reference: the engine lives in this process: hand it the exported tensors themselves,
+            grouped into buckets but never packed (`Bucket.tensors`, retained until the refit
+            ends). An engine that stages by reference then copies each byte once, into its live
+            tensors; others copy in `load_bucket`. False: pack each bucket into a buffer.
         progress: show a progress bar for refits of at least `progress_min_bytes` source bytes.
         progress_min_bytes: threshold of a "long" refit.
         reports: every refit's report, oldest first.
@@ -83,6 +87,7 @@ class RefitService:
     bucket_bytes: int = 64 << 20
     alignment: int = DEFAULT_ALIGNMENT
     reuse_buffer: bool = True
+    by_reference: bool = True
     progress: bool = False
     progress_min_bytes: int = 256 << 20
     reports: list[RefitReport] = attrs.field(factory=list)
@@ -117,7 +122,7 @@ class RefitService:
             phase = "export"
             exported = clock.timed("export", self.trainer.named_weights())
             quantized = clock.timed("quantize", quantize_stream(self.plan, exported))  # type: ignore[arg-type]
-            planner = BucketPlanner(self.bucket_bytes, self.alignment, self.reuse_buffer)
+            planner = BucketPlanner(self.bucket_bytes, self.alignment, self.reuse_buffer, by_reference=self.by_reference)
             buckets = clock.timed("pack", planner.pack(quantized))  # type: ignore[arg-type]
             with self._progress_bar() as advance:
                 for bucket in buckets:
@@ -164,7 +169,7 @@ class RefitService:
     def _send(self, session: RefitSession, bucket: Bucket, stats: dict[str, int], timings: dict[str, float]) -> None:
         session.accept(bucket)
         t0 = time.perf_counter()
-        self.engine.load_bucket(bucket)  # returns once the engine has copied the bucket
+        self.engine.load_bucket(bucket)  # returns once the engine has copied the bucket or kept its views
         timings["load"] += time.perf_counter() - t0
         stats["bytes_sent"] += bucket.payload_bytes
         stats["buckets"] += 1

@@ -84,18 +84,28 @@ class TensorMeta:
         return self.offset + self.nbytes
 
 
+def _tensors(value: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(eq=False)
 class Bucket:
     """One bucket of a refit.
 
+    A bucket is packed (its tensors' bytes lie in `buffer`, at their offsets: what a transport
+    moves) or, for a consumer in the same process, by reference (`tensors` holds the tensors
+    themselves, `buffer` is empty, and the offsets say where they would lie once packed).
+
     Attributes:
         index: position in the refit's bucket sequence, from 0.
-        buffer: flat uint8 tensor holding every tensor's bytes at its offset.
+        buffer: flat uint8 tensor holding every tensor's bytes at its offset (empty when the
+            bucket is by reference).
         metas: the tensors, in stream order.
         is_last: True on the final bucket of a refit (which may be empty).
-        retained: the buffer stays valid and unchanged until the refit ends (finalize or abort),
-            so a consumer may keep views of it instead of copying (an engine staging by
+        retained: the bytes stay valid and unchanged until the refit ends (finalize or abort),
+            so a consumer may keep views of them instead of copying (an engine staging by
             reference). False: the buffer may be reused as soon as the consumer returns.
+        tensors: by reference: the tensors of `metas`, in order, contiguous (empty when packed).
     """
 
     index: int = attrs.field(validator=_non_negative)
@@ -103,6 +113,7 @@ class Bucket:
     metas: tuple[TensorMeta, ...] = attrs.field(converter=_metas)
     is_last: bool
     retained: bool = False
+    tensors: tuple[torch.Tensor, ...] = attrs.field(default=(), converter=_tensors)
 
     def __attrs_post_init__(self) -> None:
         if self.buffer.dtype != torch.uint8 or self.buffer.dim() != 1:
@@ -115,10 +126,26 @@ class Bucket:
             if m.offset < end:
                 raise BucketLayoutError(f"bucket {self.index}: tensor {m.name!r} overlaps the one before")
             end = m.end
-        if end > self.buffer.numel():
+        if self.tensors:
+            if len(self.tensors) != len(self.metas):
+                raise BucketLayoutError(
+                    f"bucket {self.index}: {len(self.tensors)} tensors by reference for {len(self.metas)} entries"
+                )
+            for m, t in zip(self.metas, self.tensors, strict=True):
+                if tuple(t.shape) != m.shape or t.dtype != m.dtype or not t.is_contiguous():
+                    raise BucketLayoutError(
+                        f"bucket {self.index}: tensor {m.name!r} by reference is {t.dtype} {tuple(t.shape)} "
+                        f"(contiguous: {t.is_contiguous()}), its entry says {m.dtype} {m.shape}"
+                    )
+        elif end > self.buffer.numel():
             raise BucketLayoutError(
                 f"bucket {self.index}: tensors need {end} bytes but the buffer holds {self.buffer.numel()}"
             )
+
+    @property
+    def by_reference(self) -> bool:
+        """The bucket holds references to its tensors, not their bytes."""
+        return bool(self.tensors)
 
     @property
     def payload_bytes(self) -> int:
@@ -129,6 +156,20 @@ class Bucket:
     def nbytes(self) -> int:
         """Bytes the bucket occupies on the wire (its used buffer, padding included)."""
         return self.metas[-1].end if self.metas else 0
+
+    def packed(self, out: torch.Tensor | None = None) -> Bucket:
+        """This bucket with its bytes in one flat buffer: itself when packed already; else a
+        copy of every tensor into `out` (flat uint8 of at least `nbytes`; allocated if None)."""
+        if not self.by_reference:
+            return self
+        out = torch.empty(self.nbytes, dtype=torch.uint8) if out is None else out
+        for m, t in zip(self.metas, self.tensors, strict=True):
+            out[m.offset : m.end].copy_(_as_bytes(t))
+        return Bucket(self.index, out, self.metas, self.is_last)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -153,6 +194,10 @@ class BucketPlanner:
         lead_bytes: bytes left free at the front of every packed bucket (tensors start at the next
             aligned offset), where a transport writes its per-bucket record so that record and
             data travel as one message. Lone large tensors and empty buckets get no room.
+        by_reference: copy nothing: each bucket references its tensors (`Bucket.tensors`, marked
+            retained), for an engine in the same process. The tensors must stay unchanged until
+            the refit ends (a trainer paused for the refit; quantized outputs nobody else holds).
+            The grouping into buckets is the same as packed.
     """
 
     bucket_bytes: int
@@ -160,6 +205,7 @@ class BucketPlanner:
     reuse_buffer: bool = False
     buffers: int = 1
     lead_bytes: int = 0
+    by_reference: bool = False
     # With reuse_buffer, the buffers stay allocated from one pack() to the next (no page faults
     # per refit); one pack() at a time per planner.
     _pool: list[torch.Tensor | None] = attrs.field(init=False, factory=list, eq=False, repr=False)
@@ -199,14 +245,16 @@ class BucketPlanner:
         pool.extend([None] * (self.buffers - len(pool)))
         pooled = 0  # buckets packed into a pool buffer so far (lone large tensors use none)
         seen: set[str] = set()
+        empty = torch.empty(0, dtype=torch.uint8)
         while True:
             shared = None
-            if self.reuse_buffer:
+            if self.reuse_buffer and not self.by_reference:
                 if pool[pooled % self.buffers] is None:
                     pool[pooled % self.buffers] = torch.empty(self.bucket_bytes, dtype=torch.uint8)
                 shared = pool[pooled % self.buffers]
             buf = shared if shared is not None else None
             metas: list[TensorMeta] = []
+            refs: list[torch.Tensor] = []  # by reference: the tensors themselves
             used = self.lead_bytes
             while pending is not None:
                 name, t = pending
@@ -221,21 +269,29 @@ class BucketPlanner:
                     seen.add(name)
                     pending = next(it, None)
                     meta = TensorMeta(name, _shape(t.shape), t.dtype, 0, nbytes)
-                    yield Bucket(index, _as_bytes(t), (meta,), is_last=pending is None)
+                    if self.by_reference:
+                        yield Bucket(index, empty, (meta,), pending is None, retained=True, tensors=(_contiguous(t),))
+                    else:
+                        yield Bucket(index, _as_bytes(t), (meta,), is_last=pending is None)
                     index += 1
                     if pending is None:
                         return
                     continue
-                if buf is None:
-                    buf = torch.empty(self.bucket_bytes, dtype=torch.uint8)
-                buf[offset : offset + nbytes].copy_(_as_bytes(t))
+                if self.by_reference:
+                    refs.append(_contiguous(t))
+                else:
+                    if buf is None:
+                        buf = torch.empty(self.bucket_bytes, dtype=torch.uint8)
+                    buf[offset : offset + nbytes].copy_(_as_bytes(t))
                 metas.append(TensorMeta(name, _shape(t.shape), t.dtype, offset, nbytes))
                 seen.add(name)
                 used = offset + nbytes
                 pending = next(it, None)
-            if buf is None:
-                buf = torch.empty(0, dtype=torch.uint8)
-            yield Bucket(index, buf if shared is not None else buf[: used if metas else 0], _metas(metas), pending is None)
+            if self.by_reference:
+                yield Bucket(index, empty, _metas(metas), pending is None, retained=True, tensors=refs)
+            else:
+                buf = empty if buf is None else buf if shared is not None else buf[: used if metas else 0]
+                yield Bucket(index, buf, _metas(metas), pending is None)
             index += 1
             pooled += 1
             if pending is None:
@@ -264,7 +320,7 @@ def pack_buckets(
 
 
 def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views of each tensor in the bucket's buffer, without copying.
+    """Views of each tensor in the bucket's buffer (or, by reference, the tensors), without copying.
 
     Args:
         bucket: a bucket from `pack_buckets` (or received from a transport).
@@ -273,6 +329,10 @@ def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
         (name, view) pairs in stream order. The views alias the bucket's buffer: copy them
         before acknowledging the bucket if the sender reuses its buffer.
     """
+    if bucket.by_reference:
+        for m, t in zip(bucket.metas, bucket.tensors, strict=True):
+            yield m.name, t
+        return
     for m in bucket.metas:
         raw = bucket.buffer[m.offset : m.end]
         if m.dtype != torch.uint8:

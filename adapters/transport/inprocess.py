@@ -101,8 +101,11 @@ class InProcessTransport:
                 if first_error is None:
                     if allocate is not None:
                         own = allocate(item.nbytes)
-                        own.copy_(item.buffer[: item.nbytes])
-                        item = Bucket(item.index, own, item.metas, item.is_last)
+                        if item.by_reference:
+                            item = item.packed(own)
+                        else:
+                            own.copy_(item.buffer[: item.nbytes])
+                            item = Bucket(item.index, own, item.metas, item.is_last)
                     consume(item)
             except Exception as err:  # keep draining: the sender is still sending
                 first_error = err

@@ -145,6 +145,7 @@ class TorchDistTransport:
                 blocked += self._drain(inflight)
                 self._abort(f"{type(err).__name__}: {err}", n, layout)
                 raise
+            bucket = bucket.packed()  # a bucket by reference is copied into a buffer of its own
             step = f"bucket {bucket.index}"
             if layout is None:
                 meta = encode_metas(bucket.metas)

@@ -41,6 +41,7 @@ SEQUENCE = (
     "changed",  # known: a tensor changes shape
     "order",  # learning
     "keep",  # known
+    "by_reference",  # known: the source's buckets reference its tensors; the transport packs them
 )
 
 
@@ -60,7 +61,8 @@ def _hash(t: torch.Tensor) -> str:
 
 
 def sender(scenario: str, transport: Any, lead_bytes: int = 0) -> dict[str, Any]:
-    planner = BucketPlanner(BUCKET, reuse_buffer=True, buffers=transport.window, lead_bytes=lead_bytes)
+    planner = BucketPlanner(BUCKET, reuse_buffer=True, buffers=transport.window, lead_bytes=lead_bytes,
+                            by_reference=scenario == "by_reference")
 
     def items():
         for i, item in enumerate(_stream(scenario)):
@@ -212,3 +214,10 @@ def test_a_stream_that_leaves_the_known_layout_aborts_on_both_ends(scenario: str
         sent, got = _world(window, lead_bytes)
         after = SEQUENCE.index(scenario) + 1
         assert "error" not in got[after] and got[after]["hashes"] == {n: _hash(t) for n, t in _stream()}
+
+
+@pytest.mark.distributed
+def test_by_reference_buckets_are_packed_for_the_wire(window: int) -> None:
+    for sent, got in _torch_dist("by_reference", window):
+        assert "error" not in sent and "error" not in got, (sent, got)
+        assert got["hashes"] == {n: _hash(t) for n, t in _stream()}

@@ -90,6 +90,7 @@ def test_per_layer_staging_is_bounded_by_one_commit_group():
     peaks = {}
     for mode in CommitMode:
         svc = _service(commit_mode=mode)
+        svc.by_reference = False  # packed buckets: the engine copies into staging
         peaks[mode] = svc.refit().peak_staging_bytes
         layout = svc.engine.layout
     group_bytes = {}
@@ -145,3 +146,20 @@ def test_bootstrap_from_config_and_its_errors():
         build_refit_service(model="micro-moe", commit_mode="lazy")
     with pytest.raises(ConfigError, match="bucket_megabytes"):
         build_refit_service(model="micro-moe", bucket_megabytes=0)
+
+
+@pytest.mark.parametrize("mode", list(CommitMode))
+def test_by_reference_the_engine_stages_only_the_fused_global_scales(mode):
+    """In one process the buckets reference the exported tensors (nothing is packed) and the
+    engine keeps views of them: the live bits equal a packed refit's, and the only staging the
+    engine allocates is the per-shard global-scale slots it post-processes."""
+    packed, by_ref = _service(commit_mode=mode), _service(commit_mode=mode)
+    packed.by_reference = False
+    packed.refit()
+    report = by_ref.refit()
+    assert rs.same_bits(rs.bits(by_ref.engine.live_weights()), rs.bits(packed.engine.live_weights()))
+    scales = [m.staging()["weight_global_scale"] for m in by_ref.engine.layout.modules.values()
+              if "weight_global_scale" in m.staging()]
+    slots = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in scales]
+    assert slots and 0 < report.peak_staging_bytes <= sum(slots)
+    assert report.buckets == packed.reports[-1].buckets  # grouped alike

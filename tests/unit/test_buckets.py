@@ -191,3 +191,29 @@ def test_lead_room_in_front_of_every_packed_bucket_and_none_for_lone_tensors():
     assert all(torch.equal(_bits(a), _bits(c)) for (_, a), (_, c) in zip(stream, out, strict=True))
     with pytest.raises(BucketLayoutError, match="lead_bytes"):
         BucketPlanner(4096, lead_bytes=4096)
+
+
+def test_by_reference_buckets_group_alike_copy_nothing_and_pack_to_the_same_bytes():
+    stream = _stream([((300,), torch.float32)] * 5 + [((5000,), torch.float32), ((7, 3), torch.bfloat16), ((), torch.float32)])
+    stream.append(("strided", torch.arange(64, dtype=torch.float32).reshape(8, 8).t()))
+    packed = list(BucketPlanner(4096).pack(stream))
+    by_ref = list(BucketPlanner(4096, by_reference=True).pack(stream))
+    assert [b.metas for b in by_ref] == [b.metas for b in packed]
+    assert [b.is_last for b in by_ref] == [b.is_last for b in packed]
+    assert all(b.by_reference and b.retained and b.buffer.numel() == 0 for b in by_ref)
+    out = dict(x for b in by_ref for x in unpack_bucket(b))
+    for name, t in stream:
+        if t.is_contiguous():
+            assert out[name].data_ptr() == t.data_ptr()  # the tensor itself, not a copy
+        assert torch.equal(out[name], t)
+    for a, b in zip(by_ref, packed, strict=True):  # packing later gives the packed planner's tensor bytes
+        pairs = zip(unpack_bucket(a.packed()), unpack_bucket(b), strict=True)
+        assert all(na == nb and torch.equal(_bits(x), _bits(y)) for (na, x), (nb, y) in pairs)
+
+
+def test_a_by_reference_bucket_must_match_its_entries():
+    meta = TensorMeta("a", (4,), torch.float32, 0, 16)
+    with pytest.raises(BucketLayoutError, match=r"by reference is torch\.bfloat16"):
+        Bucket(0, torch.empty(0, dtype=torch.uint8), (meta,), True, tensors=(torch.zeros(4, dtype=torch.bfloat16),))
+    with pytest.raises(BucketLayoutError, match="2 tensors by reference for 1 entries"):
+        Bucket(0, torch.empty(0, dtype=torch.uint8), (meta,), True, tensors=(torch.zeros(4), torch.zeros(4)))

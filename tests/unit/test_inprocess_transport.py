@@ -143,3 +143,21 @@ def test_double_buffering_packs_the_next_bucket_while_this_one_is_consumed(windo
         assert all(produced_at[k + 1] > released_at[k] for k in pairs)
     else:
         assert any(produced_at[k + 1] < released_at[k] for k in pairs)
+
+
+def test_a_receiver_that_keeps_buckets_gets_by_reference_buckets_packed_into_its_own_buffers() -> None:
+    stream = _stream()
+    transport = InProcessTransport(window=2, timeout_s=10)
+    kept: list[Bucket] = []
+    box: dict[str, object] = {}
+    th = threading.Thread(target=lambda: box.setdefault(
+        "recv", transport.receive(kept.append, lambda n: torch.empty(n, dtype=torch.uint8))))
+    th.start()
+    transport.send(BucketPlanner(4096, by_reference=True).pack(stream))
+    th.join(timeout=30)
+    assert not th.is_alive() and kept
+    assert all(not b.by_reference for b in kept)
+    got = dict(x for b in kept for x in unpack_bucket(b))
+    assert got.keys() == dict(stream).keys()
+    for name, t in stream:
+        assert torch.equal(got[name], t) and got[name].data_ptr() != t.data_ptr()
