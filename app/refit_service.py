@@ -55,6 +55,7 @@ class _Clock:
             if stage == "export":
                 self.source_bytes += item[1].numel() * item[1].element_size()  # type: ignore[index]
             yield item
+            del item  # not alive while the next one is produced (a bucket by reference holds its tensors)
 
     def exclusive(self) -> dict[str, float]:
         e, q, p = (self.inclusive.get(k, 0.0) for k in ("export", "quantize", "pack"))
@@ -129,6 +130,7 @@ class RefitService:
                     phase = f"bucket {bucket.index}"  # type: ignore[attr-defined]
                     self._send(session, bucket, stats, timings)  # type: ignore[arg-type]
                     advance(clock.source_bytes)
+                    del bucket  # the engine keeps what it needs; the next bucket is built without this one
             phase = "finalize"
             t0 = time.perf_counter()
             session.finalize()
