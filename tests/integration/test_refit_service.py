@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import structlog
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from adapters.memory import RecordingEngine
 from adapters.reference.config import MICRO_MOE
@@ -163,3 +164,32 @@ def test_by_reference_the_engine_stages_only_the_fused_global_scales(mode):
     slots = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in scales]
     assert slots and 0 < report.peak_staging_bytes <= sum(slots)
     assert report.buckets == packed.reports[-1].buckets  # grouped alike
+
+
+class _FreshTrainer:
+    """Yields a new tensor per weight and records how many it yielded are still alive at each step."""
+
+    def __init__(self, count: int, numel: int) -> None:
+        self.count, self.numel = count, numel
+        self.alive_max = 0
+
+    def named_weights(self):
+        refs: list[StorageWeakRef] = []
+        for i in range(self.count):
+            self.alive_max = max(self.alive_max, sum(not r.expired() for r in refs))
+            t = torch.full((self.numel,), float(i), dtype=torch.bfloat16)
+            refs.append(StorageWeakRef(t.untyped_storage()))
+            yield f"model.layers.{i}.input_layernorm.weight", t
+            del t
+
+
+def test_a_bucket_by_reference_does_not_outlive_its_turn():
+    """By reference a bucket holds its tensors: the service must let it go before the next one is
+    built, or two buckets' worth of exported tensors would be alive at once."""
+    trainer = _FreshTrainer(count=40, numel=4096)  # 8 KiB each: 8 per 64 KiB bucket
+    engine = RecordingEngine.for_stream(trainer.named_weights())
+    svc = RefitService(trainer, engine, QuantizationPlan.bf16(), bucket_bytes=64 << 10)  # type: ignore[arg-type]
+    svc.refit()
+    per_bucket = (64 << 10) // (4096 * 2)
+    assert svc.reports[-1].buckets == 40 // per_bucket
+    assert trainer.alive_max <= per_bucket + 1  # the bucket being built and the one read ahead
