@@ -289,9 +289,11 @@ class BucketPlanner:
                 pending = next(it, None)
             if self.by_reference:
                 yield Bucket(index, empty, _metas(metas), pending is None, retained=True, tensors=refs)
+            elif buf is None:
+                yield Bucket(index, empty, (), pending is None)  # the empty last bucket of an empty stream
             else:
-                buf = empty if buf is None else buf if shared is not None else buf[: used if metas else 0]
-                yield Bucket(index, buf, _metas(metas), pending is None)
+                # a shared buffer is kept whole (the transport slices what it sends); an own one is trimmed
+                yield Bucket(index, buf if shared is not None else buf[:used], _metas(metas), pending is None)
             index += 1
             pooled += 1
             if pending is None:

@@ -140,7 +140,7 @@ LEAD_BYTES = 256
 _LEAD_TEXT = LEAD_BYTES - HEADER_WORDS * 8
 
 
-@attrs.frozen(cache_hash=False, slots=False)
+@attrs.frozen(slots=False)  # slots=False: the digest is a cached_property
 class StreamLayout:
     """The shape of one source's bucket stream: every bucket's wire size and tensors, in order.
 
