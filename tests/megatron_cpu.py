@@ -119,7 +119,8 @@ def tiny_gpt_model(
     )
     model = (model_cls or GPTModel)(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        # MoE when the config has experts: SequentialMLP (one module per expert) in the local spec.
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         share_embeddings_and_output_weights=tied,

@@ -164,14 +164,18 @@ class MegatronTrainerModel:
         return list(zip(lps, ents, strict=True))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, full tensor) in layer order, for dense GPT models.
+        """(Hugging Face name, full tensor) in layer order, for dense and MoE GPT models.
 
         Returns:
-            An iterator; q/k/v and gate/up are split out of Megatron's fused tensors.
+            An iterator; q/k/v and gate/up are split out of Megatron's fused tensors, experts are
+            named by their index (see `adapters.megatron.hf_names`).
         """
-        if _parallel_size("tensor_model_parallel") > 1 or _parallel_size("pipeline_model_parallel") > 1:
+        split = [k for k in ("tensor_model_parallel", "pipeline_model_parallel", "expert_model_parallel")
+                 if _parallel_size(k) > 1]
+        if split:
             raise MegatronModelUnsupported(
-                "named_weights gathers no tensor/pipeline-parallel shards; export with tp = pp = 1"
+                f"named_weights gathers no shards and this model is split ({', '.join(split)} > 1); export with "
+                "tp = pp = ep = 1, or refit a sharded trainer with the distributed refit (ShardedTrainerModel)"
             )
         from adapters.megatron.hf_names import hf_named_weights
 

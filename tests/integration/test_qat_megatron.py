@@ -122,3 +122,35 @@ def test_gradient_accumulation_fusion_is_rejected_by_name() -> None:
     model.config.gradient_accumulation_fusion = True
     with pytest.raises(QatUnsupportedModel, match="gradient_accumulation_fusion"):
         ReferenceQatBackend().apply(model, QuantizationPlan.from_presets("FP8_BLOCK", None))
+
+
+def test_megatron_moe_experts_compute_with_the_exported_values() -> None:
+    """Routed and shared experts of a Megatron MoE layer: each expert's linears, called directly
+    (Megatron's token dispatch needs CUDA), compute with the decoded NVFP4 / FP8 block tensors."""
+    from adapters.megatron.hf_names import hf_named_weights
+    from adapters.qat_reference.backend import ReferenceQatBackend
+    from domain.plan import QuantizationPlan
+
+    model = tiny_gpt_model(
+        **{**CONFIG, "num_layers": 1}, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+        moe_shared_expert_intermediate_size=64, moe_token_dispatcher_type="allgather",
+    ).bfloat16()
+    plan = QuantizationPlan.from_presets("FP8_BLOCK", "NVFP4")
+    want = rollout_values(plan, list(hf_named_weights(model)))
+    summary = ReferenceQatBackend().apply(model, plan)
+    quantized = {p.name for p in summary.quantized}
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in quantized
+    assert "decoder.layers.0.mlp.router.weight" not in quantized  # the router stays BF16
+    seen = _record_weights(model)
+    mlp = model.decoder.layers[0].mlp
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for expert in [*mlp.experts.local_experts, mlp.shared_experts]:
+            expert.linear_fc1(x)
+            expert.linear_fc2(torch.randn(6, 64, dtype=torch.bfloat16))
+    checked = 0
+    for name, weight in seen.items():
+        for hf, value in _split_to_hf(model, name, weight).items():
+            assert torch.equal(value.view(torch.int16), want[hf].view(torch.int16)), hf
+            checked += 1
+    assert checked == 5 * 3  # gate, up, down of four routed experts and the shared expert
