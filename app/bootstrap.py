@@ -342,8 +342,8 @@ def build_distributed_refit(
     Returns:
         app.distributed_refit.DistributedRefitService.
     """
+    from adapters.distributed.torch_dist import TorchDistCollectives
     from adapters.reference.config import hf_weight_shapes, preset
-    from adapters.transport.torch_dist import TorchDistCollectives
     from app.distributed_refit import DistributedRefitService
     from domain.errors import ConfigError
     from domain.refit import CommitMode, FaultPoint, FaultScript
@@ -361,8 +361,8 @@ def build_distributed_refit(
     comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)  # type: ignore[arg-type]
     trainer = engine = None
     if world.role(rank) == TRAINER:  # type: ignore[attr-defined]
+        from adapters.distributed.sliced_trainer import SlicedTrainer
         from adapters.reference.trainer import ReferenceTrainer
-        from adapters.sharded.sliced_trainer import SlicedTrainer
 
         trainer = SlicedTrainer(ReferenceTrainer.from_seed(cfg, seed), world.layout, rank)  # type: ignore[attr-defined]
     else:

@@ -128,8 +128,8 @@ def _verdicts(records: list[dict[str, Any]], refs: list[str]) -> None:
 
 def run_procs(args: argparse.Namespace) -> int:
     """`refit demo --procs N`: run, compare with the single-process refit, print."""
+    from adapters.distributed.launch import launch_world
     from adapters.reference.config import preset
-    from adapters.transport.launch import launch_world
     from app.cli.demo import settings_from_args
     from app.refit_service import describe_plan
     from domain.errors import ConfigError, RefitError

@@ -85,8 +85,8 @@ def _raw_broadcast(rank: int, trainer: Any, bucket_bytes: int, repeats: int) -> 
 def _refits(rank: int, s: _Settings, bucket_bytes: int, plan: Any, trainer: Any, repeats: int) -> dict[int, dict[str, float]]:
     """Distributed refits with double buffering (window 2) and without (window 1), alternating
     (w2, w1, w2, w1, ...) so that both see the same machine; one warm-up each, then medians."""
+    from adapters.distributed.torch_dist import TorchDistCollectives
     from adapters.reference.engine import ReferenceEngine
-    from adapters.transport.torch_dist import TorchDistCollectives
     from app.distributed_refit import DistributedRefitService
     from domain.sharding import RefitWorld
 
@@ -114,8 +114,8 @@ def _refits(rank: int, s: _Settings, bucket_bytes: int, plan: Any, trainer: Any,
 
 def bench_rank(rank: int, s: _Settings) -> dict[str, Any]:
     """One rank of the benchmark world (rank 0 trainer, rank 1 engine)."""
+    from adapters.distributed.sliced_trainer import SlicedTrainer
     from adapters.reference.trainer import ReferenceTrainer
-    from adapters.sharded.sliced_trainer import SlicedTrainer
     from domain.plan import QuantizationPlan
 
     trainer = SlicedTrainer(ReferenceTrainer.from_seed(s.cfg, 0), ParallelLayout(), 0) if rank == 0 else None
@@ -131,7 +131,7 @@ def bench_rank(rank: int, s: _Settings) -> dict[str, Any]:
 
 
 def run(quick: bool = False) -> BenchReport:
-    from adapters.transport.launch import launch_world
+    from adapters.distributed.launch import launch_world
 
     cfg = QUICK_MODEL if quick else preset("bench-moe")
     sizes = (16 << 20,) if quick else (64 << 20, 16 << 20)

@@ -107,7 +107,7 @@ def receiver(scenario: str, transport: Any) -> dict[str, Any]:
 
 
 def _inprocess(scenario: str, window: int) -> tuple[dict, dict]:
-    from adapters.transport.inprocess import InProcessTransport
+    from adapters.distributed.inprocess import InProcessTransport
 
     t = InProcessTransport(window=window, timeout_s=10)
     box: dict[str, dict] = {}
@@ -120,7 +120,7 @@ def _inprocess(scenario: str, window: int) -> tuple[dict, dict]:
 
 def world_rank(rank: int, window: int, lead_bytes: int) -> list[dict[str, Any]]:
     """Rank 0 sends, rank 1 receives, the SEQUENCE in turn (one refit id each)."""
-    from adapters.transport.torch_dist import TorchDistCollectives
+    from adapters.distributed.torch_dist import TorchDistCollectives
     from domain.sharding import RefitWorld
 
     comm = TorchDistCollectives(RefitWorld(), rank, step_timeout_s=20, phase_timeout_s=20, bucket_bytes=BUCKET,
@@ -141,7 +141,7 @@ _WORLDS: dict[tuple[int, int], list] = {}
 
 
 def _world(window: int, lead_bytes: int) -> list:
-    from adapters.transport.launch import launch_world
+    from adapters.distributed.launch import launch_world
 
     if (window, lead_bytes) not in _WORLDS:
         results = launch_world(world_rank, 2, (window, lead_bytes), timeout_s=90)

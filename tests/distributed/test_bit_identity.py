@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.transport.launch import launch_world
+from adapters.distributed.launch import launch_world
 from domain import naming
 from domain.codecs import nvfp4_global_scale
 from tests.distributed import support

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.transport.launch import launch_world
+from adapters.distributed.launch import launch_world
 from domain.transfer import RankFault
 from tests.distributed import support
 

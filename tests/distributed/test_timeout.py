@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from adapters.transport.launch import launch_world
+from adapters.distributed.launch import launch_world
 from domain.transfer import RankFault
 from tests.distributed import support
 

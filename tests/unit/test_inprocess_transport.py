@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from adapters.transport.inprocess import InProcessTransport
+from adapters.distributed.inprocess import InProcessTransport
 from domain.buckets import Bucket, BucketPlanner, unpack_bucket
 from domain.errors import CollectiveTimeout, TransportAborted
 

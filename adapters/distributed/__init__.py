@@ -1,8 +1,9 @@
-"""Bucket transports and refit-world plumbing.
+"""The refit across processes: bucket transports, the collectives of a refit world, trainer shards.
 
 - inprocess: InProcessTransport, zero-copy between two threads of one process (colocated use, tests).
 - torch_dist: TorchDistTransport and TorchDistCollectives over torch.distributed (gloo / NCCL).
 - launch: launch_world, a bounded world of local processes over gloo on 127.0.0.1.
+- sliced_trainer: SlicedTrainer, any full TrainerModel presented as one rank of a TP / PP / EP layout.
 
 Nothing is imported here: import the module you need.
 """
