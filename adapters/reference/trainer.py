@@ -97,7 +97,9 @@ class ReferenceTrainer:
         g = torch.Generator().manual_seed(seed)
         for t in self.weights.values():
             noise = torch.randn(t.shape, generator=g)
-            rms = t.float().pow(2).mean().sqrt()
+            # Accumulated in float64, so the float32 result does not depend on how many threads
+            # split the reduction: every process of a world perturbs to the same bits.
+            rms = t.double().pow(2).mean().sqrt().float()
             t.add_((scale * rms * noise).to(t.dtype))
 
 

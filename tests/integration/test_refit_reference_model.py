@@ -109,3 +109,20 @@ def test_unknown_preset_and_bad_config_are_rejected():
         preset("huge")
     with pytest.raises(ValueError, match="num_heads must be a multiple"):
         attrs.evolve(MICRO_MOE, num_heads=3)
+
+
+def test_perturbation_does_not_depend_on_the_thread_count():
+    """Ranks of a distributed refit run with one intra-op thread, a test process with more: a
+    training-like step must give the same bits in both."""
+    def perturbed(threads: int) -> dict[str, torch.Tensor]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            t = ReferenceTrainer.from_seed(preset("tiny-moe"), 0)
+            for step in range(3):
+                t.perturb_(step)
+            return rs.bits(dict(t.named_weights()))
+        finally:
+            torch.set_num_threads(before)
+
+    assert rs.same_bits(perturbed(1), perturbed(2))
