@@ -50,16 +50,15 @@ _LAYER_NAMES = {
     "mlp.linear_fc1.layer_norm_bias": "post_attention_layernorm.bias",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.linear_fc2.bias": "mlp.down_proj.bias",
-}
-# MoE experts: SequentialMLP (`local_experts.E.linear_fcK.weight`) or TEGroupedMLP (`linear_fcK.weightE`).
-_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)|(linear_fc[12])\.(weight|bias)(\d+))$")
-_MOE_NAMES = {
+    # MoE: the router and the shared experts' single tensors
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
     "mlp.shared_experts.linear_fc2.bias": "mlp.shared_expert.down_proj.bias",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
+# MoE experts: SequentialMLP (`local_experts.E.linear_fcK.weight`) or TEGroupedMLP (`linear_fcK.weightE`).
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)|(linear_fc[12])\.(weight|bias)(\d+))$")
 _TOP_NAMES = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "embedding.position_embeddings.weight": "model.embed_positions.weight",
@@ -114,8 +113,6 @@ def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
         expert = _EXPERT.match(suffix)
         if suffix in _LAYER_NAMES:
             yield prefix + _LAYER_NAMES[suffix], tensor
-        elif suffix in _MOE_NAMES:
-            yield prefix + _MOE_NAMES[suffix], tensor
         elif suffix.startswith("self_attention.linear_qkv."):
             kind = suffix.rsplit(".", 1)[1]
             for proj, part in zip(("q_proj", "k_proj", "v_proj"), split_qkv(tensor, config), strict=True):
