@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from domain.backend_policy import BackendDecision
 from domain.errors import ConfigError
+from domain.quant.backend_policy import BackendDecision
 
 
 def check_request(engine: str, label: str, decision: BackendDecision, kv_cache_dtype: str,

@@ -25,10 +25,10 @@ def apply_packed_gdn(model: object, config: Mapping[str, object] | None = None):
     reference on CPU, fla on CUDA; or "reference", "fla", "causal_conv1d").
 
     Returns:
-        app.gdn_service.PackedGdnReport.
+        app.services.packed_gdn.PackedGdnReport.
     """
     from adapters.megatron.gdn_kernels import KERNEL_SETS
-    from app.gdn_service import apply_packed_gdn as apply
+    from app.services.packed_gdn import apply_packed_gdn as apply
     from domain.errors import ConfigError
 
     actor = (config or {}).get("actor") or {}
@@ -53,9 +53,9 @@ def build_plan(
     """A QuantizationPlan from preset names (None = BF16); ConfigError names a bad key.
 
     Returns:
-        domain.plan.QuantizationPlan.
+        domain.quant.plan.QuantizationPlan.
     """
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
 
     return QuantizationPlan.from_presets(
         linear=linear, moe=moe, moe_activation=moe_activation, ignore=ignore, scale_rule=scale_rule
@@ -92,14 +92,15 @@ def build_refit_service(
         engine: a RolloutEngine to use instead of a new reference engine (e.g. a fake).
 
     Returns:
-        app.refit_service.RefitService.
+        app.services.refit.RefitService.
     """
     import attrs
 
+    from adapters.memory.faults import FaultScript
     from adapters.reference.config import preset
-    from app.refit_service import RefitService
+    from app.services.refit import RefitService
     from domain.errors import ConfigError
-    from domain.refit import CommitMode, FaultScript
+    from domain.refit.session import CommitMode
 
     plan = plan if plan is not None else build_plan()
     cfg = preset(model)
@@ -134,10 +135,10 @@ def build_refit_service_from_config(config: Mapping[str, object] | None = None, 
     build_refit_service. Only rollout.name=reference has an engine adapter here.
 
     Returns:
-        app.refit_service.RefitService.
+        app.services.refit.RefitService.
     """
     from app.config import load_config
-    from app.planning import make_plan
+    from app.services.planning import make_plan
     from domain.errors import ConfigError
 
     cfg = load_config(config)
@@ -155,9 +156,9 @@ def build_mismatch_probe(service: object, temperature: float = 1.0):
     """A MismatchProbe over a RefitService's trainer and engine.
 
     Returns:
-        app.mismatch_probe.MismatchProbe.
+        app.services.mismatch_probe.MismatchProbe.
     """
-    from app.mismatch_probe import MismatchProbe
+    from app.services.mismatch_probe import MismatchProbe
 
     return MismatchProbe(service.trainer, service.engine, temperature)  # type: ignore[attr-defined]
 
@@ -191,14 +192,14 @@ def build_logprob_service(
         config: the configuration (only `actor.megatron.gdn_kernels` is read here).
 
     Returns:
-        app.logprob_service.LogProbService.
+        app.services.logprob.LogProbService.
 
     Raises:
         FusedForwardModeError: the value is not a mode (names the key or the variable).
         FusedHookUnavailable: hook required and the model's forward lacks it.
     """
-    from app.logprob_service import LogProbService
-    from domain.fused_forward_mode import ENV_VAR, FusedForwardRequest
+    from app.services.logprob import LogProbService
+    from domain.forward.mode import ENV_VAR, FusedForwardRequest
 
     request = FusedForwardRequest.from_settings(fused_forward, read_environment(environ).get(ENV_VAR))
     if callable(getattr(model, "log_probs", None)) and callable(getattr(model, "named_weights", None)):
@@ -242,7 +243,7 @@ def build_environment_probe(environ: Mapping[str, str] | None = None, snapshot_f
     return SystemProbe(environ=read_environment(environ))
 
 
-# --- rollout engine kernels (domain.backend_policy) ------------------------------------------
+# --- rollout engine kernels (domain.quant.backend_policy) ------------------------------------------
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -286,16 +287,16 @@ def build_backend_decision(
 
     Args:
         engine: rollout.name ("vllm" or "sglang").
-        plan: the resolved domain.plan.QuantizationPlan.
+        plan: the resolved domain.quant.plan.QuantizationPlan.
         capability: the GPU's compute capability, e.g. torch.cuda.get_device_capability(); None
             skips the capability gates.
         engine_kwargs: the `rollout.engine_kwargs` section, for `use_deep_gemm`.
         environ: the environment, for VERL_ROLLOUT_USE_DEEP_GEMM.
 
     Returns:
-        domain.backend_policy.BackendDecision.
+        domain.quant.backend_policy.BackendDecision.
     """
-    from domain.backend_policy import decide_backends
+    from domain.quant.backend_policy import decide_backends
 
     opt_out = deep_gemm_opt_out(engine, engine_kwargs, environ)
     return decide_backends(engine, plan, capability, opt_out=opt_out)  # type: ignore[arg-type]
@@ -324,7 +325,7 @@ def build_distributed_refit(
     torch.distributed world (every rank calls it, in the same order: it creates process groups).
 
     Args:
-        world: a domain.sharding.RefitWorld (trainer layout, engine count).
+        world: a domain.refit.sharding.RefitWorld (trainer layout, engine count).
         rank: this process's rank.
         plan: a QuantizationPlan (default build_plan()).
         model: reference model preset; trainer ranks build it from `seed` and keep their slices.
@@ -334,20 +335,21 @@ def build_distributed_refit(
         window: buckets in flight (2 = double buffering, 1 = none).
         step_timeout_s: bound on every per-bucket and tensor-parallel wait.
         phase_timeout_s: bound on turns and agreements (they include other ranks' work).
-        fault: a domain.transfer.RankFault (tests, demos); an engine rank's bucket / finalize /
+        fault: a adapters.memory.faults.RankFault (tests, demos); an engine rank's bucket / finalize /
             verify failure is a ScriptedFaultyEngine around its engine.
         restore: `replay` or `stale` (None: by commit mode).
         hang_s: how long an injected hang sleeps.
 
     Returns:
-        app.distributed_refit.DistributedRefitService.
+        app.services.distributed_refit.DistributedRefitService.
     """
     from adapters.distributed.torch_dist import TorchDistCollectives
+    from adapters.memory.faults import FaultPoint, FaultScript
     from adapters.reference.config import hf_weight_shapes, preset
-    from app.distributed_refit import DistributedRefitService
+    from app.services.distributed_refit import DistributedRefitService
     from domain.errors import ConfigError
-    from domain.refit import CommitMode, FaultPoint, FaultScript
-    from domain.sharding import TRAINER
+    from domain.refit.session import CommitMode
+    from domain.refit.sharding import TRAINER
 
     plan = plan if plan is not None else build_plan()
     cfg = preset(model)
@@ -411,11 +413,11 @@ def build_qat_backend(
         qat_backend: a QatBackend to use instead of building one (tests, custom backends).
 
     Returns:
-        app.qat_setup.QatSession (call its refresh() after every optimizer step), or None when
+        app.services.qat_setup.QatSession (call its refresh() after every optimizer step), or None when
         actor.megatron.qat.enable is false.
     """
     from app.config import Section, load_config
-    from app.qat_setup import prepare_qat
+    from app.services.qat_setup import prepare_qat
     from domain.errors import ConfigError
 
     cfg = config if isinstance(config, Section) else load_config(config)  # type: ignore[arg-type]
@@ -452,13 +454,13 @@ def build_rollout_plan(
         model: a checkpoint directory (wins over `model.path`); only its headers are read.
 
     Returns:
-        (app.planning.PlanReport, adapters.hf_checkpoint.reader.HfCheckpoint or None). Raises the
+        (app.services.planning.PlanReport, adapters.hf_checkpoint.reader.HfCheckpoint or None). Raises the
         dispatch rule's typed error when the configuration is rejected.
     """
     import json
 
     from app.config import load_config
-    from app.planning import make_plan
+    from app.services.planning import make_plan
 
     extra = [f"model.path={json.dumps(model)}"] if model else []
     cfg = load_config(config, [*overrides, *extra])

@@ -17,10 +17,10 @@ from typing import Any
 import attrs
 import yaml
 
-from domain import naming
-from domain.dispatch import DELTA_BACKENDS, DELTA_WIRE_FORMATS, ENGINES
 from domain.errors import ConfigError, ConfigTypeError, UnknownConfigKey
-from domain.formats import FORMATS, ActivationScheme, MxScaleRule
+from domain.quant import naming
+from domain.quant.dispatch import DELTA_BACKENDS, DELTA_WIRE_FORMATS, ENGINES
+from domain.quant.formats import FORMATS, ActivationScheme, MxScaleRule
 
 NoneType = type(None)
 SYNC_BACKENDS = ("naive", "nccl", "gloo", *DELTA_BACKENDS)

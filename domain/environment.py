@@ -1,6 +1,6 @@
 """A snapshot of the software and hardware rl-refit runs on, as plain values (`refit doctor`).
 
-An `EnvironmentProbe` (ports/environment_probe.py) takes it; the checks of `app.doctor` read
+An `EnvironmentProbe` (ports/environment_probe.py) takes it; the checks of `app.services.doctor` read
 it. Tests build snapshots by hand to stand for other machines (no GPU, old versions, missing
 packages).
 """

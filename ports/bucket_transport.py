@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from domain.buckets import Bucket
-from domain.transfer import TransferStats
+from domain.refit.buckets import Bucket
+from domain.refit.status import TransferStats
 
 
 class BucketTransport(Protocol):

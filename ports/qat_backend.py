@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from domain.plan import QuantizationPlan
-from domain.qat import LayerPrecision, QatSummary
+from domain.quant.plan import QuantizationPlan
+from domain.quant.qat import LayerPrecision, QatSummary
 
 
 class QatBackend(Protocol):
@@ -27,7 +27,7 @@ class QatBackend(Protocol):
 
         Args:
             model: the trainer model (a torch / transformers module or a Megatron-Core model).
-            plan: the QAT plan (the rollout plan, checked by `domain.qat_checks.check_qat_plan`).
+            plan: the QAT plan (the rollout plan, checked by `domain.quant.qat_checks.check_qat_plan`).
 
         Returns:
             The QatSummary: the model's Linear and expert tensors with their Hugging Face names,

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from domain.transfer import RankStatus
+from domain.refit.status import RankStatus
 from ports.bucket_transport import BucketTransport
 
 

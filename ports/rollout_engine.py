@@ -7,8 +7,10 @@ from typing import Protocol
 
 import torch
 
-from domain.buckets import Bucket
-from domain.refit import CommitMode, EngineFinalizeResult, StorageFingerprint
+from domain.refit.buckets import Bucket
+from domain.refit.report import EngineFinalizeResult
+from domain.refit.session import CommitMode
+from domain.refit.storage import StorageFingerprint
 
 
 class RolloutEngine(Protocol):

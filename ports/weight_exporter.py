@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from domain.plan import QuantizationPlan
+from domain.quant.plan import QuantizationPlan
 
 
 class WeightExporter(Protocol):

@@ -7,9 +7,9 @@ import torch
 
 from adapters.reference.config import MICRO_MOE, ReferenceModelConfig
 from adapters.reference.trainer import ReferenceTrainer
-from domain.buckets import Bucket, pack_buckets
-from domain.export import quantize_stream
-from domain.plan import QuantizationPlan
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import quantize_stream
+from domain.refit.buckets import Bucket, pack_buckets
 
 DEFAULT_PLAN = QuantizationPlan.from_presets(linear="FP8_BLOCK", moe="NVFP4")
 SMALL_BUCKET = 64 << 10  # 64 KiB: the micro model's refit takes several buckets

@@ -34,10 +34,10 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised only without 
         name="compressed_tensors",
     ) from err
 
-from domain import naming
-from domain.dispatch import Resolution
-from domain.formats import ActivationScheme, PrecisionFormat
-from domain.plan import QuantizationPlan
+from domain.quant import naming
+from domain.quant.dispatch import Resolution
+from domain.quant.formats import ActivationScheme, PrecisionFormat
+from domain.quant.plan import QuantizationPlan
 
 EXPERTS_TARGET = naming.EXPERTS_PATTERN
 

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable
 import attrs
 import torch
 
-from domain.buckets import Bucket
 from domain.errors import CollectiveTimeout, TransportAborted
-from domain.transfer import TransferStats
+from domain.refit.buckets import Bucket
+from domain.refit.status import TransferStats
 
 _BUCKET, _END, _ABORT = "bucket", "end", "abort"
 

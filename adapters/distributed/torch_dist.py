@@ -27,27 +27,28 @@ except ImportError as err:  # pragma: no cover - torch built without distributed
 if not dist.is_available():  # pragma: no cover
     raise ModuleNotFoundError("TorchDistTransport needs torch.distributed (this torch build lacks it)", name="torch.distributed")
 
-from domain.buckets import Bucket, TensorMeta
-from domain.errors import CollectiveTimeout, PeerLost, TransportAborted, WireProtocolError
-from domain.sharding import RefitWorld
-from domain.transfer import (
+from adapters.distributed.wire import (
     CONTROL_BYTES,
     LEAD_BYTES,
     STATUS_BYTES,
     FrameKind,
     Header,
-    RankStatus,
     StreamLayout,
-    TransferStats,
     decode_control,
     decode_lead,
     decode_metas,
+    decode_status,
     decode_text,
     encode_control,
     encode_lead,
     encode_metas,
+    encode_status,
     encode_text,
 )
+from domain.errors import CollectiveTimeout, PeerLost, TransportAborted, WireProtocolError
+from domain.refit.buckets import Bucket, TensorMeta
+from domain.refit.sharding import RefitWorld
+from domain.refit.status import RankStatus, TransferStats
 
 _STATUS_PAD = 16  # bytes in front of a gathered piece: its holder's failure flag
 
@@ -426,9 +427,9 @@ class TorchDistCollectives:
     def agree(self, step: str, status: RankStatus) -> tuple[RankStatus, ...]:
         ranks = tuple(range(self.world.size))
         out = [torch.empty(STATUS_BYTES, dtype=torch.uint8) for _ in ranks]
-        work = dist.all_gather(out, status.to_tensor(), group=self._group(ranks), async_op=True)
+        work = dist.all_gather(out, encode_status(status), group=self._group(ranks), async_op=True)
         wait_work(work, self.rank, f"agreement: {step}", self.phase_timeout_s, ranks)
-        return tuple(RankStatus.from_tensor(t) for t in out)
+        return tuple(decode_status(t) for t in out)
 
     def turn(self, source: int, step: str, failed: bool, next_index: int) -> tuple[bool, int]:
         layout = self.world.layout

@@ -19,10 +19,10 @@ try:
 except ModuleNotFoundError as err:  # pragma: no cover
     raise ModuleNotFoundError("HfCheckpoint needs the safetensors package", name="safetensors") from err
 
-from domain import naming
 from domain.errors import CheckpointError
-from domain.export import quantize_stream
-from domain.plan import QuantizationPlan
+from domain.quant import naming
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import quantize_stream
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"

@@ -1,7 +1,7 @@
 """Write a sharded safetensors checkpoint while the tensors stream in.
 
 Every output tensor's name, dtype and shape is known before any is computed
-(`domain.export.checkpoint_specs`), so each shard's header is written first and each tensor's
+(`domain.quant.stream.checkpoint_specs`), so each shard's header is written first and each tensor's
 bytes go straight to their offset as they arrive: memory holds one tensor, never a shard.
 The files are standard safetensors (8-byte header length, JSON header padded to 8 bytes,
 contiguous data) plus a `model.safetensors.index.json`.
@@ -18,7 +18,7 @@ from typing import BinaryIO
 import torch
 
 from domain.errors import CheckpointError
-from domain.export import TensorSpec
+from domain.quant.stream import TensorSpec
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30  # what save_pretrained uses

@@ -38,8 +38,8 @@ except ImportError as err:  # pragma: no cover - exercised only without megatron
 
 from adapters.megatron.version import megatron_core_version
 from domain.errors import FusedForwardUnsupported, FusedHookUnavailable, InvalidTensor
-from domain.fused_forward_mode import FusedForwardMode, select_fused_forward_mode
-from domain.fused_logprob import IGNORE_INDEX, fused_logprob_entropy, validate_temperature
+from domain.forward.fused_logprob import IGNORE_INDEX, fused_logprob_entropy, validate_temperature
+from domain.forward.mode import FusedForwardMode, select_fused_forward_mode
 
 log = structlog.get_logger()
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from adapters.megatron.gdn_kernels import GdnKernels
 from domain.errors import InvalidPackedBoundaries, PackedGdnUnsupported
-from domain.gdn_packing import (
+from domain.forward.gdn_packing import (
     build_seq_idx,
     full_sequence_length,
     reject_packed_deterministic,

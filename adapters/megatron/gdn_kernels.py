@@ -8,7 +8,7 @@ convention (channel-last `[1, T, D]` conv input, `[1, T, H, *]` rule input):
 - `l2norm(x) -> x / ||x||` along the last dimension
 
 Sets:
-- `reference`: the plain-torch kernels of `domain.varlen_kernels` (CPU, and the test oracle);
+- `reference`: the plain-torch kernels of `domain.forward.varlen_kernels` (CPU, and the test oracle);
 - `fla`: flash-linear-attention's `causal_conv1d(cu_seqlens=...)`,
   `chunk_gated_delta_rule(cu_seqlens=...)` and `l2norm` (Triton, GPU);
 - `causal_conv1d`: the causal-conv1d package's `causal_conv1d_fn(seq_idx=...)` for the
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from domain import varlen_kernels
+from domain.forward import varlen_kernels
 
 KERNEL_SETS = ("auto", "reference", "fla", "causal_conv1d")
 

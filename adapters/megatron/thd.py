@@ -1,6 +1,6 @@
 """THD packing for Megatron-Core: recipe alignment from Megatron, `PackedSeqParams` from a layout.
 
-The arithmetic lives in `domain.thd`; this module asks Megatron-Core for the recipe alignment
+The arithmetic lives in `domain.forward.thd`; this module asks Megatron-Core for the recipe alignment
 (`get_fp8_align_size` / `get_fp4_align_size`) and builds its `PackedSeqParams`.
 """
 
@@ -18,7 +18,7 @@ except ImportError as err:  # pragma: no cover - exercised only without megatron
         "adapters.megatron.thd needs megatron-core (the `megatron` extra)", name="megatron.core"
     ) from err
 
-from domain.thd import ThdLayout, recipe_alignment, sequence_alignment
+from domain.forward.thd import ThdLayout, recipe_alignment, sequence_alignment
 
 
 def _recipe_name(recipe: Any) -> str | None:
@@ -29,7 +29,7 @@ def megatron_recipe_alignment(config: Any) -> int:
     """Row alignment of the model's quantized training recipe (1 without one).
 
     Megatron-Core's `get_fp8_align_size` / `get_fp4_align_size` answer when they exist; the
-    documented table (`domain.thd.RECIPE_ALIGNMENT`) otherwise.
+    documented table (`domain.forward.thd.RECIPE_ALIGNMENT`) otherwise.
 
     Args:
         config: a TransformerConfig (reads fp8, fp8_recipe, fp4, fp4_recipe).

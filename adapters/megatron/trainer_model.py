@@ -24,8 +24,8 @@ from adapters.megatron.fused_forward import (
 )
 from adapters.megatron.thd import packed_seq_params, plan_packing
 from domain.errors import FusedForwardUnsupported, InvalidTensor, MegatronModelUnsupported
-from domain.fused_forward_mode import FusedForwardMode
-from domain.fused_logprob import IGNORE_INDEX, validate_temperature
+from domain.forward.fused_logprob import IGNORE_INDEX, validate_temperature
+from domain.forward.mode import FusedForwardMode
 
 try:
     from megatron.core import parallel_state

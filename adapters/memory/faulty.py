@@ -7,9 +7,12 @@ from collections.abc import Mapping
 import attrs
 import torch
 
-from domain.buckets import Bucket
+from adapters.memory.faults import FaultPoint, FaultScript
 from domain.errors import InjectedFault
-from domain.refit import CommitMode, EngineFinalizeResult, FaultPoint, FaultScript, StorageFingerprint
+from domain.refit.buckets import Bucket
+from domain.refit.report import EngineFinalizeResult
+from domain.refit.session import CommitMode
+from domain.refit.storage import StorageFingerprint
 from ports.rollout_engine import RolloutEngine
 
 

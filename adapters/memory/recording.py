@@ -9,9 +9,11 @@ from types import MappingProxyType
 import attrs
 import torch
 
-from domain.buckets import Bucket, unpack_bucket
 from domain.errors import EngineBusy, EngineStale, EngineTensorMismatch, RefitVerificationFailed
-from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, StorageFingerprint
+from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.report import EngineFinalizeResult
+from domain.refit.session import CommitMode, RefitSession
+from domain.refit.storage import StorageFingerprint
 
 Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 Verifier = Callable[[str, Mapping[str, torch.Tensor]], None]

@@ -8,7 +8,7 @@ computes the group together; with ModelOpt's own NVFP4 kernels, `refresh()` writ
 amax into each member's weight quantizer (call it after every optimizer step).
 
 On the first forward of every quantized module a pre-hook compares ModelOpt's weight
-fake-quantization with the exporter's decoded values (`domain.qat.fake_quantize_tensors`) bit for
+fake-quantization with the exporter's decoded values (`domain.quant.qat.fake_quantize_tensors`) bit for
 bit and raises QatNumericsMismatch naming the layer when they differ.
 """
 
@@ -23,9 +23,9 @@ import torch
 from adapters.modelopt.configs import NUMERICS, input_attributes, preset_of, scheme_of, weight_attributes
 from adapters.qat_reference.layouts import Layout, select_layout
 from domain.errors import ConfigError, QatNumericsMismatch, QatStateError, QatUnsupportedModel
-from domain.formats import NVFP4, ActivationScheme
-from domain.plan import QuantizationPlan
-from domain.qat import (
+from domain.quant.formats import NVFP4, ActivationScheme
+from domain.quant.plan import QuantizationPlan
+from domain.quant.qat import (
     LayerPrecision,
     QatSummary,
     TrainerTensor,
@@ -34,7 +34,7 @@ from domain.qat import (
     fused_units,
     straight_through,
 )
-from domain.qat_checks import layer_tensors, tensor_precision
+from domain.quant.qat_checks import layer_tensors, tensor_precision
 
 try:
     import modelopt.torch.quantization as mtq

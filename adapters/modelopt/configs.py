@@ -26,7 +26,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from domain.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme
 
 # preset -> the ModelOpt config whose `*weight_quantizer` entry describes its weights.
 MODELOPT_CONFIGS: dict[str, str] = {

@@ -1,7 +1,7 @@
 """The reference QAT backend: pure torch, CPU or GPU, numerically the exporter by construction.
 
 `apply` wraps the forward of every module that owns a fake-quantized weight. On each call the
-wrapper computes the module's weights with `domain.qat.fake_quantize_tensors` from the current
+wrapper computes the module's weights with `domain.quant.qat.fake_quantize_tensors` from the current
 parameters (the exporter's quantize_stream, decoded; fused groups spread over several modules,
 like HF q/k/v, are computed together so that they share the exporter's global scale), puts them
 in place of the parameters for the duration of the call, fake-quantizes the inputs per the
@@ -22,9 +22,9 @@ from torch.overrides import TorchFunctionMode
 
 from adapters.qat_reference.layouts import INPUT, Layout, select_layout
 from domain.errors import QatStateError, QatUnsupportedModel
-from domain.formats import ActivationScheme
-from domain.plan import QuantizationPlan
-from domain.qat import (
+from domain.quant.formats import ActivationScheme
+from domain.quant.plan import QuantizationPlan
+from domain.quant.qat import (
     LayerPrecision,
     QatSummary,
     TrainerTensor,
@@ -34,7 +34,7 @@ from domain.qat import (
     fake_quantize_tensors,
     fused_units,
 )
-from domain.qat_checks import layer_tensors, tensor_precision
+from domain.quant.qat_checks import layer_tensors, tensor_precision
 
 log = structlog.get_logger()
 _INPUT_KWARGS = ("input", "input_", "x", "hidden_states")

@@ -23,7 +23,7 @@ import torch
 
 from adapters.qat_reference.embedded import EmbeddedModule
 from domain.errors import QatUnsupportedModel
-from domain.qat import HfPart, TrainerTensor
+from domain.quant.qat import HfPart, TrainerTensor
 
 INPUT = "input"
 LINEAR = "linear"

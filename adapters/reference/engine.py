@@ -31,11 +31,13 @@ import torch
 from adapters.reference.config import ReferenceModelConfig
 from adapters.reference.layout import GLOBAL, EngineLayout, is_routed
 from adapters.reference.model import check_input_ids, forward_logits, log_probs_from_logits
-from domain.buckets import Bucket, unpack_bucket
-from domain.codecs import QuantizedWeight, dequantize_weight, fake_quantize_activation
 from domain.errors import EngineBusy, EngineStale, EngineTensorMismatch, RefitVerificationFailed
-from domain.plan import QuantizationPlan
-from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, StorageFingerprint
+from domain.quant.codecs import QuantizedWeight, dequantize_weight, fake_quantize_activation
+from domain.quant.plan import QuantizationPlan
+from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.report import EngineFinalizeResult
+from domain.refit.session import CommitMode, RefitSession
+from domain.refit.storage import StorageFingerprint
 
 # A verifier sees one commit group's post-processed tensors ("key.local" -> tensor) before they
 # are committed, and raises to stop the commit.

@@ -18,9 +18,9 @@ import torch
 from adapters.reference.config import ReferenceModelConfig, hf_weight_shapes
 from adapters.reference.model import Slot, fused_shapes, slot_table
 from domain.errors import EngineTensorMismatch
-from domain.export import checkpoint_names
-from domain.formats import BF16, PrecisionFormat, ScaleEncoding
-from domain.plan import QuantizationPlan
+from domain.quant.formats import BF16, PrecisionFormat, ScaleEncoding
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import checkpoint_names
 
 GLOBAL = "weight_global_scale"
 _ROUTED = ("w13", "w2")

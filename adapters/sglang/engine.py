@@ -29,12 +29,14 @@ from adapters.sglang.staging import (
     StagingRule,
     marker,
 )
-from domain.buckets import Bucket, unpack_bucket
-from domain.dispatch import check_sglang, check_sync_backend
-from domain.engine_layout import Layout, check_bucket
 from domain.errors import EngineBusy, EngineStale, EngineUpdateFailed, StorageRebound
-from domain.plan import QuantizationPlan
-from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, StorageFingerprint
+from domain.quant.dispatch import check_sglang, check_sync_backend
+from domain.quant.plan import QuantizationPlan
+from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.engine_layout import Layout, check_bucket
+from domain.refit.report import EngineFinalizeResult
+from domain.refit.session import CommitMode, RefitSession
+from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from adapters.engine_overrides import check_request, with_quantization_config
 from adapters.sglang.staging import LOADER_PATH
-from domain.backend_policy import DEEP_GEMM, BackendDecision
+from domain.quant.backend_policy import DEEP_GEMM, BackendDecision
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 

@@ -12,8 +12,8 @@ import json
 import attrs
 import torch
 
-from domain.formats import MXFP4, MXFP8, NVFP4
-from domain.plan import QuantizationPlan
+from domain.quant.formats import MXFP4, MXFP8, NVFP4
+from domain.quant.plan import QuantizationPlan
 
 # The SGLang this adapter is written and checked against (tests/integration/test_engine_conformance.py).
 PINNED_SGLANG = "0.5.23"

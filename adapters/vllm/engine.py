@@ -21,10 +21,12 @@ import torch
 
 from adapters.vllm.hooks import PINNED_VLLM
 from adapters.vllm.worker import WorkerRefit
-from domain.buckets import Bucket, unpack_bucket
-from domain.engine_layout import Layout, check_bucket
 from domain.errors import EngineBusy, EngineStale, StorageRebound
-from domain.refit import CommitMode, EngineFinalizeResult, RefitSession, StorageFingerprint
+from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.engine_layout import Layout, check_bucket
+from domain.refit.report import EngineFinalizeResult
+from domain.refit.session import CommitMode, RefitSession
+from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
 

@@ -18,7 +18,7 @@ import torch
 
 from adapters.vllm.hooks import VllmHooks
 from domain.errors import RefitLifecycleError
-from domain.refit import StorageFingerprint
+from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
 

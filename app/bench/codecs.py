@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 
 from app.bench.report import BenchReport, measure
-from domain.codecs import compile as kernels
-from domain.codecs import quantize_weight
-from domain.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, PrecisionFormat
+from domain.quant.codecs import compile as kernels
+from domain.quant.codecs import quantize_weight
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, PrecisionFormat
 
 
 def _ct_path(fmt: PrecisionFormat, w: torch.Tensor) -> Callable[[], object] | None:

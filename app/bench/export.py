@@ -37,7 +37,7 @@ def build_checkpoint(directory: Path, dims: dict[str, Any], seed: int = 0) -> in
     from transformers import Qwen3Config
 
     from adapters.hf_checkpoint.writer import CheckpointWriter
-    from domain.export import TensorSpec
+    from domain.quant.stream import TensorSpec
 
     config = Qwen3Config(**dims, tie_word_embeddings=False, dtype="bfloat16")
     h, inter, heads, kv, hd = dims["hidden_size"], dims["intermediate_size"], dims["num_attention_heads"], \
@@ -64,7 +64,7 @@ def build_checkpoint(directory: Path, dims: dict[str, Any], seed: int = 0) -> in
 
 def _largest_group_bytes(directory: Path) -> int:
     from adapters.hf_checkpoint.reader import HfCheckpoint
-    from domain import naming
+    from domain.quant import naming
 
     groups: dict[str, int] = {}
     biggest = 0
@@ -100,8 +100,8 @@ def _reset_peak() -> int:
 def _ours(src: str, out: str) -> None:
     from adapters.hf_checkpoint.reader import HfCheckpoint
     from app.config import build_config
-    from app.exporting import export_checkpoint
-    from app.planning import make_plan
+    from app.services.checkpoint_export import export_checkpoint
+    from app.services.planning import make_plan
 
     checkpoint = HfCheckpoint(src)
     report = make_plan(build_config({}, [f"rollout.quantization.linear={PRESET}", "rollout.name=vllm"]), checkpoint)
@@ -118,7 +118,7 @@ def _compressed_tensors(src: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from adapters.compressed_tensors.quantization_config import compressed_tensors_config
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     qc: QuantizationConfig = compressed_tensors_config(QuantizationPlan.from_presets(linear=PRESET))
@@ -148,7 +148,7 @@ def _child(which: str, src: str, out: str) -> None:
     import compressed_tensors.compressors  # noqa: F401
     import transformers  # noqa: F401
 
-    import app.exporting  # noqa: F401
+    import app.services.checkpoint_export  # noqa: F401
 
     base = _reset_peak()
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ import torch
 
 from app.bench.memory import TensorBytesTracker
 from app.bench.report import BenchReport
-from domain.fused_logprob import (
+from domain.forward.fused_logprob import (
     DEFAULT_CHUNK_BYTES,
     auto_chunk_size,
     fused_logprob_entropy,

@@ -28,10 +28,11 @@ from adapters.reference.engine import ReferenceEngine
 from adapters.reference.layout import EngineLayout
 from adapters.reference.trainer import ReferenceTrainer
 from app.bench.report import BenchReport
-from app.refit_service import RefitService
-from domain.export import quantize_stream
-from domain.plan import QuantizationPlan
-from domain.refit import CommitMode, RefitReport
+from app.services.refit import RefitService
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import quantize_stream
+from domain.refit.report import RefitReport
+from domain.refit.session import CommitMode
 
 MiB = 2**20
 BASELINE = "naive per-tensor compressed-tensors + load_state_dict"
@@ -161,7 +162,7 @@ def _sweep_rows(report: BenchReport, trainer: ReferenceTrainer, model: str, size
 
 
 def _mismatch_rows(report: BenchReport, model: str) -> None:
-    from app.mismatch_probe import MismatchProbe, response_mask, token_batch
+    from app.services.mismatch_probe import MismatchProbe, response_mask, token_batch
 
     cfg = preset(model)
     trainer = ReferenceTrainer.from_seed(cfg)

@@ -33,7 +33,7 @@ import torch
 
 from adapters.reference.config import ReferenceModelConfig, hf_weight_shapes, preset
 from app.bench.report import BenchReport
-from domain.sharding import ParallelLayout
+from domain.refit.sharding import ParallelLayout
 
 QUICK_MODEL = ReferenceModelConfig(
     vocab_size=8192, hidden_size=1024, num_layers=2, num_heads=16, num_kv_heads=8, head_dim=64,
@@ -54,8 +54,8 @@ def _raw_broadcast(rank: int, trainer: Any, bucket_bytes: int, repeats: int) -> 
     """Pre-packed BF16 buckets, then plain dist.broadcast of each, `repeats` times."""
     import torch.distributed as dist
 
-    from domain.buckets import BucketPlanner
-    from domain.transfer import LEAD_BYTES
+    from adapters.distributed.wire import LEAD_BYTES
+    from domain.refit.buckets import BucketPlanner
 
     sizes = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
@@ -87,8 +87,8 @@ def _refits(rank: int, s: _Settings, bucket_bytes: int, plan: Any, trainer: Any,
     (w2, w1, w2, w1, ...) so that both see the same machine; one warm-up each, then medians."""
     from adapters.distributed.torch_dist import TorchDistCollectives
     from adapters.reference.engine import ReferenceEngine
-    from app.distributed_refit import DistributedRefitService
-    from domain.sharding import RefitWorld
+    from app.services.distributed_refit import DistributedRefitService
+    from domain.refit.sharding import RefitWorld
 
     world = RefitWorld()
     engine = ReferenceEngine(s.cfg, plan) if rank == 1 else None  # one engine, refitted by both
@@ -116,7 +116,7 @@ def bench_rank(rank: int, s: _Settings) -> dict[str, Any]:
     """One rank of the benchmark world (rank 0 trainer, rank 1 engine)."""
     from adapters.distributed.sliced_trainer import SlicedTrainer
     from adapters.reference.trainer import ReferenceTrainer
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
 
     trainer = SlicedTrainer(ReferenceTrainer.from_seed(s.cfg, 0), ParallelLayout(), 0) if rank == 0 else None
     bf16, quantized = QuantizationPlan.bf16(), QuantizationPlan.from_presets("FP8_BLOCK", "NVFP4")

@@ -20,8 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from app.demo_run import DemoResult, DemoSettings, StepRecord, run_demo
-from app.refit_service import describe_plan
+from app.services.demo import DemoResult, DemoSettings, StepRecord, run_demo
+from app.services.refit import describe_plan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="log the canonical line of every refit (stderr)")
     p.add_argument("--qat", nargs="?", const="NVFP4", default=None, metavar="PRESET",
                    help="train with QAT in PRESET (default NVFP4, served everywhere) and without; compare k3 KL")
-    from app.distributed_demo import add_procs_arguments
+    from app.services.distributed_demo import add_procs_arguments
 
     add_procs_arguments(p)  # --procs N, --fault-rank R
 
@@ -190,12 +190,12 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError("--threads", f"must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    if args.qat:  # training with and without QAT (app.qat_demo)
-        from app.qat_demo import run_cli
+    if args.qat:  # training with and without QAT (app.services.qat_demo)
+        from app.services.qat_demo import run_cli
 
         return run_cli(args)
     if args.procs is not None:  # trainer and engine ranks in separate processes
-        from app.distributed_demo import run_procs
+        from app.services.distributed_demo import run_procs
 
         return run_procs(args)
     from domain.errors import ConfigError, RefitError

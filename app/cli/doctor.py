@@ -11,8 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from app.cli.plan import add_config_arguments, config_from_args
-from app.doctor import DoctorReport, diagnose
-from app.doctor_checks import Status
+from app.services.doctor import DoctorReport, diagnose
+from app.services.doctor_checks import Status
 
 _STYLE = {Status.OK: "green", Status.WARNING: "yellow", Status.UNAVAILABLE: "dim", Status.ERROR: "bold red"}
 

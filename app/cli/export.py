@@ -11,7 +11,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from rich.table import Table
 
 from app.cli.plan import add_config_arguments, split_config_args
-from app.exporting import ExportResult, export_checkpoint
+from app.services.checkpoint_export import ExportResult, export_checkpoint
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

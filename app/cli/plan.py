@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Section, load_config
-from app.planning import PlanReport
+from app.services.planning import PlanReport
 from domain.errors import RefitError
 
 

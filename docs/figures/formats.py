@@ -13,8 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from domain.codecs import dequantize_weight, quantize_weight
-from domain.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
+from domain.quant.codecs import dequantize_weight, quantize_weight
+from domain.quant.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
 
 OUT = pathlib.Path(__file__).with_suffix(".png")
 

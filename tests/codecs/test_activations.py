@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from domain.codecs import dequantize_weight, fake_quantize_activation, quantize_weight
-from domain.formats import MXFP4, MXFP8, NVFP4, ActivationScheme
+from domain.quant.codecs import dequantize_weight, fake_quantize_activation, quantize_weight
+from domain.quant.formats import MXFP4, MXFP8, NVFP4, ActivationScheme
 
 
 def test_nvfp4_per_token_uses_one_global_scale_per_token() -> None:

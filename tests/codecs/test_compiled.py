@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from domain.codecs import compile as kernels
-from domain.codecs import quantize_weight
-from domain.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
+from domain.quant.codecs import compile as kernels
+from domain.quant.codecs import quantize_weight
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
 from tests.codecs.special import special_weight
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from domain.codecs import fake_quantize_activation, quantize_weight
 from domain.errors import (
     BlockMisaligned,
     InvalidTensor,
@@ -14,7 +13,8 @@ from domain.errors import (
     UnsupportedDtype,
     UnsupportedShape,
 )
-from domain.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme
+from domain.quant.codecs import fake_quantize_activation, quantize_weight
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme
 
 ALL = [FP8_BLOCK, MXFP8, MXFP4, NVFP4]
 
@@ -59,7 +59,7 @@ def test_nvfp4_global_scale_of_wrong_shape_is_rejected() -> None:
 
 
 def test_bf16_is_not_a_codec() -> None:
-    from domain.formats import BF16
+    from domain.quant.formats import BF16
 
     with pytest.raises(ValueError, match="not a quantized format"):
         quantize_weight(BF16, torch.randn(4, 32))

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain.codecs import dequantize_weight, quantize_weight
-from domain.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
+from domain.quant.codecs import dequantize_weight, quantize_weight
+from domain.quant.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
 
 _settings = settings(max_examples=40, deadline=None)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from domain.codecs import dequantize_weight, nvfp4_global_scale, quantize_weight
-from domain.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
+from domain.quant.codecs import dequantize_weight, nvfp4_global_scale, quantize_weight
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
 from tests.codecs.special import special_weight
 
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the reference")

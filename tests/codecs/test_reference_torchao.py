@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from domain.codecs import dequantize_weight, quantize_weight
-from domain.formats import MXFP4, MXFP8, NVFP4, MxScaleRule
+from domain.quant.codecs import dequantize_weight, quantize_weight
+from domain.quant.formats import MXFP4, MXFP8, NVFP4, MxScaleRule
 from tests.codecs.special import special_weight
 
 pytest.importorskip("torchao", reason="torchao is the MX RCEIL reference")
@@ -48,7 +48,7 @@ def test_nvfp4_close_to_torchao_reference() -> None:
 
 
 def _decode_torchao_nvfp4(packed: torch.Tensor, scale: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
-    from domain.codecs.elements import e2m1_values, unpack_fp4
+    from domain.quant.codecs.elements import e2m1_values, unpack_fp4
 
     values = e2m1_values(unpack_fp4(packed.view(torch.uint8)))
     return values * (scale.float() * pts).repeat_interleave(16, -1)

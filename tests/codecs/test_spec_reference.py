@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from domain.codecs import dequantize_weight, nvfp4_global_scale, quantize_weight
-from domain.codecs.elements import e2m1_codes, e2m1_values, pack_fp4, unpack_fp4
-from domain.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
+from domain.quant.codecs import dequantize_weight, nvfp4_global_scale, quantize_weight
+from domain.quant.codecs.elements import e2m1_codes, e2m1_values, pack_fp4, unpack_fp4
+from domain.quant.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
 from tests.codecs.special import special_weight
 
 
@@ -149,7 +149,7 @@ def test_rceil_and_even_differ_on_the_documented_share_of_blocks(fmt, low, high)
 @pytest.mark.parametrize("fmt", [FP8_BLOCK, MXFP8, MXFP4, NVFP4])
 @pytest.mark.parametrize("shape", [(700, 96), (2, 300, 64)])
 def test_row_chunking_changes_no_bit(fmt, shape, monkeypatch) -> None:
-    from domain.codecs import api
+    from domain.quant.codecs import api
 
     w = torch.randn(*shape, dtype=torch.bfloat16) * torch.linspace(0.1, 10, shape[-2]).unsqueeze(-1)
     whole = quantize_weight(fmt, w).tensors

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from adapters.memory import RecordingEngine, ScriptedFaultyEngine
+from adapters.memory.faults import FaultPoint, FaultScript
 from adapters.reference.config import MICRO_MOE
 from adapters.reference.engine import ReferenceEngine
 from domain.errors import (
@@ -16,7 +17,7 @@ from domain.errors import (
     EngineTensorMismatch,
     RefitLifecycleError,
 )
-from domain.refit import CommitMode, FaultPoint, FaultScript
+from domain.refit.session import CommitMode
 from tests import refit_support as rs
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 
@@ -183,7 +184,7 @@ def test_reusing_the_sender_buffer_is_safe(engine, refit_buckets):
         engine.load_bucket(b)
     engine.finalize_refit()
     engine.begin_refit(3)
-    from domain.buckets import pack_buckets
+    from domain.refit.buckets import pack_buckets
 
     for b in pack_buckets(named, rs.SMALL_BUCKET, reuse_buffer=True):  # one buffer, overwritten
         shared_ptrs.add(b.buffer.data_ptr() if len(b.metas) > 1 else None)

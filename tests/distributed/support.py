@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
+from adapters.memory.faults import RankFault
 from adapters.reference.config import MICRO_MOE, hf_weight_shapes
 from adapters.reference.trainer import ReferenceTrainer
-from domain.plan import QuantizationPlan
-from domain.sharding import ParallelLayout, RefitWorld
-from domain.transfer import RankFault
+from domain.quant.plan import QuantizationPlan
+from domain.refit.sharding import ParallelLayout, RefitWorld
 
 MODEL = "micro-moe"
 BUCKET_MB = 1 / 16  # 64 KiB: the micro model's refit takes several buckets
@@ -64,7 +64,7 @@ def single_process_digest(p: QuantizationPlan, step: int, seed: int = 0) -> dict
 def _service(world: RefitWorld, rank: int, comm: Any, p: QuantizationPlan, full: ReferenceTrainer | None,
              engine: Any, fault: RankFault | None, restore: str | None = None) -> Any:
     from adapters.distributed.sliced_trainer import SlicedTrainer
-    from app.distributed_refit import DistributedRefitService
+    from app.services.distributed_refit import DistributedRefitService
 
     trainer = SlicedTrainer(full, world.layout, rank) if full is not None else None
     return DistributedRefitService(
@@ -83,8 +83,8 @@ def _faulty(inner: Any, fault: RankFault | None, rank: int) -> Any:
     """An engine rank's own bucket / finalize / verify faults fail inside its engine."""
     if inner is None or fault is None or fault.rank != rank or fault.hang or fault.point not in ("bucket", "finalize", "verify"):
         return inner
+    from adapters.memory.faults import FaultPoint, FaultScript
     from adapters.memory.faulty import ScriptedFaultyEngine
-    from domain.refit import FaultPoint, FaultScript
 
     return ScriptedFaultyEngine(inner, FaultScript(FaultPoint(fault.point), fault.index, after=fault.refit))
 
@@ -99,7 +99,7 @@ class _ScaleSpy:
         return getattr(self._comm, name)
 
     def tp_exchange(self, holders: Sequence[int], step: str, failed: bool, amax: torch.Tensor) -> Any:
-        from domain.shard_export import global_scale_from_amax
+        from domain.refit.shard_quant import global_scale_from_amax
 
         any_failed, reduced = self._comm.tp_exchange(holders, step, failed, amax)
         if step.startswith("export ") and not step.endswith("(quantized)") and float(reduced) > 0:

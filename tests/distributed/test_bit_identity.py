@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from adapters.distributed.launch import launch_world
-from domain import naming
-from domain.codecs import nvfp4_global_scale
+from domain.quant import naming
+from domain.quant.codecs import nvfp4_global_scale
 from tests.distributed import support
 
 pytestmark = pytest.mark.distributed

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from adapters.distributed.launch import launch_world
-from domain.transfer import RankFault
+from adapters.memory.faults import RankFault
 from tests.distributed import support
 
 pytestmark = pytest.mark.distributed

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from adapters.distributed.launch import launch_world
-from domain.transfer import RankFault
+from adapters.memory.faults import RankFault
 from tests.distributed import support
 
 pytestmark = pytest.mark.distributed

@@ -25,7 +25,7 @@ def stream_engine(engine: str, vocab_size: int):  # type: ignore[no-untyped-def]
         from tests.engine_fakes.vllm import stream_engine as vllm_engine
 
         return vllm_engine(list(_contract_stream()), vocab_size)
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
     from tests.engine_fakes.sglang import stream_engine as sglang_engine
 
     plan = QuantizationPlan.from_presets("FP8_BLOCK", "NVFP4", moe_activation="nvfp4_static")

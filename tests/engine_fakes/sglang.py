@@ -212,7 +212,7 @@ class FakeSglangEngine:
         return True, "Success"
 
     def storage_fingerprint(self):  # type: ignore[no-untyped-def]
-        from domain.refit import StorageFingerprint
+        from domain.refit.storage import StorageFingerprint
 
         return StorageFingerprint.of(self.live_weights())
 
@@ -242,7 +242,7 @@ def trainer_weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
 
 
 def plan_for(linear: str | None, moe: str | None, native_mxfp8: bool = False):  # type: ignore[no-untyped-def]
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
 
     return QuantizationPlan.from_presets(linear=linear, moe=moe,
                                          scale_name="weight_scale_inv" if native_mxfp8 else "weight_scale")
@@ -295,7 +295,7 @@ def stream_engine(named: list[tuple[str, torch.Tensor]], plan, vocab_size: int):
     import math
 
     from adapters.sglang.engine import SglangRolloutEngine
-    from domain.engine_layout import layout_of
+    from domain.refit.engine_layout import layout_of
 
     def uniform(input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (input_ids.shape[0], input_ids.shape[1] - 1)

@@ -310,14 +310,14 @@ def trainer_weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
 
 
 def fp8_plan(quantized: bool = True):  # type: ignore[no-untyped-def]
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
 
     return QuantizationPlan.from_presets(linear="FP8_BLOCK" if quantized else None)
 
 
 def checkpoint_stream(quantized: bool, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     """The refit stream for the fake model: FP8_BLOCK through the real codecs, or BF16."""
-    from domain.export import quantize_stream
+    from domain.quant.stream import quantize_stream
 
     return list(quantize_stream(fp8_plan(quantized), trainer_weights(seed)))
 
@@ -385,7 +385,7 @@ class StreamVllmModel(nn.Module):
 def stream_engine(named: list[tuple[str, torch.Tensor]], vocab_size: int):  # type: ignore[no-untyped-def]
     """A VllmRolloutEngine over StreamVllmModel, serving a uniform distribution."""
     from adapters.vllm.engine import VllmRolloutEngine
-    from domain.engine_layout import layout_of
+    from domain.refit.engine_layout import layout_of
 
     model = StreamVllmModel(named)
     layerwise = FakeLayerwise()

@@ -30,8 +30,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from adapters.megatron.gdn_kernels import GdnKernels, select_kernels
-from domain import varlen_kernels
-from domain.gdn_packing import build_seq_idx, sequence_starts
+from domain.forward import varlen_kernels
+from domain.forward.gdn_packing import build_seq_idx, sequence_starts
 
 # Bound on the error ratio rms(candidate - reference) / rms(reference), the measure fla's own
 # tests use: fp32 inputs still meet TF32 matrix products inside the Triton kernels.

@@ -34,9 +34,9 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from domain.codecs import fake_quantize_activation
 from domain.errors import QatNumericsMismatch
-from domain.plan import QuantizationPlan
+from domain.quant.codecs import fake_quantize_activation
+from domain.quant.plan import QuantizationPlan
 from tests.unit.qat_models import H, TinyHf, rollout_values
 
 PRESETS = ("FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4")

@@ -135,8 +135,8 @@ def stage_fp8(out: pathlib.Path, kv_cache_dtype: str) -> dict:
     import torch
 
     from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
-    from domain.backend_policy import decide_backends
-    from domain.plan import QuantizationPlan
+    from domain.quant.backend_policy import decide_backends
+    from domain.quant.plan import QuantizationPlan
 
     plan = QuantizationPlan.from_presets(linear="FP8_BLOCK")
     decision = decide_backends("vllm", plan, torch.cuda.get_device_capability())
@@ -151,10 +151,10 @@ def stage_fp8(out: pathlib.Path, kv_cache_dtype: str) -> dict:
 
     from adapters.vllm.client import LlmLogProbs
     from adapters.vllm.engine import LlmWorkers, VllmRolloutEngine
-    from domain.buckets import pack_buckets
     from domain.errors import EngineStale
-    from domain.export import quantize_stream
-    from domain.naming import natural_key
+    from domain.quant.naming import natural_key
+    from domain.quant.stream import quantize_stream
+    from domain.refit.buckets import pack_buckets
 
     llm = LLM(**kwargs)
     engine = VllmRolloutEngine(LlmWorkers(llm), LlmLogProbs(llm))

@@ -71,7 +71,7 @@ def test_the_pinned_version_and_quantization_config_are_current() -> None:
     assert s.pinned_vllm() == PINNED_VLLM
     pytest.importorskip("compressed_tensors")
     from adapters.compressed_tensors.quantization_config import compressed_tensors_config, to_config_json
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
 
     built = to_config_json(compressed_tensors_config(QuantizationPlan.from_presets("FP8_BLOCK")))
     built.pop("version")

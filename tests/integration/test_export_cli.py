@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from adapters.hf_checkpoint import writer as writer_module
 from app.cli.main import main
-from domain.codecs import quantize_weight
-from domain.formats import FP8_BLOCK, MXFP8
+from domain.quant.codecs import quantize_weight
+from domain.quant.formats import FP8_BLOCK, MXFP8
 from tests.integration.export_models import save_tiny_model
 
 

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 
 from adapters.hf_checkpoint.reader import HfCheckpoint
 from app.config import build_config
-from app.exporting import export_checkpoint
-from app.planning import make_plan
-from domain import naming
-from domain.codecs import QuantizedWeight, dequantize_weight, nvfp4_global_scale, quantize_weight
-from domain.formats import FORMATS, NVFP4, PrecisionFormat
+from app.services.checkpoint_export import export_checkpoint
+from app.services.planning import make_plan
+from domain.quant import naming
+from domain.quant.codecs import QuantizedWeight, dequantize_weight, nvfp4_global_scale, quantize_weight
+from domain.quant.formats import FORMATS, NVFP4, PrecisionFormat
 from tests.integration.export_models import TOKENIZER_FILES, decompress_with_model_compressor, save_tiny_model
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "export.md"

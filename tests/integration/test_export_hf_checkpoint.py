@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from adapters.hf_checkpoint.reader import HfCheckpoint
 from adapters.hf_checkpoint.writer import CheckpointWriter
 from domain.errors import CheckpointError
-from domain.export import TensorSpec
-from domain.plan import QuantizationPlan
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import TensorSpec
 
 
 def _tensors() -> dict[str, torch.Tensor]:

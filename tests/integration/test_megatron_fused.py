@@ -24,7 +24,7 @@ from adapters.megatron.fused_forward import (
 from adapters.megatron.trainer_model import MegatronTrainerModel
 from app.bootstrap import build_logprob_service
 from domain.errors import FusedForwardModeError, FusedHookUnavailable, InvalidTemperature
-from domain.fused_forward_mode import FusedForwardMode
+from domain.forward.mode import FusedForwardMode
 from tests.megatron_cpu import causal_mask, megatron_cpu_env, tiny_gpt_model  # noqa: F401
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]

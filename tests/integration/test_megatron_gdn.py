@@ -26,10 +26,10 @@ pytest.importorskip("fla", reason="megatron-core's GatedDeltaNet needs flash-lin
 from adapters.megatron import gdn as gdn_adapter
 from adapters.megatron.gdn_kernels import reference_kernels
 from app import bootstrap
-from app.gdn_service import apply_packed_gdn, remove_packed_gdn
-from domain import varlen_kernels
+from app.services.packed_gdn import apply_packed_gdn, remove_packed_gdn
 from domain.errors import ConfigError, InvalidPackedBoundaries, PackedGdnDeterministic
-from domain.gdn_packing import build_seq_idx
+from domain.forward import varlen_kernels
+from domain.forward.gdn_packing import build_seq_idx
 from tests.megatron_cpu import megatron_cpu_env  # noqa: F401
 
 pytestmark = pytest.mark.megatron

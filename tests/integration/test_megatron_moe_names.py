@@ -12,9 +12,9 @@ from adapters.megatron import trainer_model as tm
 from adapters.megatron.hf_names import hf_named_weights
 from adapters.megatron.trainer_model import MegatronTrainerModel
 from domain.errors import MegatronModelUnsupported
-from domain.export import quantize_stream
-from domain.fused_forward_mode import FusedForwardMode
-from domain.plan import QuantizationPlan
+from domain.forward.mode import FusedForwardMode
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import quantize_stream
 from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: F401
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]

@@ -11,8 +11,8 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (the `megatron`
 
 from adapters.megatron.thd import megatron_recipe_alignment, packed_seq_params, plan_packing
 from adapters.megatron.trainer_model import MegatronTrainerModel
-from domain.fused_forward_mode import FusedForwardMode
-from domain.thd import RECIPE_ALIGNMENT, ThdLayout
+from domain.forward.mode import FusedForwardMode
+from domain.forward.thd import RECIPE_ALIGNMENT, ThdLayout
 from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: F401
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]

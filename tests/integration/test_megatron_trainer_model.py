@@ -9,8 +9,8 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (the `megatron`
 
 from adapters.megatron.trainer_model import MegatronTrainerModel
 from app.bootstrap import build_logprob_service
-from app.logprob_service import LogProbService
-from domain.fused_forward_mode import FusedForwardMode
+from app.services.logprob import LogProbService
+from domain.forward.mode import FusedForwardMode
 from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: F401
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]

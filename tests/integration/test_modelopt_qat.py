@@ -17,11 +17,11 @@ import torch
 pytest.importorskip("modelopt.torch.quantization", reason="needs nvidia-modelopt (the `modelopt` extra)")
 
 from adapters.modelopt.backend import ModelOptQatBackend
-from domain.codecs import fake_quantize_activation
 from domain.errors import QatNumericsMismatch, QatUnsupportedModel
-from domain.formats import ActivationScheme
-from domain.plan import QuantizationPlan
-from domain.qat_checks import check_effective_precision
+from domain.quant.codecs import fake_quantize_activation
+from domain.quant.formats import ActivationScheme
+from domain.quant.plan import QuantizationPlan
+from domain.quant.qat_checks import check_effective_precision
 from tests.unit.qat_models import H, TinyHf, rollout_values
 
 

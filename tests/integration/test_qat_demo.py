@@ -1,4 +1,4 @@
-"""`refit demo --qat` (app.qat_demo): QAT closes the train-rollout gap on the embedded model.
+"""`refit demo --qat` (app.services.qat_demo): QAT closes the train-rollout gap on the embedded model.
 
 With QAT the training forward computes, bit for bit, what the quantized rollout engine computes,
 so their k3 KL is exactly the BF16 level; the same training without QAT leaves a gap.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from app.qat_demo import run_qat_demo, synthetic_batch
+from app.services.qat_demo import run_qat_demo, synthetic_batch
 
 
 def test_qat_arm_matches_the_quantized_rollout_and_bf16_arm_does_not() -> None:

@@ -65,7 +65,7 @@ def _split_to_hf(model: torch.nn.Module, name: str, weight: torch.Tensor) -> dic
 def test_megatron_linears_compute_with_the_exported_values(preset: str) -> None:
     from adapters.megatron.hf_names import hf_named_weights
     from adapters.qat_reference.backend import ReferenceQatBackend
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
 
     model = _model()
     plan = QuantizationPlan.from_presets(preset, None)
@@ -87,9 +87,9 @@ def test_megatron_linears_compute_with_the_exported_values(preset: str) -> None:
 
 def test_megatron_inputs_are_fake_quantized_and_gradients_flow() -> None:
     from adapters.qat_reference.backend import ReferenceQatBackend
-    from domain.codecs import fake_quantize_activation
-    from domain.formats import ActivationScheme
-    from domain.plan import QuantizationPlan
+    from domain.quant.codecs import fake_quantize_activation
+    from domain.quant.formats import ActivationScheme
+    from domain.quant.plan import QuantizationPlan
 
     model = _model()
     model.train()
@@ -116,7 +116,7 @@ def test_megatron_inputs_are_fake_quantized_and_gradients_flow() -> None:
 def test_gradient_accumulation_fusion_is_rejected_by_name() -> None:
     from adapters.qat_reference.backend import ReferenceQatBackend
     from domain.errors import QatUnsupportedModel
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
 
     model = _model()
     model.config.gradient_accumulation_fusion = True
@@ -129,7 +129,7 @@ def test_megatron_moe_experts_compute_with_the_exported_values() -> None:
     (Megatron's token dispatch needs CUDA), compute with the decoded NVFP4 / FP8 block tensors."""
     from adapters.megatron.hf_names import hf_named_weights
     from adapters.qat_reference.backend import ReferenceQatBackend
-    from domain.plan import QuantizationPlan
+    from domain.quant.plan import QuantizationPlan
 
     model = tiny_gpt_model(
         **{**CONFIG, "num_layers": 1}, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,

@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers (the `test` extra)")
 
 from adapters.qat_reference.backend import ReferenceQatBackend  # noqa: E402
-from domain.plan import QuantizationPlan  # noqa: E402
+from domain.quant.plan import QuantizationPlan  # noqa: E402
 from tests.unit.qat_models import rollout_values  # noqa: E402
 
 

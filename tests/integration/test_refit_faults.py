@@ -8,11 +8,13 @@ import attrs
 import pytest
 
 from adapters.memory import ScriptedFaultyEngine
+from adapters.memory.faults import FaultScript
 from adapters.reference.config import MICRO_MOE
 from adapters.reference.engine import ReferenceEngine
-from app.refit_service import RefitService
+from app.services.refit import RefitService
 from domain.errors import EngineStale, InjectedFault, RefitFailed
-from domain.refit import CommitMode, FaultScript, RefitOutcome
+from domain.refit.report import RefitOutcome
+from domain.refit.session import CommitMode
 from tests import refit_support as rs
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 

@@ -11,11 +11,11 @@ from adapters.reference.config import MICRO_MOE
 from adapters.reference.engine import ReferenceEngine
 from adapters.reference.model import forward_logits, slot_table
 from adapters.reference.trainer import ReferenceTrainer
-from app.mismatch_probe import MismatchProbe, response_mask, token_batch
-from domain.codecs import fake_quantize_weight, nvfp4_global_scale
-from domain.export import quantize_stream
-from domain.formats import NVFP4
-from domain.plan import QuantizationPlan
+from app.services.mismatch_probe import MismatchProbe, response_mask, token_batch
+from domain.quant.codecs import fake_quantize_weight, nvfp4_global_scale
+from domain.quant.formats import NVFP4
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import quantize_stream
 from tests import refit_support as rs
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 

@@ -11,11 +11,11 @@ from adapters.reference.config import MICRO_MOE, hf_weight_shapes, preset
 from adapters.reference.layout import EngineLayout, tensor_specs
 from adapters.reference.model import forward_logits
 from adapters.reference.trainer import ReferenceTrainer, init_weights
-from domain.codecs import quantize_weight
 from domain.errors import EngineTensorMismatch
-from domain.export import quantize_stream
-from domain.formats import FORMATS
-from domain.plan import QuantizationPlan
+from domain.quant.codecs import quantize_weight
+from domain.quant.formats import FORMATS
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import quantize_stream
 from tests import refit_support as rs
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 

@@ -10,7 +10,7 @@ import torch
 from adapters.reference.config import MICRO_MOE
 from adapters.reference.engine import ReferenceEngine
 from domain.errors import RefitVerificationFailed
-from domain.plan import QuantizationPlan
+from domain.quant.plan import QuantizationPlan
 from tests import refit_support as rs
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 

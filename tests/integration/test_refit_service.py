@@ -12,10 +12,11 @@ from adapters.memory import RecordingEngine
 from adapters.reference.config import MICRO_MOE
 from adapters.reference.engine import KV_PLACEHOLDER, ReferenceEngine
 from app.bootstrap import build_mismatch_probe, build_refit_service, build_refit_service_from_config
-from app.refit_service import PHASES, RefitService
+from app.services.refit import PHASES, RefitService
 from domain.errors import ConfigError, EngineBusy, RefitFailed
-from domain.plan import QuantizationPlan
-from domain.refit import CommitMode, RefitOutcome
+from domain.quant.plan import QuantizationPlan
+from domain.refit.report import RefitOutcome
+from domain.refit.session import CommitMode
 from tests import refit_support as rs
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 

@@ -7,9 +7,11 @@ import pytest
 from adapters.memory import RebindingEngine, RecordingEngine
 from adapters.reference.config import MICRO_MOE
 from adapters.reference.engine import ReferenceEngine
-from app.refit_service import RefitService
+from app.services.refit import RefitService
 from domain.errors import EngineStale, RefitFailed, StorageRebound
-from domain.refit import CommitMode, RefitOutcome, StorageFingerprint
+from domain.refit.report import RefitOutcome
+from domain.refit.session import CommitMode
+from domain.refit.storage import StorageFingerprint
 from tests import refit_support as rs
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 

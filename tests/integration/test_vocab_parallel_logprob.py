@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from domain.fused_logprob import IGNORE_INDEX, fused_logprob_entropy
+from domain.forward.fused_logprob import IGNORE_INDEX, fused_logprob_entropy
 from tests.megatron_cpu import free_port
 
 pytestmark = pytest.mark.distributed

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from domain import naming
-from domain.codecs import QuantizedWeight, dequantize_weight
-from domain.export import quantize_stream
-from domain.plan import QuantizationPlan
+from domain.quant import naming
+from domain.quant.codecs import QuantizedWeight, dequantize_weight
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import quantize_stream
 
 H, Q, KV, INTER, EXPERTS, MOE_INTER = 64, 64, 32, 64, 2, 32
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from domain.backend_policy import (
+from domain.errors import ConfigError, GpuCapabilityTooLow, UnsupportedCombination
+from domain.quant.backend_policy import (
     AUTO,
     DEEP_GEMM,
     FLASHINFER_CUTLASS,
@@ -13,8 +14,7 @@ from domain.backend_policy import (
     check_capability,
     decide_backends,
 )
-from domain.errors import ConfigError, GpuCapabilityTooLow, UnsupportedCombination
-from domain.plan import QuantizationPlan
+from domain.quant.plan import QuantizationPlan
 
 HOPPER, BLACKWELL, AMPERE = (9, 0), (10, 0), (8, 0)
 
@@ -193,8 +193,8 @@ def _matrix_rows() -> list[list[str]]:
 
 
 def test_docs_support_matrix_matches_the_policy() -> None:
-    from domain.dispatch import check_sglang
     from domain.errors import EngineRejectsQuantization
+    from domain.quant.dispatch import check_sglang
 
     rows = _matrix_rows()
     assert len(rows) >= 10

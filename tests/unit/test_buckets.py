@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain.buckets import (
+from domain.errors import BucketLayoutError
+from domain.refit.buckets import (
     DEFAULT_ALIGNMENT,
     Bucket,
     BucketPlanner,
@@ -18,7 +19,6 @@ from domain.buckets import (
     pack_buckets,
     unpack_bucket,
 )
-from domain.errors import BucketLayoutError
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.uint8, torch.int64, torch.float16)
 

@@ -6,8 +6,6 @@ import json
 
 import pytest
 
-from domain import dispatch, model_rules
-from domain.dispatch import DispatchInput, resolve
 from domain.errors import (
     BoundaryLayersMismatch,
     ConfigError,
@@ -22,8 +20,10 @@ from domain.errors import (
     UnsupportedCombination,
     UnsupportedQuantMethod,
 )
-from domain.formats import FP8_BLOCK, MXFP8, ActivationScheme
-from domain.plan import QuantizationPlan
+from domain.quant import dispatch, model_rules
+from domain.quant.dispatch import DispatchInput, resolve
+from domain.quant.formats import FP8_BLOCK, MXFP8, ActivationScheme
+from domain.quant.plan import QuantizationPlan
 
 GPT_OSS = {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}}
 DEEPSEEK_FP8 = {"model_type": "deepseek_v3", "quantization_config": {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from domain.formats import BF16, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme
-from domain.native_config import (
+from domain.quant.formats import BF16, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme
+from domain.quant.native_config import (
     OVERRIDE_ABSENT,
     find_quantization_config,
     override_quantization_config,

@@ -14,8 +14,8 @@ from adapters.memory.environment import FixedEnvironmentProbe
 from adapters.system.probe import SystemProbe, installed_version
 from app.cli.main import main
 from app.config import load_config
-from app.doctor import DoctorReport, diagnose, fused_forward_decision
-from app.doctor_checks import Reason, Status
+from app.services.doctor import DoctorReport, diagnose, fused_forward_decision
+from app.services.doctor_checks import Reason, Status
 from domain.environment import DISTRIBUTIONS, EnvironmentSnapshot, GpuInfo, parse_version, version_at_least
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0))

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from domain.codecs import quantize_weight
 from domain.errors import NonDivisibleTensors
-from domain.export import checkpoint_specs, quantize_stream
-from domain.formats import F4E2M1_MAX, F8E4M3_MAX, FORMATS, NVFP4
-from domain.plan import QuantizationPlan
+from domain.quant.codecs import quantize_weight
+from domain.quant.formats import F4E2M1_MAX, F8E4M3_MAX, FORMATS, NVFP4
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import checkpoint_specs, quantize_stream
 
 L0 = "model.layers.0"
 

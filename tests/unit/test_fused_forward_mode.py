@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from app.bootstrap import build_logprob_service
-from app.logprob_service import TokenScores
+from app.services.logprob import TokenScores
 from domain.errors import ConfigError, FusedForwardModeError, FusedHookUnavailable, InvalidTensor
-from domain.fused_forward_mode import (
+from domain.forward.mode import (
     MODE_ALIASES,
     FusedForwardMode,
     FusedForwardRequest,

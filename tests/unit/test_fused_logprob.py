@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from domain.errors import InvalidTemperature, InvalidTensor, RefitError, UnsupportedDtype
-from domain.fused_logprob import (
+from domain.forward.fused_logprob import (
     DEFAULT_CHUNK_BYTES,
     IGNORE_INDEX,
     auto_chunk_size,

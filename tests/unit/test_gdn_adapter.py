@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from adapters.megatron import gdn
 from adapters.megatron.gdn_forward import check_packed_input, packed_forward
 from adapters.megatron.gdn_kernels import GdnKernels, causal_conv1d_kernels, reference_kernels, select_kernels
-from app.gdn_service import apply_packed_gdn, remove_packed_gdn
-from domain import varlen_kernels
+from app.services.packed_gdn import apply_packed_gdn, remove_packed_gdn
 from domain.errors import InvalidPackedBoundaries, PackedGdnUnsupported
-from domain.gdn_packing import build_seq_idx
+from domain.forward import varlen_kernels
+from domain.forward.gdn_packing import build_seq_idx
 
 HIDDEN, HEADS_K, HEADS_V, DK, DV = 16, 1, 2, 4, 4
 

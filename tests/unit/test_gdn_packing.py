@@ -13,7 +13,7 @@ from domain.errors import (
     RefitError,
     UnsupportedCombination,
 )
-from domain.gdn_packing import (
+from domain.forward.gdn_packing import (
     build_seq_idx,
     full_sequence_length,
     reject_packed_deterministic,
@@ -21,7 +21,7 @@ from domain.gdn_packing import (
     sequence_starts,
     validate_cu_seqlens,
 )
-from domain.varlen_kernels import gated_delta_rule
+from domain.forward.varlen_kernels import gated_delta_rule
 
 
 def cu(*values: int) -> torch.Tensor:

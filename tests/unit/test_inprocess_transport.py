@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from adapters.distributed.inprocess import InProcessTransport
-from domain.buckets import Bucket, BucketPlanner, unpack_bucket
 from domain.errors import CollectiveTimeout, TransportAborted
+from domain.refit.buckets import Bucket, BucketPlanner, unpack_bucket
 
 
 def _stream(n: int = 40) -> list[tuple[str, torch.Tensor]]:

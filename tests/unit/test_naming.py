@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from domain import naming
+from domain.quant import naming
 
 CASES = [
     # name, shape, kind, group

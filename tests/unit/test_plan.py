@@ -6,8 +6,8 @@ import attrs
 import pytest
 
 from domain.errors import ConfigError
-from domain.formats import BF16, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, MxScaleRule
-from domain.plan import QuantizationPlan, TensorDecision
+from domain.quant.formats import BF16, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, MxScaleRule
+from domain.quant.plan import QuantizationPlan, TensorDecision
 
 
 def test_from_presets_reads_names_case_insensitively() -> None:

@@ -15,8 +15,8 @@ from domain.errors import (
     QatPrecisionMismatch,
     QatWithTeRecipe,
 )
-from domain.plan import QuantizationPlan
-from domain.qat import QatSummary
+from domain.quant.plan import QuantizationPlan
+from domain.quant.qat import QatSummary
 from tests.unit.qat_models import H, TinyHf
 
 

@@ -15,9 +15,9 @@ from domain.errors import (
     QatWithTeRecipe,
     RefitError,
 )
-from domain.plan import QuantizationPlan
-from domain.qat import HfPart, LayerPrecision, TrainerTensor
-from domain.qat_checks import (
+from domain.quant.plan import QuantizationPlan
+from domain.quant.qat import HfPart, LayerPrecision, TrainerTensor
+from domain.quant.qat_checks import (
     QatSettings,
     check_effective_precision,
     check_qat_plan,

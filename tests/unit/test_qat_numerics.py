@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from adapters.qat_reference.backend import ReferenceQatBackend
-from domain.codecs import fake_quantize_activation
-from domain.formats import ActivationScheme
-from domain.plan import QuantizationPlan
-from domain.qat import HfPart, TrainerTensor, fake_quantize_tensors, straight_through
+from domain.quant.codecs import fake_quantize_activation
+from domain.quant.formats import ActivationScheme
+from domain.quant.plan import QuantizationPlan
+from domain.quant.qat import HfPart, TrainerTensor, fake_quantize_tensors, straight_through
 from tests.unit.qat_models import H, LinearCalls, TinyHf, rollout_values
 
 PRESETS = ["FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4"]

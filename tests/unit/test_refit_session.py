@@ -7,18 +7,11 @@ import itertools
 import pytest
 import torch
 
-from domain.buckets import Bucket
+from adapters.memory.faults import FaultPoint, FaultScript
 from domain.errors import BucketSequenceError, RefitLifecycleError
-from domain.refit import (
-    TRANSITIONS,
-    CommitMode,
-    FaultPoint,
-    FaultScript,
-    RefitEvent,
-    RefitSession,
-    RefitState,
-    StorageFingerprint,
-)
+from domain.refit.buckets import Bucket
+from domain.refit.session import TRANSITIONS, CommitMode, RefitEvent, RefitSession, RefitState
+from domain.refit.storage import StorageFingerprint
 
 
 def _bucket(index: int, last: bool = False) -> Bucket:

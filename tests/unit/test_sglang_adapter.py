@@ -9,9 +9,7 @@ from adapters.sglang import loader as refit_loader
 from adapters.sglang.engine import SglangRolloutEngine
 from adapters.sglang.engine_args import sglang_engine_kwargs
 from adapters.sglang.staging import BEGIN_MARKER, LOADER_PATH, StagingRule
-from app.refit_service import RefitService
-from domain.backend_policy import decide_backends
-from domain.buckets import pack_buckets
+from app.services.refit import RefitService
 from domain.errors import (
     ConfigError,
     EngineRejectsQuantization,
@@ -20,8 +18,11 @@ from domain.errors import (
     RefitFailed,
     StorageRebound,
 )
-from domain.export import quantize_stream
-from domain.refit import CommitMode, RefitOutcome
+from domain.quant.backend_policy import decide_backends
+from domain.quant.stream import quantize_stream
+from domain.refit.buckets import pack_buckets
+from domain.refit.report import RefitOutcome
+from domain.refit.session import CommitMode
 from tests.engine_fakes.sglang import (
     LAYERS,
     FakeMxfp8LinearMethod,

@@ -1,4 +1,4 @@
-"""domain.sharding: layouts, placements, export units, and the shard math against the
+"""domain.refit.sharding: layouts, placements, export units, and the shard math against the
 single-process export (quantize_stream) as the independent reference, bit for bit."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import torch
 
 from adapters.reference.config import MICRO_MOE, TINY_DENSE, hf_weight_shapes
 from adapters.reference.trainer import ReferenceTrainer
-from domain import naming
-from domain.codecs import nvfp4_global_scale
 from domain.errors import NonFiniteTensor, ShardingError
-from domain.export import checkpoint_names, quantize_stream
-from domain.plan import QuantizationPlan
-from domain.shard_export import (
+from domain.quant import naming
+from domain.quant.codecs import nvfp4_global_scale
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import checkpoint_names, quantize_stream
+from domain.refit.shard_quant import (
     checkpoint_items,
     concat_shards,
     flatten_piece,
@@ -22,7 +22,7 @@ from domain.shard_export import (
     quantize_shard,
     unflatten_piece,
 )
-from domain.sharding import ParallelLayout, RefitWorld, ShardMap, place_tensors
+from domain.refit.sharding import ParallelLayout, RefitWorld, ShardMap, place_tensors
 
 SHAPES = hf_weight_shapes(MICRO_MOE)
 

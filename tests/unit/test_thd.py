@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from domain.errors import RefitError, ThdPackingError
-from domain.fused_logprob import IGNORE_INDEX, fused_logprob_entropy
-from domain.thd import ThdLayout, recipe_alignment, sequence_alignment
+from domain.forward.fused_logprob import IGNORE_INDEX, fused_logprob_entropy
+from domain.forward.thd import ThdLayout, recipe_alignment, sequence_alignment
 
 
 @pytest.mark.parametrize(

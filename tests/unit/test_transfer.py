@@ -1,27 +1,27 @@
-"""domain.transfer: frame headers, bucket metadata, rank statuses, failure summaries, fault scripts."""
+"""The transport wire format, rank statuses, failure summaries and the distributed fault vocabulary."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from domain.buckets import TensorMeta
-from domain.errors import WireProtocolError
-from domain.transfer import (
+from adapters.distributed.wire import (
     LEAD_BYTES,
     STATUS_BYTES,
-    EngineState,
     FrameKind,
     Header,
-    RankFault,
-    RankStatus,
     StreamLayout,
     decode_lead,
     decode_metas,
+    decode_status,
     encode_lead,
     encode_metas,
-    failure_summary,
+    encode_status,
 )
+from adapters.memory.faults import RankFault
+from domain.errors import WireProtocolError
+from domain.refit.buckets import TensorMeta
+from domain.refit.status import EngineState, RankStatus, failure_summary
 
 
 def test_header_round_trip_and_checks() -> None:
@@ -50,11 +50,11 @@ def test_metadata_round_trip_every_dtype() -> None:
 def test_status_round_trip_and_truncation() -> None:
     s = RankStatus(3, "engine", engine=EngineState.RESTORED, fingerprint="abcd1234")
     s = s.failed("bucket 2", ValueError("boom"))
-    t = s.to_tensor()
-    assert t.shape == (STATUS_BYTES,) and RankStatus.from_tensor(t) == s
+    t = encode_status(s)
+    assert t.shape == (STATUS_BYTES,) and decode_status(t) == s
     assert s.failed("finalize", "later").step == "bucket 2"  # the first failure is kept
     long = RankStatus(0, "trainer").failed("export x", "E: " + "y" * 5000)
-    back = RankStatus.from_tensor(long.to_tensor())
+    back = decode_status(encode_status(long))
     assert not back.ok and back.error.startswith("E: yyy") and back.error.endswith("...")
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from domain.gdn_packing import build_seq_idx
-from domain.varlen_kernels import causal_conv1d, gated_delta_rule, l2norm
+from domain.forward.gdn_packing import build_seq_idx
+from domain.forward.varlen_kernels import causal_conv1d, gated_delta_rule, l2norm
 
 SEEDS = [0, 1, 2]
 

@@ -10,9 +10,7 @@ import torch
 from adapters.vllm.engine import VllmRolloutEngine
 from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
 from adapters.vllm.hooks import VllmHooks
-from app.refit_service import RefitService
-from domain.backend_policy import decide_backends
-from domain.buckets import pack_buckets, unpack_bucket
+from app.services.refit import RefitService
 from domain.errors import (
     BucketSequenceError,
     ConfigError,
@@ -21,7 +19,10 @@ from domain.errors import (
     RefitFailed,
     StorageRebound,
 )
-from domain.refit import CommitMode, RefitOutcome
+from domain.quant.backend_policy import decide_backends
+from domain.refit.buckets import pack_buckets, unpack_bucket
+from domain.refit.report import RefitOutcome
+from domain.refit.session import CommitMode
 from tests.engine_fakes.vllm import (
     DUMMY_KV,
     FakeLayerwise,
@@ -273,8 +274,8 @@ def test_missing_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None
 def test_expected_layout_rejects_a_repeated_tensor_before_vllm_sees_it() -> None:
     import attrs
 
-    from domain.engine_layout import layout_of
     from domain.errors import EngineTensorMismatch
+    from domain.refit.engine_layout import layout_of
 
     model, _, engine = build()
     named = checkpoint_stream(True)

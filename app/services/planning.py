@@ -1,0 +1,163 @@
+"""Plan service: configuration (+ optional checkpoint) -> resolution, per-tensor decisions, engine config."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from app.config import Section
+from domain.errors import ConfigError
+from domain.quant import naming
+from domain.quant.dispatch import DispatchInput, Resolution, resolve
+from domain.quant.formats import MxScaleRule
+from domain.quant.plan import QuantizationPlan, TensorDecision
+
+
+class _Checkpoint(Protocol):
+    @property
+    def config(self) -> dict[str, Any]: ...
+
+    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]: ...
+
+
+@attrs.frozen
+class PlanReport:
+    """Everything `refit plan` shows.
+
+    Attributes:
+        engine: rollout.name.
+        resolution: the dispatch's decision (plan, source, layout, rule outcomes).
+        decisions: one per tensor of the model, in layer order (empty without a model).
+        shapes: the model's (name, shape) pairs (empty without a model).
+        engine_config: the quantization_config the engine is sent (None for BF16).
+    """
+
+    engine: str
+    resolution: Resolution
+    decisions: tuple[TensorDecision, ...]
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    engine_config: dict[str, Any] | None
+
+    @property
+    def plan(self) -> QuantizationPlan:
+        return self.resolution.plan
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Read rollout.quantization.config_file: a quantization_config JSON, or a config.json holding one.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The quantization_config dict.
+    """
+    key = "rollout.quantization.config_file"
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(key, f"file {path!r} does not exist")
+    try:
+        data = json.loads(file.read_text())
+    except ValueError as err:
+        raise ConfigError(key, f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(key, f"{path}: expected a JSON object")
+    return data.get("quantization_config", data) if isinstance(data.get("quantization_config"), dict) else data
+
+
+def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None) -> DispatchInput:
+    """Translate the configuration into the dispatch rules' input.
+
+    Args:
+        cfg: the validated configuration.
+        model_config: the checkpoint's config.json, or None.
+
+    Returns:
+        The DispatchInput.
+    """
+    q = cfg.rollout.quantization
+    requested = None
+    if q.linear is not None or q.moe is not None:
+        requested = QuantizationPlan.from_presets(
+            linear=q.linear, moe=q.moe, moe_activation=q.moe_activation,
+            linear_activation=q.linear_activation, scale_rule=q.scale_rule,
+        )
+    elif q.moe_activation is not None or q.linear_activation is not None:
+        key = "moe_activation" if q.moe_activation is not None else "linear_activation"
+        raise ConfigError(f"rollout.quantization.{key}", "is set but rollout.quantization.linear and moe are null")
+    engine = cfg.rollout.name
+    overrides_key = f"rollout.engine_kwargs.{engine}.hf_overrides"
+    hf_overrides = cfg[overrides_key] if engine in ("vllm", "sglang") else None
+    te = cfg.actor.megatron.override_transformer_config
+    return DispatchInput(
+        engine=engine,
+        requested=requested,
+        ignore=q.ignore,
+        config_file=read_config_file(q.config_file) if q.config_file else None,
+        hf_overrides=hf_overrides,
+        hf_overrides_key=overrides_key,
+        model_config=model_config,
+        qat_enable=cfg.actor.megatron.qat.enable,
+        qat_mode=cfg.actor.megatron.qat.mode,
+        qat_ignore=cfg.actor.megatron.qat.ignore_patterns,
+        te_fp8=te.fp8,
+        te_fp4=te.fp4,
+        first_last_layers_bf16=te.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=te.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=te.num_layers_at_end_in_bf16,
+        sync_backend=cfg.rollout.checkpoint_engine.backend,
+        wire_format=cfg.rollout.wire_format,
+    )
+
+
+def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> list[str]:
+    """Linear modules that stay BF16 (what native layouts list as `ignored_layers`).
+
+    Args:
+        plan: the plan.
+        shapes: the model's (name, shape) pairs.
+
+    Returns:
+        Sorted module names (embeddings, norms and biases excluded; experts also as `...experts`).
+    """
+    kept: set[str] = set()
+    for name, shape in shapes:
+        d = plan.decide(name, shape)
+        if d.is_quantized:
+            continue
+        cls = naming.classify(name, shape)
+        if cls.fused_experts:
+            kept.update(m for m, _, _ in naming.expert_split(name, shape))
+            kept.add(name.rsplit(".", 1)[0])
+        elif len(shape) == 2 and name.endswith(".weight") and (cls.kind != "passthrough" or "default ignore" in cls.reason):
+            kept.add(cls.module)
+            if cls.kind == "expert":
+                kept.add(cls.module.rsplit(".", 2)[0])
+    return sorted(kept)
+
+
+def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None) -> PlanReport:
+    """Resolve the rollout quantization for a configuration (and a model, when given).
+
+    Args:
+        cfg: the validated configuration.
+        checkpoint: the model (only headers are read), or None.
+
+    Returns:
+        The PlanReport. Raises the dispatch rule's typed error when the configuration is rejected.
+    """
+    shapes = tuple(checkpoint.tensor_shapes()) if checkpoint is not None else None
+    inp = dispatch_input(cfg, checkpoint.config if checkpoint is not None else None)
+    res = resolve(inp, shapes)
+    rule = MxScaleRule(cfg.rollout.quantization.scale_rule)
+    if res.plan.scale_rule is not rule:
+        res = attrs.evolve(res, plan=attrs.evolve(res.plan, scale_rule=rule))
+    from adapters.compressed_tensors.quantization_config import engine_quantization_config
+
+    kept = bf16_linear_modules(res.plan, shapes) if shapes is not None else None
+    decisions = tuple(res.plan.decide(n, s) for n, s in shapes or ())
+    return PlanReport(cfg.rollout.name, res, decisions, tuple(shapes or ()), engine_quantization_config(res, kept))

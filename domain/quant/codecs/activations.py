@@ -1,0 +1,85 @@
+"""Dynamic activation fake-quantization: what the rollout kernels do to a layer's input.
+
+All schemes work along the last (hidden) dimension, per token:
+- FP8 1x128 groups: float32 scale = amax_group / 448 per 128 values (edge group allowed).
+- MXFP8 / MXFP4: 1x32 blocks with E8M0 scales, rceil rule.
+- NVFP4 per token: a global scale per token (448 * 6 / amax_token), then 1x16 E4M3 block scales.
+- NVFP4 static: one calibrated global scale (input_global_scale) for every token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from domain.errors import InvalidTensor, UnsupportedDtype
+from domain.quant.codecs import fp8_block, mx, nvfp4
+from domain.quant.codecs.checks import FLOAT_DTYPES, check_last_dim
+from domain.quant.formats import ActivationScheme, ElementType, MxScaleRule
+
+
+def _per_token(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+@torch.no_grad()
+def _fake_quantize(
+    scheme: ActivationScheme, x: torch.Tensor, global_scale: torch.Tensor | None, name: str
+) -> torch.Tensor:
+    t = _per_token(x)
+    if scheme is ActivationScheme.FP8_GROUP_128:
+        q, s = fp8_block.quantize(t, name, (1, 128))
+        out = fp8_block.dequantize(q, s, (1, 128))
+    elif scheme in (ActivationScheme.MXFP8, ActivationScheme.MXFP4):
+        element = ElementType.E4M3 if scheme is ActivationScheme.MXFP8 else ElementType.E2M1
+        check_last_dim(t, name, k_multiple=mx.MX_BLOCK, fmt_name=scheme.value)
+        elements, scale = mx.quantize(t, name, element, MxScaleRule.RCEIL)
+        out = mx.dequantize(elements, scale, element)
+    elif scheme in (ActivationScheme.NVFP4_PER_TOKEN, ActivationScheme.NVFP4_STATIC):
+        check_last_dim(t, name, k_multiple=nvfp4.NVFP4_BLOCK, fmt_name=scheme.value)
+        if scheme is ActivationScheme.NVFP4_PER_TOKEN:
+            gs = nvfp4.global_scale(t.unsqueeze(-2), name=name)  # [T, 1]: one per token
+        elif global_scale is None:
+            raise InvalidTensor(name, "static NVFP4 activations need a calibrated input_global_scale",
+                                "pass global_scale, or use the nvfp4_per_token scheme")
+        else:
+            gs = global_scale.float().reshape(1, 1)
+        packed, scale = nvfp4.quantize(t, name, gs)
+        out = nvfp4.dequantize(packed, scale, gs)
+    else:
+        return x
+    return out.reshape(x.shape).to(x.dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scheme, global_scale, name):
+        return _fake_quantize(scheme, x, global_scale, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def fake_quantize_activation(
+    scheme: ActivationScheme,
+    x: torch.Tensor,
+    *,
+    global_scale: torch.Tensor | None = None,
+    name: str = "activation",
+) -> torch.Tensor:
+    """Quantize-dequantize an activation [..., H] the way the rollout's kernels quantize it.
+
+    Args:
+        scheme: the activation scheme (NONE returns x unchanged).
+        x: activations in bfloat16, float16 or float32; the last dimension is the hidden one.
+        global_scale: the calibrated input_global_scale, for NVFP4_STATIC only.
+        name: for errors.
+
+    Returns:
+        A tensor like x. Gradients pass straight through (the identity), for QAT.
+    """
+    if scheme is ActivationScheme.NONE:
+        return x
+    if x.dtype not in FLOAT_DTYPES:
+        raise UnsupportedDtype(name, f"dtype {x.dtype} cannot be quantized", "pass a floating tensor")
+    return _StraightThrough.apply(x, scheme, global_scale, name)

@@ -1,0 +1,255 @@
+"""The rollout quantization plan: per tensor, BF16 or which preset, and the fused group.
+
+A plan is a value: the preset for dense Linear layers (`linear`), for routed experts (`moe`),
+the experts' activation scheme, the user's ignore entries (added to naming.DEFAULT_IGNORE) and the
+MX scale rule. `decide(name, shape)` is a pure function of those and the tensor's name and shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+from domain.errors import ConfigError
+from domain.quant import naming
+from domain.quant.formats import (
+    BF16,
+    FP8_BLOCK,
+    MXFP4,
+    MXFP8,
+    NVFP4,
+    ActivationScheme,
+    MxScaleRule,
+    PrecisionFormat,
+    format_by_name,
+)
+
+# Activation schemes each weight preset can run with; the first is the preset's default.
+# NONE is weight-only (W4A16 / W8A16 kernels); NVFP4_STATIC needs calibrated input scales.
+ACTIVATIONS: dict[str, tuple[ActivationScheme, ...]] = {
+    FP8_BLOCK.name: (ActivationScheme.FP8_GROUP_128, ActivationScheme.NONE),
+    MXFP8.name: (ActivationScheme.MXFP8, ActivationScheme.NONE),
+    MXFP4.name: (ActivationScheme.MXFP4, ActivationScheme.MXFP8, ActivationScheme.NONE),
+    NVFP4.name: (ActivationScheme.NVFP4_PER_TOKEN, ActivationScheme.NVFP4_STATIC, ActivationScheme.NONE),
+}
+SCALE_NAMES = ("weight_scale", "weight_scale_inv")
+
+
+@attrs.frozen
+class TensorDecision:
+    """What the plan does with one tensor.
+
+    Attributes:
+        name: Hugging Face tensor name, e.g. `model.layers.0.self_attn.q_proj.weight`.
+        format: the preset it is exported in; BF16 when it is not quantized.
+        kind: "dense" | "expert" | "passthrough".
+        group: the fused group sharing one NVFP4 global scale (q/k/v; gate/up, per expert),
+            e.g. `model.layers.0.self_attn.qkv`; None otherwise (and for every non-NVFP4 format).
+        reason: why, in words (shown by `refit plan`).
+    """
+
+    name: str
+    format: PrecisionFormat
+    kind: str = attrs.field(validator=attrs.validators.in_(("dense", "expert", "passthrough")))
+    group: str | None
+    reason: str
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.format.is_quantized
+
+
+def _to_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _check_ignore(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    for entry in value:
+        problem = naming.validate_ignore_entry(entry)
+        if problem:
+            raise ConfigError("rollout.quantization.ignore", f"{problem} (entry {entry!r})")
+
+
+def _check_activation(plan: QuantizationPlan, attribute: attrs.Attribute, value: object) -> None:
+    if value is None:
+        return
+    role = attribute.name.removesuffix("_activation")
+    fmt: PrecisionFormat = getattr(plan, role)
+    key = f"rollout.quantization.{attribute.name}"
+    if not isinstance(value, ActivationScheme):
+        raise ConfigError(key, f"expected an activation scheme, got {value!r}")
+    if not fmt.is_quantized:
+        raise ConfigError(key, f"{value.value!r} is set but rollout.quantization.{role} is null; set {role} or drop it")
+    allowed = ACTIVATIONS[fmt.name]
+    if value not in allowed:
+        raise ConfigError(
+            key, f"{value.value!r} does not go with {role}={fmt.name}; valid: {', '.join(a.value for a in allowed)}"
+        )
+
+
+def parse_activation(
+    value: str | ActivationScheme | None, key: str = "rollout.quantization.moe_activation"
+) -> ActivationScheme | None:
+    """Read an activation scheme by its value (`nvfp4_per_token`), case-insensitively.
+
+    Args:
+        value: the scheme, its string value, or None.
+        key: the configuration key (for the error message).
+
+    Returns:
+        The ActivationScheme, or None.
+    """
+    if value is None or isinstance(value, ActivationScheme):
+        return value
+    text = str(value).strip().lower()
+    for scheme in ActivationScheme:
+        if text in (scheme.value, scheme.name.lower()):
+            return scheme
+    valid = ", ".join(s.value for s in ActivationScheme)
+    raise ConfigError(key, f"unknown scheme {value!r}; valid: {valid}")
+
+
+def parse_scale_rule(value: str | MxScaleRule) -> MxScaleRule:
+    """Read an MX scale rule (`rceil` or `even`).
+
+    Args:
+        value: the rule or its string value.
+
+    Returns:
+        The MxScaleRule.
+    """
+    if isinstance(value, MxScaleRule):
+        return value
+    try:
+        return MxScaleRule(str(value).strip().lower())
+    except ValueError:
+        valid = ", ".join(r.value for r in MxScaleRule)
+        raise ConfigError("rollout.quantization.scale_rule", f"unknown rule {value!r}; valid: {valid}") from None
+
+
+def parse_format(key: str, value: str | PrecisionFormat | None) -> PrecisionFormat:
+    """Read a preset name for configuration key `key`; None means BF16.
+
+    Args:
+        key: the configuration key (for the error message).
+        value: a preset name, a PrecisionFormat, or None.
+
+    Returns:
+        The PrecisionFormat.
+    """
+    if isinstance(value, PrecisionFormat):
+        return value
+    try:
+        return format_by_name(value)
+    except KeyError as err:
+        raise ConfigError(key, str(err.args[0])) from None
+
+
+@attrs.frozen
+class QuantizationPlan:
+    """A rollout quantization: presets for dense and expert Linear weights, and what stays BF16.
+
+    Attributes:
+        linear: preset for dense Linear layers (BF16 = not quantized).
+        moe: preset for routed experts (BF16 = not quantized).
+        moe_activation: the experts' activation scheme; None = the moe preset's default.
+        ignore: the user's ignore entries, added to naming.DEFAULT_IGNORE.
+        scale_rule: the MX shared-exponent rule (RCEIL by default, EVEN for compressed-tensors bytes).
+        scale_name: checkpoint name of the block scale: `weight_scale` (compressed-tensors) or
+            `weight_scale_inv` (native DeepSeek-style FP8 and SGLang's native MXFP8).
+        linear_activation: the dense layers' activation scheme; None = the linear preset's default.
+    """
+
+    linear: PrecisionFormat = BF16
+    moe: PrecisionFormat = BF16
+    moe_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
+    ignore: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_check_ignore)
+    scale_rule: MxScaleRule = MxScaleRule.RCEIL
+    scale_name: str = attrs.field(default="weight_scale", validator=attrs.validators.in_(SCALE_NAMES))
+    linear_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
+
+    @classmethod
+    def bf16(cls) -> QuantizationPlan:
+        """The plan that quantizes nothing."""
+        return cls()
+
+    @classmethod
+    def from_presets(
+        cls,
+        linear: str | PrecisionFormat | None = None,
+        moe: str | PrecisionFormat | None = None,
+        ignore: Iterable[str] = (),
+        moe_activation: str | ActivationScheme | None = None,
+        scale_rule: str | MxScaleRule = MxScaleRule.RCEIL,
+        scale_name: str = "weight_scale",
+        linear_activation: str | ActivationScheme | None = None,
+    ) -> QuantizationPlan:
+        """Build a plan from preset names, as the configuration writes them.
+
+        Args:
+            linear: preset for dense Linear layers (e.g. "FP8_BLOCK"), or None for BF16.
+            moe: preset for routed experts, or None for BF16.
+            ignore: user ignore entries (exact names, dot suffixes, `re:` regexes, fnmatch).
+            moe_activation: e.g. "nvfp4_per_token" or "mxfp8"; None = the moe preset's default.
+            scale_rule: "rceil" (default) or "even".
+            scale_name: "weight_scale" or "weight_scale_inv".
+            linear_activation: like moe_activation, for dense layers.
+
+        Returns:
+            The validated plan. Raises ConfigError naming the key on a bad value.
+        """
+        return cls(
+            linear=parse_format("rollout.quantization.linear", linear),
+            moe=parse_format("rollout.quantization.moe", moe),
+            moe_activation=parse_activation(moe_activation, "rollout.quantization.moe_activation"),
+            linear_activation=parse_activation(linear_activation, "rollout.quantization.linear_activation"),
+            ignore=tuple(ignore),
+            scale_rule=parse_scale_rule(scale_rule),
+            scale_name=scale_name,
+        )
+
+    @property
+    def is_quantized(self) -> bool:
+        """True when dense or expert weights are quantized."""
+        return self.linear.is_quantized or self.moe.is_quantized
+
+    @property
+    def effective_moe_activation(self) -> ActivationScheme:
+        """The experts' activation scheme, defaults applied (NONE when experts stay BF16)."""
+        return self.moe.activation if self.moe_activation is None else self.moe_activation
+
+    @property
+    def effective_linear_activation(self) -> ActivationScheme:
+        """The dense layers' activation scheme, defaults applied (NONE when they stay BF16)."""
+        return self.linear.activation if self.linear_activation is None else self.linear_activation
+
+    @property
+    def formats(self) -> tuple[PrecisionFormat, ...]:
+        """The distinct quantized presets the plan uses."""
+        return tuple(dict.fromkeys(f for f in (self.linear, self.moe) if f.is_quantized))
+
+    def decide(self, name: str, shape: tuple[int, ...]) -> TensorDecision:
+        """Decide one tensor.
+
+        Args:
+            name: Hugging Face tensor name.
+            shape: its shape.
+
+        Returns:
+            The TensorDecision (format, kind, fused group, reason).
+        """
+        cls = naming.classify(name, tuple(shape))
+        if cls.kind == "passthrough":
+            return TensorDecision(name, BF16, "passthrough", None, cls.reason)
+        key = "linear" if cls.kind == "dense" else "moe"
+        fmt = self.linear if cls.kind == "dense" else self.moe
+        if not fmt.is_quantized:
+            return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; rollout.quantization.{key} is null")
+        entry = naming.first_match(self.ignore, name)
+        if entry is not None:
+            return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; ignored by '{entry}'")
+        group = cls.group if fmt is NVFP4 or fmt.name == NVFP4.name else None
+        if cls.fused_experts:
+            group = None  # one tensor: its per-expert global scales are computed from it alone
+        return TensorDecision(name, fmt, cls.kind, group, f"{cls.reason}; rollout.quantization.{key} = {fmt.name}")

@@ -1,0 +1,89 @@
+"""What a refit reports: the engine's finalize result, the outcome and the whole measured report."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from domain.refit.storage import StorageCheck
+
+
+@attrs.frozen
+class EngineFinalizeResult:
+    """What the engine reports after a successful finalize.
+
+    Attributes:
+        kv_scales_reset: attention layers whose q/k/v/prob scales were reset to 1.0.
+        postprocess_seconds: time spent post-processing (run once per refit).
+        tensors_committed: live tensors written by in-place copy.
+        peak_staging_bytes: the most bytes the engine held staged at once during this refit.
+    """
+
+    kv_scales_reset: int = 0
+    postprocess_seconds: float = 0.0
+    tensors_committed: int = 0
+    peak_staging_bytes: int = 0
+
+
+class RefitOutcome(enum.Enum):
+    LIVE = "live"  # committed and verified
+    ROLLED_BACK = "rolled-back"  # failed; live weights are the previous refit's, bit for bit
+    STALE = "stale"  # failed after live weights were touched; the engine refuses to serve
+
+
+
+
+@attrs.frozen
+class RefitReport:
+    """Everything one refit did, measured.
+
+    Attributes:
+        refit_id: the refit's id.
+        outcome: LIVE, ROLLED_BACK or STALE.
+        plan: the quantization plan, in words (e.g. "linear=FP8_BLOCK moe=NVFP4").
+        commit_mode: the engine's commit mode, when it reports one.
+        source_bytes: bytes of the trainer's weights (BF16) that went into the refit.
+        bytes_sent: bytes of checkpoint-format tensors sent (bucket payloads).
+        buckets: buckets sent (a failed refit counts those sent before the failure).
+        tensors: checkpoint-format tensors sent.
+        timings: seconds per phase: export, quantize, pack, load, finalize, verify, total.
+        peak_staging_bytes: most bytes the engine held staged at once.
+        bucket_bytes: the bucket capacity used.
+        storage: the captured-storage check.
+        kv_scales_reset: attention layers whose KV-cache scales were reset to 1.0.
+        error: the failure, in words (None when LIVE).
+    """
+
+    refit_id: int
+    outcome: RefitOutcome
+    plan: str
+    commit_mode: str | None
+    source_bytes: int
+    bytes_sent: int
+    buckets: int
+    tensors: int
+    timings: dict[str, float]
+    peak_staging_bytes: int
+    bucket_bytes: int
+    storage: StorageCheck
+    kv_scales_reset: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is RefitOutcome.LIVE
+
+    @property
+    def throughput_gbps(self) -> float:
+        """GB (1e9 bytes) of source (BF16) weights refitted per second of total time."""
+        total = self.timings.get("total", 0.0)
+        return self.source_bytes / total / 1e9 if total > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dictionary."""
+        d = attrs.asdict(self, recurse=False)
+        d["outcome"] = self.outcome.value
+        d["storage"] = {"checked": self.storage.checked, "ok": self.storage.ok, "changed": list(self.storage.changed)}
+        d["throughput_gbps"] = self.throughput_gbps
+        return d

@@ -1,0 +1,62 @@
+"""The captured-storage fingerprint and its check after a refit.
+
+Storage captured by CUDA graphs is never rebound: after a refit every captured tensor has the same
+data pointer, shape, stride and dtype (ARCHITECTURE.md section 6).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class StorageRecord:
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> StorageRecord:
+        return cls(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+@attrs.frozen
+class StorageFingerprint:
+    """The identity of every captured live tensor, by name."""
+
+    records: dict[str, StorageRecord]
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> StorageFingerprint:
+        return cls({name: StorageRecord.of(t) for name, t in tensors.items()})
+
+    def differences(self, after: StorageFingerprint) -> list[str]:
+        """Names whose pointer, shape, stride or dtype changed, or that appeared or vanished."""
+        names = sorted(set(self.records) | set(after.records))
+        return [n for n in names if self.records.get(n) != after.records.get(n)]
+
+
+
+
+@attrs.frozen
+class StorageCheck:
+    """The captured-storage check after a refit.
+
+    Attributes:
+        checked: False when the refit failed before the check could run.
+        changed: names whose data pointer, shape, stride or dtype changed.
+    """
+
+    checked: bool
+    changed: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.checked and not self.changed
+
+    def __str__(self) -> str:
+        if not self.checked:
+            return "not run"
+        return "ok" if not self.changed else f"REBOUND ({len(self.changed)})"
