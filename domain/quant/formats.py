@@ -97,6 +97,11 @@ class PrecisionFormat:
         return self.tensor_names[0]
 
     @property
+    def has_global_scale(self) -> bool:
+        """One float32 global scale per tensor (NVFP4), shared by the members of a fused group."""
+        return self.scale_encoding is ScaleEncoding.E4M3_GLOBAL_FP32
+
+    @property
     def k_multiple(self) -> int:
         """K must be a multiple of this (blocked formats along K); 1 when edge blocks are allowed."""
         rows, cols = self.block_size

@@ -69,7 +69,7 @@ def _format_specs(plan: QuantizationPlan, fmt: PrecisionFormat, module: str, sha
         TensorSpec(f"{module}.{fmt.weight_name}", _ELEMENT_DTYPE[fmt.element], (n, k // 2) if fmt.packed else (n, k)),
         TensorSpec(f"{module}.{plan.scale_name}", _SCALE_DTYPE[fmt.scale_encoding], fmt.scale_shape((n, k))),
     ]
-    if "weight_global_scale" in fmt.tensor_names:
+    if fmt.has_global_scale:
         specs.append(TensorSpec(f"{module}.weight_global_scale", torch.float32, (1,)))
     return specs
 
@@ -158,7 +158,7 @@ def _emit_fused_experts(plan: QuantizationPlan, d: TensorDecision, w: Tensor) ->
     split = naming.expert_split(d.name, tuple(w.shape))
     gate_up = split[0][0].endswith("gate_proj")
     scales = None
-    if d.format.tensor_names[-1] == "weight_global_scale" and gate_up:
+    if d.format.has_global_scale and gate_up:
         # gate and up of one expert share one global scale: the amax over both halves.
         scales = nvfp4_global_scale(w, name=d.name)  # [E, 1]
     for module, e, rows in split:

@@ -70,7 +70,7 @@ def quantize_shard(
         return {"weight": shard}
     from domain.quant.codecs import quantize_weight
 
-    gs = global_scale if "weight_global_scale" in decision.format.tensor_names else None
+    gs = global_scale if decision.format.has_global_scale else None
     q = quantize_weight(decision.format, shard, name=decision.name, global_scale=gs, scale_rule=plan.scale_rule)
     return dict(q.tensors)
 

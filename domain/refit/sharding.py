@@ -218,7 +218,7 @@ class ExportUnit:
     @property
     def has_global_scale(self) -> bool:
         """True when the members are NVFP4 (one global scale over the whole unit)."""
-        return any("weight_global_scale" in d.format.tensor_names for d in self.decisions)
+        return any(d.format.has_global_scale for d in self.decisions)
 
 
 # --- placing a model ---------------------------------------------------------------------------

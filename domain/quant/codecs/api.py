@@ -129,7 +129,7 @@ def quantize_weight(
     codec = _codec(fmt)
     check_weight(w, name, k_multiple=fmt.k_multiple, fmt_name=fmt.name)
     w = w.detach()
-    if global_scale is None and "weight_global_scale" in fmt.tensor_names:
+    if global_scale is None and fmt.has_global_scale:
         global_scale = nvfp4.global_scale(w, name=name)  # over the whole tensor, before chunking
     if w.dim() == 3:
         per_expert = [
