@@ -1,472 +1,568 @@
-"""The composition root: the only place that reads configuration and the environment.
+"""The composition root: the only module that reads the configuration and the environment, and
+the only one that picks adapters.
 
-It builds adapters (importing heavy ones inside the branch that selects them) and hands back
-application services. Tests call the same functions with fakes.
+`bootstrap(config, ...)` validates a verl-style configuration, reads the honoured environment
+variables once, and returns `Services`: the application services, each built on first use with
+the adapters the configuration names. Rollout engines come from the ENGINES table (keyed by
+`rollout.name`) and trainers from the TRAINERS table (keyed by `trainer.name`); each entry imports
+its adapter only when it is built, and a missing package raises ModuleNotFoundError naming the
+adapter and the extra to install. The CLI, the demos and the benchmarks call it; tests call it
+with fakes (`trainer=`, `engine=`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from app.config import Section, load_config
+from domain.errors import ConfigError
+from domain.quant.plan import QuantizationPlan
+from domain.refit.session import CommitMode
+
+if TYPE_CHECKING:
+    import torch
+
+    from adapters.hf_checkpoint.reader import HfCheckpoint
+    from app.services.distributed_refit import DistributedRefitService
+    from app.services.logprob import LogProbService
+    from app.services.mismatch_probe import MismatchProbe
+    from app.services.packed_gdn import PackedGdnReport
+    from app.services.planning import PlanReport
+    from app.services.qat_setup import QatSession
+    from app.services.refit import Progress, RefitService
+    from domain.quant.backend_policy import BackendDecision
+    from domain.refit.sharding import RefitWorld
+    from ports.environment_probe import EnvironmentProbe
+    from ports.refit_collectives import RefitCollectives
+    from ports.rollout_engine import RolloutEngine
+    from ports.trainer_model import TrainerModel
+
+# The environment variables rl-refit honours (read once, here, and passed down as values).
+ENV_VARS = ("VERL_FUSED_USE_OP_HOOK", "VERL_ROLLOUT_USE_DEEP_GEMM")
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def read_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment variables rl-refit honours, read once here and passed down as values."""
+    """The honoured environment variables that are set (default: this process's environment)."""
     env = os.environ if environ is None else environ
-    names = ("VERL_FUSED_USE_OP_HOOK", "VERL_ROLLOUT_USE_DEEP_GEMM")
-    return {name: env[name] for name in names if name in env}
+    return {name: env[name] for name in ENV_VARS if name in env}
 
 
-def apply_packed_gdn(model: object, config: Mapping[str, object] | None = None):
-    """After a Megatron model is built: let its GatedDeltaNet layers take packed (THD) input.
+# --- the adapter tables ------------------------------------------------------------------------
 
-    A no-op without GDN layers; validation hooks only on Megatron-Core >= 0.18; the packed-aware
-    forward before that, with the kernels named by `actor.megatron.gdn_kernels` ("auto" default:
-    reference on CPU, fla on CUDA; or "reference", "fla", "causal_conv1d").
 
-    Returns:
-        app.services.packed_gdn.PackedGdnReport.
+@attrs.frozen
+class AdapterEntry:
+    """One row of an adapter table: how to build it and what it needs installed.
+
+    Attributes:
+        adapter: the adapter's name, for errors.
+        build: the factory, called with the Services and the build's options.
+        package: the import name of the optional package it needs (None: nothing optional).
+        extra: the rl-refit extra that installs that package.
     """
-    from adapters.megatron.gdn_kernels import KERNEL_SETS
-    from app.services.packed_gdn import apply_packed_gdn as apply
-    from domain.errors import ConfigError
 
-    actor = (config or {}).get("actor") or {}
-    megatron = (actor.get("megatron") if isinstance(actor, Mapping) else None) or {}
-    kernels = megatron.get("gdn_kernels", "auto") if isinstance(megatron, Mapping) else "auto"
-    if kernels not in KERNEL_SETS:
-        raise ConfigError("actor.megatron.gdn_kernels", f"{kernels!r} is not one of {', '.join(KERNEL_SETS)}")
-    return apply(model, kernels=kernels)  # type: ignore[arg-type]
+    adapter: str
+    build: Callable[..., Any]
+    package: str | None = None
+    extra: str | None = None
+
+    def require(self, key: str, name: str) -> None:
+        """Raise ModuleNotFoundError naming the adapter and the extra when its package is missing."""
+        if self.package is None:
+            return
+        try:
+            found = importlib.util.find_spec(self.package) is not None
+        except ModuleNotFoundError:  # a missing parent package
+            found = False
+        if not found:
+            raise ModuleNotFoundError(
+                f"{key}={name}: {self.adapter} needs {self.package}, which is not installed; "
+                f"install it with pip install 'rl-refit[{self.extra}]'", name=self.package,
+            )
 
 
-# --- refit: the service, the mismatch probe and the embedded default model -------------------
+def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
+    from adapters.reference.config import preset
+    from adapters.reference.engine import ReferenceEngine
+
+    mode = options.get("commit_mode") or CommitMode.TRANSACTIONAL
+    return ReferenceEngine(preset(services.config.reference.model), plan, commit_mode=mode,
+                           kv_cache_scheme=options.get("kv_cache_scheme"))
 
 
-def build_plan(
-    linear: str | None = "FP8_BLOCK",
-    moe: str | None = "NVFP4",
-    *,
-    moe_activation: str | None = None,
-    ignore: tuple[str, ...] = (),
-    scale_rule: str = "rceil",
-):
-    """A QuantizationPlan from preset names (None = BF16); ConfigError names a bad key.
+def _engine_start(services: Services, engine: str) -> tuple[dict[str, Any] | None, Any, dict[str, Any]]:
+    """The quantization_config, backend decision and user engine arguments of a real engine."""
+    report = services.plan_report(services.checkpoint())
+    decision = services.backend_decision(engine, report.plan)
+    section = services.config.rollout.engine_kwargs.to_dict().get(engine) or {}
+    base = {k: v for k, v in section.items() if k not in ("use_deep_gemm", "kv_cache_dtype") and v is not None}
+    if services.config.model.path:
+        base.setdefault("model", services.config.model.path)
+    return report.engine_config, decision, base
 
-    Returns:
-        domain.quant.plan.QuantizationPlan.
-    """
-    from domain.quant.plan import QuantizationPlan
 
-    return QuantizationPlan.from_presets(
-        linear=linear, moe=moe, moe_activation=moe_activation, ignore=ignore, scale_rule=scale_rule
+def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
+    from adapters.vllm.client import LlmLogProbs
+    from adapters.vllm.engine import LlmWorkers, VllmRolloutEngine
+    from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
+
+    _check_commit_mode(options.get("commit_mode"), CommitMode.PER_LAYER, "vllm")
+    qc, decision, base = _engine_start(services, "vllm")
+    kv_dtype = services.config.rollout.engine_kwargs.vllm.kv_cache_dtype
+    kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=kv_dtype, base=base)
+    os.environ.update(vllm_environment(decision))  # vLLM reads these when it starts
+    workers = LlmWorkers.launch(**kwargs)
+    return VllmRolloutEngine(workers, log_prob_fn=LlmLogProbs(workers.llm))
+
+
+def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
+    from adapters.sglang.engine import EngineClient, SglangRolloutEngine
+    from adapters.sglang.engine_args import sglang_engine_kwargs
+
+    _check_commit_mode(options.get("commit_mode"), CommitMode.TRANSACTIONAL, "sglang")
+    qc, decision, base = _engine_start(services, "sglang")
+    if "hf_overrides" in base:  # SGLang's name for the model-config overrides
+        base["json_model_override_args"] = base.pop("hf_overrides")
+    kv_dtype = services.config.rollout.engine_kwargs.sglang.kv_cache_dtype
+    kwargs = sglang_engine_kwargs(qc, decision, kv_cache_dtype=kv_dtype, base=base)
+    report = services.plan_report(services.checkpoint())
+    return SglangRolloutEngine(
+        EngineClient.launch(**kwargs), report.plan, native_mxfp8=report.resolution.layout == "sglang-mxfp8",
+        sync_backend=services.config.rollout.checkpoint_engine.backend,
+        wire_format=services.config.rollout.wire_format,
     )
 
 
-def build_refit_service(
-    *,
-    plan: object | None = None,
-    model: str = "tiny-moe",
-    seed: int = 0,
-    commit_mode: str = "transactional",
-    bucket_megabytes: float = 512,
-    inject_fault: str | None = None,
-    fault_after: int = 0,
-    kv_cache_scheme: Mapping[str, object] | None = None,
-    progress: bool = False,
-    trainer: object | None = None,
-    engine: object | None = None,
-):
-    """A RefitService on the embedded reference model (or on the trainer/engine given).
+def _check_commit_mode(asked: CommitMode | None, engine_mode: CommitMode, engine: str) -> None:
+    if asked is not None and asked is not engine_mode:
+        raise ConfigError("rollout.commit_mode", f"{engine} commits {engine_mode.value} only; leave it unset or "
+                          f"set {engine_mode.value}")
 
-    Args:
-        plan: a QuantizationPlan (default: build_plan(), i.e. linear FP8_BLOCK, moe NVFP4).
-        model: reference model preset (`tiny-moe`, `tiny-dense`, `bench-moe`).
-        seed: seed of the trainer's random weights.
-        commit_mode: `transactional` or `per-layer` (reference engine).
-        bucket_megabytes: bucket capacity, MiB (rollout.checkpoint_engine.update_weights_bucket_megabytes).
-        inject_fault: `bucket:K`, `finalize` or `verify`: wrap the engine in ScriptedFaultyEngine.
-        fault_after: refits that succeed before the injected fault fires (once).
-        kv_cache_scheme: the quantization config's kv_cache_scheme (None = uncalibrated).
-        progress: show a progress bar for long refits.
-        trainer: a TrainerModel to use instead of a new reference trainer (e.g. shared by arms).
-        engine: a RolloutEngine to use instead of a new reference engine (e.g. a fake).
 
-    Returns:
-        app.services.refit.RefitService.
-    """
-    import attrs
-
-    from adapters.memory.faults import FaultScript
+def _reference_trainer(services: Services, model: object | None) -> TrainerModel:
     from adapters.reference.config import preset
-    from app.services.refit import RefitService
-    from domain.errors import ConfigError
-    from domain.refit.session import CommitMode
+    from adapters.reference.trainer import ReferenceTrainer
 
-    plan = plan if plan is not None else build_plan()
-    cfg = preset(model)
-    if trainer is None:
-        from adapters.reference.trainer import ReferenceTrainer
-
-        trainer = ReferenceTrainer.from_seed(cfg, seed)
-    try:
-        mode = CommitMode.parse(commit_mode)
-    except ValueError as err:
-        raise ConfigError("commit_mode", str(err)) from None
-    if engine is None:
-        from adapters.reference.engine import ReferenceEngine
-
-        engine = ReferenceEngine(cfg, plan, commit_mode=mode, kv_cache_scheme=kv_cache_scheme)  # type: ignore[arg-type]
-    if inject_fault:
-        from adapters.memory.faulty import ScriptedFaultyEngine
-
-        try:
-            script = attrs.evolve(FaultScript.parse(inject_fault), after=fault_after)
-        except ValueError as err:
-            raise ConfigError("--inject-fault", str(err)) from None
-        engine = ScriptedFaultyEngine(engine, script)  # type: ignore[arg-type]
-    if bucket_megabytes <= 0:
-        raise ConfigError("rollout.checkpoint_engine.update_weights_bucket_megabytes", "must be positive")
-    return RefitService(trainer, engine, plan, bucket_bytes=int(bucket_megabytes * 2**20), progress=progress)  # type: ignore[arg-type]
+    ref = services.config.reference
+    return ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
 
 
-def build_refit_service_from_config(config: Mapping[str, object] | None = None, **kwargs: object):
-    """A RefitService from a verl-style configuration (rollout.quantization.*, rollout.name,
-    rollout.checkpoint_engine.update_weights_bucket_megabytes); other arguments as in
-    build_refit_service. Only rollout.name=reference has an engine adapter here.
-
-    Returns:
-        app.services.refit.RefitService.
-    """
-    from app.config import load_config
-    from app.services.planning import make_plan
-    from domain.errors import ConfigError
-
-    cfg = load_config(config)
-    if cfg.rollout.name != "reference" and kwargs.get("engine") is None:
-        raise ConfigError(
-            "rollout.name", f"{cfg.rollout.name!r} has no engine adapter in this build; use reference "
-            "(the embedded engine) or pass an engine"
-        )
-    plan = make_plan(cfg).plan
-    mb = cfg.rollout.checkpoint_engine.update_weights_bucket_megabytes
-    return build_refit_service(plan=plan, bucket_megabytes=mb, **kwargs)  # type: ignore[arg-type]
-
-
-def build_mismatch_probe(service: object, temperature: float = 1.0):
-    """A MismatchProbe over a RefitService's trainer and engine.
-
-    Returns:
-        app.services.mismatch_probe.MismatchProbe.
-    """
-    from app.services.mismatch_probe import MismatchProbe
-
-    return MismatchProbe(service.trainer, service.engine, temperature)  # type: ignore[attr-defined]
-
-
-# --- fused log-prob/entropy forward ---------------------------------------------------------
-
-
-def build_logprob_service(
-    model: object,
-    fused_forward: object = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-    chunk_size: int | None = None,
-    config: Mapping[str, object] | None = None,
-):
-    """A LogProbService over a Megatron GPTModel (wrappers allowed) or any TrainerModel.
-
-    A Megatron model with GatedDeltaNet layers also gets packed (THD) GDN input made safe here
-    (`apply_packed_gdn`, kernels from `actor.megatron.gdn_kernels` in `config`).
-
-    The fused-forward mode is decided here, once: `fused_forward` (the value of
-    `actor.fused_forward`, None when unset) wins; else `VERL_FUSED_USE_OP_HOOK` from the
-    environment, read once through `read_environment`; else auto. Later changes to the
-    environment change nothing.
-
-    Args:
-        model: a Megatron model, or an object that already is a TrainerModel.
-        fused_forward: "auto" / "hook" / "legacy" or an alias (see docs/fused-forward.md).
-        environ: the environment to read (default: the process environment).
-        chunk_size: tokens per chunk of the fused computation (None: sized from the vocabulary).
-        config: the configuration (only `actor.megatron.gdn_kernels` is read here).
-
-    Returns:
-        app.services.logprob.LogProbService.
-
-    Raises:
-        FusedForwardModeError: the value is not a mode (names the key or the variable).
-        FusedHookUnavailable: hook required and the model's forward lacks it.
-    """
-    from app.services.logprob import LogProbService
-    from domain.forward.mode import ENV_VAR, FusedForwardRequest
-
-    request = FusedForwardRequest.from_settings(fused_forward, read_environment(environ).get(ENV_VAR))
-    if callable(getattr(model, "log_probs", None)) and callable(getattr(model, "named_weights", None)):
-        return LogProbService(model, mode="none", source=request.source)  # type: ignore[arg-type]
+def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
     from adapters.megatron.trainer_model import MegatronTrainerModel
+    from domain.forward.mode import FusedForwardRequest
 
-    apply_packed_gdn(model, config)  # a no-op without GatedDeltaNet layers
-    trainer = MegatronTrainerModel.build(model, request.mode, chunk_size=chunk_size)  # type: ignore[arg-type]
-    return LogProbService(trainer, mode=trainer.mode.value, source=request.source)
+    if model is None:
+        raise ConfigError("trainer.name", "megatron: pass the built Megatron model, bootstrap(config, model=...)")
+    request = FusedForwardRequest.from_settings(services.config.actor.fused_forward,
+                                                services.environ.get("VERL_FUSED_USE_OP_HOOK"))
+    services.packed_gdn(model)  # a no-op without GatedDeltaNet layers
+    return MegatronTrainerModel.build(model, request.mode)  # type: ignore[arg-type]
 
 
-# --- refit doctor: the environment probe ------------------------------------------------------
+# rollout.name -> the engine adapter; trainer.name -> the trainer adapter.
+ENGINES: dict[str, AdapterEntry] = {
+    "reference": AdapterEntry("adapters.reference.engine.ReferenceEngine", _reference_engine),
+    "vllm": AdapterEntry("adapters.vllm.engine.VllmRolloutEngine", _vllm_engine, "vllm", "vllm"),
+    "sglang": AdapterEntry("adapters.sglang.engine.SglangRolloutEngine", _sglang_engine, "sglang", "sglang"),
+}
+TRAINERS: dict[str, AdapterEntry] = {
+    "reference": AdapterEntry("adapters.reference.trainer.ReferenceTrainer", _reference_trainer),
+    "megatron": AdapterEntry("adapters.megatron.trainer_model.MegatronTrainerModel", _megatron_trainer,
+                             "megatron.core", "megatron"),
+}
 
 
-def build_environment_probe(environ: Mapping[str, str] | None = None, snapshot_file: str | None = None):
-    """The EnvironmentProbe `refit doctor` inspects: this machine, or a snapshot saved elsewhere.
+# --- the services ------------------------------------------------------------------------------
 
-    Args:
-        environ: the environment to read the honoured variables from (default os.environ).
-        snapshot_file: a JSON file written by `refit doctor --json` (its `environment` object is
-            used); None probes this machine.
 
-    Returns:
-        adapters.system.probe.SystemProbe, or adapters.memory.environment.FixedEnvironmentProbe.
+def _bucket_bytes(megabytes: float) -> int:
+    key = "rollout.checkpoint_engine.update_weights_bucket_megabytes"
+    if not megabytes > 0 or int(megabytes * 2**20) < 1:
+        raise ConfigError(key, f"must be positive, got {megabytes}")
+    return int(megabytes * 2**20)
+
+
+@attrs.define
+class Services:
+    """The application services of one configuration, built on first use.
+
+    Attributes:
+        config: the validated configuration.
+        environ: the honoured environment variables, read once.
+        trainer: a TrainerModel to use instead of building one (tests, a trainer of the caller's).
+        engine: a RolloutEngine to use instead of building one.
+        model: the trainer's own model, for trainer kinds that wrap one (`trainer.name: megatron`).
+        progress: refit progress, (source bytes so far, total), e.g. the CLI's progress bar.
     """
-    if snapshot_file is not None:
+
+    config: Section
+    environ: Mapping[str, str]
+    trainer: TrainerModel | None = None
+    engine: RolloutEngine | None = None
+    model: object | None = None
+    progress: Progress | None = None
+    _plan: QuantizationPlan | None = attrs.field(init=False, default=None)
+
+    # --- configuration -------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> QuantizationPlan:
+        """The rollout quantization plan the configuration resolves to (no model read)."""
+        if self._plan is None:
+            self._plan = self.plan_report().plan
+        return self._plan
+
+    @property
+    def bucket_bytes(self) -> int:
+        return _bucket_bytes(self.config.rollout.checkpoint_engine.update_weights_bucket_megabytes)
+
+    @property
+    def commit_mode(self) -> CommitMode | None:
+        """rollout.commit_mode, or None to take the engine's own."""
+        value = self.config.rollout.commit_mode
+        return None if value is None else CommitMode.parse(value)
+
+    def checkpoint(self, path: str | None = None) -> HfCheckpoint | None:
+        """The Hugging Face checkpoint at `path` (default model.path; None without one)."""
+        path = path or self.config.model.path
+        if not path:
+            return None
+        from adapters.hf_checkpoint.reader import HfCheckpoint
+
+        return HfCheckpoint(path)
+
+    def plan_report(self, checkpoint: HfCheckpoint | None = None) -> PlanReport:
+        """Every decision of the rollout quantization, for the configuration (and a checkpoint)."""
+        from app.services.planning import make_plan
+
+        return make_plan(self.config, checkpoint)
+
+    # --- refits --------------------------------------------------------------------------------
+
+    def trainer_model(self) -> TrainerModel:
+        """The trainer: the one given, else built by TRAINERS[trainer.name] (kept)."""
+        if self.trainer is None:
+            name = self.config.trainer.name
+            entry = TRAINERS[name]
+            entry.require("trainer.name", name)
+            self.trainer = entry.build(self, self.model)
+        return self.trainer
+
+    def rollout_engine(self, plan: QuantizationPlan | None = None, *, commit_mode: CommitMode | None = None,
+                       kv_cache_scheme: Mapping[str, object] | None = None) -> RolloutEngine:
+        """A new engine from ENGINES[rollout.name] (the one given to bootstrap, if any)."""
+        if self.engine is not None:
+            return self.engine
+        name = self.config.rollout.name
+        entry = ENGINES.get(name)
+        if entry is None:
+            raise ConfigError("rollout.name", f"{name!r} has no engine adapter; use one of {', '.join(ENGINES)}")
+        entry.require("rollout.name", name)
+        return entry.build(self, plan or self.plan, commit_mode=commit_mode or self.commit_mode,
+                           kv_cache_scheme=kv_cache_scheme)
+
+    def refit_service(
+        self,
+        *,
+        plan: QuantizationPlan | None = None,
+        trainer: TrainerModel | None = None,
+        engine: RolloutEngine | None = None,
+        inject_fault: str | None = None,
+        fault_after: int = 0,
+        kv_cache_scheme: Mapping[str, object] | None = None,
+    ) -> RefitService:
+        """A RefitService from the trainer into the engine.
+
+        Args:
+            plan: the rollout plan (default: the configuration's).
+            trainer: a trainer to use (default: `trainer_model()`).
+            engine: an engine to use (default: a new `rollout_engine(plan)`).
+            inject_fault: `[hang:]bucket:K`, `begin`, `finalize`, `verify` or `storage`: the
+                engine, wrapped in ScriptedFaultyEngine, fails there once (demos, tests).
+            fault_after: refits that succeed before the injected fault fires.
+            kv_cache_scheme: the quantization config's kv_cache_scheme (None = uncalibrated).
+
+        Returns:
+            The RefitService.
+        """
+        from app.services.refit import RefitService
+
+        plan = plan or self.plan
+        engine = engine or self.rollout_engine(plan, kv_cache_scheme=kv_cache_scheme)
+        if inject_fault:
+            from adapters.memory.faults import FaultScript
+            from adapters.memory.faulty import ScriptedFaultyEngine
+
+            try:
+                script = attrs.evolve(FaultScript.parse(inject_fault), after=fault_after)
+            except ValueError as err:
+                raise ConfigError("--inject-fault", str(err)) from None
+            engine = ScriptedFaultyEngine(engine, script)
+        return RefitService(trainer or self.trainer_model(), engine, plan, bucket_bytes=self.bucket_bytes,
+                            progress=self.progress)
+
+    def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
+        """A MismatchProbe over a refit service's trainer and engine."""
+        from app.services.mismatch_probe import MismatchProbe
+
+        return MismatchProbe(service.trainer, service.engine, temperature)
+
+    def distributed_refit(
+        self,
+        world: RefitWorld,
+        rank: int,
+        *,
+        plan: QuantizationPlan | None = None,
+        comm: RefitCollectives | None = None,
+        window: int = 2,
+        step_timeout_s: float = 60.0,
+        phase_timeout_s: float = 600.0,
+        fault: object | None = None,
+        restore: str | None = None,
+        hang_s: float = 60.0,
+    ) -> DistributedRefitService:
+        """This rank's DistributedRefitService on the embedded reference model.
+
+        Every rank calls it, in the same order (the torch.distributed collectives create process
+        groups). Trainer ranks build the reference model from `reference.seed` and keep their
+        slices; engine ranks build a reference engine.
+
+        Args:
+            world: the refit world (trainer layout, engine count).
+            rank: this process's rank.
+            plan: the rollout plan (default: the configuration's).
+            comm: the collectives (default: torch.distributed, in an initialized process group).
+            window: buckets in flight (2 = double buffering, 1 = none).
+            step_timeout_s: bound on every per-bucket and tensor-parallel wait.
+            phase_timeout_s: bound on turns and agreements (they include other ranks' work).
+            fault: an adapters.memory.faults.RankFault (tests, demos): the ports of the rank it
+                hits are wrapped to fail there.
+            restore: `replay` or `stale` (None: by commit mode).
+            hang_s: how long an injected hang sleeps.
+
+        Returns:
+            The DistributedRefitService.
+        """
+        from adapters.distributed.sliced_trainer import SlicedTrainer
+        from adapters.memory.faulty import RankPorts, wrap_rank
+        from adapters.reference.config import hf_weight_shapes, preset
+        from app.services.distributed_refit import DistributedRefitService
+        from domain.refit.sharding import Role, ShardMap
+
+        plan = plan or self.plan
+        cfg = preset(self.config.reference.model)
+        bucket_bytes = self.bucket_bytes
+        if comm is None:
+            from adapters.distributed.torch_dist import TorchDistCollectives
+
+            comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)
+        role = world.role(rank)
+        trainer = engine = None
+        if role is Role.TRAINER:
+            from adapters.reference.trainer import ReferenceTrainer
+
+            full = self.trainer or ReferenceTrainer.from_seed(cfg, self.config.reference.seed)
+            trainer = SlicedTrainer(full, world.layout, rank)
+        else:
+            engine = self.rollout_engine(plan)
+        shapes = hf_weight_shapes(cfg)
+        try:
+            ports = wrap_rank(fault, RankPorts(comm, trainer, engine), role,  # type: ignore[arg-type]
+                              ShardMap.build(world.layout, shapes, plan), hang_s)
+        except ValueError as err:
+            raise ConfigError("--fault-rank", str(err)) from None
+        return DistributedRefitService(
+            world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
+            bucket_bytes=bucket_bytes, window=window, restore=restore,
+        )
+
+    # --- the trainer's side --------------------------------------------------------------------
+
+    def embedded_module(self) -> torch.nn.Module:
+        """A new trainable copy (torch.nn.Module) of the embedded reference model of
+        `reference.model` and `reference.seed`; its `trainer()` is its TrainerModel view."""
+        from adapters.qat_reference.embedded import EmbeddedModule
+        from adapters.reference.config import preset
+
+        return EmbeddedModule.from_seed(preset(self.config.reference.model), self.config.reference.seed)
+
+    def logprob_service(self, model: object | None = None, *, chunk_size: int | None = None) -> LogProbService:
+        """A LogProbService over a Megatron GPTModel (wrappers allowed) or any TrainerModel.
+
+        The fused-forward mode is decided here, once: `actor.fused_forward` wins; else
+        `VERL_FUSED_USE_OP_HOOK` as read by bootstrap; else auto. A Megatron model with
+        GatedDeltaNet layers also gets packed (THD) GDN input made safe (`packed_gdn`).
+
+        Args:
+            model: a Megatron model, or an object that already is a TrainerModel (default: the
+                model given to bootstrap).
+            chunk_size: tokens per chunk of the fused computation (None: sized from the vocabulary).
+
+        Returns:
+            The LogProbService. Raises FusedForwardModeError (a value that is not a mode, naming
+            the key or the variable) and FusedHookUnavailable (hook required, forward lacks it).
+        """
+        from app.services.logprob import LogProbService
+        from domain.forward.mode import FusedForwardRequest
+
+        model = model if model is not None else self.model
+        request = FusedForwardRequest.from_settings(self.config.actor.fused_forward,
+                                                    self.environ.get("VERL_FUSED_USE_OP_HOOK"))
+        if callable(getattr(model, "log_probs", None)) and callable(getattr(model, "named_weights", None)):
+            return LogProbService(model, mode="none", source=request.source)  # type: ignore[arg-type]
+        TRAINERS["megatron"].require("trainer.name", "megatron")
+        from adapters.megatron.trainer_model import MegatronTrainerModel
+
+        self.packed_gdn(model)  # a no-op without GatedDeltaNet layers
+        trainer = MegatronTrainerModel.build(model, request.mode, chunk_size=chunk_size)  # type: ignore[arg-type]
+        return LogProbService(trainer, mode=trainer.mode.value, source=request.source)
+
+    def packed_gdn(self, model: object) -> PackedGdnReport:
+        """Let a built Megatron model's GatedDeltaNet layers take packed (THD) input safely.
+
+        A no-op without GDN layers; validation hooks only on Megatron-Core >= 0.18; the
+        packed-aware forward before that, with the kernels of `actor.megatron.gdn_kernels`.
+        """
+        from app.services.packed_gdn import apply_packed_gdn
+
+        return apply_packed_gdn(model, kernels=self.config.actor.megatron.gdn_kernels)  # type: ignore[arg-type]
+
+    def qat(
+        self,
+        model: torch.nn.Module,
+        *,
+        backend: str = "reference",
+        numerics: str = "exporter",
+        layout: str = "auto",
+        model_config: Mapping[str, object] | None = None,
+        qat_backend: object | None = None,
+    ) -> QatSession | None:
+        """QAT for a built trainer model, per actor.megatron.qat.* and the rollout quantization.
+
+        Resolves the rollout plan on the model's tensors, checks the QAT settings against it
+        (mode, Transformer Engine recipe, ignore patterns, first/last BF16 layers), applies the
+        backend, and checks every linear and expert layer's effective precision against the plan.
+
+        Args:
+            model: the trainer model (torch / transformers module, Megatron-Core model on one
+                rank, or the embedded model as adapters.qat_reference.embedded.EmbeddedModule).
+            backend: "reference" (pure torch) or "modelopt" (nvidia-modelopt).
+            numerics: ModelOpt only: "exporter" (default) or "modelopt" (its own kernels, checked).
+            layout: the name mapping: "auto", "torch", "megatron" or "reference".
+            model_config: the checkpoint's config.json, when there is one.
+            qat_backend: a QatBackend to use instead of building one (tests, custom backends).
+
+        Returns:
+            The QatSession (call its refresh() after every optimizer step), or None when
+            actor.megatron.qat.enable is false.
+        """
+        from app.services.qat_setup import prepare_qat
+
+        if not self.config.actor.megatron.qat.enable:
+            return None
+        if qat_backend is None:
+            if backend == "reference":
+                from adapters.qat_reference.backend import ReferenceQatBackend
+
+                qat_backend = ReferenceQatBackend(layout=layout)
+            elif backend == "modelopt":
+                AdapterEntry("adapters.modelopt.backend.ModelOptQatBackend", lambda: None, "modelopt",
+                             "modelopt").require("qat backend", "modelopt")
+                from adapters.modelopt.backend import ModelOptQatBackend
+
+                qat_backend = ModelOptQatBackend(numerics=numerics, layout=layout)
+            else:
+                raise ConfigError("qat backend", f"{backend!r} is not one of reference, modelopt")
+        return prepare_qat(self.config, model, qat_backend, layout=layout, model_config=model_config)  # type: ignore[arg-type]
+
+    # --- engines' kernels and the machine ------------------------------------------------------
+
+    def deep_gemm_opt_out(self, engine: str, environ: Mapping[str, str] | None = None) -> bool:
+        """Whether DeepGEMM requests are off: `rollout.engine_kwargs.<engine>.use_deep_gemm: false`
+        or `VERL_ROLLOUT_USE_DEEP_GEMM=0` (either restores the engine's automatic selection).
+
+        Args:
+            engine: "vllm" or "sglang".
+            environ: the honoured variables to judge (default: those bootstrap read).
+
+        Returns:
+            True to opt out. Raises ConfigError naming the key or variable on a value that is not
+            a switch.
+        """
+        value = self.config.get(f"rollout.engine_kwargs.{engine}.use_deep_gemm")
+        env = (self.environ if environ is None else environ).get("VERL_ROLLOUT_USE_DEEP_GEMM")
+        if env is not None and env.strip().lower() not in _ON + _OFF:
+            raise ConfigError("VERL_ROLLOUT_USE_DEEP_GEMM", f"expected 1 or 0 (true/false), got {env!r}")
+        return value is False or (env is not None and env.strip().lower() in _OFF)
+
+    def backend_decision(self, engine: str, plan: QuantizationPlan,
+                         capability: tuple[int, int] | None = None) -> BackendDecision:
+        """The kernel backends for a rollout engine (ARCHITECTURE.md section 5), opt-out applied.
+
+        Args:
+            engine: "vllm" or "sglang".
+            plan: the resolved plan.
+            capability: the GPU's compute capability; None skips the capability gates.
+        """
+        from domain.quant.backend_policy import decide_backends
+
+        return decide_backends(engine, plan, capability, opt_out=self.deep_gemm_opt_out(engine))
+
+    def environment_probe(self, snapshot_file: str | None = None) -> EnvironmentProbe:
+        """The EnvironmentProbe `refit doctor` inspects: this machine, or a saved snapshot.
+
+        Args:
+            snapshot_file: a JSON file written by `refit doctor --json` (its `environment`
+                object is used); None probes this machine.
+        """
+        if snapshot_file is None:
+            from adapters.system.probe import SystemProbe
+
+            return SystemProbe(environ=dict(self.environ))
         import json
-        from pathlib import Path
 
         from adapters.memory.environment import FixedEnvironmentProbe
-        from domain.errors import ConfigError
 
         try:
             data = json.loads(Path(snapshot_file).read_text())
             return FixedEnvironmentProbe.from_dict(data.get("environment", data))
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ConfigError("--environment", f"cannot read an environment snapshot from {snapshot_file}: {err}; "
                               "pass the JSON that `refit doctor --json` prints") from None
-    from adapters.system.probe import SystemProbe
-
-    return SystemProbe(environ=read_environment(environ))
 
 
-# --- rollout engine kernels (domain.quant.backend_policy) ------------------------------------------
-
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off")
-
-
-def deep_gemm_opt_out(
-    engine: str, engine_kwargs: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
-) -> bool:
-    """Whether DeepGEMM requests are switched off: `rollout.engine_kwargs.<engine>.use_deep_gemm: false`
-    or `VERL_ROLLOUT_USE_DEEP_GEMM=0` (either one restores the engine's automatic selection).
-
-    Args:
-        engine: rollout.name ("vllm" or "sglang").
-        engine_kwargs: the `rollout.engine_kwargs` section (a mapping of engine -> kwargs), or None.
-        environ: the environment (default: this process's), read once here.
-
-    Returns:
-        True to opt out. Raises ConfigError naming the key or variable on a value that is not a switch.
-    """
-    from domain.errors import ConfigError
-
-    section = (engine_kwargs or {}).get(engine) if isinstance(engine_kwargs, Mapping) else None
-    value = section.get("use_deep_gemm") if isinstance(section, Mapping) else None
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"rollout.engine_kwargs.{engine}.use_deep_gemm", f"expected true or false, got {value!r}")
-    env = read_environment(environ).get("VERL_ROLLOUT_USE_DEEP_GEMM")
-    if env is not None and env.strip().lower() not in _ON + _OFF:
-        raise ConfigError("VERL_ROLLOUT_USE_DEEP_GEMM", f"expected 1 or 0 (true/false), got {env!r}")
-    return value is False or (env is not None and env.strip().lower() in _OFF)
-
-
-def build_backend_decision(
-    engine: str,
-    plan: object,
-    capability: tuple[int, int] | None = None,
+def bootstrap(
+    config: Mapping[str, Any] | str | Path | Section | None = None,
     *,
-    engine_kwargs: Mapping[str, object] | None = None,
+    overrides: Sequence[str] = (),
+    trainer: TrainerModel | None = None,
+    engine: RolloutEngine | None = None,
+    model: object | None = None,
+    progress: Progress | None = None,
     environ: Mapping[str, str] | None = None,
-):
-    """The kernel backends for a rollout engine (ARCHITECTURE.md section 5), opt-out applied.
+) -> Services:
+    """The application services for a configuration.
 
     Args:
-        engine: rollout.name ("vllm" or "sglang").
-        plan: the resolved domain.quant.plan.QuantizationPlan.
-        capability: the GPU's compute capability, e.g. torch.cuda.get_device_capability(); None
-            skips the capability gates.
-        engine_kwargs: the `rollout.engine_kwargs` section, for `use_deep_gemm`.
-        environ: the environment, for VERL_ROLLOUT_USE_DEEP_GEMM.
+        config: a configuration dict, a YAML file, an already validated Section, or None
+            (defaults: the embedded reference trainer and engine).
+        overrides: dotted `KEY=VALUE` overrides applied after `config`.
+        trainer: a TrainerModel to refit from instead of building one.
+        engine: a RolloutEngine to refit into instead of building one.
+        model: the trainer's own model for trainer kinds that wrap one (Megatron).
+        progress: refit progress callback, (source bytes so far, total).
+        environ: the environment to read the honoured variables from (default: this process's).
 
     Returns:
-        domain.quant.backend_policy.BackendDecision.
+        The Services. Raises the configuration's typed errors (ConfigError naming the key).
     """
-    from domain.quant.backend_policy import decide_backends
-
-    opt_out = deep_gemm_opt_out(engine, engine_kwargs, environ)
-    return decide_backends(engine, plan, capability, opt_out=opt_out)  # type: ignore[arg-type]
-
-
-# --- distributed refit: trainer and engine ranks over torch.distributed ----------------------
-
-
-def build_distributed_refit(
-    world: object,
-    rank: int,
-    *,
-    plan: object | None = None,
-    model: str = "tiny-moe",
-    seed: int = 0,
-    commit_mode: str = "transactional",
-    bucket_megabytes: float = 64,
-    window: int = 2,
-    step_timeout_s: float = 60.0,
-    phase_timeout_s: float = 600.0,
-    fault: object | None = None,
-    restore: str | None = None,
-    hang_s: float = 60.0,
-):
-    """This rank's DistributedRefitService on the embedded reference model, in an initialized
-    torch.distributed world (every rank calls it, in the same order: it creates process groups).
-
-    Args:
-        world: a domain.refit.sharding.RefitWorld (trainer layout, engine count).
-        rank: this process's rank.
-        plan: a QuantizationPlan (default build_plan()).
-        model: reference model preset; trainer ranks build it from `seed` and keep their slices.
-        seed: seed of the trainer's weights.
-        commit_mode: the engines' commit mode (`transactional` or `per-layer`).
-        bucket_megabytes: bucket capacity, MiB.
-        window: buckets in flight (2 = double buffering, 1 = none).
-        step_timeout_s: bound on every per-bucket and tensor-parallel wait.
-        phase_timeout_s: bound on turns and agreements (they include other ranks' work).
-        fault: a adapters.memory.faults.RankFault (tests, demos); an engine rank's bucket / finalize /
-            verify failure is a ScriptedFaultyEngine around its engine.
-        restore: `replay` or `stale` (None: by commit mode).
-        hang_s: how long an injected hang sleeps.
-
-    Returns:
-        app.services.distributed_refit.DistributedRefitService.
-    """
-    from adapters.distributed.torch_dist import TorchDistCollectives
-    from adapters.memory.faults import FaultPoint, FaultScript
-    from adapters.reference.config import hf_weight_shapes, preset
-    from app.services.distributed_refit import DistributedRefitService
-    from domain.errors import ConfigError
-    from domain.refit.session import CommitMode
-    from domain.refit.sharding import TRAINER
-
-    plan = plan if plan is not None else build_plan()
-    cfg = preset(model)
-    if bucket_megabytes <= 0:
-        raise ConfigError("rollout.checkpoint_engine.update_weights_bucket_megabytes", "must be positive")
-    bucket_bytes = int(bucket_megabytes * 2**20)
-    try:
-        mode = CommitMode.parse(commit_mode)
-    except ValueError as err:
-        raise ConfigError("commit_mode", str(err)) from None
-    comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)  # type: ignore[arg-type]
-    trainer = engine = None
-    if world.role(rank) == TRAINER:  # type: ignore[attr-defined]
-        from adapters.distributed.sliced_trainer import SlicedTrainer
-        from adapters.reference.trainer import ReferenceTrainer
-
-        trainer = SlicedTrainer(ReferenceTrainer.from_seed(cfg, seed), world.layout, rank)  # type: ignore[attr-defined]
-    else:
-        from adapters.reference.engine import ReferenceEngine
-
-        engine = ReferenceEngine(cfg, plan, commit_mode=mode)  # type: ignore[arg-type]
-        f = fault
-        if f is not None and f.rank == rank and not f.hang and f.point in ("bucket", "finalize", "verify"):  # type: ignore[attr-defined]
-            from adapters.memory.faulty import ScriptedFaultyEngine
-
-            script = FaultScript(FaultPoint(f.point), f.index, after=f.refit)  # type: ignore[attr-defined]
-            engine = ScriptedFaultyEngine(engine, script)  # type: ignore[assignment]
-    return DistributedRefitService(
-        world, comm, plan, hf_weight_shapes(cfg), trainer=trainer, engine=engine, bucket_bytes=bucket_bytes,  # type: ignore[arg-type]
-        window=window, restore=restore, fault=fault, hang_s=hang_s,  # type: ignore[arg-type]
-    )
-
-
-# --- quantization-aware training -------------------------------------------------------------
-
-
-def build_qat_backend(
-    config: Mapping[str, object] | object | None = None,
-    *,
-    model: object,
-    backend: str = "reference",
-    numerics: str = "exporter",
-    layout: str = "auto",
-    model_config: Mapping[str, object] | None = None,
-    qat_backend: object | None = None,
-):
-    """QAT for a built trainer model, per actor.megatron.qat.* and the rollout quantization.
-
-    Resolves the rollout plan on the model's tensors, checks the QAT settings against it
-    (mode, Transformer Engine recipe, ignore patterns, first/last BF16 layers), applies the
-    backend, and checks every linear and expert layer's effective precision against the plan.
-
-    Args:
-        config: a configuration dict, YAML path or app.config Section.
-        model: the trainer model (torch / transformers module, Megatron-Core model on one rank,
-            or the embedded reference model as adapters.qat_reference.embedded.EmbeddedModule).
-        backend: "reference" (pure torch) or "modelopt" (nvidia-modelopt).
-        numerics: ModelOpt only: "exporter" (default) or "modelopt" (its own kernels, checked).
-        layout: the name mapping: "auto", "torch", "megatron" or "reference".
-        model_config: the checkpoint's config.json, when there is one.
-        qat_backend: a QatBackend to use instead of building one (tests, custom backends).
-
-    Returns:
-        app.services.qat_setup.QatSession (call its refresh() after every optimizer step), or None when
-        actor.megatron.qat.enable is false.
-    """
-    from app.config import Section, load_config
-    from app.services.qat_setup import prepare_qat
-    from domain.errors import ConfigError
-
-    cfg = config if isinstance(config, Section) else load_config(config)  # type: ignore[arg-type]
-    if not cfg.actor.megatron.qat.enable:
-        return None
-    if qat_backend is None:
-        if backend == "reference":
-            from adapters.qat_reference.backend import ReferenceQatBackend
-
-            qat_backend = ReferenceQatBackend(layout=layout)
-        elif backend == "modelopt":
-            from adapters.modelopt.backend import ModelOptQatBackend
-
-            qat_backend = ModelOptQatBackend(numerics=numerics, layout=layout)
-        else:
-            raise ConfigError("build_qat_backend(backend=...)", f"{backend!r} is not one of reference, modelopt")
-    return prepare_qat(cfg, model, qat_backend, layout=layout, model_config=model_config)  # type: ignore[arg-type]
-
-
-# --- rollout quantization plan and trainer-side export ---------------------------------------
-
-
-def build_rollout_plan(
-    config: Mapping[str, object] | str | None = None,
-    overrides: tuple[str, ...] | list[str] = (),
-    *,
-    model: str | None = None,
-):
-    """Resolve the rollout quantization of a configuration (and of a checkpoint, when there is one).
-
-    Args:
-        config: a configuration dict or YAML path (None: defaults).
-        overrides: dotted `KEY=VALUE` overrides.
-        model: a checkpoint directory (wins over `model.path`); only its headers are read.
-
-    Returns:
-        (app.services.planning.PlanReport, adapters.hf_checkpoint.reader.HfCheckpoint or None). Raises the
-        dispatch rule's typed error when the configuration is rejected.
-    """
-    import json
-
-    from app.config import load_config
-    from app.services.planning import make_plan
-
-    extra = [f"model.path={json.dumps(model)}"] if model else []
-    cfg = load_config(config, [*overrides, *extra])
-    checkpoint = None
-    if cfg.model.path:
-        from adapters.hf_checkpoint.reader import HfCheckpoint
-
-        checkpoint = HfCheckpoint(cfg.model.path)
-    return make_plan(cfg, checkpoint), checkpoint
+    cfg = config if isinstance(config, Section) and not overrides else load_config(
+        config.to_dict() if isinstance(config, Section) else config, overrides)
+    return Services(cfg, read_environment(environ), trainer=trainer, engine=engine, model=model, progress=progress)

@@ -65,8 +65,17 @@ def _hf_overrides(key: str, value: Any) -> Any:
     return value or None
 
 
+def _commit_mode(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    name = str(value).strip().lower().replace("_", "-")
+    if name not in ("transactional", "per-layer"):
+        raise ConfigError(key, f"invalid value {value!r}; valid: transactional, per-layer (or null)")
+    return name
+
+
 def _positive(key: str, value: Any) -> Any:
-    if value <= 0:
+    if not value > 0:  # NaN is not positive either
         raise ConfigError(key, f"must be positive, got {value}")
     return value
 
@@ -92,6 +101,9 @@ class Key:
 
 SCHEMA: tuple[Key, ...] = (
     Key("rollout.name", (str,), "reference", "rollout engine", choices=ENGINES),
+    Key("rollout.commit_mode", (str, NoneType), None,
+        "how the engine commits a refit: transactional or per-layer; null = the engine's own "
+        "(reference: transactional, vllm: per-layer, sglang: transactional)", check=_commit_mode),
     Key("rollout.quantization.linear", (str, NoneType), None,
         "preset for dense Linear layers (FP8_BLOCK, MXFP8, MXFP4, NVFP4); null = BF16", check=_preset),
     Key("rollout.quantization.moe", (str, NoneType), None,
@@ -116,8 +128,12 @@ SCHEMA: tuple[Key, ...] = (
         "false restores vLLM's automatic kernel selection (no DeepGEMM requests); null = policy"),
     Key("rollout.engine_kwargs.sglang.use_deep_gemm", (bool, NoneType), None,
         "false restores SGLang's automatic kernel selection; null = policy"),
+    Key("rollout.engine_kwargs.vllm.kv_cache_dtype", (str,), "auto",
+        "vLLM's KV-cache dtype (auto, fp8, fp8_e4m3, fp8_e5m2)", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
+    Key("rollout.engine_kwargs.sglang.kv_cache_dtype", (str,), "auto",
+        "SGLang's KV-cache dtype (auto, fp8_e4m3, fp8_e5m2)", choices=("auto", "fp8_e4m3", "fp8_e5m2")),
     Key("rollout.checkpoint_engine.backend", (str,), "naive", "weight-sync backend", choices=SYNC_BACKENDS),
-    Key("rollout.checkpoint_engine.update_weights_bucket_megabytes", (int,), 512,
+    Key("rollout.checkpoint_engine.update_weights_bucket_megabytes", (int, float), 512,
         "size bound of one weight-sync bucket, MiB", check=_positive),
     Key("rollout.wire_format", (str,), "bucketed", "how buckets travel", choices=WIRE_FORMATS),
     Key("actor.megatron.qat.enable", (bool,), False, "QAT fake-quantization in training"),
@@ -144,6 +160,11 @@ SCHEMA: tuple[Key, ...] = (
     Key("actor.fused_forward", (str, bool, int, NoneType), None,
         "fused log-prob forward mode (auto, hook, legacy and aliases); null = auto"),
     Key("model.path", (str, NoneType), None, "Hugging Face checkpoint directory"),
+    Key("trainer.name", (str,), "reference", "trainer adapter: reference (the embedded model) or megatron",
+        choices=("reference", "megatron")),
+    Key("reference.model", (str,), "tiny-moe", "the embedded reference model",
+        choices=("tiny-moe", "tiny-dense", "micro-moe", "bench-moe")),
+    Key("reference.seed", (int,), 0, "seed of the embedded reference model's random weights"),
 )
 KEYS: dict[str, Key] = {k.path: k for k in SCHEMA}
 

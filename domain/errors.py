@@ -5,6 +5,13 @@ Messages name the tensor or configuration key and say what to do instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # values of the refit, for the errors that carry them
+    from domain.refit.report import RefitReport
+    from domain.refit.status import RankStatus
+
 
 class RefitError(Exception):
     """Base class of every error rl-refit raises on purpose."""
@@ -79,7 +86,11 @@ class EngineStale(RefitError, RuntimeError):
 
 
 class RefitFailed(RefitError, RuntimeError):
-    """A refit failed; the message says what state the engine was left in."""
+    """A refit failed; the message says what state the engine was left in. Carries the refit's report."""
+
+    def __init__(self, message: str, *, report: RefitReport) -> None:
+        self.report = report
+        super().__init__(message)
 
 
 # --- quantization plans, dispatch rules and export (domain/plan, domain/dispatch, export) ----
@@ -277,7 +288,12 @@ class ShardingError(RefitError, ValueError):
 
 
 class CollectiveTimeout(RefitError, TimeoutError):
-    """A collective did not complete in time: a peer is hung or gone. Names the rank and the step."""
+    """A collective did not complete in time: a peer is hung or gone. Names the rank and the step.
+
+    `report`: the rank's report of the refit it broke, set by the refit service that was running.
+    """
+
+    report: RefitReport | None = None
 
     def __init__(self, rank: int | None, step: str, seconds: float, peers: tuple[int, ...] = ()) -> None:
         self.rank = rank
@@ -293,7 +309,12 @@ class CollectiveTimeout(RefitError, TimeoutError):
 
 
 class PeerLost(RefitError, ConnectionError):
-    """A collective failed because a peer closed its connection (it crashed or exited)."""
+    """A collective failed because a peer closed its connection (it crashed or exited).
+
+    `report`: the rank's report of the refit it broke, set by the refit service that was running.
+    """
+
+    report: RefitReport | None = None
 
 
 class TransportAborted(RefitError, RuntimeError):
@@ -310,4 +331,9 @@ class WireProtocolError(RefitError, RuntimeError):
 
 class DistributedRefitFailed(RefitFailed):
     """Every rank of a distributed refit raises this when any rank failed; the message names the
-    failing ranks and steps and what each engine did (kept, restored or stale)."""
+    failing ranks and steps and what each engine did (kept, restored or stale). Carries this
+    rank's report and every rank's final status (the same on every rank)."""
+
+    def __init__(self, message: str, *, report: RefitReport, statuses: Sequence[RankStatus]) -> None:
+        self.statuses = tuple(statuses)
+        super().__init__(message, report=report)

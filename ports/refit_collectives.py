@@ -23,6 +23,12 @@ class RefitCollectives(Protocol):
         """This process's rank in the refit world."""
         ...
 
+    @property
+    def lead_bytes(self) -> int:
+        """Bytes a packed bucket leaves free in front of its tensors for the transport's own
+        record (0 when the transport needs none)."""
+        ...
+
     def agree(self, step: str, status: RankStatus) -> tuple[RankStatus, ...]:
         """Every rank's status at an agreement point (all ranks take part).
 

@@ -424,6 +424,11 @@ class TorchDistCollectives:
     def _group(self, ranks: Sequence[int]) -> Any:
         return self._groups[tuple(ranks)]
 
+    @property
+    def lead_bytes(self) -> int:
+        """Room for the lead record in front of each packed bucket: one message per bucket."""
+        return LEAD_BYTES
+
     def agree(self, step: str, status: RankStatus) -> tuple[RankStatus, ...]:
         ranks = tuple(range(self.world.size))
         out = [torch.empty(STATUS_BYTES, dtype=torch.uint8) for _ in ranks]

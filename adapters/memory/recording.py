@@ -9,10 +9,11 @@ from types import MappingProxyType
 import attrs
 import torch
 
-from domain.errors import EngineBusy, EngineStale, EngineTensorMismatch, RefitVerificationFailed
+from domain.errors import EngineTensorMismatch, RefitVerificationFailed
 from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.guard import EngineGuard
 from domain.refit.report import EngineFinalizeResult
-from domain.refit.session import CommitMode, RefitSession
+from domain.refit.session import CommitMode
 from domain.refit.storage import StorageFingerprint
 
 Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -40,8 +41,7 @@ class RecordingEngine:
     events: list[tuple[object, ...]] = attrs.field(factory=list)
     _live: dict[str, torch.Tensor] = attrs.field(init=False)
     _staged: dict[str, torch.Tensor] = attrs.field(init=False, factory=dict)
-    _session: RefitSession = attrs.field(init=False, factory=RefitSession)
-    _stale: str | None = attrs.field(init=False, default="no refit has completed yet")
+    _guard: EngineGuard = attrs.field(init=False, factory=EngineGuard)
     _peak: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
@@ -58,7 +58,7 @@ class RecordingEngine:
 
     @property
     def is_stale(self) -> bool:
-        return self._stale is not None
+        return self._guard.is_stale
 
     def finalize_count(self, refit_id: int) -> int:
         """How many times refit `refit_id` was finalized (post-processed)."""
@@ -71,13 +71,13 @@ class RecordingEngine:
         return StorageFingerprint.of(dict(self._live))
 
     def begin_refit(self, refit_id: int) -> None:
-        self._session.begin(refit_id)
+        self._guard.begin(refit_id)
         self._staged = {}
         self._peak = 0
         self.events.append(("begin", refit_id))
 
     def load_bucket(self, bucket: Bucket) -> None:
-        self._session.accept(bucket)
+        self._guard.accept(bucket)
         self.events.append(("bucket", bucket.index, tuple(m.name for m in bucket.metas)))
         try:
             for name, view in unpack_bucket(bucket):
@@ -100,8 +100,8 @@ class RecordingEngine:
         self._peak = max(self._peak, sum(t.numel() * t.element_size() for t in self._staged.values()))
 
     def finalize_refit(self) -> EngineFinalizeResult:
-        self._session.finalize()
-        self.events.append(("finalize", self._session.refit_id))
+        self._guard.finalize()
+        self.events.append(("finalize", self._guard.refit_id))
         try:
             missing = sorted(set(self.layout) - set(self._staged))
             if missing:
@@ -115,30 +115,26 @@ class RecordingEngine:
             self._commit_one(name, t)
         count = len(self._staged)
         self._staged = {}
-        self._session.commit()
-        self._stale = None
+        self._guard.commit()
         return EngineFinalizeResult(tensors_committed=count, peak_staging_bytes=self._peak)
 
     def _commit_one(self, name: str, staged: torch.Tensor) -> None:
         self._live[name].copy_(staged)
 
     def abort_refit(self, reason: str) -> None:
-        if self._session.in_progress:
-            self._session.fail()
+        if self._guard.in_progress:
+            self._guard.fail()
             self._staged = {}
             self.events.append(("abort", reason))
 
     def mark_stale(self, reason: str) -> None:
         self.abort_refit(reason)
-        self._stale = reason
+        self._guard.fail(stale_reason=reason)
         self.events.append(("stale", reason))
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """A uniform distribution over `vocab_size` tokens: log p = -log V, entropy = log V."""
-        if self._session.in_progress:
-            raise EngineBusy(f"refit {self._session.refit_id} is {self._session.state.value}; not serving")
-        if self._stale is not None:
-            raise EngineStale(f"engine is stale ({self._stale}); run a full refit before serving")
+        self._guard.check_serving()
         if input_ids.dim() != 2 or input_ids.shape[1] < 2:
             raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
         shape = (input_ids.shape[0], input_ids.shape[1] - 1)

@@ -31,12 +31,13 @@ import torch
 from adapters.reference.config import ReferenceModelConfig
 from adapters.reference.layout import GLOBAL, EngineLayout, is_routed
 from adapters.reference.model import check_input_ids, forward_logits, log_probs_from_logits
-from domain.errors import EngineBusy, EngineStale, EngineTensorMismatch, RefitVerificationFailed
+from domain.errors import EngineTensorMismatch, RefitVerificationFailed
 from domain.quant.codecs import QuantizedWeight, dequantize_weight, fake_quantize_activation
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.guard import EngineGuard
 from domain.refit.report import EngineFinalizeResult
-from domain.refit.session import CommitMode, RefitSession
+from domain.refit.session import CommitMode
 from domain.refit.storage import StorageFingerprint
 
 # A verifier sees one commit group's post-processed tensors ("key.local" -> tensor) before they
@@ -86,8 +87,7 @@ class ReferenceEngine:
     refits_committed: int = attrs.field(init=False, default=0)
     _live: dict[str, dict[str, torch.Tensor]] = attrs.field(init=False)
     _kv: dict[str, torch.Tensor] = attrs.field(init=False)
-    _session: RefitSession = attrs.field(init=False, factory=RefitSession)
-    _stale: str | None = attrs.field(init=False, default="no refit has completed yet")
+    _guard: EngineGuard = attrs.field(init=False, factory=EngineGuard)
     _staged: dict[str, dict[str, torch.Tensor]] = attrs.field(init=False, factory=dict)
     # Staged by reference (retained buckets): key -> local -> [(index into the live tensor, view)].
     _refs: dict[str, dict[str, list[tuple[tuple[Any, ...], torch.Tensor]]]] = attrs.field(init=False, factory=dict)
@@ -116,11 +116,11 @@ class ReferenceEngine:
 
     @property
     def is_stale(self) -> bool:
-        return self._stale is not None
+        return self._guard.is_stale
 
     @property
     def stale_reason(self) -> str | None:
-        return self._stale
+        return self._guard.stale_reason
 
     def live_weights(self) -> Mapping[str, torch.Tensor]:
         """The live tensors by the engine's own names (`layers.0.qkv.weight_scale`, KV scales)."""
@@ -133,7 +133,7 @@ class ReferenceEngine:
     # --- lifecycle -------------------------------------------------------------------------
 
     def begin_refit(self, refit_id: int) -> None:
-        self._session.begin(refit_id)
+        self._guard.begin(refit_id)
         self._received = set()
         self._staged, self._refs = {}, {}
         self._pending = {g: set(names) for g, names in self.layout.groups().items()}
@@ -147,7 +147,7 @@ class ReferenceEngine:
         )
 
     def load_bucket(self, bucket: Bucket) -> None:
-        self._session.accept(bucket)
+        self._guard.accept(bucket)
         try:
             for name, view in unpack_bucket(bucket):
                 self._stage(name, view, bucket.retained)
@@ -156,12 +156,12 @@ class ReferenceEngine:
             raise
 
     def finalize_refit(self) -> EngineFinalizeResult:
-        self._session.finalize()
+        self._guard.finalize()
         try:
             missing = [n for names in self._pending.values() for n in names]
             if missing:
                 raise RefitVerificationFailed(
-                    f"refit {self._session.refit_id}: {len(missing)} tensors never arrived, e.g. "
+                    f"refit {self._guard.refit_id}: {len(missing)} tensors never arrived, e.g. "
                     f"{missing[:3]}; the trainer's stream does not match the engine's layout"
                 )
             groups = [g for g in self.layout.groups() if any(k in self._staged or k in self._refs for k in self._keys(g))]
@@ -174,20 +174,19 @@ class ReferenceEngine:
         except Exception as err:
             self._fail(f"finalize: {err}")
             raise
-        self._session.commit()
-        self._stale = None
+        self._guard.commit()
         self._effective = None
         self.refits_committed += 1
         return EngineFinalizeResult(kv_reset, self._post_seconds, self._committed, self._peak_bytes)
 
     def abort_refit(self, reason: str) -> None:
-        if self._session.in_progress:
+        if self._guard.in_progress:
             self._fail(reason)
 
     def mark_stale(self, reason: str) -> None:
-        if self._session.in_progress:
+        if self._guard.in_progress:
             self._fail(reason)
-        self._stale = reason
+        self._guard.fail(stale_reason=reason)
         self._effective = None
 
     # --- staging ---------------------------------------------------------------------------
@@ -308,23 +307,14 @@ class ReferenceEngine:
         for key in [*self._staged, *self._refs]:
             self._release(key)
         self._staged_kv = {}
-        if self._session.in_progress:
-            self._session.fail()
-        if self._touched:
-            self._stale = f"refit {self._session.refit_id} failed after live weights were written: {reason}"
+        refit_id = self._guard.refit_id
+        stale = f"refit {refit_id} failed after live weights were written: {reason}" if self._touched else None
+        self._guard.fail(stale_reason=stale)
+        if stale is not None:
             self._effective = None
-        structlog.get_logger().warning("refit aborted", refit_id=self._session.refit_id, reason=reason, stale=self.is_stale)
+        structlog.get_logger().warning("refit aborted", refit_id=refit_id, reason=reason, stale=self.is_stale)
 
     # --- serving ---------------------------------------------------------------------------
-
-    def _check_serving(self) -> None:
-        if self._session.in_progress:
-            raise EngineBusy(
-                f"refit {self._session.refit_id} is {self._session.state.value}; the engine does not "
-                "serve until it is finalized or aborted"
-            )
-        if self._stale is not None:
-            raise EngineStale(f"engine is stale ({self._stale}); run a full refit before serving")
 
     def effective_weights(self) -> dict[str, torch.Tensor]:
         """The weights the forward computes with: BF16, dequantized from the live storage."""
@@ -349,7 +339,7 @@ class ReferenceEngine:
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Rollout log-probs and entropies, float32 [B, T - 1] (RolloutEngine port)."""
-        self._check_serving()
+        self._guard.check_serving()
         check_input_ids(self.config, input_ids)
         logits = forward_logits(self.config, self.effective_weights(), input_ids, self._act)
         return log_probs_from_logits(logits, input_ids, temperature)

@@ -29,13 +29,14 @@ from adapters.sglang.staging import (
     StagingRule,
     marker,
 )
-from domain.errors import EngineBusy, EngineStale, EngineUpdateFailed, StorageRebound
+from domain.errors import EngineUpdateFailed
 from domain.quant.dispatch import check_sglang, check_sync_backend
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.engine_layout import Layout, check_bucket
+from domain.refit.guard import EngineGuard
 from domain.refit.report import EngineFinalizeResult
-from domain.refit.session import CommitMode, RefitSession
+from domain.refit.session import CommitMode
 from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
@@ -126,7 +127,6 @@ class SglangRolloutEngine:
         expected_layout: checkpoint name -> (shape, dtype) of every tensor a refit sends; when
             given, a bucket with an unknown, mis-shaped, mis-typed or repeated tensor is rejected
             (EngineTensorMismatch) before SGLang sees it.
-        stale_reason: why it does not serve (it starts stale until the first refit).
     """
 
     client: SglangClient
@@ -136,11 +136,9 @@ class SglangRolloutEngine:
     wire_format: str | None = None
     log_prob_fn: LogProbFn | None = None
     expected_layout: Layout | None = None
-    stale_reason: str | None = "no refit has completed yet"
+    _guard: EngineGuard = attrs.field(init=False, factory=EngineGuard)
     _seen: set[str] = attrs.field(init=False, factory=set)
-    _session: RefitSession = attrs.field(init=False, factory=RefitSession)
     _rule: StagingRule = attrs.field(init=False)
-    _before: StorageFingerprint | None = attrs.field(init=False, default=None)
     _open: bool = attrs.field(init=False, default=False)
     _tensors: int = attrs.field(init=False, default=0)
     _staged_bytes: int = attrs.field(init=False, default=0)
@@ -156,7 +154,11 @@ class SglangRolloutEngine:
 
     @property
     def is_stale(self) -> bool:
-        return self.stale_reason is not None
+        return self._guard.is_stale
+
+    @property
+    def stale_reason(self) -> str | None:
+        return self._guard.stale_reason
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -166,11 +168,10 @@ class SglangRolloutEngine:
             raise EngineUpdateFailed(f"SGLang update_weights_from_tensor failed: {message}")
 
     def begin_refit(self, refit_id: int) -> None:
-        self._session.begin(refit_id)
+        self._guard.begin(refit_id)
         self._tensors = self._staged_bytes = 0
         self._seen = set()
         try:
-            self._before = self.client.storage_fingerprint()
             ok, message = self.client.begin_weight_update()
             if not ok:
                 raise EngineUpdateFailed(f"SGLang begin_weight_update failed: {message}")
@@ -181,7 +182,7 @@ class SglangRolloutEngine:
             raise
 
     def load_bucket(self, bucket: Bucket) -> None:
-        self._session.accept(bucket)
+        self._guard.accept(bucket)
         named = list(unpack_bucket(bucket))
         try:
             if self.expected_layout is not None:
@@ -194,26 +195,16 @@ class SglangRolloutEngine:
         self._staged_bytes += sum(t.nbytes for n, t in named if self._rule.must_stage(n))
 
     def finalize_refit(self) -> EngineFinalizeResult:
-        self._session.finalize()
+        self._guard.finalize()
         t0 = time.perf_counter()
         try:
             self._update([marker(FINAL_MARKER)], flush_cache=True)
             self._close_session()
-            seconds = time.perf_counter() - t0
-            changed = self._before.differences(self.client.storage_fingerprint()) if self._before else []
-            if changed:
-                raise StorageRebound(
-                    f"refit {self._session.refit_id}: {len(changed)} captured tensors changed data pointer, "
-                    f"shape, stride or dtype in SGLang (e.g. {changed[:3]})"
-                )
-        except StorageRebound as err:
-            self._fail(f"finalize: {err}", stale=True)
-            raise
         except Exception as err:
             self._fail(f"finalize: {type(err).__name__}: {err}")
             raise
-        self._session.commit()
-        self.stale_reason = None
+        seconds = time.perf_counter() - t0
+        self._guard.commit()
         return EngineFinalizeResult(postprocess_seconds=seconds, tensors_committed=self._tensors,
                                     peak_staging_bytes=self._staged_bytes)
 
@@ -225,18 +216,17 @@ class SglangRolloutEngine:
                 raise EngineUpdateFailed(f"SGLang end_weight_update failed: {message}")
 
     def abort_refit(self, reason: str) -> None:
-        if self._session.in_progress:
+        if self._guard.in_progress:
             self._fail(reason)
 
     def mark_stale(self, reason: str) -> None:
-        if self._session.in_progress:
+        if self._guard.in_progress:
             self._fail(reason)
-        self.stale_reason = reason
+        self._guard.fail(stale_reason=reason)
 
-    def _fail(self, reason: str, *, stale: bool = False) -> None:
-        refit_id = self._session.refit_id
-        if self._session.in_progress:
-            self._session.fail()
+    def _fail(self, reason: str) -> None:
+        refit_id = self._guard.refit_id
+        stale = False
         try:
             if self._open:
                 self._update([marker(ABORT_MARKER)])  # restores unless the loader already did
@@ -244,8 +234,7 @@ class SglangRolloutEngine:
         except Exception as err:  # could not confirm the restore: never serve a half update
             stale = True
             reason = f"{reason}; restore failed: {type(err).__name__}: {err}"
-        if stale:
-            self.stale_reason = f"refit {refit_id} failed ({reason})"
+        self._guard.fail(stale_reason=f"refit {refit_id} failed ({reason})" if stale else None)
         log.warning("sglang refit failed", refit_id=refit_id, reason=reason, stale=stale)
 
     # --- queries and serving ----------------------------------------------------------------
@@ -257,10 +246,7 @@ class SglangRolloutEngine:
         return MappingProxyType(dict(self.client.live_weights()))
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._session.in_progress:
-            raise EngineBusy(f"refit {self._session.refit_id} is {self._session.state.value}; not serving")
-        if self.stale_reason is not None:
-            raise EngineStale(f"engine is stale ({self.stale_reason}); run a full refit before serving")
+        self._guard.check_serving()
         if self.log_prob_fn is None:
             raise NotImplementedError("this SglangRolloutEngine was built without log_prob_fn")
         return self.log_prob_fn(input_ids, temperature)

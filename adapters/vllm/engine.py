@@ -1,6 +1,6 @@
 """VllmRolloutEngine: the RolloutEngine port over vLLM's layerwise reload.
 
-The adapter talks to the workers through `VllmWorkers`, one `call(step, *args)` per refit step:
+The adapter talks to the workers through `VllmWorkers`, one typed method per refit step:
 `LocalWorkers` runs a WorkerRefit in this process (fakes, tests, an in-process engine),
 `LlmWorkers` runs it inside every vLLM worker through `LLM.collective_rpc`.
 
@@ -19,13 +19,14 @@ import attrs
 import structlog
 import torch
 
-from adapters.vllm.hooks import PINNED_VLLM
-from adapters.vllm.worker import WorkerRefit
-from domain.errors import EngineBusy, EngineStale, StorageRebound
+from adapters.vllm import worker
+from adapters.vllm.hooks import PINNED_VLLM, VllmHooks
+from adapters.vllm.worker import FinalizeStats, WorkerRefit
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.engine_layout import Layout, check_bucket
+from domain.refit.guard import EngineGuard
 from domain.refit.report import EngineFinalizeResult
-from domain.refit.session import CommitMode, RefitSession
+from domain.refit.session import CommitMode
 from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
@@ -34,9 +35,31 @@ LogProbFn = Callable[[torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
 class VllmWorkers(Protocol):
-    """Runs one refit step on every worker; returns the first worker's result."""
+    """The refit steps on every vLLM worker; each returns the first worker's result."""
 
-    def call(self, step: str, *args: Any) -> Any: ...
+    def begin(self) -> None:
+        """Start vLLM's layerwise reload."""
+        ...
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket's tensors by checkpoint name (copied before this returns)."""
+        ...
+
+    def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
+        """Finalize the reload once, then reset uncalibrated KV-cache scales."""
+        ...
+
+    def abort(self) -> None:
+        """Put the model back together after a failure."""
+        ...
+
+    def fingerprint(self) -> StorageFingerprint:
+        """Pointer, shape, stride and dtype of every parameter and buffer."""
+        ...
+
+    def live_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, by module path (host copies out of process)."""
+        ...
 
 
 @attrs.define
@@ -45,11 +68,24 @@ class LocalWorkers:
 
     refit: WorkerRefit
 
-    def call(self, step: str, *args: Any) -> Any:
-        if step == "finalize":
-            self.refit.reset_kv_scales = bool(args[0])
-            return self.refit.finalize()
-        return getattr(self.refit, step)(*args)
+    def begin(self) -> None:
+        self.refit.begin()
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        return self.refit.load(named_tensors)
+
+    def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
+        self.refit.reset_kv_scales = reset_kv_scales
+        return self.refit.finalize()
+
+    def abort(self) -> None:
+        self.refit.abort()
+
+    def fingerprint(self) -> StorageFingerprint:
+        return self.refit.fingerprint()
+
+    def live_weights(self) -> dict[str, torch.Tensor]:
+        return self.refit.live_weights()
 
 
 @attrs.define
@@ -77,11 +113,26 @@ class LlmWorkers:
                 name="vllm") from err
         return cls(LLM(**engine_kwargs))
 
-    def call(self, step: str, *args: Any) -> Any:
-        from adapters.vllm import worker
-
-        fn = getattr(worker, f"rpc_{step}")
+    def _rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self.llm.collective_rpc(fn, args=args)[0]
+
+    def begin(self) -> None:
+        self._rpc(worker.rpc_begin)
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        return int(self._rpc(worker.rpc_load, named_tensors))
+
+    def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
+        return FinalizeStats(*self._rpc(worker.rpc_finalize, reset_kv_scales))
+
+    def abort(self) -> None:
+        self._rpc(worker.rpc_abort)
+
+    def fingerprint(self) -> StorageFingerprint:
+        return self._rpc(worker.rpc_fingerprint)
+
+    def live_weights(self) -> dict[str, torch.Tensor]:
+        return self._rpc(worker.rpc_live_weights)
 
 
 @attrs.define
@@ -96,25 +147,23 @@ class VllmRolloutEngine:
         expected_layout: checkpoint name -> (shape, dtype) of every tensor a refit sends; when
             given, a bucket with an unknown, mis-shaped, mis-typed or repeated tensor is rejected
             (EngineTensorMismatch) before vLLM sees it (vLLM's loaders would cast or skip it).
-        stale_reason: why the engine does not serve (it starts stale: until the first refit its
-            weights are whatever it was started with, e.g. a dummy load).
+
+    The engine starts stale: until the first refit its weights are whatever it was started with
+    (e.g. a dummy load).
     """
 
     workers: VllmWorkers
     log_prob_fn: LogProbFn | None = None
     reset_kv_scales: bool = True
     expected_layout: Layout | None = None
-    stale_reason: str | None = "no refit has completed yet"
+    _guard: EngineGuard = attrs.field(init=False, factory=EngineGuard)
     _seen: set[str] = attrs.field(init=False, factory=set)
-    _session: RefitSession = attrs.field(init=False, factory=RefitSession)
-    _before: StorageFingerprint | None = attrs.field(init=False, default=None)
     _started: bool = attrs.field(init=False, default=False)
 
     @classmethod
-    def in_process(cls, model: torch.nn.Module, model_config: object, hooks: object, **kwargs: Any) -> VllmRolloutEngine:
-        """An engine whose worker is `model` in this process (hooks: VllmHooks)."""
-        refit = WorkerRefit(model, model_config, hooks)  # type: ignore[arg-type]
-        return cls(LocalWorkers(refit), **kwargs)
+    def in_process(cls, model: torch.nn.Module, model_config: object, hooks: VllmHooks, **kwargs: Any) -> VllmRolloutEngine:
+        """An engine whose worker is `model` in this process."""
+        return cls(LocalWorkers(WorkerRefit(model, model_config, hooks)), **kwargs)
 
     @property
     def commit_mode(self) -> CommitMode:
@@ -122,89 +171,80 @@ class VllmRolloutEngine:
 
     @property
     def is_stale(self) -> bool:
-        return self.stale_reason is not None
+        return self._guard.is_stale
+
+    @property
+    def stale_reason(self) -> str | None:
+        return self._guard.stale_reason
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def begin_refit(self, refit_id: int) -> None:
-        self._session.begin(refit_id)
+        self._guard.begin(refit_id)
         self._started = False
         self._seen = set()
         try:
-            self._before = self.workers.call("fingerprint")
-            self.workers.call("begin")
+            self.workers.begin()
             self._started = True
         except Exception as err:
             self._fail(f"begin: {type(err).__name__}: {err}")
             raise
 
     def load_bucket(self, bucket: Bucket) -> None:
-        self._session.accept(bucket)
+        self._guard.accept(bucket)
         try:
             if self.expected_layout is not None:
                 check_bucket(bucket, self.expected_layout, self._seen)
             # views of the bucket's buffer: the worker copies them before this returns
-            self.workers.call("load", list(unpack_bucket(bucket)))
+            self.workers.load(list(unpack_bucket(bucket)))
         except Exception as err:
             self._fail(f"loading bucket {bucket.index}: {type(err).__name__}: {err}")
             raise
 
     def finalize_refit(self) -> EngineFinalizeResult:
-        self._session.finalize()
+        self._guard.finalize()
         try:
-            reset, seconds, loaded = self.workers.call("finalize", self.reset_kv_scales)
+            stats = self.workers.finalize(self.reset_kv_scales)
             self._started = False
-            after = self.workers.call("fingerprint")
-            changed = self._before.differences(after) if self._before is not None else []
-            if changed:
-                raise StorageRebound(
-                    f"refit {self._session.refit_id}: {len(changed)} captured tensors changed data pointer, "
-                    f"shape, stride or dtype after vLLM's finalize (e.g. {changed[:3]}); the layerwise "
-                    "reload must copy into the kept kernel tensors"
-                )
         except Exception as err:
             self._fail(f"finalize: {type(err).__name__}: {err}")
             raise
-        self._session.commit()
-        self.stale_reason = None
-        log.info("vllm refit finalized", refit_id=self._session.refit_id, kv_scales_reset=reset, tensors=loaded)
-        return EngineFinalizeResult(kv_scales_reset=reset, postprocess_seconds=seconds, tensors_committed=loaded)
+        self._guard.commit()
+        log.info("vllm refit finalized", refit_id=self._guard.refit_id, kv_scales_reset=stats.kv_scales_reset,
+                 tensors=stats.tensors_loaded)
+        return EngineFinalizeResult(kv_scales_reset=stats.kv_scales_reset, postprocess_seconds=stats.seconds,
+                                    tensors_committed=stats.tensors_loaded)
 
     def abort_refit(self, reason: str) -> None:
-        if self._session.in_progress:
+        if self._guard.in_progress:
             self._fail(reason)
 
     def mark_stale(self, reason: str) -> None:
-        if self._session.in_progress:
+        if self._guard.in_progress:
             self._fail(reason)
-        self.stale_reason = reason
+        self._guard.fail(stale_reason=reason)
 
     def _fail(self, reason: str) -> None:
-        refit_id = self._session.refit_id
-        if self._session.in_progress:
-            self._session.fail()
+        refit_id = self._guard.refit_id
         if self._started:
             self._started = False
             try:
-                self.workers.call("abort")
+                self.workers.abort()
             except Exception as err:
                 log.warning("vllm abort raised", refit_id=refit_id, error=f"{type(err).__name__}: {err}")
-        self.stale_reason = f"refit {refit_id} failed ({reason}); vLLM's layerwise reload cannot roll back"
+        self._guard.fail(stale_reason=f"refit {refit_id} failed ({reason}); vLLM's layerwise reload cannot roll back")
         log.warning("vllm refit failed; engine is stale", refit_id=refit_id, reason=reason)
 
     # --- queries and serving ----------------------------------------------------------------
 
     def storage_fingerprint(self) -> StorageFingerprint:
-        return self.workers.call("fingerprint")
+        return self.workers.fingerprint()
 
     def live_weights(self) -> Mapping[str, torch.Tensor]:
-        return MappingProxyType(self.workers.call("live_weights"))
+        return MappingProxyType(self.workers.live_weights())
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._session.in_progress:
-            raise EngineBusy(f"refit {self._session.refit_id} is {self._session.state.value}; not serving")
-        if self.stale_reason is not None:
-            raise EngineStale(f"engine is stale ({self.stale_reason}); run a full refit before serving")
+        self._guard.check_serving()
         if self.log_prob_fn is None:
             raise NotImplementedError("this VllmRolloutEngine was built without log_prob_fn; pass client.LlmLogProbs(llm)")
         return self.log_prob_fn(input_ids, temperature)

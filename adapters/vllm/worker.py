@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import NamedTuple
 
 import attrs
 import structlog
@@ -23,6 +25,14 @@ from domain.refit.storage import StorageFingerprint
 log = structlog.get_logger()
 
 KV_SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
+
+
+class FinalizeStats(NamedTuple):
+    """What one worker's finalize did (a tuple: it crosses process boundaries as one)."""
+
+    kv_scales_reset: int
+    seconds: float
+    tensors_loaded: int
 
 
 @attrs.define
@@ -66,16 +76,18 @@ class WorkerRefit:
         if not self.loading:
             raise RefitLifecycleError("load before begin: call begin() first")
         owned = [(name, t.to(self.device, copy=True)) for name, t in named_tensors]
+        load_weights = self.model.load_weights  # every vLLM model class defines it
         with self.hooks.load_context():
-            self.model.load_weights(owned)
+            load_weights(owned)  # type: ignore[operator]
         self.tensors_loaded += len(owned)
         return len(owned)
 
-    def finalize(self) -> tuple[int, float, int]:
+    def finalize(self) -> FinalizeStats:
         """Finalize the reload once, then reset KV-cache scales.
 
         Returns:
-            (attention layers whose scales were reset, seconds of post-processing, tensors loaded).
+            The attention layers whose scales were reset, the seconds of post-processing and the
+            tensors loaded.
         """
         if not self.loading:
             raise RefitLifecycleError("finalize without a loading refit: call begin() first")
@@ -86,7 +98,7 @@ class WorkerRefit:
             self.loading = False
         seconds = time.perf_counter() - t0
         reset = self.reset_uncalibrated_kv_scales() if self.reset_kv_scales else 0
-        return reset, seconds, self.tensors_loaded
+        return FinalizeStats(reset, seconds, self.tensors_loaded)
 
     def abort(self) -> None:
         """Put the model back together after a failure (no-op when not loading).
@@ -132,7 +144,7 @@ class WorkerRefit:
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer of the model, by its module path."""
-        tensors = dict(self.model.named_parameters())
+        tensors: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         tensors.update(self.model.named_buffers())
         return tensors
 
@@ -152,7 +164,7 @@ def _refit(worker: object) -> WorkerRefit:
     return refit
 
 
-def _in_config(worker: object):  # type: ignore[no-untyped-def]
+def _in_config(worker: object) -> AbstractContextManager[object]:
     from vllm.config import set_current_vllm_config
 
     return set_current_vllm_config(worker.vllm_config)  # type: ignore[attr-defined]
@@ -168,7 +180,7 @@ def rpc_load(worker: object, named_tensors: list[tuple[str, torch.Tensor]]) -> i
         return _refit(worker).load(named_tensors)
 
 
-def rpc_finalize(worker: object, reset_kv_scales: bool) -> tuple[int, float, int]:
+def rpc_finalize(worker: object, reset_kv_scales: bool) -> FinalizeStats:
     with _in_config(worker):
         refit = _refit(worker)
         refit.reset_kv_scales = reset_kv_scales

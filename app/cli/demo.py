@@ -20,8 +20,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from app.services.demo import DemoResult, DemoSettings, StepRecord, run_demo
-from app.services.refit import describe_plan
+from app.cli.demo_settings import arm_factory, settings_from_args
+from app.services.demo import DemoResult, StepRecord, run_demo
+from app.services.lifecycle import describe_plan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--commit-mode", default="transactional", choices=("transactional", "per-layer"))
     p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket capacity in MiB (default 1)")
     p.add_argument("--inject-fault", metavar="FAULT", default=None,
-                   help="bucket:K, finalize or verify: make the plan's refit fail there once")
+                   help="[hang:]POINT: bucket:K, begin, finalize, verify or storage (with --procs also "
+                        "export:K): make the plan's refit fail there once")
     p.add_argument("--fault-step", type=int, default=1, help="the step whose refit the fault hits (default 1)")
     p.add_argument("--presets", action="store_true", help="add one arm per low-precision preset")
     p.add_argument("--plot", metavar="PNG", default=None, help="draw the mismatch per step for every preset")
@@ -46,25 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="log the canonical line of every refit (stderr)")
     p.add_argument("--qat", nargs="?", const="NVFP4", default=None, metavar="PRESET",
                    help="train with QAT in PRESET (default NVFP4, served everywhere) and without; compare k3 KL")
-    from app.services.distributed_demo import add_procs_arguments
-
-    add_procs_arguments(p)  # --procs N, --fault-rank R
-
-
-def _none(preset: str | None) -> str | None:
-    return None if preset is None or preset.strip().upper() == "BF16" else preset
-
-
-def settings_from_args(args: argparse.Namespace) -> DemoSettings:
-    """DemoSettings from the command line; bad values raise ConfigError / ValueError naming them."""
-    from app.bootstrap import build_plan
-
-    plan = build_plan(_none(args.linear), _none(args.moe), moe_activation=args.moe_activation)
-    return DemoSettings(
-        plan=plan, model=args.model, seed=args.seed, steps=args.steps, commit_mode=args.commit_mode,
-        bucket_megabytes=args.bucket_mb, inject_fault=args.inject_fault, fault_step=args.fault_step,
-        presets=args.presets or bool(args.plot),
-    )
+    p.add_argument("--procs", type=int, default=None, metavar="N",
+                   help="run trainer and engine ranks in N processes (2-4) over gloo on 127.0.0.1")
+    p.add_argument("--fault-rank", type=int, default=None, metavar="R",
+                   help="with --procs: the rank --inject-fault hits (default: the last engine; rank 0 for export:K)")
 
 
 def _row(r: StepRecord) -> list[str]:
@@ -191,13 +178,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--threads", f"must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     if args.qat:  # training with and without QAT (app.services.qat_demo)
-        from app.services.qat_demo import run_cli
+        from app.cli.demo_qat import run_cli
 
         return run_cli(args)
-    if args.procs is not None:  # trainer and engine ranks in separate processes
-        from app.services.distributed_demo import run_procs
-
-        return run_procs(args)
     from domain.errors import ConfigError, RefitError
 
     try:
@@ -206,7 +189,11 @@ def run(args: argparse.Namespace) -> int:
         raise
     except ValueError as err:  # DemoSettings' own checks name the option
         raise ConfigError("refit demo", str(err)) from None
-    result = run_demo(settings)
+    if args.procs is not None:  # trainer and engine ranks in separate processes
+        from app.cli.demo_procs import run_procs
+
+        return run_procs(args, settings)
+    result = run_demo(settings, arm_factory(settings))
     if args.plot:
         _plot(result, args.plot)
     if args.json:

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from app.cli.plan import add_config_arguments, config_from_args
+from app.cli.plan import add_config_arguments, services_from_args
 from app.services.doctor import DoctorReport, diagnose
 from app.services.doctor_checks import Status
 
@@ -46,13 +46,12 @@ def render(report: DoctorReport, console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.bootstrap import build_environment_probe, deep_gemm_opt_out
-
-    cfg = config_from_args(args) if args.args else None
-    env = build_environment_probe(snapshot_file=args.environment).snapshot()
+    services = services_from_args(args)
+    cfg = services.config if args.args else None
+    env = services.environment_probe(snapshot_file=args.environment).snapshot()
     opt_out = False
     if cfg is not None and cfg.rollout.name in ("vllm", "sglang"):
-        opt_out = deep_gemm_opt_out(cfg.rollout.name, cfg.rollout.to_dict().get("engine_kwargs"), env.environ)
+        opt_out = services.deep_gemm_opt_out(cfg.rollout.name, env.environ)
     report = diagnose(env, cfg, deep_gemm_opt_out=opt_out)
     if args.json:
         sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from app.cli.plan import add_config_arguments, split_config_args
+from app.cli.plan import add_config_arguments, services_from_args
 from app.services.checkpoint_export import ExportResult, export_checkpoint
 
 
@@ -41,13 +41,13 @@ def _render(result: ExportResult, console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.bootstrap import build_rollout_plan
     from app.logging import configure_logging
     from domain.errors import ConfigError
 
     configure_logging(json=args.json)
-    source, overrides = split_config_args(args)
-    report, checkpoint = build_rollout_plan(source, overrides, model=args.model)
+    services = services_from_args(args, args.model)
+    checkpoint = services.checkpoint()
+    report = services.plan_report(checkpoint)
     if checkpoint is None:
         raise ConfigError("model.path", "no model given; pass --model DIR or set model.path")
     quiet = args.json or not sys.stderr.isatty()

@@ -7,7 +7,7 @@ import json
 import re
 import sys
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -15,6 +15,9 @@ from rich.table import Table
 from app.config import Section, load_config
 from app.services.planning import PlanReport
 from domain.errors import RefitError
+
+if TYPE_CHECKING:
+    from app.bootstrap import Services
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +31,16 @@ def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -
     """Load the configuration named by the positional arguments (file first, then overrides)."""
     source, overrides = split_config_args(args)
     return load_config(source, [*overrides, *(extra or [])])
+
+
+def services_from_args(args: argparse.Namespace, model: str | None = None) -> Services:
+    """The composition root's services for the positional arguments (and `--model DIR`, which
+    wins over model.path)."""
+    from app.bootstrap import bootstrap
+
+    source, overrides = split_config_args(args)
+    extra = [f"model.path={json.dumps(model)}"] if model else []
+    return bootstrap(source, overrides=[*overrides, *extra])
 
 
 def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -127,11 +140,9 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.bootstrap import build_rollout_plan
-
     try:
-        source, overrides = split_config_args(args)
-        report, _ = build_rollout_plan(source, overrides, model=args.model)
+        services = services_from_args(args, args.model)
+        report = services.plan_report(services.checkpoint())
     except RefitError as err:
         if args.json:
             sys.stdout.write(json.dumps({"error": {"type": type(err).__name__, "message": str(err)}}) + "\n")

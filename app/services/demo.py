@@ -12,8 +12,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from app.bootstrap import build_mismatch_probe, build_plan, build_refit_service
-from app.services.mismatch_probe import ProbeResult, response_mask, token_batch
+from app.services.mismatch_probe import MismatchProbe, ProbeResult, response_mask, token_batch
 from app.services.refit import RefitService
 from domain.errors import EngineBusy, EngineStale, RefitFailed
 from domain.quant.plan import QuantizationPlan
@@ -42,7 +41,7 @@ class DemoSettings:
         prompt_len: prompt tokens (the rest is the scored response).
     """
 
-    plan: QuantizationPlan = attrs.field(factory=build_plan)
+    plan: QuantizationPlan = attrs.field(factory=lambda: QuantizationPlan.from_presets(linear="FP8_BLOCK", moe="NVFP4"))
     model: str = "tiny-moe"
     seed: int = 0
     steps: int = 3
@@ -117,7 +116,7 @@ def _arms(settings: DemoSettings) -> dict[str, QuantizationPlan]:
     arms.setdefault("BF16", QuantizationPlan.bf16())
     if settings.presets:
         for name in PRESET_ARMS:
-            p = build_plan(name, name)
+            p = QuantizationPlan.from_presets(linear=name, moe=name)
             if p != plan:
                 arms[name] = p
     return arms
@@ -127,11 +126,18 @@ def _bits(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.detach().reshape(-1).view(torch.uint8).clone() for n, t in weights.items()}
 
 
-def run_demo(settings: DemoSettings, on_record: Callable[[StepRecord], None] | None = None) -> DemoResult:
+# Builds one arm's refit service: (plan, trainer shared by every arm or None for the first arm,
+# the fault to inject on this arm or None) -> RefitService. The composition root provides it.
+ArmFactory = Callable[[QuantizationPlan, object | None, str | None], RefitService]
+
+
+def run_demo(settings: DemoSettings, build_arm: ArmFactory,
+             on_record: Callable[[StepRecord], None] | None = None) -> DemoResult:
     """Run the demo.
 
     Args:
         settings: what to run.
+        build_arm: makes each arm's refit service (the first arm builds the trainer the others share).
         on_record: called with each StepRecord as soon as it exists (for live output).
 
     Returns:
@@ -142,12 +148,7 @@ def run_demo(settings: DemoSettings, on_record: Callable[[StepRecord], None] | N
     services: dict[str, RefitService] = {}
     trainer = None
     for label, plan in arms.items():
-        fault = settings.inject_fault if label == first else None
-        svc = build_refit_service(
-            plan=plan, model=settings.model, seed=settings.seed, commit_mode=settings.commit_mode,
-            bucket_megabytes=settings.bucket_megabytes, inject_fault=fault, fault_after=settings.fault_step,
-            trainer=trainer,
-        )
+        svc = build_arm(plan, trainer, settings.inject_fault if label == first else None)
         trainer = svc.trainer
         services[label] = svc
     ids = token_batch(trainer.config.vocab_size, settings.batch, settings.seq_len, settings.seed + 10_000)  # type: ignore[union-attr]
@@ -174,12 +175,12 @@ def _step(label: str, step: int, svc: RefitService, ids: torch.Tensor, mask: tor
     try:
         report = svc.refit()
     except RefitFailed as err:
-        report = err.report  # type: ignore[attr-defined]
+        report = err.report
         if before is not None:
             after = _bits(dict(svc.engine.live_weights()))
             unchanged = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
     try:
-        probe = build_mismatch_probe(svc).probe(ids, mask)
+        probe = MismatchProbe(svc.trainer, svc.engine).probe(ids, mask)
         serving = "yes"
     except EngineStale:
         probe, serving = None, "no (stale)"

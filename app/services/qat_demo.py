@@ -12,14 +12,33 @@ Numbers are measured and printed, never asserted as timings.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from app.bootstrap import build_mismatch_probe, build_qat_backend, build_refit_service
-from app.services.mismatch_probe import response_mask
+from app.services.mismatch_probe import MismatchProbe, response_mask
+from app.services.qat_setup import QatSession
+from app.services.refit import RefitService
 from domain.quant.plan import QuantizationPlan
+from ports.trainer_model import TrainerModel
+
+
+class QatDemoServices(Protocol):
+    """What the QAT demo needs from the composition root (app.bootstrap.Services has it), for a
+    configuration whose rollout and QAT are both in the demo's preset."""
+
+    def embedded_module(self) -> torch.nn.Module:
+        """A new trainable copy of the embedded reference model (same seed every time)."""
+        ...
+
+    def qat(self, model: torch.nn.Module) -> QatSession | None:
+        """QAT applied to `model` per the configuration."""
+        ...
+
+    def refit_service(self, *, plan: QuantizationPlan | None = None, trainer: TrainerModel | None = None) -> RefitService:
+        """A refit service from `trainer` into a new engine serving `plan`."""
+        ...
 
 ARMS = ("bf16", "qat")
 
@@ -51,6 +70,7 @@ def _loss(module: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tor
 
 
 def run_qat_demo(
+    services: QatDemoServices,
     *,
     mode: str = "NVFP4",
     model: str = "tiny-moe",
@@ -65,8 +85,9 @@ def run_qat_demo(
     """Train two copies of the embedded model, with and without QAT; measure the rollout mismatch.
 
     Args:
-        mode: the preset the rollout serves (linear and experts) and QAT trains in.
-        model: the embedded model preset (tiny-moe, tiny-dense, micro-moe).
+        services: the composition root's services, configured for `mode` and `model`.
+        mode: the preset the rollout serves (linear and experts) and QAT trains in (for the report).
+        model: the embedded model preset (for the report).
         steps: optimizer steps (step 0 is the initial sync).
         seed: seed of the weights and the task.
         lr: AdamW learning rate.
@@ -78,23 +99,18 @@ def run_qat_demo(
         {"mode", "model", "qat_layers", "records": [{"step", "arm", "train_loss", "k3_quantized",
         "k3_bf16", "rollout_nll"}], "final": {...}}; k3_bf16 only on the BF16 arm.
     """
-    from adapters.qat_reference.embedded import EmbeddedModule
-    from adapters.reference.config import preset
-
     if steps < 0:
         raise ValueError(f"--steps must be >= 0, got {steps}")
-    cfg = preset(model)
-    config = {"rollout": {"quantization": {"linear": mode, "moe": mode}},
-              "actor": {"megatron": {"qat": {"enable": True, "mode": mode}}}}
-    modules = {arm: EmbeddedModule.from_seed(cfg, seed) for arm in ARMS}
-    session = build_qat_backend(config, model=modules["qat"])
-    if session is None:  # the configuration above enables QAT
-        raise RuntimeError("build_qat_backend returned no QAT session")
+    modules = {arm: services.embedded_module() for arm in ARMS}
+    session = services.qat(modules["qat"])
+    if session is None:  # the configuration enables QAT
+        raise RuntimeError("the configuration does not enable QAT (actor.megatron.qat.enable)")
     plan = session.rollout_plan
-    quantized = {arm: build_refit_service(plan=plan, model=model, trainer=modules[arm].trainer()) for arm in ARMS}
-    bf16 = build_refit_service(plan=QuantizationPlan.bf16(), model=model, trainer=modules["bf16"].trainer())
+    quantized = {arm: services.refit_service(plan=plan, trainer=_trainer(modules[arm])) for arm in ARMS}
+    bf16 = services.refit_service(plan=QuantizationPlan.bf16(), trainer=_trainer(modules["bf16"]))
+    vocab_size = int(getattr(modules["qat"], "config").vocab_size)  # noqa: B009  (the embedded model's shapes)
     optimizers = {arm: torch.optim.AdamW(modules[arm].parameters(), lr=lr, weight_decay=0.0) for arm in ARMS}
-    perm = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed + 7))
+    perm = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed + 7))
     mask = response_mask(batch, seq_len, prompt_len)
     eval_ids = synthetic_batch(perm, batch, seq_len, seed + 1)
     records: list[dict[str, Any]] = []
@@ -130,17 +146,17 @@ def _probe(step: int, arm: str, module: torch.nn.Module, svc: Any, bf16: Any, id
     """Refit the arm's engines and compare the trainer's log-probs (its own forward) with theirs."""
     trainer_view = _ModuleScorer(module)
     svc.refit()
-    probe = build_mismatch_probe(svc)
-    probe.trainer = trainer_view
-    result = probe.probe(ids, mask)
+    result = MismatchProbe(trainer_view, svc.engine).probe(ids, mask)  # type: ignore[arg-type]
     record: dict[str, Any] = {"step": step, "arm": arm, "k3_quantized": result.metrics.k3_kl,
                               "rollout_nll": _nll(svc.engine, ids, mask), "k3_bf16": None}
     if bf16 is not None:
         bf16.refit()
-        level = build_mismatch_probe(bf16)
-        level.trainer = trainer_view
-        record["k3_bf16"] = level.probe(ids, mask).metrics.k3_kl
+        record["k3_bf16"] = MismatchProbe(trainer_view, bf16.engine).probe(ids, mask).metrics.k3_kl  # type: ignore[arg-type]
     return record
+
+
+def _trainer(module: torch.nn.Module) -> TrainerModel:
+    return module.trainer()  # type: ignore[operator]
 
 
 class _ModuleScorer:
@@ -156,56 +172,3 @@ class _ModuleScorer:
 def _nll(engine: Any, ids: torch.Tensor, mask: torch.Tensor) -> float:
     logp, _ = engine.log_probs(ids)
     return float(-logp[mask].mean())
-
-
-def render_qat_demo(result: dict[str, Any], console: Any) -> None:
-    """Print the demo's table and its conclusion with rich.
-
-    Args:
-        result: what run_qat_demo returned.
-        console: a rich Console.
-    """
-    from rich.table import Table
-
-    console.print(f"[bold]refit demo --qat[/bold]: rollout linear={result['mode']} moe={result['mode']}, "
-                  f"qat.mode={result['mode']}, model {result['model']}, {result['qat_layers']} layers fake-quantized")
-    table = Table()
-    for col in ("step", "training", "train loss", f"k3 vs {result['mode']} rollout", "k3 vs BF16 rollout",
-                "rollout NLL"):
-        table.add_column(col)
-    for r in result["records"]:
-        table.add_row(
-            str(r["step"]), "QAT" if r["arm"] == "qat" else "BF16",
-            "-" if r["train_loss"] is None else f"{r['train_loss']:.4f}", f"{r['k3_quantized']:.3e}",
-            "-" if r["k3_bf16"] is None else f"{r['k3_bf16']:.3e}", f"{r['rollout_nll']:.4f}",
-        )
-    console.print(table)
-    f = result["final"]
-    console.print(
-        f"after {result['steps']} steps, k3 KL of the {result['mode']} rollout: {f['k3_quantized_without_qat']:.3e} "
-        f"trained without QAT, {f['k3_quantized_with_qat']:.3e} with QAT; BF16 level {f['k3_bf16_level']:.3e}"
-    )
-
-
-def run_cli(args: Any) -> int:
-    """`refit demo --qat [PRESET]`: run the QAT comparison and print it (a table, or JSON).
-
-    Args:
-        args: the demo command's arguments (qat, model, steps, seed, json).
-
-    Returns:
-        The exit status.
-    """
-    import json
-    import sys
-
-    from rich.console import Console
-
-    console = Console(stderr=bool(args.json))
-    with console.status(f"training with and without QAT ({args.qat}), {args.steps} steps"):
-        result = run_qat_demo(mode=args.qat, model=args.model, steps=args.steps, seed=args.seed)
-    if args.json:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
-    else:
-        render_qat_demo(result, console)
-    return 0

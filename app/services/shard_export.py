@@ -18,7 +18,7 @@ failing exchange, so its peers never wait for a unit that will not come.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import attrs
 import torch
@@ -89,7 +89,6 @@ class ShardExporter:
         shard_map: placements and units.
         trainer: this rank's shards.
         comm: the collectives.
-        on_unit: called with (unit, i) before the i-th unit this rank takes part in (fault scripts).
         where: the unit in progress, for errors.
         source_bytes: bytes of this rank's shards read so far.
     """
@@ -98,7 +97,6 @@ class ShardExporter:
     shard_map: ShardMap
     trainer: ShardedTrainerModel
     comm: RefitCollectives
-    on_unit: Callable[[ExportUnit, int], None] | None = None
     where: str = ""
     source_bytes: int = 0
 
@@ -121,10 +119,8 @@ class ShardExporter:
         c = self.shard_map.layout.coords(source)
         return self.shard_map.layout.tp_ranks(c.stage, c.ep_rank)
 
-    def _start(self, unit: ExportUnit, i: int) -> None:
+    def _start(self, unit: ExportUnit) -> None:
         self.where = f"export {unit.name}"
-        if self.on_unit is not None:
-            self.on_unit(unit, i)
 
     def stream(self, units: Sequence[ExportUnit]) -> Generator[tuple[str, torch.Tensor], None, None]:
         """On a source: its units' checkpoint tensors, in single-process order.
@@ -139,11 +135,11 @@ class ShardExporter:
         channel = _TpChannel(self.comm, self._tp_group(self.rank))
         finished = False
         try:
-            for i, u in enumerate(units):
+            for u in units:
                 if u.is_split:
-                    yield from self._split(u, i, channel)
+                    yield from self._split(u, channel)
                     continue
-                self._start(u, i)
+                self._start(u)
                 yield from quantize_stream(self.plan, [(p.name, self._shard(p)) for p in u.members])
             self.where = "end of export"
             if channel.close(False):
@@ -162,8 +158,8 @@ class ShardExporter:
         channel = _TpChannel(self.comm, self._tp_group(source))
         split = [u for u in units if u.is_split and self.rank in u.holders]
         try:
-            for i, u in enumerate(split):
-                for _ in self._split(u, i, channel):
+            for u in split:
+                for _ in self._split(u, channel):
                     pass
             self.where = "end of export"
             if channel.close(False):
@@ -171,13 +167,13 @@ class ShardExporter:
         finally:
             channel.close(True)  # a no-op unless this rank stopped early
 
-    def _split(self, u: ExportUnit, i: int, channel: _TpChannel) -> Iterator[tuple[str, torch.Tensor]]:
+    def _split(self, u: ExportUnit, channel: _TpChannel) -> Iterator[tuple[str, torch.Tensor]]:
         step = f"export {u.name}"
         error: BaseException | None = None
         shards: list[torch.Tensor] = []
         amax = _ZERO
         try:
-            self._start(u, i)
+            self._start(u)
             shards = [self._shard(p) for p in u.members]
             if u.has_global_scale:
                 amax = local_amax(shards)

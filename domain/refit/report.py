@@ -80,6 +80,16 @@ class RefitReport:
         total = self.timings.get("total", 0.0)
         return self.source_bytes / total / 1e9 if total > 0 else 0.0
 
+    def log_fields(self) -> dict[str, object]:
+        """The fields of the canonical log line of this refit."""
+        return {
+            "refit_id": self.refit_id, "outcome": self.outcome.value, "commit_mode": self.commit_mode,
+            "buckets": self.buckets, "tensors": self.tensors, "mb_sent": round(self.bytes_sent / 2**20, 3),
+            "mb_source": round(self.source_bytes / 2**20, 3), "seconds": round(self.timings.get("total", 0.0), 4),
+            "gbps": round(self.throughput_gbps, 4), "peak_staging_mb": round(self.peak_staging_bytes / 2**20, 3),
+            "storage": str(self.storage), "kv_scales_reset": self.kv_scales_reset, "error": self.error,
+        }
+
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dictionary."""
         d = attrs.asdict(self, recurse=False)

@@ -46,6 +46,25 @@ TRANSITIONS: dict[tuple[RefitState, RefitEvent], RefitState] = {
 }
 
 
+def move(state: RefitState, event: RefitEvent, refit_id: int | None) -> RefitState:
+    """The state `event` leads to from `state` (the TRANSITIONS table).
+
+    Args:
+        state: where the lifecycle stands.
+        event: what happens.
+        refit_id: the refit, for the error.
+
+    Returns:
+        The next state. Raises RefitLifecycleError, with what to do, for an illegal move.
+    """
+    target = TRANSITIONS.get((state, event))
+    if target is None:
+        raise RefitLifecycleError(
+            f"refit {refit_id}: cannot {event.value} while {state.value}; {_HINTS.get(event, '')}".rstrip("; ")
+        )
+    return target
+
+
 class CommitMode(enum.Enum):
     """How an engine moves staged weights into its live storage.
 
@@ -94,13 +113,7 @@ class RefitSession:
     last_received: bool = False
 
     def _move(self, event: RefitEvent) -> None:
-        target = TRANSITIONS.get((self.state, event))
-        if target is None:
-            raise RefitLifecycleError(
-                f"refit {self.refit_id}: cannot {event.value} while {self.state.value}; "
-                f"{_HINTS.get(event, '')}".rstrip("; ")
-            )
-        self.state = target
+        self.state = move(self.state, event, self.refit_id)
 
     @property
     def in_progress(self) -> bool:

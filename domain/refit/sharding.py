@@ -20,6 +20,7 @@ all-reduce), so the bytes equal the single-process export's. That math is in dom
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -30,7 +31,14 @@ from domain.quant import naming
 from domain.quant.plan import QuantizationPlan, TensorDecision
 from domain.quant.stream import check_divisible
 
-TRAINER, ENGINE = "trainer", "engine"
+
+class Role(enum.StrEnum):
+    """What a rank of a refit world does."""
+
+    TRAINER = "trainer"
+    ENGINE = "engine"
+
+
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _ROW_PARALLEL = ("o_proj", "down_proj", "w2")
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
@@ -116,11 +124,11 @@ class RefitWorld:
     def engine_ranks(self) -> tuple[int, ...]:
         return tuple(range(self.layout.size, self.size))
 
-    def role(self, rank: int) -> str:
+    def role(self, rank: int) -> Role:
         """`trainer` or `engine`. Raises ShardingError for a rank outside the world."""
         if not 0 <= rank < self.size:
             raise ShardingError("rank", f"rank {rank} is outside the refit world of {self.size} ranks")
-        return TRAINER if rank < self.layout.size else ENGINE
+        return Role.TRAINER if rank < self.layout.size else Role.ENGINE
 
     @classmethod
     def for_procs(cls, procs: int, moe: bool = True) -> RefitWorld:

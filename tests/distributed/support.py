@@ -54,22 +54,30 @@ def trainer_at(step: int, seed: int = 0) -> ReferenceTrainer:
 
 def single_process_digest(p: QuantizationPlan, step: int, seed: int = 0) -> dict[str, str]:
     """The engine's live weights after a single-process refit of the trainer at `step`."""
-    from app.bootstrap import build_refit_service
+    from app.bootstrap import bootstrap
 
-    svc = build_refit_service(plan=p, model=MODEL, trainer=trainer_at(step, seed), bucket_megabytes=BUCKET_MB)
+    services = bootstrap(overrides=[f"reference.model={MODEL}",
+                                    f"rollout.checkpoint_engine.update_weights_bucket_megabytes={BUCKET_MB}"])
+    svc = services.refit_service(plan=p, trainer=trainer_at(step, seed))
     svc.refit()
     return digest(dict(svc.engine.live_weights()))
 
 
 def _service(world: RefitWorld, rank: int, comm: Any, p: QuantizationPlan, full: ReferenceTrainer | None,
              engine: Any, fault: RankFault | None, restore: str | None = None) -> Any:
+    """This rank's service over its real ports, the fault's wrapper around the port it hits."""
     from adapters.distributed.sliced_trainer import SlicedTrainer
+    from adapters.memory.faulty import RankPorts, wrap_rank
     from app.services.distributed_refit import DistributedRefitService
+    from domain.refit.sharding import ShardMap
 
+    shapes = hf_weight_shapes(MICRO_MOE)
     trainer = SlicedTrainer(full, world.layout, rank) if full is not None else None
+    ports = wrap_rank(fault, RankPorts(comm, trainer, engine), world.role(rank),
+                      ShardMap.build(world.layout, shapes, p), hang_s=HANG_S)
     return DistributedRefitService(
-        world, comm, p, hf_weight_shapes(MICRO_MOE), trainer=trainer, engine=engine,
-        bucket_bytes=int(BUCKET_MB * 2**20), fault=fault, restore=restore, hang_s=HANG_S,
+        world, ports.comm, p, shapes, trainer=ports.trainer, engine=ports.engine,
+        bucket_bytes=int(BUCKET_MB * 2**20), restore=restore,
     )
 
 
@@ -77,16 +85,6 @@ def _engine(p: QuantizationPlan, commit_mode: str) -> Any:
     from adapters.reference.engine import ReferenceEngine
 
     return ReferenceEngine(MICRO_MOE, p, commit_mode=commit_mode)
-
-
-def _faulty(inner: Any, fault: RankFault | None, rank: int) -> Any:
-    """An engine rank's own bucket / finalize / verify faults fail inside its engine."""
-    if inner is None or fault is None or fault.rank != rank or fault.hang or fault.point not in ("bucket", "finalize", "verify"):
-        return inner
-    from adapters.memory.faults import FaultPoint, FaultScript
-    from adapters.memory.faulty import ScriptedFaultyEngine
-
-    return ScriptedFaultyEngine(inner, FaultScript(FaultPoint(fault.point), fault.index, after=fault.refit))
 
 
 class _ScaleSpy:
@@ -154,7 +152,7 @@ def faults_rank(rank: int, layout_kwargs: dict[str, int], engines: int, presets:
     out = []
     for fault in faults:
         full = trainer_at(0) if inner is None else None
-        svc = _service(world, rank, comm, p, full, _faulty(inner, fault, rank), fault)
+        svc = _service(world, rank, comm, p, full, inner, fault)
         record: dict[str, Any] = {"outcomes": [], "errors": [], "digests": [], "stale": []}
         for step in (0, 1, 2):
             if step and full is not None:
@@ -163,7 +161,7 @@ def faults_rank(rank: int, layout_kwargs: dict[str, int], engines: int, presets:
                 record["outcomes"].append(svc.refit().outcome.value)
                 record["errors"].append(None)
             except DistributedRefitFailed as err:
-                record["outcomes"].append(err.report.outcome.value)  # type: ignore[attr-defined]
+                record["outcomes"].append(err.report.outcome.value)
                 record["errors"].append(str(err))
             if inner is not None:
                 record["digests"].append(digest(dict(inner.live_weights())))

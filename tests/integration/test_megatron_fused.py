@@ -22,7 +22,7 @@ from adapters.megatron.fused_forward import (
     unpatch_fused_forward,
 )
 from adapters.megatron.trainer_model import MegatronTrainerModel
-from app.bootstrap import build_logprob_service
+from app.bootstrap import bootstrap
 from domain.errors import FusedForwardModeError, FusedHookUnavailable, InvalidTemperature
 from domain.forward.mode import FusedForwardMode
 from tests.megatron_cpu import causal_mask, megatron_cpu_env, tiny_gpt_model  # noqa: F401
@@ -30,6 +30,12 @@ from tests.megatron_cpu import causal_mask, megatron_cpu_env, tiny_gpt_model  # 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]
 VOCAB = 64
 HOOK, LEGACY, AUTO = FusedForwardMode.HOOK, FusedForwardMode.LEGACY, FusedForwardMode.AUTO
+
+def build_logprob_service(model, fused_forward=None, *, environ=None, **kwargs):  # type: ignore[no-untyped-def]
+    """The composition root's LogProbService for `model`, with actor.fused_forward set."""
+    cfg = {"actor": {"fused_forward": fused_forward}} if fused_forward is not None else None
+    return bootstrap(cfg, environ=environ).logprob_service(model, **kwargs)
+
 
 
 def _old_forward_class():

@@ -8,12 +8,18 @@ import torch
 pytest.importorskip("megatron.core", reason="needs megatron-core (the `megatron` extra)")
 
 from adapters.megatron.trainer_model import MegatronTrainerModel
-from app.bootstrap import build_logprob_service
+from app.bootstrap import bootstrap
 from app.services.logprob import LogProbService
 from domain.forward.mode import FusedForwardMode
 from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: F401
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]
+
+def build_logprob_service(model, fused_forward=None, *, environ=None, **kwargs):  # type: ignore[no-untyped-def]
+    """The composition root's LogProbService for `model`, with actor.fused_forward set."""
+    cfg = {"actor": {"fused_forward": fused_forward}} if fused_forward is not None else None
+    return bootstrap(cfg, environ=environ).logprob_service(model, **kwargs)
+
 
 
 def _model(tied: bool):

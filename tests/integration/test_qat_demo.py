@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 
+from app.cli.demo_qat import qat_demo_services
 from app.services.qat_demo import run_qat_demo, synthetic_batch
 
 
 def test_qat_arm_matches_the_quantized_rollout_and_bf16_arm_does_not() -> None:
-    result = run_qat_demo(mode="NVFP4", model="micro-moe", steps=1, batch=2, seq_len=16, prompt_len=4)
+    services = qat_demo_services("NVFP4", "micro-moe", 0)
+    result = run_qat_demo(services, mode="NVFP4", model="micro-moe", steps=1, batch=2, seq_len=16, prompt_len=4)
     records = {(r["step"], r["arm"]): r for r in result["records"]}
     assert set(records) == {(0, "bf16"), (0, "qat"), (1, "bf16"), (1, "qat")}
     for step in (0, 1):

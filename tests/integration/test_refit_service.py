@@ -11,7 +11,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from adapters.memory import RecordingEngine
 from adapters.reference.config import MICRO_MOE
 from adapters.reference.engine import KV_PLACEHOLDER, ReferenceEngine
-from app.bootstrap import build_mismatch_probe, build_refit_service, build_refit_service_from_config
+from app.bootstrap import bootstrap
 from app.services.refit import PHASES, RefitService
 from domain.errors import ConfigError, EngineBusy, RefitFailed
 from domain.quant.plan import QuantizationPlan
@@ -119,35 +119,45 @@ def test_post_processing_runs_once_per_module_and_refit():
     assert [e[1] for e in recording.events if e[0] == "bucket"] == [*range(r1.buckets)] * 2
 
 
-def test_progress_bar_for_long_refits_does_not_change_the_result():
-    svc = _service()
-    svc.progress, svc.progress_min_bytes = True, 0
-    assert svc.refit().ok
+def test_progress_is_reported_after_every_bucket_and_does_not_change_the_result():
+    plain, watched = _service(), _service()
+    seen: list[tuple[int, int]] = []
+    watched.progress = lambda done, total: seen.append((done, total))
+    report = watched.refit()
+    assert report.ok and len(seen) == report.buckets
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1] == (report.source_bytes, report.source_bytes)
+    plain.refit()
+    assert rs.same_bits(rs.bits(plain.engine.live_weights()), rs.bits(watched.engine.live_weights()))
+
+
+MICRO = ["reference.model=micro-moe"]
 
 
 def test_bootstrap_builds_the_default_service_and_probe():
-    svc = build_refit_service(model="micro-moe", bucket_megabytes=0.0625)
+    services = bootstrap(overrides=[*MICRO, "rollout.checkpoint_engine.update_weights_bucket_megabytes=0.0625",
+                                    "rollout.quantization.linear=FP8_BLOCK", "rollout.quantization.moe=NVFP4"])
+    svc = services.refit_service()
     assert svc.plan == rs.DEFAULT_PLAN and svc.bucket_bytes == 64 << 10
     assert svc.refit().ok
-    result = build_mismatch_probe(svc).probe(rs.token_ids())
+    result = services.mismatch_probe(svc).probe(rs.token_ids())
     assert result.metrics.k3_kl > 0 and result.metrics.tokens == 2 * 23
 
 
 def test_bootstrap_from_config_and_its_errors():
-    svc = build_refit_service_from_config(
+    svc = bootstrap(
         {"rollout": {"quantization": {"linear": "MXFP8"},
                      "checkpoint_engine": {"update_weights_bucket_megabytes": 1}}},
-        model="micro-moe",
-    )
+        overrides=MICRO,
+    ).refit_service()
     assert svc.plan.linear.name == "MXFP8" and not svc.plan.moe.is_quantized and svc.bucket_bytes == 1 << 20
     with pytest.raises(ConfigError, match=r"rollout\.name"):
-        build_refit_service_from_config({"rollout": {"name": "vllm"}}, model="micro-moe")
+        bootstrap({"rollout": {"name": "trtllm"}}, overrides=MICRO).refit_service()
     with pytest.raises(ConfigError, match="--inject-fault"):
-        build_refit_service(model="micro-moe", inject_fault="explode")
+        bootstrap(overrides=MICRO).refit_service(inject_fault="explode")
     with pytest.raises(ConfigError, match="commit_mode"):
-        build_refit_service(model="micro-moe", commit_mode="lazy")
+        bootstrap(overrides=[*MICRO, "rollout.commit_mode=lazy"])
     with pytest.raises(ConfigError, match="bucket_megabytes"):
-        build_refit_service(model="micro-moe", bucket_megabytes=0)
+        bootstrap(overrides=[*MICRO, "rollout.checkpoint_engine.update_weights_bucket_megabytes=0"])
 
 
 @pytest.mark.parametrize("mode", list(CommitMode))

@@ -153,30 +153,30 @@ def test_reasons_list_every_role_and_note() -> None:
 
 
 def test_bootstrap_reads_the_config_opt_out() -> None:
-    from app.bootstrap import build_backend_decision
+    from app.bootstrap import bootstrap
 
-    on = build_backend_decision("vllm", plan("FP8_BLOCK"), HOPPER, environ={})
-    off = build_backend_decision("vllm", plan("FP8_BLOCK"), HOPPER, environ={},
-                                 engine_kwargs={"vllm": {"use_deep_gemm": False}})
+    on = bootstrap(environ={}).backend_decision("vllm", plan("FP8_BLOCK"), HOPPER)
+    off = bootstrap({"rollout": {"engine_kwargs": {"vllm": {"use_deep_gemm": False}}}},
+                    environ={}).backend_decision("vllm", plan("FP8_BLOCK"), HOPPER)
     assert on.linear.backend == DEEP_GEMM and not on.opted_out
     assert off.linear.is_auto and off.opted_out
 
 
 @pytest.mark.parametrize(("value", "opted_out"), [("0", True), ("false", True), ("1", False), ("TRUE", False)])
 def test_bootstrap_reads_the_environment_opt_out(value: str, opted_out: bool) -> None:
-    from app.bootstrap import build_backend_decision
+    from app.bootstrap import bootstrap
 
-    d = build_backend_decision("sglang", plan("FP8_BLOCK"), HOPPER, environ={"VERL_ROLLOUT_USE_DEEP_GEMM": value})
+    d = bootstrap(environ={"VERL_ROLLOUT_USE_DEEP_GEMM": value}).backend_decision("sglang", plan("FP8_BLOCK"), HOPPER)
     assert d.opted_out is opted_out and (d.linear.backend == DEEP_GEMM) is not opted_out
 
 
 def test_bootstrap_rejects_values_that_are_not_switches() -> None:
-    from app.bootstrap import deep_gemm_opt_out
+    from app.bootstrap import bootstrap
 
     with pytest.raises(ConfigError, match="VERL_ROLLOUT_USE_DEEP_GEMM"):
-        deep_gemm_opt_out("vllm", None, {"VERL_ROLLOUT_USE_DEEP_GEMM": "maybe"})
+        bootstrap(environ={"VERL_ROLLOUT_USE_DEEP_GEMM": "maybe"}).deep_gemm_opt_out("vllm")
     with pytest.raises(ConfigError, match=r"rollout\.engine_kwargs\.vllm\.use_deep_gemm"):
-        deep_gemm_opt_out("vllm", {"vllm": {"use_deep_gemm": "no"}}, {})
+        bootstrap({"rollout": {"engine_kwargs": {"vllm": {"use_deep_gemm": "no"}}}}, environ={})
 
 
 # --- docs/engines.md's support matrix is the policy's ----------------------------------------

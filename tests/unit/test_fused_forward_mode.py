@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.bootstrap import build_logprob_service
+from app.bootstrap import bootstrap
 from app.services.logprob import TokenScores
 from domain.errors import ConfigError, FusedForwardModeError, FusedHookUnavailable, InvalidTensor
 from domain.forward.mode import (
@@ -17,6 +17,12 @@ from domain.forward.mode import (
 )
 
 AUTO, HOOK, LEGACY = FusedForwardMode.AUTO, FusedForwardMode.HOOK, FusedForwardMode.LEGACY
+
+def build_logprob_service(model, fused_forward=None, *, environ=None, **kwargs):  # type: ignore[no-untyped-def]
+    """The composition root's LogProbService for `model`, with actor.fused_forward set."""
+    cfg = {"actor": {"fused_forward": fused_forward}} if fused_forward is not None else None
+    return bootstrap(cfg, environ=environ).logprob_service(model, **kwargs)
+
 
 
 @pytest.mark.parametrize(

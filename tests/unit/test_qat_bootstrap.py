@@ -1,4 +1,4 @@
-"""build_qat_backend: the composition root checks the QAT settings and the built model's precision."""
+"""Services.qat: the composition root checks the QAT settings and the built model's precision."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from adapters.qat_reference.backend import ReferenceQatBackend
-from app.bootstrap import build_qat_backend
+from app.bootstrap import bootstrap
 from domain.errors import (
     BoundaryLayersMismatch,
     ConfigError,
@@ -27,6 +27,10 @@ def _config(mode: str | None = "NVFP4", **extra: object) -> dict[str, object]:
         "actor": {"megatron": {"qat": {"enable": mode is not None, "mode": mode},
                                "override_transformer_config": te}},
     }
+
+
+def build_qat_backend(config, *, model, **kwargs):  # type: ignore[no-untyped-def]
+    return bootstrap(config).qat(model, **kwargs)
 
 
 def test_disabled_qat_builds_nothing() -> None:
@@ -51,7 +55,7 @@ def test_wrong_mode_and_te_recipe_fail_by_key() -> None:
         build_qat_backend(_config("MXFP4"), model=TinyHf())
     with pytest.raises(QatWithTeRecipe):
         build_qat_backend(_config(te={"fp8": "e4m3"}), model=TinyHf())
-    with pytest.raises(ConfigError, match=r"build_qat_backend\(backend=\.\.\.\)"):
+    with pytest.raises(ConfigError, match=r"qat backend"):
         build_qat_backend(_config(), model=TinyHf(), backend="nope")
 
 

