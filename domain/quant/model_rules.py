@@ -9,8 +9,7 @@ from collections.abc import Sequence
 
 from domain.errors import BoundaryLayersMismatch, FusedGroupSplit, NonDivisibleTensors, QatModeMismatch
 from domain.quant import naming
-from domain.quant.plan import QuantizationPlan
-from domain.quant.stream import misaligned_pattern
+from domain.quant.plan import QuantizationPlan, TensorDecision
 
 Shapes = Sequence[tuple[str, tuple[int, ...]]]
 
@@ -101,6 +100,41 @@ def check_fused_groups(plan: QuantizationPlan, shapes: Shapes) -> None:
                 f"rollout.quantization.ignore keeps {kept} in BF16 but not the rest of fused group {group!r} "
                 f"({sorted(members)}); engines load these as one layer: ignore all of them or none"
             )
+
+
+def misaligned_pattern(module: str) -> str:
+    """The ignore entry that keeps every module of this projection type in BF16 (rule-9 hint).
+
+    Args:
+        module: the module name, e.g. `model.layers.3.linear_attn.in_proj_ba`.
+
+    Returns:
+        A `re:` entry matching the projection's name in every layer, e.g. `re:.*\\.in_proj_ba$`.
+    """
+    return f"re:.*\\.{module.rsplit('.', 1)[-1]}$"
+
+
+def check_divisible(decision: TensorDecision, shape: tuple[int, ...]) -> None:
+    """Dispatch rule 9 for one tensor: K must be a multiple of the format's block along K.
+
+    Args:
+        decision: the tensor's decision.
+        shape: its shape.
+
+    Returns:
+        None. Raises NonDivisibleTensors naming the tensor and the ignore entry that excludes it.
+    """
+    fmt = decision.format
+    if not fmt.is_quantized or shape[-1] % fmt.k_multiple == 0:
+        return
+    module = naming.module_name(decision.name)
+    pattern = misaligned_pattern(module)
+    raise NonDivisibleTensors(
+        f"tensor {decision.name!r} has K={shape[-1]}, not a multiple of {fmt.k_multiple} "
+        f"({fmt.name} blocks along K); keep it in BF16 with rollout.quantization.ignore: [{pattern!r}]",
+        tensors=(decision.name,),
+        patterns=(pattern,),
+    )
 
 
 def check_block_divisible(plan: QuantizationPlan, shapes: Shapes) -> None:

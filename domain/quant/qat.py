@@ -25,6 +25,7 @@ from domain.quant.codecs import QuantizedWeight, dequantize_weight, fake_quantiz
 from domain.quant.formats import BF16, ActivationScheme
 from domain.quant.plan import QuantizationPlan, TensorDecision
 from domain.quant.stream import quantize_stream
+from domain.quant.units import export_units
 
 Tensor = torch.Tensor
 Shapes = Sequence[tuple[str, tuple[int, ...]]]
@@ -257,10 +258,11 @@ def fake_quantize_tensors(plan: QuantizationPlan, items: Sequence[tuple[TrainerT
 
 
 def fused_units(plan: QuantizationPlan, tensors: Sequence[TrainerTensor]) -> dict[str, list[TrainerTensor]]:
-    """Trainer tensors that must be fake-quantized together: their parts share a fused group.
+    """Trainer tensors that must be fake-quantized together: their parts share an export unit.
 
     HF q_proj, k_proj and v_proj are three trainer tensors of one NVFP4 group; a Megatron
-    linear_qkv is one trainer tensor holding the whole group.
+    linear_qkv is one trainer tensor holding the whole group. The units are the exporter's
+    (`domain.quant.units.export_units` over every part, in model order).
 
     Args:
         plan: the plan (it decides the groups).
@@ -270,26 +272,23 @@ def fused_units(plan: QuantizationPlan, tensors: Sequence[TrainerTensor]) -> dic
         trainer tensor name -> its unit (the tensors to pass together to fake_quantize_tensors,
         in model order).
     """
-    units: list[list[TrainerTensor]] = []
-    owner: dict[str, int] = {}
-    for t in tensors:
-        keys = {d.group for p in t.parts if (d := plan.decide(p.name, p.shape)).group is not None}
-        hit = sorted({owner[k] for k in keys if k in owner})
-        target = hit[0] if hit else len(units)
-        if not hit:
-            units.append([])
-        for other in hit[1:]:
-            units[target].extend(units[other])
-            units[other] = []
-            owner.update({k: target for k, v in owner.items() if v == other})
-        units[target].append(t)
-        owner.update(dict.fromkeys(keys, target))
-    order = {t.name: i for i, t in enumerate(tensors)}
-    out: dict[str, list[TrainerTensor]] = {}
-    for unit in units:
-        unit.sort(key=lambda t: order[t.name])
-        out.update({t.name: unit for t in unit})
-    return out
+    owner = list(range(len(tensors)))  # union-find over trainer tensors
+
+    def root(i: int) -> int:
+        while owner[i] != i:
+            owner[i] = owner[owner[i]]
+            i = owner[i]
+        return i
+
+    parts = ((p.name, p.shape, i) for i, t in enumerate(tensors) for p in t.parts)
+    for unit in export_units(plan, parts):
+        first, *rest = (root(i) for i in unit.values)
+        for other in rest:
+            owner[other] = first
+    groups: dict[int, list[TrainerTensor]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(root(i), []).append(t)
+    return {t.name: unit for unit in groups.values() for t in unit}
 
 
 def activation_scheme(plan: QuantizationPlan, decision: TensorDecision) -> ActivationScheme:

@@ -1,7 +1,8 @@
 """Trainer-side export: turn (name, weight) pairs into the rollout's checkpoint tensors.
 
-`quantize_stream` is a generator: it holds at most one pending fused group per format-with-a-
-global-scale (NVFP4 q/k/v or gate/up) and never the whole model.
+`quantize_stream` walks the model's export units (`domain.quant.units`) and emits each unit's
+checkpoint tensors; it holds at most the pending fused groups, never the whole model. The names
+and shapes those tensors will have are known before anything is computed (`checkpoint_specs`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from collections.abc import Iterable, Iterator
 import attrs
 import torch
 
-from domain.errors import NonDivisibleTensors
 from domain.quant import naming
 from domain.quant.formats import ElementType, PrecisionFormat, ScaleEncoding
 from domain.quant.plan import QuantizationPlan, TensorDecision
+from domain.quant.units import Unit, export_units
 
 Tensor = torch.Tensor
 
@@ -105,41 +106,6 @@ def _local(plan: QuantizationPlan, local: str) -> str:
     return plan.scale_name if local == "weight_scale" else local
 
 
-def misaligned_pattern(module: str) -> str:
-    """The ignore entry that keeps every module of this projection type in BF16 (rule-9 hint).
-
-    Args:
-        module: the module name, e.g. `model.layers.3.linear_attn.in_proj_ba`.
-
-    Returns:
-        A `re:` entry matching the projection's name in every layer, e.g. `re:.*\\.in_proj_ba$`.
-    """
-    return f"re:.*\\.{module.rsplit('.', 1)[-1]}$"
-
-
-def check_divisible(decision: TensorDecision, shape: tuple[int, ...]) -> None:
-    """Dispatch rule 9 for one tensor: K must be a multiple of the format's block along K.
-
-    Args:
-        decision: the tensor's decision.
-        shape: its shape.
-
-    Returns:
-        None. Raises NonDivisibleTensors naming the tensor and the ignore entry that excludes it.
-    """
-    fmt = decision.format
-    if not fmt.is_quantized or shape[-1] % fmt.k_multiple == 0:
-        return
-    module = naming.module_name(decision.name)
-    pattern = misaligned_pattern(module)
-    raise NonDivisibleTensors(
-        f"tensor {decision.name!r} has K={shape[-1]}, not a multiple of {fmt.k_multiple} "
-        f"({fmt.name} blocks along K); keep it in BF16 with rollout.quantization.ignore: [{pattern!r}]",
-        tensors=(decision.name,),
-        patterns=(pattern,),
-    )
-
-
 def _quantize(plan: QuantizationPlan, fmt: PrecisionFormat, w: Tensor, name: str, global_scale: Tensor | None) -> dict[str, Tensor]:
     from domain.quant.codecs import quantize_weight  # bounds its own scratch memory (row chunks)
 
@@ -166,23 +132,32 @@ def _emit_fused_experts(plan: QuantizationPlan, d: TensorDecision, w: Tensor) ->
         yield from _emit(plan, module, w[e, rows], d.format, gs)
 
 
-class _Group:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.members = set(naming.group_members(name))
-        self.items: list[tuple[TensorDecision, Tensor]] = []
+def emit_unit(plan: QuantizationPlan, unit: Unit[Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """One export unit's checkpoint tensors.
 
-    @property
-    def complete(self) -> bool:
-        return {naming.module_name(d.name) for d, _ in self.items} >= self.members
+    Args:
+        plan: the quantization plan.
+        unit: the unit (`domain.quant.units.export_units` over (name, shape, tensor) items).
 
+    Returns:
+        (checkpoint name, tensor): a BF16 tensor as it is; a fused group's members with one global
+        scale computed over the whole group; a fused 3-D expert tensor as per-expert tensors;
+        any other quantized tensor as its format's tensors.
+    """
+    if unit.group is not None:
+        from domain.quant.codecs import nvfp4_global_scale
 
-def _flush(plan: QuantizationPlan, group: _Group) -> Iterator[tuple[str, Tensor]]:
-    from domain.quant.codecs import nvfp4_global_scale
-
-    gs = nvfp4_global_scale(*(w for _, w in group.items), name=group.name)
-    for d, w in group.items:
-        yield from _emit(plan, naming.module_name(d.name), w, d.format, gs)
+        gs = nvfp4_global_scale(*unit.values, name=unit.group)
+        for d, w in unit.items:
+            yield from _emit(plan, naming.module_name(d.name), w, d.format, gs)
+        return
+    (d, tensor), = unit.items
+    if not d.is_quantized:
+        yield d.name, tensor
+    elif tensor.dim() == 3:
+        yield from _emit_fused_experts(plan, d, tensor)
+    else:
+        yield from _emit(plan, naming.module_name(d.name), tensor, d.format)
 
 
 def quantize_stream(plan: QuantizationPlan, named_tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
@@ -193,36 +168,20 @@ def quantize_stream(plan: QuantizationPlan, named_tensors: Iterable[tuple[str, T
         named_tensors: (Hugging Face name, tensor) pairs in layer order.
 
     Returns:
-        An iterator of (checkpoint name, tensor) in the input's layer order: BF16 tensors pass
-        through unchanged; quantized ones become `weight` / `weight_packed`, `weight_scale` (or
-        `weight_scale_inv`) and, for NVFP4, `weight_global_scale`. A fused NVFP4 group (q/k/v,
-        gate/up) is held until its last member arrives, then its members are emitted with one
-        global scale computed over the whole group. A group still incomplete when the stream moves
-        to another layer (e.g. a lone `q_proj` in MLA attention) is emitted with the members seen.
-        A fused 3-D expert tensor is emitted as per-expert tensors (`experts.N.gate_proj...`).
+        An iterator of (checkpoint name, tensor) in the input's layer order, unit by unit
+        (`domain.quant.units`): BF16 tensors pass through unchanged; quantized ones become
+        `weight` / `weight_packed`, `weight_scale` (or `weight_scale_inv`) and, for NVFP4,
+        `weight_global_scale`; a fused NVFP4 group (q/k/v, gate/up) is emitted once complete, with
+        one global scale over the whole group; a fused 3-D expert tensor becomes per-expert
+        tensors (`experts.N.gate_proj...`). Holds at most the pending fused groups, never the model.
         Raises NonDivisibleTensors (rule 9) and the codecs' InvalidTensor errors, naming the tensor.
     """
-    pending: dict[str, _Group] = {}
-    current_layer: object = object()
-    for name, tensor in named_tensors:
-        layer = naming.layer_index(name)
-        if layer != current_layer:
-            for g in list(pending):
-                yield from _flush(plan, pending.pop(g))
-            current_layer = layer
-        d = plan.decide(name, tuple(tensor.shape))
-        if not d.is_quantized:
-            yield name, tensor
-            continue
-        check_divisible(d, tuple(tensor.shape))
-        if d.group is not None:
-            group = pending.setdefault(d.group, _Group(d.group))
-            group.items.append((d, tensor))
-            if group.complete:
-                yield from _flush(plan, pending.pop(d.group))
-        elif tensor.dim() == 3:
-            yield from _emit_fused_experts(plan, d, tensor)
-        else:
-            yield from _emit(plan, naming.module_name(name), tensor, d.format)
-    for g in list(pending):
-        yield from _flush(plan, pending.pop(g))
+    for unit in export_units(plan, _shaped(named_tensors)):
+        yield from emit_unit(plan, unit)
+        del unit  # its tensors are not alive while the next unit is read
+
+
+def _shaped(named_tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, tuple[int, ...], Tensor]]:
+    for name, t in named_tensors:
+        yield name, tuple(t.shape), t
+        del t

@@ -29,7 +29,7 @@ import attrs
 from domain.errors import ShardingError
 from domain.quant import naming
 from domain.quant.plan import QuantizationPlan, TensorDecision
-from domain.quant.stream import check_divisible
+from domain.quant.units import export_units
 
 
 class Role(enum.StrEnum):
@@ -356,38 +356,12 @@ def place_tensors(layout: ParallelLayout, shapes: Sequence[tuple[str, tuple[int,
 
 
 def _units(plan: QuantizationPlan, placements: Mapping[str, Placement]) -> tuple[ExportUnit, ...]:
-    """Units in the order `quantize_stream` emits: a fused group when its last member arrives, or
-    when the stream moves to another layer with the group incomplete."""
-    units: list[ExportUnit] = []
-    pending: dict[str, list[tuple[Placement, TensorDecision]]] = {}
-    current: object = object()
-
-    def flush(group: str) -> None:
-        items = pending.pop(group)
-        if len({p.holders for p, _ in items}) > 1:
-            raise ShardingError(group, "members of a fused group live on different ranks; they must share a TP group")
-        units.append(_unit(items, group))
-
-    for p in placements.values():
-        layer = naming.layer_index(p.name)
-        if layer != current:
-            for g in list(pending):
-                flush(g)
-            current = layer
-        d = plan.decide(p.name, p.shape)
-        if not d.is_quantized:
-            units.append(_unit([(p, d)], None))
-            continue
-        check_divisible(d, p.shape)
-        if d.group is None:
-            units.append(_unit([(p, d)], None))
-            continue
-        pending.setdefault(d.group, []).append((p, d))
-        members = set(naming.group_members(d.group))
-        if {naming.module_name(q.name) for q, _ in pending[d.group]} >= members:
-            flush(d.group)
-    for g in list(pending):
-        flush(g)
+    """The export units (`domain.quant.units`), in the order the single-process export emits them."""
+    units = []
+    for unit in export_units(plan, ((p.name, p.shape, p) for p in placements.values())):
+        if unit.group is not None and len({p.holders for p in unit.values}) > 1:
+            raise ShardingError(unit.group, "members of a fused group live on different ranks; they must share a TP group")
+        units.append(_unit([(p, d) for d, p in unit.items], unit.group))
     return tuple(units)
 
 
