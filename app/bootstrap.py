@@ -383,6 +383,29 @@ class Services:
             bucket_bytes=bucket_bytes, window=window, restore=restore,
         )
 
+    def reference_config(self) -> Any:
+        """The embedded reference model's shapes (adapters.reference.config.ReferenceModelConfig)."""
+        from adapters.reference.config import preset
+
+        return preset(self.config.reference.model)
+
+    def rank_fault(self, text: str, rank: int, refit: int) -> Any:
+        """An adapters.memory.faults.RankFault from its spelling; ConfigError names --inject-fault."""
+        from adapters.memory.faults import RankFault
+
+        try:
+            return RankFault.parse(text, rank, refit=refit)
+        except ValueError as err:
+            raise ConfigError("--inject-fault", str(err)) from None
+
+    def launch_world(self, fn: Callable[..., Any], size: int, args: Sequence[Any] = (), *,
+                     timeout_s: float = 120.0) -> list[Any]:
+        """Run `fn(rank, *args)` in `size` local processes joined over gloo on 127.0.0.1
+        (adapters.distributed.launch); returns one RankResult per rank."""
+        from adapters.distributed.launch import launch_world
+
+        return launch_world(fn, size, args, timeout_s=timeout_s)
+
     # --- the trainer's side --------------------------------------------------------------------
 
     def embedded_module(self) -> torch.nn.Module:
@@ -480,7 +503,11 @@ class Services:
                 qat_backend = ModelOptQatBackend(numerics=numerics, layout=layout)
             else:
                 raise ConfigError("qat backend", f"{backend!r} is not one of reference, modelopt")
-        return prepare_qat(self.config, model, qat_backend, layout=layout, model_config=model_config)  # type: ignore[arg-type]
+        from adapters.qat_reference.layouts import select_layout
+
+        chosen = select_layout(model, layout)
+        shapes = [(p.name, p.shape) for t in chosen.tensors(chosen.root(model)) for p in t.parts]
+        return prepare_qat(self.config, model, qat_backend, shapes, model_config=model_config)  # type: ignore[arg-type]
 
     # --- engines' kernels and the machine ------------------------------------------------------
 

@@ -31,6 +31,12 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "transformers": ("transformers",),
 }
 
+# The engine releases the vLLM and SGLang adapters are written and checked against
+# (tests/integration/test_engine_conformance.py reads the pinned wheels).
+PINNED_VLLM = "0.33.0"
+PINNED_SGLANG = "0.5.23"
+PINNED_ENGINES: dict[str, str] = {"vllm": PINNED_VLLM, "sglang": PINNED_SGLANG}
+
 _RELEASE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)")
 
 

@@ -36,6 +36,7 @@ except ImportError as err:  # pragma: no cover - exercised only without megatron
         "adapters.megatron.fused_forward needs megatron-core (the `megatron` extra)", name="megatron.core"
     ) from err
 
+from adapters.distributed.vocab_group import TorchVocabGroup
 from adapters.megatron.version import megatron_core_version
 from domain.errors import FusedForwardUnsupported, FusedHookUnavailable, InvalidTensor
 from domain.forward.fused_logprob import IGNORE_INDEX, fused_logprob_entropy, validate_temperature
@@ -207,7 +208,7 @@ def fused_output(
         temperature=temperature,
         chunk_size=context.chunk_size,
         ignore_index=context.ignore_index,
-        vocab_group=group if world > 1 else None,
+        vocab_group=TorchVocabGroup(group) if world > 1 else None,
         # Under sequence parallelism the gather's backward reduce-scatters the hidden gradient.
         reduce_hidden_grad=not sequence_parallel,
     )

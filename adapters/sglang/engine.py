@@ -25,10 +25,10 @@ from adapters.sglang.staging import (
     BEGIN_MARKER,
     FINAL_MARKER,
     LOADER_PATH,
-    PINNED_SGLANG,
     StagingRule,
     marker,
 )
+from domain.environment import PINNED_SGLANG
 from domain.errors import EngineUpdateFailed
 from domain.quant.dispatch import check_sglang, check_sync_backend
 from domain.quant.plan import QuantizationPlan

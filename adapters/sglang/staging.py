@@ -15,8 +15,6 @@ import torch
 from domain.quant.formats import MXFP4, MXFP8, NVFP4
 from domain.quant.plan import QuantizationPlan
 
-# The SGLang this adapter is written and checked against (tests/integration/test_engine_conformance.py).
-PINNED_SGLANG = "0.5.23"
 # The import path SGLang is given as `custom_weight_loader` and as `load_format`.
 LOADER_PATH = "adapters.sglang.loader.load"
 MARKER_PREFIX = "__rl_refit__."

@@ -11,7 +11,7 @@ Entries: (kind, "module:qualname", details). Kinds:
 
 from __future__ import annotations
 
-from adapters.vllm.hooks import PINNED_VLLM
+from domain.environment import PINNED_VLLM
 
 PACKAGE, VERSION = "vllm", PINNED_VLLM
 

@@ -20,8 +20,9 @@ import structlog
 import torch
 
 from adapters.vllm import worker
-from adapters.vllm.hooks import PINNED_VLLM, VllmHooks
+from adapters.vllm.hooks import VllmHooks
 from adapters.vllm.worker import FinalizeStats, WorkerRefit
+from domain.environment import PINNED_VLLM
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.engine_layout import Layout, check_bucket
 from domain.refit.guard import EngineGuard

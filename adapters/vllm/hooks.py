@@ -14,8 +14,7 @@ from contextlib import AbstractContextManager
 import attrs
 import torch
 
-# The vLLM this adapter is written and checked against (tests/integration/test_engine_conformance.py).
-PINNED_VLLM = "0.33.0"
+from domain.environment import PINNED_VLLM
 
 
 def _no_context() -> AbstractContextManager[None]:

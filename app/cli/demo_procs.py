@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from app.bootstrap import Services
 from app.cli.demo_settings import demo_services
 from app.services.demo import DemoSettings
 from app.services.distributed_demo import demo_world, judge, weights_digest
@@ -90,9 +91,7 @@ def _references(settings: DemoSettings) -> list[str]:
         torch.set_num_threads(threads)
 
 
-def _fault(settings: DemoSettings, world: RefitWorld, fault_rank: int | None) -> Any:
-    from adapters.memory.faults import RankFault
-
+def _fault(services: Services, settings: DemoSettings, world: RefitWorld, fault_rank: int | None) -> Any:
     if not settings.inject_fault:
         if fault_rank is not None:
             raise ConfigError("--fault-rank", "needs --inject-fault (the fault it places)")
@@ -101,20 +100,16 @@ def _fault(settings: DemoSettings, world: RefitWorld, fault_rank: int | None) ->
     rank = fault_rank if fault_rank is not None else (0 if text.startswith("export") else world.size - 1)
     if not 0 <= rank < world.size:
         raise ConfigError("--fault-rank", f"rank {rank} is not in the world of {world.size} processes (0..{world.size - 1})")
-    try:
-        return RankFault.parse(text, rank, refit=settings.fault_step)
-    except ValueError as err:
-        raise ConfigError("--inject-fault", str(err)) from None
+    return services.rank_fault(text, rank, settings.fault_step)
 
 
 def run_procs(args: argparse.Namespace, settings: DemoSettings) -> int:
     """`refit demo --procs N`: run, compare with the single-process refit, print."""
-    from adapters.distributed.launch import launch_world
-    from adapters.reference.config import preset
-
-    world = demo_world(args.procs, moe=preset(settings.model).is_moe)
-    fault = _fault(settings, world, args.fault_rank)
-    results = launch_world(demo_rank, world.size, (_Run(settings, world, fault),), timeout_s=120 + 20 * settings.steps)
+    services = demo_services(settings)
+    world = demo_world(args.procs, moe=services.reference_config().is_moe)
+    fault = _fault(services, settings, world, args.fault_rank)
+    results = services.launch_world(demo_rank, world.size, (_Run(settings, world, fault),),
+                                    timeout_s=120 + 20 * settings.steps)
     crashed = [r for r in results if not r.ok]
     if crashed:
         text = "\n".join(f"rank {r.rank}: {r.error}\n{r.output[-1500:]}" for r in crashed)

@@ -11,7 +11,7 @@ import enum
 
 import attrs
 
-from domain.environment import EnvironmentSnapshot, parse_version, version_at_least
+from domain.environment import PINNED_ENGINES, EnvironmentSnapshot, parse_version, version_at_least
 from domain.quant.backend_policy import MIN_CAPABILITY
 
 MIN_PYTHON = (3, 11)
@@ -146,18 +146,10 @@ def kernel_checks(env: EnvironmentSnapshot) -> list[Check]:
             for preset, need in MIN_CAPABILITY.items()]
 
 
-def pinned_engine_versions() -> dict[str, str]:
-    """The engine versions the vLLM and SGLang adapters are written and checked against."""
-    from adapters.sglang.staging import PINNED_SGLANG
-    from adapters.vllm.hooks import PINNED_VLLM
-
-    return {"vllm": PINNED_VLLM, "sglang": PINNED_SGLANG}
-
-
 def engine_checks(env: EnvironmentSnapshot) -> list[Check]:
     """The rollout engines rl-refit has adapters for."""
     out = [Check("engines", "reference", Status.OK, "the embedded pure-torch engine (CPU or GPU)")]
-    for engine, pinned in pinned_engine_versions().items():
+    for engine, pinned in PINNED_ENGINES.items():
         install = f"pip install -e '.[{engine}]' (pins {engine} {pinned}; on a GPU machine)"
         check = package_check(env, "engines", engine, f"the {engine} rollout adapter", install)
         have = env.version(engine)

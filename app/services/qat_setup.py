@@ -1,6 +1,6 @@
 """QAT at model build: resolve the rollout plan, check the QAT settings against it, apply, verify.
 
-`prepare_qat` is what `app.bootstrap.build_qat_backend` runs once the trainer model exists:
+`prepare_qat` is what `app.bootstrap.Services.qat` runs once the trainer model exists:
 1. the rollout plan, through the dispatch rules, on the model's own Hugging Face tensor names
    (`refit plan` decides the same way);
 2. `domain.quant.qat_checks.check_qat_plan`: QAT mode vs rollout (rule 2), no Transformer Engine FP8/FP4
@@ -13,7 +13,7 @@ The returned QatSession is what the training loop keeps: `refresh()` after each 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -71,22 +71,6 @@ def qat_settings(cfg: Section) -> QatSettings:
     )
 
 
-def model_shapes(model: torch.nn.Module, layout: str = "auto") -> list[tuple[str, tuple[int, ...]]]:
-    """The model's tensors under their Hugging Face names (what the exporter would stream).
-
-    Args:
-        model: the trainer model.
-        layout: the QAT name mapping ("auto", "torch", "megatron", "reference").
-
-    Returns:
-        (name, shape) pairs in model order.
-    """
-    from adapters.qat_reference.layouts import select_layout
-
-    chosen = select_layout(model, layout)
-    return [(p.name, p.shape) for t in chosen.tensors(chosen.root(model)) for p in t.parts]
-
-
 def rollout_plan_for(cfg: Section, shapes: list[tuple[str, tuple[int, ...]]],
                      model_config: Mapping[str, Any] | None = None) -> QuantizationPlan:
     """The rollout plan the dispatch rules resolve for this configuration and model.
@@ -107,7 +91,8 @@ def rollout_plan_for(cfg: Section, shapes: list[tuple[str, tuple[int, ...]]],
     return plan if plan.scale_rule is rule else attrs.evolve(plan, scale_rule=rule)
 
 
-def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend, *, layout: str = "auto",
+def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend,
+                shapes: Sequence[tuple[str, tuple[int, ...]]], *,
                 model_config: Mapping[str, Any] | None = None) -> QatSession | None:
     """Check and apply QAT for a configuration (see the module docstring).
 
@@ -115,7 +100,8 @@ def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend, *, la
         cfg: the validated configuration.
         model: the trainer model, built.
         backend: the QatBackend to apply.
-        layout: the name mapping for the rollout plan's checks.
+        shapes: the model's tensors under their Hugging Face names, in model order (what the
+            exporter would stream; the composition root reads them off the model).
         model_config: the checkpoint's config.json (its quantization_config counts), or None.
 
     Returns:
@@ -125,7 +111,7 @@ def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend, *, la
     """
     if not cfg.actor.megatron.qat.enable:
         return None
-    shapes = model_shapes(model, layout)
+    shapes = list(shapes)
     rollout_plan = rollout_plan_for(cfg, shapes, model_config)
     plan = check_qat_plan(rollout_plan, shapes, qat_settings(cfg))
     summary = backend.apply(model, plan)

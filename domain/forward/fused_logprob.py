@@ -19,10 +19,9 @@ weight-gradient accumulator. This module is the reference implementation and the
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from domain.errors import InvalidTemperature, InvalidTensor, UnsupportedDtype
 
@@ -31,6 +30,30 @@ IGNORE_INDEX = -100
 # reads the whole weight, so larger chunks are faster; 256 MiB keeps the extra memory near
 # 0.5 GiB (441 tokens at vocab 151,936).
 DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+class VocabGroup(Protocol):
+    """The ranks that each hold one equal shard of the vocabulary (Megatron's vocabulary-parallel
+    output layer): the seam through which the fused computation reduces across them.
+    `adapters.distributed.vocab_group.TorchVocabGroup` is the torch.distributed one."""
+
+    @property
+    def size(self) -> int:
+        """Ranks in the group."""
+        ...
+
+    @property
+    def rank(self) -> int:
+        """This rank's place in the group: it holds vocabulary ids [rank * V_local, (rank + 1) * V_local)."""
+        ...
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        """Replace `t`, in place, with its element-wise maximum over the group."""
+        ...
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        """Replace `t`, in place, with its element-wise sum over the group."""
+        ...
 
 
 def auto_chunk_size(vocab_size: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -54,7 +77,7 @@ def fused_logprob_entropy(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
-    vocab_group: dist.ProcessGroup | None = None,
+    vocab_group: VocabGroup | None = None,
     reduce_hidden_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each label and entropy of each token's distribution, chunked.
@@ -68,7 +91,7 @@ def fused_logprob_entropy(
         temperature: logits are divided by it; finite and > 0.
         chunk_size: tokens per chunk; None picks `auto_chunk_size(V_local)`.
         ignore_index: label value of positions to skip (padding, last token of a sequence).
-        vocab_group: process group over which the vocabulary is sharded; None for a full W.
+        vocab_group: the group over which the vocabulary is sharded; None for a full W.
         reduce_hidden_grad: with `vocab_group`, all-reduce the hidden-state gradient across it
             (each shard only sees its part). Pass False when the caller's own communication
             does that already (Megatron's sequence-parallel gather reduce-scatters it).
@@ -86,8 +109,8 @@ def fused_logprob_entropy(
     lead_shape = labels.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
-    world = dist.get_world_size(vocab_group) if vocab_group is not None else 1
-    rank = dist.get_rank(vocab_group) if vocab_group is not None else 0
+    world = vocab_group.size if vocab_group is not None else 1
+    rank = vocab_group.rank if vocab_group is not None else 0
     _validate_labels(y, weight.shape[0] * world, ignore_index)
     chunk = chunk_size if chunk_size is not None else auto_chunk_size(weight.shape[0])
     logp, ent = _FusedLogProbEntropy.apply(
@@ -196,9 +219,15 @@ def _validate_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -
         )
 
 
-def _all_reduce(t: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _all_max(t: torch.Tensor, group: VocabGroup | None) -> torch.Tensor:
     if group is not None:
-        dist.all_reduce(t, op=op, group=group)
+        group.all_reduce_max(t)
+    return t
+
+
+def _all_sum(t: torch.Tensor, group: VocabGroup | None) -> torch.Tensor:
+    if group is not None:
+        group.all_reduce_sum(t)
     return t
 
 
@@ -217,14 +246,14 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         for s in range(0, n_tok, chunk):
             e = min(s + chunk, n_tok)
             z = _chunk_logits(hidden[s:e], weight, temperature)
-            m = _all_reduce(z.amax(dim=-1), dist.ReduceOp.MAX, group)
+            m = _all_max(z.amax(dim=-1), group)
             z.sub_(m.unsqueeze(-1))
             local, in_shard = _local_labels(labels[s:e], vocab_start, vocab, ignore_index)
             label_z = torch.where(in_shard, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
             ez = torch.exp(z)
             sums = torch.stack([ez.sum(-1), ez.mul_(z).sum(-1), label_z])
             del ez, z
-            sum_exp, dot, label_z = _all_reduce(sums, dist.ReduceOp.SUM, group)
+            sum_exp, dot, label_z = _all_sum(sums, group)
             keep = labels[s:e] != ignore_index
             ls = torch.log(sum_exp)
             row_max[s:e], log_sum[s:e], mean_shift[s:e] = m, ls, dot / sum_exp
@@ -271,8 +300,8 @@ class _FusedLogProbEntropy(torch.autograd.Function):
                 grad_w = grad_l.T @ h_chunk if grad_w is None else grad_w.addmm_(grad_l.T, h_chunk)
         if need_w and grad_w is None:  # no tokens at all
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        if grad_h is not None and reduce_grad and group is not None:
-            dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=group)
+        if grad_h is not None and reduce_grad:
+            _all_sum(grad_h, group)
         return (
             grad_h.to(hidden.dtype) if grad_h is not None else None,
             grad_w.to(weight.dtype) if grad_w is not None else None,

@@ -47,7 +47,7 @@ BOUNDS = {"fp8": {"mean_abs_logp": 0.10, "max_abs_logp": 1.0, "greedy_agreement"
 
 
 def pinned_vllm() -> str:
-    text = (ROOT / "adapters" / "vllm" / "hooks.py").read_text()
+    text = (ROOT / "domain" / "environment.py").read_text()
     return re.search(r'PINNED_VLLM = "([^"]+)"', text).group(1)  # type: ignore[union-attr]
 
 

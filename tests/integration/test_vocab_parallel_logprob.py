@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from adapters.distributed.vocab_group import TorchVocabGroup
 from domain.forward.fused_logprob import IGNORE_INDEX, fused_logprob_entropy
 from tests.megatron_cpu import free_port
 
@@ -47,7 +48,7 @@ def _worker(rank: int, port: int) -> None:
         hp = h.clone().requires_grad_()
         wp = w[rank * shard : (rank + 1) * shard].clone().requires_grad_()
         lp, ent = fused_logprob_entropy(
-            hp, wp, y, temperature=0.8, chunk_size=8, vocab_group=dist.group.WORLD
+            hp, wp, y, temperature=0.8, chunk_size=8, vocab_group=TorchVocabGroup(dist.group.WORLD)
         )
         ghp, gwp = torch.autograd.grad(_loss(lp, ent), (hp, wp))
         torch.testing.assert_close(lp, lp1, rtol=0, atol=2e-6)
@@ -59,7 +60,7 @@ def _worker(rank: int, port: int) -> None:
         hq = h.clone().requires_grad_()
         lp2, ent2 = fused_logprob_entropy(
             hq, wp.detach(), y, temperature=0.8, chunk_size=8,
-            vocab_group=dist.group.WORLD, reduce_hidden_grad=False,
+            vocab_group=TorchVocabGroup(dist.group.WORLD), reduce_hidden_grad=False,
         )
         (partial,) = torch.autograd.grad(_loss(lp2, ent2), hq)
         assert not torch.allclose(partial, gh1, atol=1e-3)

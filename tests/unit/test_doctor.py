@@ -111,7 +111,7 @@ def test_installed_engine_without_gpu_is_unavailable() -> None:
 
 
 def test_engine_version_other_than_the_pinned_one_is_a_warning() -> None:
-    from adapters.vllm.hooks import PINNED_VLLM
+    from domain.environment import PINNED_VLLM
 
     c = check(diagnose(machine(vllm="0.11.0")), "vllm", "engines")
     assert (c.status, c.reason) == (Status.WARNING, Reason.VERSION_DIFFERS)
