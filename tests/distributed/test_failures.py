@@ -33,6 +33,7 @@ TP_FAULTS = [
     RankFault(2, "finalize", refit=1),  # an engine's post-processing; engine 3 commits and replays
     RankFault(3, "bucket", 3, refit=1),
     RankFault(3, "verify", refit=1),  # an engine's verification before commit
+    RankFault(2, "storage", refit=1),  # after engine 2 committed: it is restored, like engine 3
 ]
 # pp=2 (two sources take turns) + engines 2 and 3.
 PP_FAULTS = [
