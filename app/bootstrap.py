@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from app.services.distributed_refit import DistributedRefitService
     from app.services.logprob import LogProbService
     from app.services.mismatch_probe import MismatchProbe
-    from app.services.packed_gdn import PackedGdnReport
+    from adapters.megatron.packed_gdn import PackedGdnReport
     from app.services.planning import PlanReport
     from app.services.qat_setup import QatSession
     from app.services.refit import Progress, RefitService
@@ -453,7 +453,7 @@ class Services:
         A no-op without GDN layers; validation hooks only on Megatron-Core >= 0.18; the
         packed-aware forward before that, with the kernels of `actor.megatron.gdn_kernels`.
         """
-        from app.services.packed_gdn import apply_packed_gdn
+        from adapters.megatron.packed_gdn import apply_packed_gdn
 
         return apply_packed_gdn(model, kernels=self.config.actor.megatron.gdn_kernels)  # type: ignore[arg-type]
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from adapters.megatron import gdn
 from adapters.megatron.gdn_forward import check_packed_input, packed_forward
 from adapters.megatron.gdn_kernels import GdnKernels, causal_conv1d_kernels, reference_kernels, select_kernels
-from app.services.packed_gdn import apply_packed_gdn, remove_packed_gdn
+from adapters.megatron.packed_gdn import apply_packed_gdn, remove_packed_gdn
 from domain.errors import InvalidPackedBoundaries, PackedGdnUnsupported
 from domain.forward import varlen_kernels
 from domain.forward.gdn_packing import build_seq_idx

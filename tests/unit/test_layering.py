@@ -53,3 +53,76 @@ def test_only_the_composition_root_reads_the_environment() -> None:
         if ("os.environ" in p.read_text() or "getenv(" in p.read_text()) and p.name != "bootstrap.py"
     ]
     assert readers == [], f"environment read outside app/bootstrap.py: {readers}"
+
+
+# --- the rooms inside the layers -------------------------------------------------------------
+
+# Which domain sub-packages each one may import at run time (errors, mismatch and environment
+# import none of them: they are the leaves every room uses).
+DOMAIN_ROOMS = {
+    "quant": {"quant"},
+    "refit": {"refit", "quant"},
+    "forward": {"forward"},
+    "": set(),  # domain/errors.py, mismatch.py, environment.py
+}
+# Adapters that need a package the base install does not have (an extra): only the composition
+# root imports them, in the branch that selects them.
+OPTIONAL_ADAPTERS = ("adapters.megatron", "adapters.vllm", "adapters.sglang", "adapters.modelopt")
+
+
+def _runtime_imports(path: pathlib.Path) -> set[str]:
+    """Full module names imported, also inside functions; `if TYPE_CHECKING:` blocks skipped."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+               for n in ast.walk(node)}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _room(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT / "domain").parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+@pytest.mark.parametrize("path", _modules("domain"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_domain_rooms_import_only_the_rooms_they_build_on(path: pathlib.Path) -> None:
+    room = _room(path)
+    used = {m.split(".")[1] for m in _runtime_imports(path) if m.startswith("domain.") and m.count(".") >= 1}
+    used = {u for u in used if u in DOMAIN_ROOMS}  # sub-packages, not the leaf modules
+    assert used <= DOMAIN_ROOMS[room], f"{path} (domain/{room or '.'}) imports domain/{used - DOMAIN_ROOMS[room]}"
+    assert not any(m.startswith("torch.distributed") for m in _runtime_imports(path)), (
+        f"{path} uses torch.distributed: collectives reach the domain through a seam (an adapter)")
+
+
+@pytest.mark.parametrize("path", _modules("adapters"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_adapters_never_import_the_application(path: pathlib.Path) -> None:
+    assert not {m for m in _runtime_imports(path) if m.split(".")[0] == "app"}, f"{path} imports app/"
+
+
+@pytest.mark.parametrize("path", _modules("app"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_composition_root_imports_optional_adapters(path: pathlib.Path) -> None:
+    if path.name == "bootstrap.py":
+        return
+    bad = sorted(m for m in _runtime_imports(path) if m.startswith(OPTIONAL_ADAPTERS))
+    assert not bad, f"{path} imports {bad}; get the adapter from app.bootstrap"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "app" / "services").rglob("*.py")) + sorted((ROOT / "app" / "cli").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_services_know_no_root_and_the_cli_no_adapter(path: pathlib.Path) -> None:
+    imported = _runtime_imports(path)
+    if path.parent.name == "services":
+        assert not {m for m in imported if m.startswith(("app.bootstrap", "app.cli", "app.bench"))}, (
+            f"{path}: services are built by the composition root and know neither it nor the CLI")
+    else:
+        assert not {m for m in imported if m.startswith("adapters")}, (
+            f"{path}: the CLI gets every adapter from app.bootstrap")
