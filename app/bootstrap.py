@@ -29,10 +29,10 @@ if TYPE_CHECKING:
     import torch
 
     from adapters.hf_checkpoint.reader import HfCheckpoint
+    from adapters.megatron.packed_gdn import PackedGdnReport
     from app.services.distributed_refit import DistributedRefitService
     from app.services.logprob import LogProbService
     from app.services.mismatch_probe import MismatchProbe
-    from adapters.megatron.packed_gdn import PackedGdnReport
     from app.services.planning import PlanReport
     from app.services.qat_setup import QatSession
     from app.services.refit import Progress, RefitService

@@ -25,8 +25,8 @@ pytest.importorskip("fla", reason="megatron-core's GatedDeltaNet needs flash-lin
 
 from adapters.megatron import gdn as gdn_adapter
 from adapters.megatron.gdn_kernels import reference_kernels
-from app import bootstrap
 from adapters.megatron.packed_gdn import apply_packed_gdn, remove_packed_gdn
+from app import bootstrap
 from domain.errors import ConfigError, InvalidPackedBoundaries, PackedGdnDeterministic
 from domain.forward import varlen_kernels
 from domain.forward.gdn_packing import build_seq_idx
