@@ -10,7 +10,7 @@ packed-aware forward with kernels for the model's device. `remove_packed_gdn` un
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 import attrs
 import structlog
@@ -21,14 +21,15 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger()
 
-MODES = ("none", "native", "patched")
+# none: no GDN layer; native: Megatron-Core's own packed GDN, validated; patched: rl-refit's forward.
+GdnMode = Literal["none", "native", "patched"]
 
 
 @attrs.frozen
 class PackedGdnReport:
     """What `apply_packed_gdn` did: mode, the GDN layers it saw, the kernels, and why."""
 
-    mode: str = attrs.field(validator=attrs.validators.in_(MODES))
+    mode: GdnMode = attrs.field(validator=attrs.validators.in_(get_args(GdnMode)))
     layers: tuple[str, ...] = ()
     kernels: str | None = None
     version: str = "unknown"

@@ -15,6 +15,8 @@ Capability gates: FP8 block needs SM90+, MX formats and NVFP4 need SM100+.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import attrs
 
 from domain.errors import ConfigError, GpuCapabilityTooLow
@@ -45,6 +47,10 @@ _ARCH = {(9, 0): "Hopper (SM90)", (10, 0): "Blackwell (SM100)"}
 _ROLE_KEY = {"linear": "rollout.quantization.linear", "moe": "rollout.quantization.moe"}
 
 
+# The two roles a rollout engine picks kernels for: dense Linear layers and routed experts.
+KernelRole = Literal["linear", "moe"]
+
+
 @attrs.frozen
 class BackendChoice:
     """The kernel backend asked for one role.
@@ -55,7 +61,7 @@ class BackendChoice:
         reason: why, in words.
     """
 
-    role: str = attrs.field(validator=attrs.validators.in_(("linear", "moe")))
+    role: KernelRole = attrs.field(validator=attrs.validators.in_(get_args(KernelRole)))
     backend: str
     reason: str
 

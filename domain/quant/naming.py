@@ -14,8 +14,12 @@ import fnmatch
 import functools
 import re
 from collections.abc import Iterable
+from typing import Literal, get_args
 
 import attrs
+
+# What a tensor is to the plan: a dense Linear weight, a routed expert's weight, or never quantized.
+TensorKind = Literal["dense", "expert", "passthrough"]
 
 # Module names that stay BF16 whatever the rollout asks (ARCHITECTURE.md section 4), written in
 # the ignore-entry syntax so the same list goes to the engine's quantization_config.
@@ -65,7 +69,7 @@ class TensorClass:
         reason: why, in words.
     """
 
-    kind: str = attrs.field(validator=attrs.validators.in_(("dense", "expert", "passthrough")))
+    kind: TensorKind = attrs.field(validator=attrs.validators.in_(get_args(TensorKind)))
     module: str
     group: str | None
     fused_experts: bool

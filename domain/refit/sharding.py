@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 import attrs
 
@@ -30,6 +31,10 @@ from domain.errors import ShardingError
 from domain.quant import naming
 from domain.quant.plan import QuantizationPlan, TensorDecision
 from domain.quant.units import export_units
+
+# How a TP-split tensor is exported: each holder quantizes its shard ("local"), or the BF16 shards
+# are gathered on the source, which quantizes ("gather").
+ShardMode = Literal["local", "gather"]
 
 
 class Role(enum.StrEnum):
@@ -198,13 +203,13 @@ class ExportUnit:
         members: the members' placements, in stream order (same holders).
         decisions: each member's quantization decision.
         modes: per member, "local" (each holder quantizes its shard; pieces are concatenated) or
-            "gather" (BF16 shards are gathered and the source quantizes).
+            "gather" (BF16 shards are gathered and the source quantizes): a ShardMode.
         group: the fused group's name, or None.
     """
 
     members: tuple[Placement, ...]
     decisions: tuple[TensorDecision, ...]
-    modes: tuple[str, ...]
+    modes: tuple[ShardMode, ...]
     group: str | None = None
 
     @property
@@ -366,5 +371,5 @@ def _units(plan: QuantizationPlan, placements: Mapping[str, Placement]) -> tuple
 
 
 def _unit(items: Sequence[tuple[Placement, TensorDecision]], group: str | None) -> ExportUnit:
-    modes = tuple("local" if _aligned(d, p) else "gather" for p, d in items)
+    modes: tuple[ShardMode, ...] = tuple("local" if _aligned(d, p) else "gather" for p, d in items)
     return ExportUnit(tuple(p for p, _ in items), tuple(d for _, d in items), modes, group)

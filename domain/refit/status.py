@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from domain.refit.sharding import Role
+
 
 @attrs.frozen
 class TransferStats:
@@ -58,7 +60,7 @@ class RankStatus:
     """
 
     rank: int
-    role: str
+    role: Role = attrs.field(converter=Role)
     ok: bool = True
     step: str = ""
     error: str = ""
