@@ -140,7 +140,7 @@ def check_capability(plan: QuantizationPlan, capability: tuple[int, int] | None)
     return notes
 
 
-def _vllm_role(role: str, fmt: PrecisionFormat, act: ActivationScheme, opted_out: bool) -> BackendChoice:
+def _vllm_role(role: KernelRole, fmt: PrecisionFormat, act: ActivationScheme, opted_out: bool) -> BackendChoice:
     if not fmt.is_quantized:
         return BackendChoice(role, AUTO, "BF16: nothing quantized to choose a kernel for")
     if opted_out:
@@ -154,7 +154,7 @@ def _vllm_role(role: str, fmt: PrecisionFormat, act: ActivationScheme, opted_out
     return BackendChoice(role, DEEP_GEMM, f"{fmt.name}: DeepGEMM, the kernels training's numerics match")
 
 
-def _sglang_role(role: str, fmt: PrecisionFormat, opted_out: bool) -> BackendChoice:
+def _sglang_role(role: KernelRole, fmt: PrecisionFormat, opted_out: bool) -> BackendChoice:
     if not fmt.is_quantized:
         return BackendChoice(role, AUTO, "BF16: nothing quantized to choose a kernel for")
     if opted_out:
