@@ -22,7 +22,7 @@ def demo_world(procs: int, moe: bool) -> RefitWorld:
     (ep=2 for an MoE model, else tp=2) + one engine; 4 = two trainer ranks + two engine replicas.
 
     Raises:
-        ConfigError naming `--procs` outside 2..4 (what this machine's two cores run).
+        ConfigError: `--procs` outside 2..4 (what this machine's two cores run).
     """
     if not 2 <= procs <= 4:
         raise ConfigError("--procs", f"must be 2, 3 or 4 on this machine, got {procs}")

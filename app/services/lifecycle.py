@@ -43,9 +43,10 @@ def commit_engine(engine: RolloutEngine, run: RefitRun, before: StorageFingerpri
     """Finalize the engine's refit, record the commit, then check its captured storage.
 
     Raises:
-        whatever the engine's finalize raised (it then kept its weights or went stale itself), or
-        StorageRebound when a captured tensor was rebound (the engine had committed: the caller's
-        settle_engine restores it or marks it stale).
+        Exception: whatever the engine's finalize raised (it then kept its weights or went stale
+            itself).
+        StorageRebound: a captured tensor was rebound (the engine had committed: the caller's
+            settle_engine restores it or marks it stale).
     """
     with run.phase("finalize"):
         result = engine.finalize_refit()
