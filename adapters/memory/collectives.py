@@ -12,16 +12,15 @@ It lets the distributed refit service run, and be tested, without spawning proce
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from domain.errors import CollectiveTimeout, TransportAborted
+from adapters.distributed.inprocess import InProcessBroadcast
+from domain.errors import CollectiveTimeout
 from domain.refit.buckets import Bucket
 from domain.refit.sharding import RefitWorld
 from domain.refit.status import RankStatus, TransferStats
@@ -56,99 +55,11 @@ class _Rendezvous:
             return values
 
 
-_END = object()
-
-
-@attrs.define
-class _Broadcast:
-    """One bucket stream from a source to its receivers (one queue and acknowledgements each)."""
-
-    receivers: tuple[int, ...]
-    window: int
-    timeout_s: float
-    _frames: dict[int, queue.Queue] = attrs.field(init=False)
-    _acks: dict[int, threading.Semaphore] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._frames = {r: queue.Queue() for r in self.receivers}
-        self._acks = {r: threading.Semaphore(0) for r in self.receivers}
-
-    def _wait_acks(self, rank: int, index: int) -> float:
-        t0 = time.perf_counter()
-        for r, ack in self._acks.items():
-            if not ack.acquire(timeout=self.timeout_s):
-                raise CollectiveTimeout(rank, f"acknowledgement of bucket {index}", self.timeout_s, (r,))
-        return time.perf_counter() - t0
-
-    def send(self, rank: int, buckets: Iterable[Bucket]) -> TransferStats:
-        t0 = time.perf_counter()
-        n = payload = wire = 0
-        blocked = 0.0
-        outstanding: list[int] = []
-        it = iter(buckets)
-        while True:
-            if len(outstanding) >= self.window:  # the buffer the next bucket reuses must be released
-                blocked += self._wait_acks(rank, outstanding.pop(0))
-            try:
-                bucket = next(it)
-            except StopIteration:
-                break
-            except Exception as err:
-                for q in self._frames.values():
-                    q.put(f"{type(err).__name__}: {err}")
-                raise
-            for q in self._frames.values():
-                q.put(bucket)
-            outstanding.append(bucket.index)
-            n, payload, wire = n + 1, payload + bucket.payload_bytes, wire + bucket.nbytes
-        for q in self._frames.values():
-            q.put(_END)
-        while outstanding:
-            blocked += self._wait_acks(rank, outstanding.pop(0))
-        return TransferStats(n, payload, wire, time.perf_counter() - t0, blocked)
-
-    def receive(self, rank: int, consume: Callable[[Bucket], None],
-                allocate: Callable[[int], torch.Tensor] | None) -> TransferStats:
-        t0 = time.perf_counter()
-        n = payload = wire = 0
-        blocked = consumed = 0.0
-        first_error: BaseException | None = None
-        while True:
-            t1 = time.perf_counter()
-            try:
-                item = self._frames[rank].get(timeout=self.timeout_s)
-            except queue.Empty:
-                raise CollectiveTimeout(rank, f"bucket {n}", self.timeout_s) from None
-            blocked += time.perf_counter() - t1
-            if item is _END:
-                break
-            if isinstance(item, str):
-                raise TransportAborted(f"the source aborted the stream after {n} buckets: {item}")
-            bucket: Bucket = item
-            t1 = time.perf_counter()
-            try:
-                if first_error is None:
-                    if allocate is not None:  # a buffer of the receiver's own, which it may keep
-                        bucket = bucket.packed(allocate(bucket.nbytes)) if bucket.by_reference else \
-                            Bucket(bucket.index, allocate(bucket.nbytes).copy_(bucket.buffer[: bucket.nbytes]),
-                                   bucket.metas, bucket.is_last)
-                    consume(bucket)
-            except Exception as err:  # keep draining: the source is still sending
-                first_error = err
-            finally:
-                consumed += time.perf_counter() - t1
-                self._acks[rank].release()
-            n, payload, wire = n + 1, payload + bucket.payload_bytes, wire + bucket.nbytes
-        if first_error is not None:
-            raise first_error
-        return TransferStats(n, payload, wire, time.perf_counter() - t0, blocked, consumed)
-
-
 @attrs.define
 class _Endpoint:
-    """One rank's side of a _Broadcast, as a BucketTransport."""
+    """One rank's side of a InProcessBroadcast, as a BucketTransport."""
 
-    stream: _Broadcast
+    stream: InProcessBroadcast
     rank: int
 
     @property
@@ -179,7 +90,7 @@ class InMemoryWorld:
     phase_timeout_s: float = 60.0
     window: int = 2
     _groups: dict[tuple[int, ...], _Rendezvous] = attrs.field(init=False, factory=dict)
-    _streams: dict[tuple[int, int], _Broadcast] = attrs.field(init=False, factory=dict)
+    _streams: dict[tuple[int, int], InProcessBroadcast] = attrs.field(init=False, factory=dict)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
 
     def collectives(self, rank: int) -> InMemoryCollectives:
@@ -192,12 +103,12 @@ class InMemoryWorld:
         with self._lock:
             return self._groups.setdefault(key, _Rendezvous(key))
 
-    def stream(self, source: int, refit_id: int) -> _Broadcast:
+    def stream(self, source: int, refit_id: int) -> InProcessBroadcast:
         with self._lock:
             key = (source, refit_id)
             if key not in self._streams:
                 self._streams = {k: v for k, v in self._streams.items() if k[1] >= refit_id - 1}
-                self._streams[key] = _Broadcast(self.world.engine_ranks, self.window, self.step_timeout_s)
+                self._streams[key] = InProcessBroadcast(self.world.engine_ranks, self.window, self.step_timeout_s)
             return self._streams[key]
 
 

@@ -41,20 +41,18 @@ class RecordingEngine:
     events: list[tuple[object, ...]] = attrs.field(factory=list)
     _live: dict[str, torch.Tensor] = attrs.field(init=False)
     _staged: dict[str, torch.Tensor] = attrs.field(init=False, factory=dict)
-    _guard: EngineGuard = attrs.field(init=False, factory=EngineGuard)
+    commit_mode: CommitMode = attrs.field(init=False, default=CommitMode.TRANSACTIONAL)
+    _guard: EngineGuard = attrs.field(init=False)
     _peak: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
+        self._guard = EngineGuard(on_fail=self._dropped)
         self._live = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in self.layout.items()}
 
     @classmethod
     def for_stream(cls, named_tensors: Iterable[tuple[str, torch.Tensor]], **kwargs: object) -> RecordingEngine:
         """An engine whose layout is the names, shapes and dtypes of a sample refit stream."""
         return cls({n: (tuple(t.shape), t.dtype) for n, t in named_tensors}, **kwargs)  # type: ignore[arg-type]
-
-    @property
-    def commit_mode(self) -> CommitMode:
-        return CommitMode.TRANSACTIONAL
 
     @property
     def is_stale(self) -> bool:
@@ -121,15 +119,15 @@ class RecordingEngine:
     def _commit_one(self, name: str, staged: torch.Tensor) -> None:
         self._live[name].copy_(staged)
 
+    def _dropped(self, reason: str) -> None:
+        self._staged = {}
+        self.events.append(("abort", reason))
+
     def abort_refit(self, reason: str) -> None:
-        if self._guard.in_progress:
-            self._guard.fail()
-            self._staged = {}
-            self.events.append(("abort", reason))
+        self._guard.abort(reason)
 
     def mark_stale(self, reason: str) -> None:
-        self.abort_refit(reason)
-        self._guard.fail(stale_reason=reason)
+        self._guard.mark_stale(reason)
         self.events.append(("stale", reason))
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,7 +87,7 @@ class ReferenceEngine:
     refits_committed: int = attrs.field(init=False, default=0)
     _live: dict[str, dict[str, torch.Tensor]] = attrs.field(init=False)
     _kv: dict[str, torch.Tensor] = attrs.field(init=False)
-    _guard: EngineGuard = attrs.field(init=False, factory=EngineGuard)
+    _guard: EngineGuard = attrs.field(init=False)
     _staged: dict[str, dict[str, torch.Tensor]] = attrs.field(init=False, factory=dict)
     # Staged by reference (retained buckets): key -> local -> [(index into the live tensor, view)].
     _refs: dict[str, dict[str, list[tuple[tuple[Any, ...], torch.Tensor]]]] = attrs.field(init=False, factory=dict)
@@ -102,6 +102,7 @@ class ReferenceEngine:
     _effective: dict[str, torch.Tensor] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
+        self._guard = EngineGuard(on_fail=self._fail)
         self.layout = EngineLayout.build(self.config, self.plan)
         self._live = {
             key: {local: torch.zeros(shape, dtype=dtype) for local, (shape, dtype) in m.live.items()}
@@ -117,10 +118,6 @@ class ReferenceEngine:
     @property
     def is_stale(self) -> bool:
         return self._guard.is_stale
-
-    @property
-    def stale_reason(self) -> str | None:
-        return self._guard.stale_reason
 
     def live_weights(self) -> Mapping[str, torch.Tensor]:
         """The live tensors by the engine's own names (`layers.0.qkv.weight_scale`, KV scales)."""
@@ -180,14 +177,10 @@ class ReferenceEngine:
         return EngineFinalizeResult(kv_reset, self._post_seconds, self._committed, self._peak_bytes)
 
     def abort_refit(self, reason: str) -> None:
-        if self._guard.in_progress:
-            self._fail(reason)
+        self._guard.abort(reason)
 
     def mark_stale(self, reason: str) -> None:
-        if self._guard.in_progress:
-            self._fail(reason)
-        self._guard.fail(stale_reason=reason)
-        self._effective = None
+        self._guard.mark_stale(reason)
 
     # --- staging ---------------------------------------------------------------------------
 

@@ -136,7 +136,9 @@ class SglangRolloutEngine:
     wire_format: str | None = None
     log_prob_fn: LogProbFn | None = None
     expected_layout: Layout | None = None
-    _guard: EngineGuard = attrs.field(init=False, factory=EngineGuard)
+    # The loader backs up what a refit overwrites and restores it on any failure.
+    commit_mode: CommitMode = attrs.field(init=False, default=CommitMode.TRANSACTIONAL)
+    _guard: EngineGuard = attrs.field(init=False)
     _seen: set[str] = attrs.field(init=False, factory=set)
     _rule: StagingRule = attrs.field(init=False)
     _open: bool = attrs.field(init=False, default=False)
@@ -144,21 +146,14 @@ class SglangRolloutEngine:
     _staged_bytes: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
+        self._guard = EngineGuard(on_fail=self._fail)
         check_sglang("sglang", self.plan)
         check_sync_backend(self.plan.is_quantized, backend=self.sync_backend, wire_format=self.wire_format)
         self._rule = StagingRule.for_plan(self.plan, native_mxfp8=self.native_mxfp8)
 
     @property
-    def commit_mode(self) -> CommitMode:
-        return CommitMode.TRANSACTIONAL
-
-    @property
     def is_stale(self) -> bool:
         return self._guard.is_stale
-
-    @property
-    def stale_reason(self) -> str | None:
-        return self._guard.stale_reason
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -216,13 +211,10 @@ class SglangRolloutEngine:
                 raise EngineUpdateFailed(f"SGLang end_weight_update failed: {message}")
 
     def abort_refit(self, reason: str) -> None:
-        if self._guard.in_progress:
-            self._fail(reason)
+        self._guard.abort(reason)
 
     def mark_stale(self, reason: str) -> None:
-        if self._guard.in_progress:
-            self._fail(reason)
-        self._guard.fail(stale_reason=reason)
+        self._guard.mark_stale(reason)
 
     def _fail(self, reason: str) -> None:
         refit_id = self._guard.refit_id

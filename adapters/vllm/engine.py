@@ -157,7 +157,9 @@ class VllmRolloutEngine:
     log_prob_fn: LogProbFn | None = None
     reset_kv_scales: bool = True
     expected_layout: Layout | None = None
-    _guard: EngineGuard = attrs.field(init=False, factory=EngineGuard)
+    # vLLM processes and commits each layer as soon as it is loaded, keeping no old copy.
+    commit_mode: CommitMode = attrs.field(init=False, default=CommitMode.PER_LAYER)
+    _guard: EngineGuard = attrs.field(init=False)
     _seen: set[str] = attrs.field(init=False, factory=set)
     _started: bool = attrs.field(init=False, default=False)
 
@@ -166,17 +168,12 @@ class VllmRolloutEngine:
         """An engine whose worker is `model` in this process."""
         return cls(LocalWorkers(WorkerRefit(model, model_config, hooks)), **kwargs)
 
-    @property
-    def commit_mode(self) -> CommitMode:
-        return CommitMode.PER_LAYER
+    def __attrs_post_init__(self) -> None:
+        self._guard = EngineGuard(on_fail=self._fail)
 
     @property
     def is_stale(self) -> bool:
         return self._guard.is_stale
-
-    @property
-    def stale_reason(self) -> str | None:
-        return self._guard.stale_reason
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -217,24 +214,22 @@ class VllmRolloutEngine:
                                     tensors_committed=stats.tensors_loaded)
 
     def abort_refit(self, reason: str) -> None:
-        if self._guard.in_progress:
-            self._fail(reason)
+        self._guard.abort(reason)
 
     def mark_stale(self, reason: str) -> None:
-        if self._guard.in_progress:
-            self._fail(reason)
-        self._guard.fail(stale_reason=reason)
+        self._guard.mark_stale(reason)
 
     def _fail(self, reason: str) -> None:
-        refit_id = self._guard.refit_id
+        """A failed refit: put the model back together (it holds some new layers) and go stale."""
         if self._started:
             self._started = False
             try:
                 self.workers.abort()
             except Exception as err:
-                log.warning("vllm abort raised", refit_id=refit_id, error=f"{type(err).__name__}: {err}")
-        self._guard.fail(stale_reason=f"refit {refit_id} failed ({reason}); vLLM's layerwise reload cannot roll back")
-        log.warning("vllm refit failed; engine is stale", refit_id=refit_id, reason=reason)
+                log.warning("vllm abort raised", refit_id=self._guard.refit_id, error=f"{type(err).__name__}: {err}")
+        why = f"refit {self._guard.refit_id} failed ({reason}); vLLM's layerwise reload cannot roll back"
+        self._guard.fail(stale_reason=why)
+        log.warning("vllm refit failed; engine is stale", refit_id=self._guard.refit_id, reason=reason)
 
     # --- queries and serving ----------------------------------------------------------------
 

@@ -9,6 +9,8 @@ the engine is stale afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 
 from domain.errors import EngineBusy, EngineStale
@@ -23,11 +25,15 @@ class EngineGuard:
     """The refit bookkeeping every engine adapter shares.
 
     Attributes:
+        on_fail: the engine's own handling of a failed refit (drop what it staged, put its live
+            weights back together, tell the guard with `fail` whether it is now stale), called by
+            `abort` and `mark_stale` while a refit is in progress.
         session: the engine side's refit session.
         stale_reason: why the engine refuses to serve, or None when it serves. An engine starts
             stale: until its first refit its weights are whatever it was built or started with.
     """
 
+    on_fail: Callable[[str], None] | None = None
     session: RefitSession = attrs.field(factory=RefitSession)
     stale_reason: str | None = NOT_REFITTED
 
@@ -71,6 +77,19 @@ class EngineGuard:
             self.session.fail()
         if stale_reason is not None:
             self.stale_reason = stale_reason
+
+    def abort(self, reason: str) -> None:
+        """RolloutEngine.abort_refit: the engine's `on_fail` for a refit in progress, else nothing."""
+        if self.session.in_progress:
+            if self.on_fail is not None:
+                self.on_fail(reason)
+            self.fail()
+
+    def mark_stale(self, reason: str) -> None:
+        """RolloutEngine.mark_stale: abort a refit in progress, then refuse to serve until a full
+        refit commits."""
+        self.abort(reason)
+        self.stale_reason = reason
 
     def check_serving(self) -> None:
         """Raise EngineBusy while a refit is in progress and EngineStale while stale."""

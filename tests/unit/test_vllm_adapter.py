@@ -195,7 +195,7 @@ def test_failure_at_any_bucket_marks_the_engine_stale(fail_at: int) -> None:
     with pytest.raises(RefitFailed) as info:
         service.refit()
     assert info.value.report.outcome is RefitOutcome.STALE  # type: ignore[attr-defined]
-    assert engine.is_stale and "cannot roll back" in (engine.stale_reason or "")
+    assert engine.is_stale and "cannot roll back" in (engine._guard.stale_reason or "")
     assert layerwise.info == {}  # the model was put back together
     with pytest.raises(EngineStale):
         engine.log_probs(torch.tensor([[1, 2]]))
