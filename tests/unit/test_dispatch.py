@@ -12,6 +12,7 @@ from domain.errors import (
     EngineRejectsQuantization,
     FusedGroupSplit,
     NativeLayoutOverride,
+    NativeRefitUnsupported,
     NonDivisibleTensors,
     QatModeMismatch,
     QatWithTeRecipe,
@@ -110,10 +111,21 @@ def test_sglang_all_mxfp8_becomes_native_mxfp8() -> None:
 
 # --- rule 1 -----------------------------------------------------------------------------------------
 
-def test_rule1_unsupported_native_method_passes_through() -> None:
-    res = resolve(DispatchInput(engine="vllm", model_config=GPT_OSS))
+def test_rule1_unsupported_native_method_is_copied_untouched_by_export() -> None:
+    res = resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, purpose="export"))
     assert res.layout == "native-passthrough" and not res.plan.is_quantized and res.is_quantized
-    assert res.native is not None and res.native.method == "mxfp4"
+    assert res.native is not None and res.native.method == "mxfp4" and res.served is None
+
+
+def test_rule1_a_refit_of_a_native_layout_the_trainer_cannot_produce_is_refused() -> None:
+    # The engine would be configured for mxfp4 experts while the refit sends BF16 tensors.
+    with pytest.raises(NativeRefitUnsupported, match=r"'mxfp4'.*send BF16 tensors.*dispatch rule 1") as err:
+        resolve(DispatchInput(engine="vllm", model_config=GPT_OSS))
+    assert isinstance(err.value, UnsupportedQuantMethod)
+    # what the message offers instead works: a preset the trainer exports, or BF16
+    assert resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, requested=plan(moe="MXFP4"))).plan.is_quantized
+    bf16 = resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, hf_overrides={"quantization_config": None}))
+    assert bf16.layout == "bf16"
 
 
 def test_rule1_unsupported_method_with_qat_or_override_is_not_implemented() -> None:
@@ -171,7 +183,23 @@ def test_rule4_quantized_rollout_rejects_delta_sync() -> None:
     with pytest.raises(QuantizedDeltaSync, match=r"wire_format='delta_flush'"):
         resolve(DispatchInput(requested=plan(moe="MXFP4"), wire_format="delta_flush"))
     with pytest.raises(QuantizedDeltaSync):  # native pass-through is quantized too
-        resolve(DispatchInput(model_config=GPT_OSS, sync_backend="delta_sharded"))
+        resolve(DispatchInput(model_config=GPT_OSS, sync_backend="delta_sharded", purpose="export"))
+    with pytest.raises(QuantizedDeltaSync, match=r"dispatch rule 4"):  # native FP8 the trainer exports
+        resolve(DispatchInput(model_config=DEEPSEEK_FP8, sync_backend="delta_sharded"))
+
+
+@pytest.mark.parametrize(("extra", "error"), [
+    ({"sync_backend": "delta_sharded"}, QuantizedDeltaSync),
+    ({"wire_format": "delta_flush"}, QuantizedDeltaSync),
+    ({"engine": "trtllm"}, EngineRejectsQuantization),
+    ({"qat_enable": True, "qat_mode": "nvfp4"}, QatModeMismatch),
+])
+def test_release_layout_models_go_through_every_rule(extra: dict, error: type) -> None:
+    # DeepSeek-V4 passes its native FP8 through (rule 3), and is still a quantized rollout.
+    with pytest.raises(error):
+        resolve(DispatchInput(model_config=DEEPSEEK_V4, **extra))
+    res = resolve(DispatchInput(model_config=DEEPSEEK_V4, qat_enable=True, qat_mode="fp8"))
+    assert res.is_quantized and res.served is not None and res.served.linear is FP8_BLOCK
     assert not resolve(DispatchInput(sync_backend="delta_sharded", wire_format="delta_flush")).is_quantized
 
 
