@@ -445,6 +445,7 @@ def build_rollout_plan(
     overrides: tuple[str, ...] | list[str] = (),
     *,
     model: str | None = None,
+    purpose: str = "refit",
 ):
     """Resolve the rollout quantization of a configuration (and of a checkpoint, when there is one).
 
@@ -452,6 +453,7 @@ def build_rollout_plan(
         config: a configuration dict or YAML path (None: defaults).
         overrides: dotted `KEY=VALUE` overrides.
         model: a checkpoint directory (wins over `model.path`); only its headers are read.
+        purpose: "refit" or "export" (app.services.planning.make_plan).
 
     Returns:
         (app.services.planning.PlanReport, adapters.hf_checkpoint.reader.HfCheckpoint or None). Raises the
@@ -469,4 +471,4 @@ def build_rollout_plan(
         from adapters.hf_checkpoint.reader import HfCheckpoint
 
         checkpoint = HfCheckpoint(cfg.model.path)
-    return make_plan(cfg, checkpoint), checkpoint
+    return make_plan(cfg, checkpoint, purpose=purpose), checkpoint

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(json=args.json)
     source, overrides = split_config_args(args)
-    report, checkpoint = build_rollout_plan(source, overrides, model=args.model)
+    report, checkpoint = build_rollout_plan(source, overrides, model=args.model, purpose="export")
     if checkpoint is None:
         raise ConfigError("model.path", "no model given; pass --model DIR or set model.path")
     quiet = args.json or not sys.stderr.isatty()

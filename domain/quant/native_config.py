@@ -11,7 +11,7 @@ native mxfp4, GPTQ, AWQ, per-tensor FP8, ...) is a method the trainer cannot exp
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -20,6 +20,10 @@ from domain.errors import ConfigError
 from domain.quant.ct_config import read_compressed_tensors
 from domain.quant.formats import FP8_BLOCK, MXFP8
 from domain.quant.plan import QuantizationPlan
+
+
+def _to_strs(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
 
 
 @attrs.frozen
@@ -39,7 +43,7 @@ class NativeConfig:
     method: str
     plan: QuantizationPlan | None
     problem: str | None = None
-    differences: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    differences: tuple[str, ...] = attrs.field(default=(), converter=_to_strs)
 
     @property
     def is_compressed_tensors(self) -> bool:

@@ -81,6 +81,10 @@ class TargetGroup:
     activation: ActivationScheme
 
 
+def _to_groups(value: Iterable[TargetGroup]) -> tuple[TargetGroup, ...]:
+    return tuple(value)
+
+
 def target_group(groups: Iterable[TargetGroup], kind: str, module: str) -> TargetGroup | None:
     """The config group an engine gives a Linear module: a layer-name or `re:` target first (in
     the config's order), then the class target `Linear`; ignore lists are applied before.
@@ -209,7 +213,7 @@ class QuantizationPlan:
     scale_rule: MxScaleRule = MxScaleRule.RCEIL
     scale_name: str = attrs.field(default="weight_scale", validator=attrs.validators.in_(SCALE_NAMES))
     linear_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
-    targets: tuple[TargetGroup, ...] = attrs.field(default=(), converter=tuple)
+    targets: tuple[TargetGroup, ...] = attrs.field(default=(), converter=_to_groups)
 
     @classmethod
     def bf16(cls) -> QuantizationPlan:

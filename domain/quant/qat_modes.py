@@ -54,6 +54,27 @@ REJECTED: dict[str, str] = {
 }
 
 
+def canonical_qat_mode(value: str, key: str = KEY) -> str:
+    """A QAT mode's canonical name (`FP8_BLOCK` -> `fp8`), for the configuration schema.
+
+    Modes that can never match a rollout are known names too: the configuration may carry one
+    while QAT is off; dispatch rule 2 rejects it once QAT is enabled.
+
+    Args:
+        value: the written mode, any case.
+        key: the configuration key, for messages.
+
+    Returns:
+        The canonical name. Raises ConfigError naming the valid modes.
+    """
+    text = str(value).strip().lower().replace("-", "_")
+    text = ALIASES.get(text, text)
+    if text not in QAT_MODES and text not in REJECTED:
+        valid = ", ".join([*QAT_MODES, "FP8_BLOCK"])
+        raise ConfigError(key, f"unknown QAT mode {value!r}; valid: {valid} (any case)")
+    return text
+
+
 def parse_qat_mode(value: str | None, key: str = KEY) -> QatMode | None:
     """Read a QAT mode.
 
@@ -68,11 +89,7 @@ def parse_qat_mode(value: str | None, key: str = KEY) -> QatMode | None:
     """
     if value is None:
         return None
-    text = str(value).strip().lower().replace("-", "_")
-    text = ALIASES.get(text, text)
+    text = canonical_qat_mode(value, key)
     if text in REJECTED:
         raise ConfigError(key, f"mode {value!r} cannot be matched by the rollout: {REJECTED[text]}")
-    if text not in QAT_MODES:
-        valid = ", ".join([*QAT_MODES, "FP8_BLOCK"])
-        raise ConfigError(key, f"unknown QAT mode {value!r}; valid: {valid} (any case)")
     return QAT_MODES[text]

@@ -149,6 +149,38 @@ def test_rule2_qat_mode_must_match_the_rollout() -> None:
         resolve(DispatchInput(requested=plan(linear="FP8_BLOCK", moe="NVFP4"), qat_enable=True, qat_mode="NVFP4"))
 
 
+@pytest.mark.parametrize(("mode", "rollout"), [
+    ("fp8", {"linear": "FP8_BLOCK", "moe": "FP8_BLOCK"}),
+    ("FP8_BLOCK", {"linear": "FP8_BLOCK"}),
+    ("mxfp8", {"linear": "MXFP8", "moe": "MXFP8"}),
+    ("mxfp4", {"moe": "MXFP4"}),
+    ("mxfp4_mxfp8", {"moe": "MXFP4", "moe_activation": "mxfp8"}),
+    ("nvfp4", {"linear": "NVFP4", "moe": "NVFP4"}),
+    ("w4a16", {"linear": "NVFP4", "linear_activation": "none"}),
+])
+def test_rule2_verl_qat_modes_map_to_a_preset_and_an_activation_kind(mode: str, rollout: dict) -> None:
+    assert resolve(DispatchInput(engine="vllm", requested=plan(**rollout), qat_enable=True, qat_mode=mode)).plan.is_quantized
+
+
+@pytest.mark.parametrize(("mode", "rollout", "reason"), [
+    ("mxfp4_mxfp8", {"moe": "MXFP4"}, r"trains MXFP4 weights, mxfp8 activations.*mxfp4 activations; set qat.mode=mxfp4, "
+                                      r"or set rollout.quantization.moe_activation=mxfp8"),
+    ("mxfp4", {"moe": "MXFP4", "moe_activation": "mxfp8"}, r"set qat.mode=mxfp4_mxfp8"),
+    ("nvfp4", {"linear": "NVFP4", "linear_activation": "none"}, r"set qat.mode=w4a16"),
+    ("fp8", {"linear": "FP8_BLOCK", "linear_activation": "none"}, r"no QAT mode trains FP8_BLOCK with none activations"),
+    ("mxfp8", {"moe": "MXFP4"}, r"qat.mode='mxfp8' does not match.*set qat.mode to mxfp4"),
+])
+def test_rule2_a_qat_mode_that_cannot_match_the_rollout_says_why(mode: str, rollout: dict, reason: str) -> None:
+    with pytest.raises(QatModeMismatch, match=reason):
+        resolve(DispatchInput(engine="vllm", requested=plan(**rollout), qat_enable=True, qat_mode=mode))
+
+
+def test_rule2_verls_static_nvfp4_mode_is_rejected_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match=r"'w4a4' cannot be matched.*static NVFP4 activation scales.*use mode nvfp4"):
+        resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="w4a4"))
+    assert resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_mode="w4a4")).plan.is_quantized  # QAT off
+
+
 def test_rule2_qat_ignore_patterns_must_stay_bf16_in_the_rollout() -> None:
     inp = DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="NVFP4", qat_ignore=("*o_proj",))
     with pytest.raises(QatModeMismatch, match=r"\*o_proj"):
