@@ -24,9 +24,10 @@ import yaml
 
 from domain.errors import ConfigError, ConfigTypeError, RemovedConfigKey, UnknownConfigKey
 from domain.quant import naming
-from domain.quant.dispatch import DELTA_BACKENDS, DELTA_WIRE_FORMATS, ENGINES
+from domain.quant.dispatch import ENGINES
 from domain.quant.formats import FORMATS, ActivationScheme, MxScaleRule
 from domain.quant.qat_modes import canonical_qat_mode
+from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS
 
 NoneType = type(None)
 SYNC_BACKENDS = ("naive", "nccl", "gloo", *DELTA_BACKENDS)
