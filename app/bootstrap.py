@@ -4,7 +4,7 @@ the only one that picks adapters.
 `bootstrap(config, ...)` validates a verl-style configuration, reads the honoured environment
 variables once, and returns `Services`: the application services, each built on first use with
 the adapters the configuration names. Rollout engines come from the ENGINES table (keyed by
-`rollout.name`) and trainers from the TRAINERS table (keyed by `trainer.name`); each entry imports
+`rollout.name`) and trainers from the TRAINERS table (keyed by `actor.strategy`, verl's name for the trainer); each entry imports
 its adapter only when it is built, and a missing package raises ModuleNotFoundError naming the
 adapter and the extra to install. The CLI, the demos and the benchmarks call it; tests call it
 with fakes (`trainer=`, `engine=`).
@@ -109,8 +109,8 @@ def _engine_start(services: Services, engine: str) -> tuple[dict[str, Any] | Non
 
 
 def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.vllm.client import LlmLogProbs
-    from adapters.vllm.engine import LlmWorkers, VllmRolloutEngine
+    from adapters.vllm.client import LlmLogProbs, LlmWorkers
+    from adapters.vllm.engine import VllmRolloutEngine
     from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
 
     _check_commit_mode(options.get("commit_mode"), CommitMode.PER_LAYER, "vllm")
@@ -123,7 +123,8 @@ def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> 
 
 
 def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.sglang.engine import EngineClient, SglangRolloutEngine
+    from adapters.sglang.client import EngineClient
+    from adapters.sglang.engine import SglangRolloutEngine
     from adapters.sglang.engine_args import sglang_engine_kwargs
 
     _check_commit_mode(options.get("commit_mode"), CommitMode.TRANSACTIONAL, "sglang")
@@ -159,14 +160,14 @@ def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
     from domain.forward.mode import FusedForwardRequest
 
     if model is None:
-        raise ConfigError("trainer.name", "megatron: pass the built Megatron model, bootstrap(config, model=...)")
+        raise ConfigError("actor.strategy", "megatron: pass the built Megatron model, bootstrap(config, model=...)")
     request = FusedForwardRequest.from_settings(services.config.actor.fused_forward,
                                                 services.environ.get("VERL_FUSED_USE_OP_HOOK"))
     services.packed_gdn(model)  # a no-op without GatedDeltaNet layers
     return MegatronTrainerModel.build(model, request.mode)  # type: ignore[arg-type]
 
 
-# rollout.name -> the engine adapter; trainer.name -> the trainer adapter.
+# rollout.name -> the engine adapter; actor.strategy -> the trainer adapter.
 ENGINES: dict[str, AdapterEntry] = {
     "reference": AdapterEntry("adapters.reference.engine.ReferenceEngine", _reference_engine),
     "vllm": AdapterEntry("adapters.vllm.engine.VllmRolloutEngine", _vllm_engine, "vllm", "vllm"),
@@ -198,7 +199,7 @@ class Services:
         environ: the honoured environment variables, read once.
         trainer: a TrainerModel to use instead of building one (tests, a trainer of the caller's).
         engine: a RolloutEngine to use instead of building one.
-        model: the trainer's own model, for trainer kinds that wrap one (`trainer.name: megatron`).
+        model: the trainer's own model, for trainer kinds that wrap one (`actor.strategy: megatron`).
         progress: refit progress, (source bytes so far, total), e.g. the CLI's progress bar.
     """
 
@@ -238,20 +239,29 @@ class Services:
 
         return HfCheckpoint(path)
 
-    def plan_report(self, checkpoint: HfCheckpoint | None = None) -> PlanReport:
-        """Every decision of the rollout quantization, for the configuration (and a checkpoint)."""
+    def plan_report(self, checkpoint: HfCheckpoint | None = None, *, purpose: str = "refit") -> PlanReport:
+        """Every decision of the rollout quantization, for the configuration (and a checkpoint).
+
+        Args:
+            checkpoint: the model (only its headers are read), or None.
+            purpose: "refit" (a refit will send these tensors) or "export" (`refit export`: a
+                native layout the trainer cannot produce is copied untouched).
+        """
         from app.services.planning import make_plan
 
-        return make_plan(self.config, checkpoint)
+        return make_plan(self.config, checkpoint, purpose=purpose)
 
     # --- refits --------------------------------------------------------------------------------
 
     def trainer_model(self) -> TrainerModel:
-        """The trainer: the one given, else built by TRAINERS[trainer.name] (kept)."""
+        """The trainer: the one given, else built by TRAINERS[actor.strategy] (kept)."""
         if self.trainer is None:
-            name = self.config.trainer.name
-            entry = TRAINERS[name]
-            entry.require("trainer.name", name)
+            name = self.config.actor.strategy
+            entry = TRAINERS.get(name)
+            if entry is None:
+                raise ConfigError("actor.strategy", f"{name!r} has no trainer adapter; use one of {', '.join(TRAINERS)} "
+                                  "or pass your TrainerModel: bootstrap(config, trainer=...)")
+            entry.require("actor.strategy", name)
             self.trainer = entry.build(self, self.model)
         return self.trainer
 
@@ -440,7 +450,7 @@ class Services:
                                                     self.environ.get("VERL_FUSED_USE_OP_HOOK"))
         if callable(getattr(model, "log_probs", None)) and callable(getattr(model, "named_weights", None)):
             return LogProbService(model, mode="none", source=request.source)  # type: ignore[arg-type]
-        TRAINERS["megatron"].require("trainer.name", "megatron")
+        TRAINERS["megatron"].require("actor.strategy", "megatron")
         from adapters.megatron.trainer_model import MegatronTrainerModel
 
         self.packed_gdn(model)  # a no-op without GatedDeltaNet layers

@@ -3,6 +3,11 @@
 Every key is declared once in SCHEMA (type, default, allowed values, one line of help); unknown
 keys and wrong types raise errors that name the key and list the valid ones. docs/configuration.md
 documents the same table.
+
+verl's own files load unchanged: keys under `actor_rollout_ref.` are read without that prefix
+(`actor_rollout_ref.rollout.name` is `rollout.name`), and in such a file the keys rl-refit does
+not read (verl's batch sizes, optimizer, `data.*`, `trainer.*`, ...) are set aside as unused,
+except inside `rollout.quantization`, which is rl-refit's own: a typo there is still an error.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from typing import Any
 import attrs
 import yaml
 
-from domain.errors import ConfigError, ConfigTypeError, UnknownConfigKey
+from domain.errors import ConfigError, ConfigTypeError, RemovedConfigKey, UnknownConfigKey
 from domain.quant import naming
-from domain.quant.dispatch import DELTA_BACKENDS, DELTA_WIRE_FORMATS, ENGINES
+from domain.quant.dispatch import ENGINES
 from domain.quant.formats import FORMATS, ActivationScheme, MxScaleRule
+from domain.quant.qat_modes import canonical_qat_mode
+from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS
 
 NoneType = type(None)
 SYNC_BACKENDS = ("naive", "nccl", "gloo", *DELTA_BACKENDS)
@@ -52,6 +59,13 @@ def _patterns(key: str, value: Any) -> tuple[str, ...]:
         if problem:
             raise ConfigError(key, f"{problem} (entry {item!r})")
     return tuple(items)
+
+
+def _qat_mode(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    canonical_qat_mode(value, key)  # validates; the value is kept as written, for messages
+    return str(value).strip()
 
 
 def _hf_overrides(key: str, value: Any) -> Any:
@@ -116,6 +130,9 @@ SCHEMA: tuple[Key, ...] = (
         "modules kept BF16, added to the defaults: names, dot suffixes, re:REGEX, fnmatch", check=_patterns),
     Key("rollout.quantization.config_file", (str, NoneType), None,
         "a compressed-tensors quantization_config JSON file used instead of linear/moe"),
+    Key("rollout.quantization.allow_config_rewrite", (bool,), False,
+        "true: a config_file / hf_overrides quantization_config that cannot be honoured as written is "
+        "rewritten from the presets (refit plan lists every change) instead of rejected"),
     Key("rollout.quantization.scale_rule", (str,), "rceil",
         "MX shared-exponent rule: rceil (TE/ModelOpt/vLLM) or even (compressed-tensors bytes)",
         choices=tuple(r.value for r in MxScaleRule)),
@@ -138,7 +155,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("rollout.wire_format", (str,), "bucketed", "how buckets travel", choices=WIRE_FORMATS),
     Key("actor.megatron.qat.enable", (bool,), False, "QAT fake-quantization in training"),
     Key("actor.megatron.qat.mode", (str, NoneType), None,
-        "QAT format (FP8_BLOCK, MXFP8, MXFP4, NVFP4); must match the rollout", check=_preset),
+        "QAT mode: verl's fp8, mxfp8, mxfp4, mxfp4_mxfp8, nvfp4 (or w4a16, FP8_BLOCK); must match the rollout",
+        check=_qat_mode),
     Key("actor.megatron.qat.ignore_patterns", (list, tuple, str), (),
         "modules QAT keeps BF16 (fnmatch, e.g. *mlp.gate)", check=_patterns),
     Key("actor.megatron.override_transformer_config.fp8", (str, bool, NoneType), None,
@@ -160,8 +178,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("actor.fused_forward", (str, bool, int, NoneType), None,
         "fused log-prob forward mode (auto, hook, legacy and aliases); null = auto"),
     Key("model.path", (str, NoneType), None, "Hugging Face checkpoint directory"),
-    Key("trainer.name", (str,), "reference", "trainer adapter: reference (the embedded model) or megatron",
-        choices=("reference", "megatron")),
+    Key("actor.strategy", (str,), "reference",
+        "the trainer adapter: reference (the embedded model) or megatron; verl's fsdp and fsdp2 have none",
+        choices=("reference", "megatron", "fsdp", "fsdp2")),
     Key("reference.model", (str,), "tiny-moe", "the embedded reference model",
         choices=("tiny-moe", "tiny-dense", "micro-moe", "bench-moe")),
     Key("reference.seed", (int,), 0, "seed of the embedded reference model's random weights"),
@@ -190,19 +209,89 @@ def _free_parent(path: str) -> Key | None:
     return next((k for k in SCHEMA if k.free and path.startswith(k.path + ".")), None)
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for name, value in tree.items():
-        path = f"{prefix}.{name}" if prefix else str(name)
-        if path in KEYS:
-            flat[path] = value
-        elif isinstance(value, Mapping) and _children(path):
-            flat.update(_flatten(value, path))
+VERL_ROOT = "actor_rollout_ref"
+# rl-refit's own sections: unknown keys there are errors even in a verl file.
+STRICT_SECTIONS = ("rollout.quantization",)
+# verl's names for rl-refit keys.
+ALIASES: dict[str, str] = {
+    "rollout.quantization_config_file": "rollout.quantization.config_file",
+    "actor.megatron.qat.quantization_config_path": "rollout.quantization.config_file",
+}
+# hydra's instantiation hint in verl's files: never a setting.
+_HYDRA_KEYS = ("_target_",)
+
+
+def _removed_quantization_form(path: str, value: Any) -> RemovedConfigKey:
+    """`rollout.quantization=fp8` (a string) was replaced by the per-role presets."""
+    text = str(value).strip()
+    preset = "FP8_BLOCK" if text.lower() == "fp8" else text.upper().replace("-", "_")
+    if preset in FORMATS and preset != "BF16":
+        fix = (f"write rollout.quantization.linear={preset} and rollout.quantization.moe={preset}"
+               + (" (block FP8, 128x128 weight blocks, which quantization=fp8 served)" if preset == "FP8_BLOCK" else ""))
+    else:
+        fix = "write rollout.quantization.linear and rollout.quantization.moe, each one of FP8_BLOCK, MXFP8, MXFP4, NVFP4"
+    return RemovedConfigKey(path, f"the string form rollout.quantization={text} was removed; {fix}, or "
+                                  "rollout.quantization.config_file for a compressed-tensors config")
+
+
+def _strict(path: str) -> bool:
+    return any(path == s or path.startswith(s + ".") for s in STRICT_SECTIONS)
+
+
+@attrs.define
+class _Reader:
+    """Flattens a configuration tree into {dotted key: value}, noting keys it sets aside."""
+
+    lenient: bool = False  # a verl file: keys rl-refit does not read are set aside
+    flat: dict[str, Any] = attrs.field(factory=dict)
+    origin: dict[str, str] = attrs.field(factory=dict)
+    unused: list[str] = attrs.field(factory=list)
+
+    def set(self, path: str, value: Any, written: str) -> None:
+        path = ALIASES.get(path, path)
+        old = self.flat.get(path)
+        if path in self.flat and old is not None and value is not None and old != value:
+            raise ConfigError(path, f"set twice with different values ({self.origin[path]}={old!r} and "
+                                    f"{written}={value!r}); keep one of them")
+        if path in self.flat and value is None:
+            return  # verl's files write null for what they leave unset: it does not clear the other spelling
+        self.flat[path], self.origin[path] = value, written
+
+    def tree(self, tree: Mapping[str, Any], prefix: str = "", written: str = "") -> None:
+        for name, value in tree.items():
+            path = f"{prefix}.{name}" if prefix else str(name)
+            shown = f"{written}.{name}" if written else str(name)
+            if not prefix and name == VERL_ROOT and isinstance(value, Mapping):
+                reader = _Reader(lenient=True, flat=self.flat, origin=self.origin, unused=self.unused)
+                reader.tree(value, "", VERL_ROOT)
+            else:
+                self.entry(path, value, shown)
+
+    def entry(self, path: str, value: Any, written: str) -> None:
+        if path.rpartition(".")[2] in _HYDRA_KEYS:
+            return
+        target = ALIASES.get(path, path)
+        if target in KEYS:
+            self.set(path, value, written)
+        elif _children(path) and (value is None or isinstance(value, Mapping)):
+            self.tree(value or {}, path, written)
+        elif path == "rollout.quantization":
+            raise _removed_quantization_form(path, value)
         elif _children(path):
-            raise ConfigTypeError(path, f"expected a section (a mapping) with keys {', '.join(_children(path))}, got {value!r}")
+            raise ConfigTypeError(path, f"expected a section (a mapping) with keys {', '.join(_children(path))}, "
+                                        f"got {value!r}")
+        elif self.lenient and not _strict(path):
+            self.unused.append(written)
         else:
             raise _unknown(path)
-    return flat
+
+
+def _flatten(tree: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The tree's values by dotted key (verl's `actor_rollout_ref.` prefix dropped), and the
+    keys of a verl file that rl-refit does not read."""
+    reader = _Reader(lenient=VERL_ROOT in tree)
+    reader.tree(tree)
+    return reader.flat, reader.unused
 
 
 def _set_free(flat: dict[str, Any], key: Key, path: str, value: Any) -> None:
@@ -231,7 +320,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    return key.strip().lstrip("+"), value  # hydra's `+key=` / `++key=` (add / force-add) as verl users write
 
 
 def _validate(key: Key, value: Any) -> Any:
@@ -246,10 +335,14 @@ def _validate(key: Key, value: Any) -> Any:
 
 
 class Section(Mapping[str, Any]):
-    """Read-only nested view: `cfg.rollout.quantization.linear` or `cfg["rollout.name"]`."""
+    """Read-only nested view: `cfg.rollout.quantization.linear` or `cfg["rollout.name"]`.
 
-    def __init__(self, tree: Mapping[str, Any]) -> None:
+    `unused` lists the keys of a verl file that rl-refit does not read (as written there).
+    """
+
+    def __init__(self, tree: Mapping[str, Any], unused: Sequence[str] = ()) -> None:
         self._tree = MappingProxyType(dict(tree))
+        self.unused = tuple(unused)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -289,17 +382,20 @@ def build_config(tree: Mapping[str, Any] | None = None, overrides: Sequence[str]
     """
     if tree is not None and not isinstance(tree, Mapping):
         raise ConfigTypeError("<root>", f"a configuration is a mapping of sections, got {type(tree).__name__}")
-    flat = _flatten(tree or {})
+    flat, unused = _flatten(tree or {})
     for text in overrides:
-        path, value = parse_override(text)
-        if path in KEYS:
-            flat[path] = value
+        written, value = parse_override(text)
+        verl = written.startswith(VERL_ROOT + ".")
+        path = written.removeprefix(VERL_ROOT + ".")
+        if ALIASES.get(path, path) in KEYS:
+            flat[ALIASES.get(path, path)] = value
         elif (free := _free_parent(path)) is not None:
             _set_free(flat, free, path, value)
-        elif _children(path) and isinstance(value, Mapping):
-            flat.update(_flatten(value, path))
         else:
-            raise _unknown(path)
+            reader = _Reader(lenient=verl)
+            reader.entry(path, value, written)
+            flat.update(reader.flat)
+            unused.extend(reader.unused)
     values = {k.path: _validate(k, flat[k.path]) if k.path in flat else k.default for k in SCHEMA}
     nested: dict[str, Any] = {}
     for path, value in values.items():
@@ -308,7 +404,7 @@ def build_config(tree: Mapping[str, Any] | None = None, overrides: Sequence[str]
         for part in parents:
             node = node.setdefault(part, {})
         node[last] = value
-    return Section(nested)
+    return Section(nested, unused)
 
 
 def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides: Sequence[str] = ()) -> Section:

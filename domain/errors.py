@@ -66,6 +66,11 @@ class UnsupportedQuantMethod(RefitError, NotImplementedError):
     """A quantization method exists but the trainer cannot produce it."""
 
 
+class NativeRefitUnsupported(UnsupportedQuantMethod):
+    """Dispatch rule 1 for refits: the engine would serve a native layout (e.g. GPT-OSS mxfp4) the
+    trainer cannot produce, so a refit would send tensors that layout cannot load."""
+
+
 # --- refit lifecycle -----------------------------------------------------------------------
 
 
@@ -105,6 +110,19 @@ class UnknownConfigKey(ConfigError, KeyError):
 
 class ConfigTypeError(ConfigError, TypeError):
     """A configuration value has the wrong type."""
+
+
+class RemovedConfigKey(ConfigError):
+    """A configuration key (or a form of its value) that was removed; says what replaced it."""
+
+
+class ConfigNotHonoured(UnsupportedCombination):
+    """A user's compressed-tensors quantization_config has fields the trainer's export cannot honour
+    as written. Carries `differences`, one sentence per field."""
+
+    def __init__(self, message: str, differences: tuple[str, ...] = ()) -> None:
+        self.differences = differences
+        super().__init__(message)
 
 
 class QatModeMismatch(UnsupportedCombination):

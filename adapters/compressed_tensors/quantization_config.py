@@ -1,15 +1,19 @@
 """The quantization_config an engine reads, for a resolved plan.
 
-Compressed-tensors layouts are built with compressed-tensors' own objects (QuantizationConfig,
-QuantizationScheme, preset QuantizationArgs, CompressionFormat) and serialized the way its
-ModelCompressor writes config.json. Native layouts: SGLang's `quant_method: mxfp8` (block
-[1, 32], scales named `weight_scale_inv`) and DeepSeek-style `quant_method: fp8`.
+A user's compressed-tensors config (config_file, hf_overrides) and a checkpoint's own reach the
+engine as written when the dispatch found every field honoured (`Resolution.as_written`), with
+rollout.quantization.ignore appended to its ignore list. Otherwise compressed-tensors layouts are
+built with compressed-tensors' own objects (QuantizationConfig, QuantizationScheme, preset
+QuantizationArgs, CompressionFormat) and serialized the way its ModelCompressor writes
+config.json; a rewritten config keeps its `kv_cache_scheme`. Native layouts: SGLang's
+`quant_method: mxfp8` (block [1, 32], scales named `weight_scale_inv`) and DeepSeek-style
+`quant_method: fp8`.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 try:
@@ -148,8 +152,28 @@ def deepseek_fp8_config(bf16_modules: Iterable[str]) -> dict[str, Any]:
     }
 
 
+def as_written_config(config: Mapping[str, Any], extra_ignore: Iterable[str] = ()) -> dict[str, Any]:
+    """A compressed-tensors config as the user wrote it, for the engine.
+
+    Args:
+        config: the quantization_config (groups, ignore list, kv_cache_scheme, ... untouched).
+        extra_ignore: rollout.quantization.ignore entries, appended to its ignore list in the
+            syntax engines read.
+
+    Returns:
+        A copy; `quant_method` is added when the file leaves it out (engines dispatch on it).
+    """
+    out = copy.deepcopy(dict(config))
+    out.setdefault(QUANTIZATION_METHOD_NAME, QUANTIZATION_METHOD)
+    extra = [naming.to_engine_pattern(e) for e in extra_ignore]
+    if extra:
+        ignore = list(out.get("ignore") or [])
+        out["ignore"] = ignore + [e for e in extra if e not in ignore]
+    return out
+
+
 def engine_quantization_config(
-    resolution: Resolution, bf16_modules: Iterable[str] | None = None
+    resolution: Resolution, bf16_modules: Iterable[str] | None = None, *, extra_ignore: Iterable[str] = ()
 ) -> dict[str, Any] | None:
     """The quantization_config the engine is sent (and config.json carries) for a resolution.
 
@@ -157,6 +181,7 @@ def engine_quantization_config(
         resolution: the dispatch's resolution.
         bf16_modules: Linear module names kept BF16 (needed by the native layouts, which match
             names exactly; when None, the ignore entries are listed instead).
+        extra_ignore: rollout.quantization.ignore (appended to a config sent as written).
 
     Returns:
         The dict, or None for a BF16 rollout.
@@ -166,9 +191,14 @@ def engine_quantization_config(
         return None
     if layout == "native-passthrough" or (native is not None and native.method in ("fp8", "mxfp8")):
         return dict(native.config) if native is not None else None
+    if resolution.as_written and native is not None:
+        return as_written_config(native.config, extra_ignore)
     kept = list(bf16_modules) if bf16_modules is not None else [*naming.DEFAULT_IGNORE, *plan.ignore]
     if layout == "sglang-mxfp8":
         return sglang_mxfp8_config(kept)
     if layout == "native-fp8":
         return deepseek_fp8_config(kept)
-    return to_config_json(compressed_tensors_config(plan))
+    config = to_config_json(compressed_tensors_config(plan))
+    if native is not None and native.config.get("kv_cache_scheme"):
+        config["kv_cache_scheme"] = copy.deepcopy(native.config["kv_cache_scheme"])  # honoured either way
+    return config

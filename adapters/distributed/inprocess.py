@@ -41,8 +41,8 @@ class InProcessBroadcast:
     receivers: tuple[int | None, ...]
     window: int = 2
     timeout_s: float = 60.0
-    _frames: dict[int, queue.Queue] = attrs.field(init=False)
-    _acks: dict[int, threading.Semaphore] = attrs.field(init=False)
+    _frames: dict[int | None, queue.Queue] = attrs.field(init=False)
+    _acks: dict[int | None, threading.Semaphore] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.window < 1:

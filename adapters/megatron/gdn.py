@@ -5,7 +5,10 @@
   the class is probed for that method (which also recognises backports), and the installed
   version is reported alongside.
 - Native: nothing is patched. `install_packed_validation` adds a forward pre-hook (torch's own
-  hook mechanism) that validates packed input with typed errors before Megatron's asserts.
+  hook mechanism) that checks packed input with typed errors before Megatron's asserts.
+- Either way `install_batch_validation` adds a forward pre-hook to the model itself: packed
+  boundaries built elsewhere (verl builds its own PackedSeqParams) are validated there, once per
+  batch, so that no GDN layer reads them on the host.
 - Not native: `patch_gdn_forward` (the one monkey patch of this adapter) replaces
   `GatedDeltaNet.forward` by a forward that sends packed calls through
   `gdn_forward.packed_forward` with injected kernels and every other call to the original
@@ -22,7 +25,13 @@ import attrs
 import structlog
 import torch
 
-from adapters.megatron.gdn_forward import check_packed_input, is_packed, packed_forward
+from adapters.megatron.gdn_forward import (
+    BOUNDARIES_ATTR,
+    check_packed_input,
+    is_packed,
+    packed_forward,
+    validate_packed_seq_params,
+)
 from adapters.megatron.gdn_kernels import GdnKernels, select_kernels
 from adapters.megatron.version import megatron_core_version
 
@@ -30,6 +39,7 @@ log = structlog.get_logger()
 
 NATIVE_PACKED_GDN_VERSION = (0, 18)
 _VALIDATION_HANDLE = "_rl_refit_packed_gdn_validation"
+_BATCH_HANDLE = "_rl_refit_packed_batch_validation"
 
 
 def megatron_gdn_class() -> type:
@@ -228,6 +238,49 @@ def remove_packed_validation(layer: torch.nn.Module) -> bool:
         return False
     handle.remove()
     object.__setattr__(layer, _VALIDATION_HANDLE, None)
+    return True
+
+
+_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _batch_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    cls = type(module)
+    signature = _SIGNATURES.get(cls) or _SIGNATURES.setdefault(cls, inspect.signature(cls.forward))
+    arguments = _bound_arguments(signature, module, args, kwargs)
+    params = (arguments or kwargs).get("packed_seq_params")
+    if is_packed(params) and getattr(params, BOUNDARIES_ATTR, None) is None:
+        cp_size = int(getattr(getattr(module, "config", None), "context_parallel_size", 1) or 1)
+        validate_packed_seq_params(params, cp_size=cp_size)
+
+
+def install_batch_validation(model: torch.nn.Module) -> bool:
+    """Validate a batch's packed boundaries once at the model's entry; idempotent.
+
+    A forward pre-hook on the model (a GPTModel or a virtual-pipeline chunk): when its forward
+    receives a PackedSeqParams that was not validated where it was built, the boundaries are
+    read and checked there, once, before any GDN layer runs.
+
+    Args:
+        model: the model chunk whose forward takes `packed_seq_params`.
+
+    Returns:
+        True when a hook was added, False when the model already had one.
+    """
+    if getattr(model, _BATCH_HANDLE, None) is not None:
+        return False
+    handle = model.register_forward_pre_hook(_batch_hook, with_kwargs=True)
+    object.__setattr__(model, _BATCH_HANDLE, handle)
+    return True
+
+
+def remove_batch_validation(model: torch.nn.Module) -> bool:
+    """Remove the model-level hook; returns False when there was none."""
+    handle = getattr(model, _BATCH_HANDLE, None)
+    if handle is None:
+        return False
+    handle.remove()
+    object.__setattr__(model, _BATCH_HANDLE, None)
     return True
 
 

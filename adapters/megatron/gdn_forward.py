@@ -6,25 +6,39 @@ causal conv on q/k/v, l2-normalized q/k, gated delta rule, gated RMSNorm, output
 with the packed boundaries threaded into the two sequence kernels, which come injected
 (`GdnKernels`). It reads only attributes those versions and later ones both define.
 
-`check_packed_input` is shared with the validation hook used on versions with native support.
+Boundaries are validated once per batch, where the packed parameters are built
+(`validate_packed_seq_params`: `adapters.megatron.thd.packed_seq_params` calls it with the host
+integers it already has, and `app.services.packed_gdn` calls it at the model's entry for
+parameters built elsewhere, e.g. by verl). The result rides on the PackedSeqParams object, so
+`check_packed_input`, shared with the validation hook used on versions with native support,
+reads nothing on the host: it checks Python integers and uses the boundary tensor as it is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from adapters.megatron.gdn_kernels import GdnKernels
 from domain.errors import InvalidPackedBoundaries, PackedGdnUnsupported
 from domain.forward.gdn_packing import (
+    PackedBoundaries,
     build_seq_idx,
+    check_boundary_tensor,
+    check_boundary_values,
     full_sequence_length,
     reject_packed_deterministic,
     resolve_cu_seqlens,
-    validate_cu_seqlens,
 )
+
+log = structlog.get_logger()
+
+# The attribute of a PackedSeqParams that carries its validated boundaries.
+BOUNDARIES_ATTR = "_rl_refit_gdn_boundaries"
 
 
 def is_packed(packed_seq_params: Any) -> bool:
@@ -37,14 +51,86 @@ def layer_label(layer: Any) -> str:
     return f"{type(layer).__name__}(layer_number={number})" if number is not None else type(layer).__name__
 
 
+def _kv_boundaries(packed_seq_params: Any) -> tuple[torch.Tensor | None, str]:
+    kv_padded = getattr(packed_seq_params, "cu_seqlens_kv_padded", None)
+    if kv_padded is not None:
+        return kv_padded, "cu_seqlens_kv_padded"
+    return getattr(packed_seq_params, "cu_seqlens_kv", None), "cu_seqlens_kv"
+
+
+def validate_packed_seq_params(
+    packed_seq_params: Any, *, cp_size: int = 1, values: Sequence[int] | None = None
+) -> PackedBoundaries:
+    """Validate a batch's packed boundaries once, where its PackedSeqParams is built.
+
+    Checks the boundaries GDN layers use (padded ones first): an integer 1-D tensor starting at
+    0, never decreasing, each length a multiple of the CP size; key/value boundaries, when given
+    separately, equal the query ones. The record is attached to the PackedSeqParams, so every
+    GDN layer of the batch checks it without a host read.
+
+    Args:
+        packed_seq_params: Megatron's PackedSeqParams (qkv_format 'thd').
+        cp_size: context-parallel size.
+        values: the boundaries' values when the caller holds them on the host already (a THD
+            layout does); otherwise the tensor is read once, here.
+
+    Returns:
+        The PackedBoundaries. Raises InvalidPackedBoundaries.
+    """
+    cu_seqlens, name = resolve_cu_seqlens(
+        getattr(packed_seq_params, "cu_seqlens_q_padded", None),
+        getattr(packed_seq_params, "cu_seqlens_q", None),
+    )
+    check_boundary_tensor(cu_seqlens, name=name)
+    host = tuple(int(v) for v in (cu_seqlens.tolist() if values is None else values))
+    if len(host) != cu_seqlens.numel():
+        raise InvalidPackedBoundaries(name, f"{len(host)} values given for a tensor of {cu_seqlens.numel()} boundaries",
+                                      "pass the values the tensor was built from")
+    check_boundary_values(host, name=name, cp_size=cp_size)
+    kv, kv_name = _kv_boundaries(packed_seq_params)
+    if kv is not None and kv is not cu_seqlens and not torch.equal(kv.to(cu_seqlens), cu_seqlens):
+        raise InvalidPackedBoundaries(
+            kv_name,
+            f"differs from {name}; a GDN layer reads one sequence, so query and key/value boundaries must agree",
+            f"pass the same boundaries as {name}",
+        )
+    record = PackedBoundaries(name, host, cu_seqlens)
+    try:
+        object.__setattr__(packed_seq_params, BOUNDARIES_ATTR, record)
+    except (AttributeError, TypeError):  # a PackedSeqParams that takes no attribute: layers validate again
+        log.warning("gdn.boundaries_not_attached", type=type(packed_seq_params).__name__)
+    return record
+
+
+def batch_boundaries(packed_seq_params: Any, *, cp_size: int = 1) -> PackedBoundaries:
+    """The batch's validated boundaries: the attached record, or (parameters built without it,
+    or whose boundary tensor was replaced since) a validation now, once for the batch.
+
+    Args:
+        packed_seq_params: Megatron's PackedSeqParams.
+        cp_size: context-parallel size.
+
+    Returns:
+        The PackedBoundaries.
+    """
+    record = getattr(packed_seq_params, BOUNDARIES_ATTR, None)
+    current, _ = resolve_cu_seqlens(
+        getattr(packed_seq_params, "cu_seqlens_q_padded", None),
+        getattr(packed_seq_params, "cu_seqlens_q", None),
+    )
+    if isinstance(record, PackedBoundaries) and record.tensor is current:
+        return record
+    return validate_packed_seq_params(packed_seq_params, cp_size=cp_size)
+
+
 def check_packed_input(
     layer: Any, hidden_states: torch.Tensor, packed_seq_params: Any
 ) -> tuple[torch.Tensor, int]:
-    """Validate packed input for a GDN layer; one host read of the boundaries.
+    """Check packed input for a GDN layer, without a host read once the batch is validated.
 
-    Checks: batch dimension 1, deterministic mode off, boundaries (padded ones first) start at
-    0, never decrease, end at local length x SP size x CP size, each length a multiple of the
-    CP size; key/value boundaries, when given separately, equal the query ones.
+    Checks: batch dimension 1, deterministic mode off, and the batch's validated boundaries
+    (`batch_boundaries`) against this layer: they end at local length x SP size x CP size, each
+    length a multiple of the CP size. All on Python integers.
 
     Args:
         layer: the GatedDeltaNet module.
@@ -64,21 +150,9 @@ def check_packed_input(
     reject_packed_deterministic(bool(getattr(layer.config, "deterministic_mode", False)), layer=label)
     cp_size = int(getattr(layer, "cp_size", 1))
     total = full_sequence_length(seq_local, int(getattr(layer, "sp_size", 1)), cp_size)
-    cu_seqlens, name = resolve_cu_seqlens(
-        getattr(packed_seq_params, "cu_seqlens_q_padded", None),
-        getattr(packed_seq_params, "cu_seqlens_q", None),
-    )
-    validate_cu_seqlens(cu_seqlens, total, name=name, cp_size=cp_size)
-    kv_padded = getattr(packed_seq_params, "cu_seqlens_kv_padded", None)
-    kv = kv_padded if kv_padded is not None else getattr(packed_seq_params, "cu_seqlens_kv", None)
-    if kv is not None and kv is not cu_seqlens and not torch.equal(kv.to(cu_seqlens), cu_seqlens):
-        kv_name = "cu_seqlens_kv_padded" if kv_padded is not None else "cu_seqlens_kv"
-        raise InvalidPackedBoundaries(
-            kv_name,
-            f"differs from {name}; a GDN layer reads one sequence, so query and key/value boundaries must agree",
-            f"pass the same boundaries as {name}",
-        )
-    return cu_seqlens, total
+    record = batch_boundaries(packed_seq_params, cp_size=cp_size)
+    check_boundary_values(record.values, total_length=total, name=record.name, cp_size=cp_size)
+    return record.tensor, total
 
 
 def packed_forward(

@@ -4,7 +4,9 @@
 model is built. It finds
 the GDN layers; when there are none it does nothing. When the installed Megatron-Core handles
 packed GDN input itself (0.18 and later) it only adds validation hooks; otherwise it installs the
-packed-aware forward with kernels for the model's device. `remove_packed_gdn` undoes either.
+packed-aware forward with kernels for the model's device. Either way the model (each virtual-
+pipeline chunk) validates a batch's packed boundaries once, at its entry, so that the layers
+read nothing on the host. `remove_packed_gdn` undoes all of it.
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ class PackedGdnReport:
     reason: str = ""
 
 
+def _chunks(model: torch.nn.Module | Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    return [model] if isinstance(model, torch.nn.Module) else list(model)
+
+
 def _device_of(model: torch.nn.Module | Iterable[torch.nn.Module]) -> torch.device:
-    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
-    for chunk in chunks:
+    for chunk in _chunks(model):
         for parameter in chunk.parameters():
             return parameter.device
     return torch.device("cpu")
@@ -76,6 +81,8 @@ def apply_packed_gdn(
     support = gdn.detect_native_packed_gdn(gdn_class)
     if not layers:
         return PackedGdnReport("none", version=support.version, reason="the model has no GatedDeltaNet layer")
+    for chunk in _chunks(model):
+        gdn.install_batch_validation(chunk)
     if support.native and not force_patch:
         for _, layer in gdn.find_gdn_layers(model, gdn_class):
             gdn.install_packed_validation(layer)
@@ -107,4 +114,6 @@ def remove_packed_gdn(
             return
     for _, layer in gdn.find_gdn_layers(model, gdn_class):
         gdn.remove_packed_validation(layer)
+    for chunk in _chunks(model):
+        gdn.remove_batch_validation(chunk)
     gdn.unpatch_gdn_forward(gdn_class)

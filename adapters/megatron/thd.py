@@ -79,7 +79,9 @@ def packed_seq_params(
 
     `cu_seqlens_q/kv` count real tokens, `cu_seqlens_q/kv_padded` are the slots in the pack;
     `max_seqlen_q/kv` is the longest padded slot; `total_tokens` is the packed total (where the
-    installed Megatron-Core has the field, it derives `seq_idx` from it).
+    installed Megatron-Core has the field, it derives `seq_idx` from it). The boundaries are
+    validated here, once per batch, from the layout's host integers: GDN layers then read
+    nothing on the host (`adapters.megatron.gdn_forward.validate_packed_seq_params`).
 
     Args:
         layout: the THD layout.
@@ -102,5 +104,9 @@ def packed_seq_params(
         cp_group=cp_group,
         total_tokens=layout.total,
     )
+    from adapters.megatron.gdn_forward import validate_packed_seq_params
+
     known = set(getattr(PackedSeqParams, "__dataclass_fields__", fields))
-    return PackedSeqParams(**{k: v for k, v in fields.items() if k in known})
+    params = PackedSeqParams(**{k: v for k, v in fields.items() if k in known})
+    validate_packed_seq_params(params, values=layout.cu_seqlens_padded)
+    return params

@@ -2,7 +2,7 @@
 
 The adapter talks to the workers through `VllmWorkers`, one typed method per refit step:
 `LocalWorkers` runs a WorkerRefit in this process (fakes, tests, an in-process engine),
-`LlmWorkers` runs it inside every vLLM worker through `LLM.collective_rpc`.
+`adapters.vllm.client.LlmWorkers` runs it inside every vLLM worker through `LLM.collective_rpc`.
 
 Commit mode PER_LAYER: vLLM processes and commits each layer as soon as its tensors are in and
 keeps no copy of the old weights, so a failure cannot be rolled back: the engine is marked
@@ -19,10 +19,8 @@ import attrs
 import structlog
 import torch
 
-from adapters.vllm import worker
 from adapters.vllm.hooks import VllmHooks
 from adapters.vllm.worker import FinalizeStats, WorkerRefit
-from domain.environment import PINNED_VLLM
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.engine_layout import Layout, check_bucket
 from domain.refit.guard import EngineGuard
@@ -87,53 +85,6 @@ class LocalWorkers:
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         return self.refit.live_weights()
-
-
-@attrs.define
-class LlmWorkers:
-    """The refit steps inside every worker of a `vllm.LLM`, through `LLM.collective_rpc`.
-
-    Out-of-process workers receive callables by serialization: start the engine with
-    `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (engine_args.vllm_environment sets it).
-    """
-
-    llm: Any
-
-    @classmethod
-    def launch(cls, **engine_kwargs: Any) -> LlmWorkers:
-        """Start `vllm.LLM(**engine_kwargs)` (see engine_args.vllm_engine_kwargs; apply
-        engine_args.vllm_environment first). Raises ModuleNotFoundError naming the adapter
-        when vllm is not installed."""
-        try:
-            from vllm import LLM
-        except ModuleNotFoundError as err:
-            if err.name is None or not err.name.startswith("vllm"):
-                raise
-            raise ModuleNotFoundError(
-                f"adapters.vllm (VllmRolloutEngine) needs vllm=={PINNED_VLLM} (pip install 'vllm=={PINNED_VLLM}')",
-                name="vllm") from err
-        return cls(LLM(**engine_kwargs))
-
-    def _rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self.llm.collective_rpc(fn, args=args)[0]
-
-    def begin(self) -> None:
-        self._rpc(worker.rpc_begin)
-
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        return int(self._rpc(worker.rpc_load, named_tensors))
-
-    def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
-        return FinalizeStats(*self._rpc(worker.rpc_finalize, reset_kv_scales))
-
-    def abort(self) -> None:
-        self._rpc(worker.rpc_abort)
-
-    def fingerprint(self) -> StorageFingerprint:
-        return self._rpc(worker.rpc_fingerprint)
-
-    def live_weights(self) -> dict[str, torch.Tensor]:
-        return self._rpc(worker.rpc_live_weights)
 
 
 @attrs.define

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(json=args.json)
     services = services_from_args(args, args.model)
     checkpoint = services.checkpoint()
-    report = services.plan_report(checkpoint)
+    report = services.plan_report(checkpoint, purpose="export")
     if checkpoint is None:
         raise ConfigError("model.path", "no model given; pass --model DIR or set model.path")
     quiet = args.json or not sys.stderr.isatty()

@@ -75,6 +75,7 @@ def _plan_dict(report: PlanReport) -> dict[str, Any]:
         "source": res.source,
         "layout": res.layout,
         "quantized": res.is_quantized,
+        "config_as_written": res.as_written,
     }
 
 
@@ -96,6 +97,7 @@ def to_json(report: PlanReport) -> dict[str, Any]:
         "plan": _plan_dict(report),
         "rules": [{"rule": o.rule, "name": o.name, "outcome": o.outcome} for o in report.resolution.outcomes],
         "engine_config": report.engine_config,
+        "unused_keys": list(report.unused_keys),
         "tensor_classes": _classes(report),
         "tensors": [
             {"name": d.name, "format": d.format.name, "kind": d.kind, "group": d.group, "reason": d.reason}
@@ -134,7 +136,13 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False) 
         console.print(table)
     else:
         console.print("[dim]no model given (--model DIR or model.path): per-tensor decisions and rules 8-9 skipped[/dim]")
-    console.print("engine quantization_config:" if report.engine_config else "engine quantization_config: none (BF16)")
+    if report.unused_keys:
+        shown = ", ".join(report.unused_keys[:6]) + (", ..." if len(report.unused_keys) > 6 else "")
+        console.print(f"[dim]{len(report.unused_keys)} keys of the verl configuration are not read by rl-refit: "
+                      f"{shown}[/dim]")
+    written = " (as written)" if report.resolution.as_written else ""
+    console.print(f"engine quantization_config{written}:" if report.engine_config
+                  else "engine quantization_config: none (BF16)")
     if report.engine_config:
         console.print_json(json.dumps(report.engine_config))
 

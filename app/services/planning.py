@@ -34,6 +34,7 @@ class PlanReport:
         decisions: one per tensor of the model, in layer order (empty without a model).
         shapes: the model's (name, shape) pairs (empty without a model).
         engine_config: the quantization_config the engine is sent (None for BF16).
+        unused_keys: keys of a verl configuration file that rl-refit does not read.
     """
 
     engine: str
@@ -41,6 +42,7 @@ class PlanReport:
     decisions: tuple[TensorDecision, ...]
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     engine_config: dict[str, Any] | None
+    unused_keys: tuple[str, ...] = ()
 
     @property
     def plan(self) -> QuantizationPlan:
@@ -69,12 +71,13 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data.get("quantization_config", data) if isinstance(data.get("quantization_config"), dict) else data
 
 
-def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None) -> DispatchInput:
+def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose: str = "refit") -> DispatchInput:
     """Translate the configuration into the dispatch rules' input.
 
     Args:
         cfg: the validated configuration.
         model_config: the checkpoint's config.json, or None.
+        purpose: "refit" (default) or "export" (domain.quant.dispatch.PURPOSES).
 
     Returns:
         The DispatchInput.
@@ -111,6 +114,8 @@ def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None) -> Disp
         num_layers_at_end_in_bf16=te.num_layers_at_end_in_bf16,
         sync_backend=cfg.rollout.checkpoint_engine.backend,
         wire_format=cfg.rollout.wire_format,
+        allow_config_rewrite=q.allow_config_rewrite,
+        purpose=purpose,
     )
 
 
@@ -140,18 +145,20 @@ def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tupl
     return sorted(kept)
 
 
-def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None) -> PlanReport:
+def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit") -> PlanReport:
     """Resolve the rollout quantization for a configuration (and a model, when given).
 
     Args:
         cfg: the validated configuration.
         checkpoint: the model (only headers are read), or None.
+        purpose: "refit" (default: `refit plan`, the services) or "export" (`refit export`, which
+            copies a native layout the trainer cannot produce instead of refusing it).
 
     Returns:
         The PlanReport. Raises the dispatch rule's typed error when the configuration is rejected.
     """
     shapes = tuple(checkpoint.tensor_shapes()) if checkpoint is not None else None
-    inp = dispatch_input(cfg, checkpoint.config if checkpoint is not None else None)
+    inp = dispatch_input(cfg, checkpoint.config if checkpoint is not None else None, purpose)
     res = resolve(inp, shapes)
     rule = MxScaleRule(cfg.rollout.quantization.scale_rule)
     if res.plan.scale_rule is not rule:
@@ -160,4 +167,5 @@ def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None) -> PlanReport
 
     kept = bf16_linear_modules(res.plan, shapes) if shapes is not None else None
     decisions = tuple(res.plan.decide(n, s) for n, s in shapes or ())
-    return PlanReport(cfg.rollout.name, res, decisions, tuple(shapes or ()), engine_quantization_config(res, kept))
+    engine_config = engine_quantization_config(res, kept, extra_ignore=cfg.rollout.quantization.ignore)
+    return PlanReport(cfg.rollout.name, res, decisions, tuple(shapes or ()), engine_config, cfg.unused)

@@ -8,15 +8,22 @@ as `seq_idx` (`[1, T]`, int32, the sample index of each token).
 
 Three kinds of functions live here:
 - `resolve_cu_seqlens` / `full_sequence_length`: which boundaries apply and what they must add up to;
-- `validate_cu_seqlens`: checks the boundaries. It reads their values on the host, once;
+- `check_boundary_values` / `validate_cu_seqlens`: check the boundaries. The first works on host
+  integers (a batch's `PackedBoundaries`, read once where the batch's packed parameters are
+  built); the second reads a tensor's values on the host, once;
 - `build_seq_idx` / `sequence_starts`: tensor-only, with no device-to-host synchronization, so
   they are safe in CUDA-graph capture and never stall the stream.
+
+A GDN layer never reads boundaries on the host: it checks the batch's `PackedBoundaries` (Python
+integers) against its own packed length, and builds `seq_idx` on the device.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
+import attrs
 import torch
 
 from domain.errors import InvalidPackedBoundaries, PackedGdnDeterministic
@@ -76,23 +83,34 @@ def full_sequence_length(local_length: int, sp_size: int = 1, cp_size: int = 1) 
     return local_length * sp_size * cp_size
 
 
-def validate_cu_seqlens(
-    cu_seqlens: torch.Tensor, total_length: int, *, name: str = CU_SEQLENS_Q, cp_size: int = 1
-) -> list[int]:
-    """Check packed boundaries; reads them on the host once.
+@attrs.frozen(eq=False)
+class PackedBoundaries:
+    """A batch's packed boundaries, validated once: their values on the host and the tensor.
 
-    Rules: a 1-D integer tensor with at least two entries (one sample), starting at 0,
-    non-decreasing (a zero-length sample is allowed), ending at `total_length`, and, with
-    context parallelism, every sample length a multiple of `cp_size`.
+    Attributes:
+        name: the field they came from (`cu_seqlens_q_padded` or `cu_seqlens_q`).
+        values: the boundaries as Python ints, `[0, ..., T]`.
+        tensor: the boundary tensor they were read from (layers use it by identity).
+    """
+
+    name: str
+    values: tuple[int, ...]
+    tensor: torch.Tensor
+
+    @property
+    def total_length(self) -> int:
+        return self.values[-1]
+
+
+def check_boundary_tensor(cu_seqlens: torch.Tensor, *, name: str = CU_SEQLENS_Q) -> None:
+    """The checks a boundary tensor passes without reading its values: type, dtype, shape.
 
     Args:
         cu_seqlens: the boundaries, `[N + 1]`.
-        total_length: the full packed length (see `full_sequence_length`).
         name: the field the boundaries came from, for the error message.
-        cp_size: context-parallel size.
 
     Returns:
-        The boundaries as a list of Python ints.
+        None. Raises InvalidPackedBoundaries.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise InvalidPackedBoundaries(name, f"expected a tensor, got {type(cu_seqlens).__name__}")
@@ -106,7 +124,26 @@ def validate_cu_seqlens(
             f"shape {tuple(cu_seqlens.shape)} is not [num_sequences + 1] with at least one sequence",
             "pass a 1-D tensor [0, end_of_seq_0, ..., total]",
         )
-    values = [int(v) for v in cu_seqlens.tolist()]
+
+
+def check_boundary_values(
+    values: Sequence[int], *, total_length: int | None = None, name: str = CU_SEQLENS_Q, cp_size: int = 1
+) -> None:
+    """Check boundaries given as host integers (no tensor is read).
+
+    Rules: starting at 0, non-decreasing (a zero-length sample is allowed), ending at
+    `total_length` when given, and, with context parallelism, every sample length a multiple of
+    `cp_size`.
+
+    Args:
+        values: the boundaries.
+        total_length: the full packed length (see `full_sequence_length`), or None.
+        name: the field the boundaries came from, for the error message.
+        cp_size: context-parallel size.
+
+    Returns:
+        None. Raises InvalidPackedBoundaries.
+    """
     if values[0] != 0:
         raise InvalidPackedBoundaries(name, f"starts at {values[0]}, not 0", "the first boundary must be 0")
     for i in range(1, len(values)):
@@ -116,7 +153,7 @@ def validate_cu_seqlens(
                 f"decreases at index {i} ({values[i - 1]} -> {values[i]})",
                 "boundaries are cumulative lengths and must be non-decreasing",
             )
-    if values[-1] != total_length:
+    if total_length is not None and values[-1] != total_length:
         raise InvalidPackedBoundaries(
             name,
             f"ends at {values[-1]} but the packed sequence has {total_length} tokens "
@@ -131,6 +168,28 @@ def validate_cu_seqlens(
                 f"sequence lengths {bad} are not multiples of context_parallel_size={cp_size}",
                 "pad each sequence to a multiple of the context-parallel size",
             )
+
+
+def validate_cu_seqlens(
+    cu_seqlens: torch.Tensor, total_length: int, *, name: str = CU_SEQLENS_Q, cp_size: int = 1
+) -> list[int]:
+    """Check packed boundaries; reads them on the host once.
+
+    Rules: a 1-D integer tensor with at least two entries (one sample), and the value rules of
+    `check_boundary_values`.
+
+    Args:
+        cu_seqlens: the boundaries, `[N + 1]`.
+        total_length: the full packed length (see `full_sequence_length`).
+        name: the field the boundaries came from, for the error message.
+        cp_size: context-parallel size.
+
+    Returns:
+        The boundaries as a list of Python ints.
+    """
+    check_boundary_tensor(cu_seqlens, name=name)
+    values = [int(v) for v in cu_seqlens.tolist()]
+    check_boundary_values(values, total_length=total_length, name=name, cp_size=cp_size)
     return values
 
 

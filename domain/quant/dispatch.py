@@ -2,7 +2,8 @@
 
 `resolve` applies them in order to one DispatchInput and returns the Resolution: the plan the
 trainer exports, where it came from, the checkpoint layout the engine gets, and every rule's
-outcome in words (what `refit plan` prints).
+outcome in words (what `refit plan` prints). Rules 1 and 3 (where the quantization comes from)
+live here; the rules on single settings (2, 4, 5, 6, 7) in domain.quant.rules, re-exported.
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ from typing import Any
 import attrs
 
 from domain.errors import (
-    EngineRejectsQuantization,
+    ConfigNotHonoured,
     NativeLayoutOverride,
-    QatModeMismatch,
-    QatWithTeRecipe,
-    QuantizedDeltaSync,
+    NativeRefitUnsupported,
     UnsupportedCombination,
     UnsupportedQuantMethod,
 )
 from domain.quant import naming
-from domain.quant.formats import MXFP4, MXFP8, NVFP4, ActivationScheme, format_by_name
+from domain.quant.ct_config import model_differences
+from domain.quant.formats import MXFP8
 from domain.quant.model_rules import (
     Shapes,
     bf16_training_layers,
@@ -39,13 +39,22 @@ from domain.quant.native_config import (
     parse_quantization_config,
 )
 from domain.quant.plan import QuantizationPlan
+from domain.quant.rules import (
+    check_qat_mode,
+    check_qat_te_recipe,
+    check_sglang,
+    check_static_activations,
+    check_sync_backend,
+    check_trtllm,
+)
 
 ENGINES = ("vllm", "sglang", "trtllm", "reference")
-DELTA_BACKENDS = ("delta_sharded",)
-DELTA_WIRE_FORMATS = ("delta_flush",)
 # Models whose own exporter emits the release quantized layout (rule 3).
 RELEASE_LAYOUT_MODEL_TYPES = ("deepseek_v4",)
 RELEASE_LAYOUT_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+# What the resolution is for: a refit (the trainer's tensors reach a live engine) or `refit
+# export` (a checkpoint on disk; a native layout the trainer cannot produce is copied as it is).
+PURPOSES = ("refit", "export")
 
 
 @attrs.frozen
@@ -66,6 +75,9 @@ class DispatchInput:
             Megatron settings that keep boundary layers BF16 in low-precision training.
         sync_backend: rollout.checkpoint_engine.backend.
         wire_format: rollout.wire_format.
+        allow_config_rewrite: rollout.quantization.allow_config_rewrite: a user's compressed-
+            tensors config that cannot be honoured as written is rewritten instead of rejected.
+        purpose: "refit" or "export" (see PURPOSES).
     """
 
     engine: str = attrs.field(default="reference", validator=attrs.validators.in_(ENGINES))
@@ -85,6 +97,8 @@ class DispatchInput:
     num_layers_at_end_in_bf16: int = 1
     sync_backend: str | None = None
     wire_format: str | None = None
+    allow_config_rewrite: bool = False
+    purpose: str = attrs.field(default="refit", validator=attrs.validators.in_(PURPOSES))
 
 
 @attrs.frozen
@@ -104,8 +118,12 @@ class Resolution:
         plan: the plan the trainer exports (BF16 when nothing is quantized by the trainer).
         source: "none" | "rollout.quantization" | "config_file" | "hf_overrides" | "checkpoint".
         layout: "bf16" | "compressed-tensors" | "sglang-mxfp8" | "native-fp8" | "native-passthrough".
-        native: the quantization_config passed to the engine unchanged (native layouts), or None.
+        native: the quantization_config the plan came from (passed to the engine unchanged for
+            native layouts, and as written for compressed-tensors ones when `as_written`), or None.
         outcomes: each rule's verdict, in order.
+        served: what the engine serves: the trainer's plan, or what a native layout amounts to
+            (None when no preset describes it, e.g. GPT-OSS's mxfp4).
+        as_written: the compressed-tensors config `native` reaches the engine as written.
     """
 
     plan: QuantizationPlan
@@ -113,6 +131,8 @@ class Resolution:
     layout: str
     native: NativeConfig | None
     outcomes: tuple[RuleOutcome, ...]
+    served: QuantizationPlan | None = None
+    as_written: bool = False
 
     @property
     def is_quantized(self) -> bool:
@@ -191,137 +211,29 @@ def check_unsupported_method(native: NativeConfig, *, source: str, qat_enable: b
     )
 
 
-# --- rules 2, 4, 5, 6, 7 ----------------------------------------------------------------------
+def check_native_refit(native: NativeConfig, *, purpose: str) -> None:
+    """Rule 1 for refits: a native layout the trainer cannot produce cannot be refitted.
 
-
-def check_qat_mode(plan: QuantizationPlan, *, qat_enable: bool, qat_mode: str | None) -> None:
-    """Rule 2: QAT fake-quantizes to the format the rollout serves.
+    The engine would be configured with the checkpoint's own quantization_config while the refit
+    sends the trainer's BF16 tensors, which that layout cannot load (GPT-OSS's mxfp4 experts are
+    `*_blocks` / `*_scales`). `refit export` copies such a checkpoint as it is.
 
     Args:
-        plan: the resolved rollout plan.
-        qat_enable: actor.megatron.qat.enable.
-        qat_mode: actor.megatron.qat.mode (a preset name).
+        native: the checkpoint's quantization_config, not exportable.
+        purpose: "refit" or "export".
 
     Returns:
-        None. Raises QatModeMismatch naming both settings.
+        None. Raises NativeRefitUnsupported (dispatch rule 1) for a refit.
     """
-    if not qat_enable:
+    if purpose != "refit":
         return
-    mode = format_by_name(qat_mode).name if qat_mode else None
-    rollout = [f.name for f in plan.formats]
-    if mode is None or rollout != [mode]:
-        raise QatModeMismatch(
-            f"actor.megatron.qat.mode={qat_mode!r} does not match the rollout quantization "
-            f"(rollout.quantization: {', '.join(rollout) or 'BF16'}); QAT must train in the one format "
-            f"the rollout serves: set qat.mode to {rollout[0] if len(rollout) == 1 else 'that format'}, or "
-            "change rollout.quantization, or disable QAT"
-        )
-
-
-def check_sync_backend(quantized: bool, *, backend: str | None, wire_format: str | None) -> None:
-    """Rule 4: a quantized rollout needs the complete bucket sequence to finalize.
-
-    Args:
-        quantized: whether the rollout is quantized.
-        backend: rollout.checkpoint_engine.backend.
-        wire_format: rollout.wire_format.
-
-    Returns:
-        None. Raises QuantizedDeltaSync naming the key.
-    """
-    if not quantized:
-        return
-    if backend in DELTA_BACKENDS:
-        raise QuantizedDeltaSync(
-            f"rollout.checkpoint_engine.backend={backend!r} sends partial updates, but a quantized rollout "
-            "post-processes once after the complete bucket sequence; use a full-sync backend (e.g. 'nccl')"
-        )
-    if wire_format in DELTA_WIRE_FORMATS:
-        raise QuantizedDeltaSync(
-            f"rollout.wire_format={wire_format!r} flushes deltas, but a quantized rollout needs every bucket "
-            "before finalizing; use the 'bucketed' wire format"
-        )
-
-
-def check_qat_te_recipe(*, qat_enable: bool, te_fp8: object, te_fp4: object) -> None:
-    """Rule 5: QAT and a Transformer Engine FP8/FP4 training recipe are mutually exclusive.
-
-    Args:
-        qat_enable: actor.megatron.qat.enable.
-        te_fp8: override_transformer_config.fp8 (None/False = off).
-        te_fp4: override_transformer_config.fp4 (None/False = off).
-
-    Returns:
-        None. Raises QatWithTeRecipe naming the keys.
-    """
-    on = [k for k, v in (("fp8", te_fp8), ("fp4", te_fp4)) if v not in (None, False, "")]
-    if qat_enable and on:
-        keys = ", ".join(f"actor.megatron.override_transformer_config.{k}" for k in on)
-        raise QatWithTeRecipe(
-            f"actor.megatron.qat.enable is true together with {keys}: QAT fake-quantizes BF16 weights and "
-            "cannot run inside a Transformer Engine low-precision recipe; disable one of them"
-        )
-
-
-def check_sglang(engine: str, plan: QuantizationPlan) -> None:
-    """Rule 6: SGLang has no MXFP8-linear + MXFP4-MoE combination and no per-token NVFP4.
-
-    Args:
-        engine: rollout.name.
-        plan: the resolved plan.
-
-    Returns:
-        None. Raises EngineRejectsQuantization.
-    """
-    if engine != "sglang":
-        return
-    if plan.linear.name == MXFP8.name and plan.moe.name == MXFP4.name:
-        raise EngineRejectsQuantization(
-            "rollout.name=sglang does not serve rollout.quantization.linear=MXFP8 with moe=MXFP4; "
-            "use moe=MXFP8 (or linear=null), or rollout.name=vllm"
-        )
-    for role, fmt, act in (("linear", plan.linear, plan.effective_linear_activation),
-                           ("moe", plan.moe, plan.effective_moe_activation)):
-        if fmt.name == NVFP4.name and act is ActivationScheme.NVFP4_PER_TOKEN:
-            raise EngineRejectsQuantization(
-                f"rollout.name=sglang has no per-token NVFP4 activation path (rollout.quantization.{role}=NVFP4); "
-                "use rollout.name=vllm, or another preset (MXFP4, MXFP8, FP8_BLOCK)"
-            )
-
-
-def check_trtllm(engine: str, quantized: bool) -> None:
-    """Rule 7: TRT-LLM accepts no rollout quantization.
-
-    Args:
-        engine: rollout.name.
-        quantized: whether the rollout is quantized.
-
-    Returns:
-        None. Raises EngineRejectsQuantization naming vLLM and SGLang.
-    """
-    if engine == "trtllm" and quantized:
-        raise EngineRejectsQuantization(
-            "rollout.name=trtllm accepts no rollout quantization; use rollout.name=vllm or "
-            "rollout.name=sglang, or set rollout.quantization.linear and moe to null"
-        )
-
-
-def check_static_activations(plan: QuantizationPlan) -> None:
-    """Static NVFP4 activations need calibrated input scales that a trainer cannot compute.
-
-    Args:
-        plan: the resolved plan.
-
-    Returns:
-        None. Raises UnsupportedCombination naming the key.
-    """
-    for role, act in (("linear", plan.effective_linear_activation), ("moe", plan.effective_moe_activation)):
-        if act is ActivationScheme.NVFP4_STATIC:
-            raise UnsupportedCombination(
-                f"rollout.quantization.{role} uses static NVFP4 activations, which need a calibrated "
-                "input_global_scale the trainer-side export cannot compute; use nvfp4_per_token "
-                f"(rollout.quantization.{role}_activation) instead"
-            )
+    raise NativeRefitUnsupported(
+        f"the checkpoint's quantization_config (quant_method {native.method!r}) is a layout the trainer cannot "
+        f"produce ({native.problem}); a refit would configure the engine for it and send BF16 tensors it cannot "
+        "load (dispatch rule 1). Serve a quantization the trainer exports (e.g. rollout.quantization.moe=MXFP4, "
+        "with load_format=dummy), or BF16 (set rollout.engine_kwargs.<engine>.hf_overrides.quantization_config="
+        "null)"
+    )
 
 
 def _num_layers(model_config: Mapping[str, Any] | None, shapes: Shapes) -> int:
@@ -416,16 +328,101 @@ def _from_native(native: NativeConfig, source: str, inp: DispatchInput) -> tuple
     return source, native.plan or QuantizationPlan.bf16(), native
 
 
+@attrs.frozen
+class _Source:
+    source: str
+    plan: QuantizationPlan
+    native: NativeConfig | None
+    layout: str
+
+    @property
+    def served(self) -> QuantizationPlan | None:
+        if self.layout == "native-passthrough":
+            return self.native.plan if self.native is not None else None
+        return self.plan
+
+
+def _source(inp: DispatchInput, override: object, outcomes: list[RuleOutcome]) -> _Source:
+    """Rules 3 and 1: where the rollout quantization comes from. Never the end of the rules."""
+    if check_release_layout(inp, override):
+        found = find_quantization_config(inp.model_config)
+        outcomes.append(RuleOutcome(1, "unsupported native method", "n/a: the model's exporter emits its layout"))
+        if found is None:
+            outcomes.append(RuleOutcome(3, "release layout", "BF16 checkpoint: nothing to pass through"))
+            return _Source("none", QuantizationPlan.bf16(), None, "bf16")
+        outcomes.append(RuleOutcome(3, "release layout", "the model's exporter emits it; the native "
+                                                         "quantization_config passes through unchanged"))
+        return _Source("checkpoint", QuantizationPlan.bf16(), parse_quantization_config(found[1]), "native-passthrough")
+    outcomes.append(RuleOutcome(3, "release layout", "n/a"))
+    source, plan, native = _select(inp, override)
+    if native is not None and not native.exportable:
+        check_native_refit(native, purpose=inp.purpose)
+        outcomes.append(RuleOutcome(1, "unsupported native method", f"{native.method!r} is copied untouched (export)"))
+        return _Source(source, plan, native, "native-passthrough")
+    outcomes.append(RuleOutcome(1, "unsupported native method", "n/a"))
+    return _Source(source, plan, native, layout_for(inp.engine, plan, native))
+
+
+def _as_written_note(inp: DispatchInput, native: NativeConfig, checked: bool) -> str:
+    notes = ["the engine receives it as written"]
+    if native.config.get("kv_cache_scheme"):
+        notes.append("kv_cache_scheme kept: the engine keeps the KV-cache scales it loaded (a refit sends none and "
+                     "does not reset them)")
+    if inp.ignore:
+        notes.append("rollout.quantization.ignore appended to its ignore list")
+    if not checked:
+        notes.append("per-tensor check skipped: no model given")
+    return "; ".join(notes)
+
+
+def _honour(inp: DispatchInput, src: _Source, shapes: Shapes | None,
+            outcomes: list[RuleOutcome]) -> tuple[QuantizationPlan, bool]:
+    """A compressed-tensors config reaches the engine as written, or (allowed) rewritten.
+
+    Returns:
+        (the plan, whether the config is sent as written). Raises ConfigNotHonoured listing the
+        fields that cannot be honoured when a user's config may not be rewritten.
+    """
+    native = src.native
+    name = "config as written"
+    if native is None or not native.is_compressed_tensors or src.layout == "native-passthrough":
+        outcomes.append(RuleOutcome(0, name, "n/a"))
+        return src.plan, False
+    differences = list(native.differences)
+    if src.layout != "compressed-tensors":
+        differences.append(f"rollout.name={inp.engine} serves this plan in its {src.layout} layout, not as "
+                           "compressed-tensors")
+    if shapes is not None and not differences:
+        extra = [naming.to_engine_pattern(e) for e in inp.ignore]
+        differences += model_differences(native.config, src.plan, shapes, extra)
+    if not differences:
+        outcomes.append(RuleOutcome(0, name, _as_written_note(inp, native, shapes is not None)))
+        return src.plan, True
+    # A checkpoint's own config was not written by the user: it is rewritten, with every change listed.
+    if not (inp.allow_config_rewrite or src.source == "checkpoint"):
+        raise ConfigNotHonoured(
+            f"the {src.source} quantization_config cannot reach the engine as written: {'; '.join(differences)}. "
+            "Fix the config, or set rollout.quantization.allow_config_rewrite=true to send the config the trainer "
+            "exports (rebuilt from its presets; kv_cache_scheme kept)",
+            differences=tuple(differences),
+        )
+    outcomes.append(RuleOutcome(0, name, "rewritten from the presets (kv_cache_scheme kept): " + "; ".join(differences)))
+    return attrs.evolve(src.plan, targets=()), False
+
+
 def resolve(inp: DispatchInput, shapes: Shapes | None = None) -> Resolution:
     """Apply every dispatch rule and decide the rollout's quantization.
 
     Precedence: an engine hf_overrides `quantization_config` (null = BF16), a config_file, or
     rollout.quantization.linear/moe (at most one of these three), else the checkpoint's own
-    quantization_config (top level or under text_config), else BF16.
+    quantization_config (top level or under text_config), else BF16. Every rule runs for every
+    source and model: a release-layout model (rule 3) or a native pass-through (rule 1) only
+    decides where the quantization comes from.
 
     Args:
         inp: the settings.
-        shapes: the model's (name, shape) pairs; rules 8 and 9 run only when given.
+        shapes: the model's (name, shape) pairs; rules 8 and 9, and the per-tensor check of a
+            compressed-tensors config, run only when given.
 
     Returns:
         The Resolution. Raises the rule's typed error on the first rule that rejects.
@@ -433,24 +430,16 @@ def resolve(inp: DispatchInput, shapes: Shapes | None = None) -> Resolution:
     override = override_quantization_config(inp.hf_overrides, inp.hf_overrides_key)
     outcomes = [RuleOutcome(5, "QAT vs TE recipe", "ok")]
     check_qat_te_recipe(qat_enable=inp.qat_enable, te_fp8=inp.te_fp8, te_fp4=inp.te_fp4)
-    if check_release_layout(inp, override):
-        release = parse_quantization_config((find_quantization_config(inp.model_config) or ("", {}))[1])
-        outcomes.append(RuleOutcome(3, "release layout", "native quantization_config passes through unchanged"))
-        return Resolution(QuantizationPlan.bf16(), "checkpoint", "native-passthrough", release, tuple(outcomes))
-    outcomes.append(RuleOutcome(3, "release layout", "n/a"))
-    source, plan, native = _select(inp, override)
-    if native is not None and not native.exportable:
-        outcomes.append(RuleOutcome(1, "unsupported native method", f"{native.method!r} passes through untouched"))
-        layout = "native-passthrough"
-    else:
-        outcomes.append(RuleOutcome(1, "unsupported native method", "n/a"))
-        layout = layout_for(inp.engine, plan, native)
-    quantized = plan.is_quantized or layout == "native-passthrough"
-    check_qat_mode(plan, qat_enable=inp.qat_enable, qat_mode=inp.qat_mode)
+    src = _source(inp, override, outcomes)
+    plan, as_written = _honour(inp, src, shapes, outcomes)
+    served = src.served if src.layout == "native-passthrough" else plan
+    quantized = plan.is_quantized or src.layout == "native-passthrough"
+    check_qat_mode(served, qat_enable=inp.qat_enable, qat_mode=inp.qat_mode)
     outcomes.append(RuleOutcome(2, "QAT mode", "ok" if inp.qat_enable else "n/a"))
     check_sync_backend(quantized, backend=inp.sync_backend, wire_format=inp.wire_format)
     outcomes.append(RuleOutcome(4, "sync backend", "ok" if quantized else "n/a"))
-    check_sglang(inp.engine, plan)
+    if served is not None:
+        check_sglang(inp.engine, served)
     outcomes.append(RuleOutcome(6, "SGLang restrictions", "ok" if inp.engine == "sglang" else "n/a"))
     check_trtllm(inp.engine, quantized)
     outcomes.append(RuleOutcome(7, "TRT-LLM restrictions", "ok" if inp.engine == "trtllm" else "n/a"))
@@ -460,6 +449,7 @@ def resolve(inp: DispatchInput, shapes: Shapes | None = None) -> Resolution:
     else:
         outcomes.append(RuleOutcome(8, "first/last BF16 layers", "skipped: no model given"))
         outcomes.append(RuleOutcome(9, "block-divisible K", "skipped: no model given"))
-    if layout in ("sglang-mxfp8", "native-fp8"):
+    if src.layout in ("sglang-mxfp8", "native-fp8"):
         plan = attrs.evolve(plan, scale_name="weight_scale_inv")
-    return Resolution(plan, source, layout, native, tuple(sorted(outcomes, key=lambda o: o.rule)))
+    return Resolution(plan, src.source, src.layout, src.native, tuple(sorted(outcomes, key=lambda o: o.rule)),
+                      served=served, as_written=as_written)

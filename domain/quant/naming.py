@@ -258,6 +258,67 @@ def validate_ignore_entry(entry: str) -> str | None:
     return None
 
 
+def exact_entry(entry: str) -> str:
+    """An ignore entry with compressed-tensors' own semantics, in rl-refit's syntax.
+
+    A compressed-tensors `ignore` (or `targets`) entry is a `re:` pattern (re.match) or an exact
+    module name; rl-refit also reads a plain entry as a dot suffix and a `*` entry as a shell
+    pattern. A user's config is honoured as written, so its plain entries become exact names.
+
+    Args:
+        entry: one entry of a compressed-tensors config's `ignore` list.
+
+    Returns:
+        The entry itself when it is a `re:` pattern, else `re:<escaped name>$`.
+    """
+    return entry if entry.startswith("re:") else f"re:{re.escape(entry)}$"
+
+
+def is_class_target(target: str) -> bool:
+    """Whether a compressed-tensors target names a module class (`Linear`) rather than a layer.
+
+    Args:
+        target: one entry of a config group's `targets`.
+
+    Returns:
+        True for a dotless CamelCase name such as `Linear` or `QKVParallelLinear`.
+    """
+    return not target.startswith("re:") and "." not in target and target[:1].isupper()
+
+
+def target_matches(target: str, module: str) -> bool:
+    """Whether a name target (`re:` pattern or exact layer name) selects `module`, as engines
+    resolve compressed-tensors targets (re.match for patterns, equality otherwise).
+
+    Args:
+        target: a target that is not a class name.
+        module: a module name.
+
+    Returns:
+        True on a match.
+    """
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target == module
+
+
+_EXPERTS_LAYER = re.compile(r"^(?P<layer>.*\.experts)\.")
+
+
+def experts_layer(module: str) -> str | None:
+    """The fused MoE layer an expert module belongs to (`...mlp.experts.3.up_proj` ->
+    `...mlp.experts`), as engines name it; None outside routed experts.
+
+    Args:
+        module: a module name (or a fused 3-D expert tensor's name).
+
+    Returns:
+        The layer name, or None.
+    """
+    m = _EXPERTS_LAYER.match(module)
+    return m["layer"] if m else None
+
+
 def to_engine_pattern(entry: str) -> str:
     """Translate an ignore entry into the syntax engines read (exact name or `re:` + re.match).
 

@@ -64,6 +64,49 @@ def _to_tuple(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
 
+@attrs.frozen
+class TargetGroup:
+    """One config group of a compressed-tensors quantization_config, honoured as written.
+
+    Attributes:
+        name: the group's key (`group_0`).
+        targets: its targets: `Linear` (every Linear layer), exact layer names, `re:` patterns.
+        format: the preset its weights are.
+        activation: its activation scheme.
+    """
+
+    name: str
+    targets: tuple[str, ...] = attrs.field(converter=_to_tuple)
+    format: PrecisionFormat
+    activation: ActivationScheme
+
+
+def _to_groups(value: Iterable[TargetGroup]) -> tuple[TargetGroup, ...]:
+    return tuple(value)
+
+
+def target_group(groups: Iterable[TargetGroup], kind: str, module: str) -> TargetGroup | None:
+    """The config group an engine gives a Linear module: a layer-name or `re:` target first (in
+    the config's order), then the class target `Linear`; ignore lists are applied before.
+
+    Args:
+        groups: the config groups.
+        kind: the module's naming.classify kind ("dense" or "expert").
+        module: the module name (experts also match by their fused layer, `...mlp.experts`).
+
+    Returns:
+        The group, or None when no group targets the module.
+    """
+    groups = tuple(groups)
+    names = [module]
+    if kind == "expert" and (layer := naming.experts_layer(module)) is not None:
+        names.append(layer)
+    for g in groups:
+        if any(not naming.is_class_target(t) and naming.target_matches(t, n) for t in g.targets for n in names):
+            return g
+    return next((g for g in groups if "Linear" in g.targets), None)
+
+
 def _check_ignore(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
     for entry in value:
         problem = naming.validate_ignore_entry(entry)
@@ -159,6 +202,8 @@ class QuantizationPlan:
         scale_name: checkpoint name of the block scale: `weight_scale` (compressed-tensors) or
             `weight_scale_inv` (native DeepSeek-style FP8 and SGLang's native MXFP8).
         linear_activation: the dense layers' activation scheme; None = the linear preset's default.
+        targets: the config groups of a user's compressed-tensors config, when its targets cover
+            only some Linear layers (empty: every dense / expert Linear weight is quantized).
     """
 
     linear: PrecisionFormat = BF16
@@ -168,6 +213,7 @@ class QuantizationPlan:
     scale_rule: MxScaleRule = MxScaleRule.RCEIL
     scale_name: str = attrs.field(default="weight_scale", validator=attrs.validators.in_(SCALE_NAMES))
     linear_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
+    targets: tuple[TargetGroup, ...] = attrs.field(default=(), converter=_to_groups)
 
     @classmethod
     def bf16(cls) -> QuantizationPlan:
@@ -249,6 +295,8 @@ class QuantizationPlan:
         entry = naming.first_match(self.ignore, name)
         if entry is not None:
             return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; ignored by '{entry}'")
+        if self.targets and target_group(self.targets, cls.kind, cls.module) is None:
+            return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; no config group targets it")
         group = cls.group if fmt is NVFP4 or fmt.name == NVFP4.name else None
         if cls.fused_experts:
             group = None  # one tensor: its per-expert global scales are computed from it alone

@@ -11,6 +11,8 @@
   layer in one call.
 - Post-processing rebinds: MXFP8 linears get a new `weight` object and a row-swizzled scale
   assigned to `.data`; FP4 MoE layers get their experts reordered into new storage.
+- Besides the weights a refit sends, the model holds what it never sends: a rotary cos/sin
+  cache buffer and a vision tower's patch embedding (frozen, not refitted).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import torch
 from torch import nn
 
 H, INTER, EXPERTS, VOCAB, LAYERS = 64, 64, 4, 32, 2
+ROTARY_POSITIONS = 256
+# Engine tensors no refit writes (the rotary cache, the frozen vision tower).
+UNSENT = ("rotary_emb.", "vision_tower.")
 LOCALS = {"MXFP8": ("weight", "weight_scale_inv"), "MXFP4": ("weight_packed", "weight_scale")}
 
 
@@ -128,6 +133,11 @@ class FakeSglangModel(nn.Module):
             self.layers.append(layer)
         self.lm_head = FakeLinear(1, H, None)
         self.lm_head.weight = _zeros(VOCAB, H, dtype=torch.bfloat16)
+        self.rotary_emb = nn.Module()
+        self.rotary_emb.register_buffer("cos_sin_cache", torch.randn(ROTARY_POSITIONS, H // 4))
+        self.vision_tower = nn.Module()  # a patch embedding: no quant method, never post-processed
+        self.vision_tower.patch_embed = _zeros(H, 3, 4, 4, dtype=torch.bfloat16)
+        self.vision_tower.patch_embed.data.normal_()
         for m in self.modules():  # startup: kernel layouts
             if isinstance(getattr(m, "quant_method", None), FakeUnquantizedMethod):
                 m.quant_method.process_weights_after_loading(m)

@@ -149,8 +149,8 @@ def stage_fp8(out: pathlib.Path, kv_cache_dtype: str) -> dict:
     from safetensors.torch import load_file
     from vllm import LLM
 
-    from adapters.vllm.client import LlmLogProbs
-    from adapters.vllm.engine import LlmWorkers, VllmRolloutEngine
+    from adapters.vllm.client import LlmLogProbs, LlmWorkers
+    from adapters.vllm.engine import VllmRolloutEngine
     from domain.errors import EngineStale
     from domain.quant.naming import natural_key
     from domain.quant.stream import quantize_stream

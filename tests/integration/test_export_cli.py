@@ -211,3 +211,39 @@ def test_vision_language_and_gated_deltanet_names(tmp_path: Path) -> None:
     decompressed = decompress_with_model_compressor(qc, exported)
     assert sorted(decompressed) == sorted([f"{p}.0.linear_attn.in_proj_qkvz", f"{p}.0.linear_attn.out_proj",
                                            f"{p}.1.self_attn.q_proj", f"{p}.1.self_attn.k_proj", f"{p}.1.self_attn.v_proj"])
+
+
+# --- drop-in for verl users ------------------------------------------------------------------------
+
+VERL_YAML = Path(__file__).resolve().parents[1] / "data" / "verl_ppo_megatron.yaml"
+V4_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def test_a_verl_yaml_runs_through_plan_unchanged(moe_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", str(VERL_YAML), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["engine"], out["plan"]["linear"], out["plan"]["moe"]) == ("vllm", "NVFP4", "NVFP4")
+    assert next(r for r in out["rules"] if r["rule"] == 2)["outcome"] == "ok"  # qat.mode nvfp4 matches
+    assert "data" in out["unused_keys"] and out["engine_config"]["config_groups"]
+    assert main(["plan", str(VERL_YAML), "--model", str(moe_dir)]) == 0  # per tensor too
+    assert "keys of the verl configuration are not read" in capsys.readouterr().out
+
+
+def test_plan_rejects_a_release_layout_fp8_model_with_delta_sync_naming_rule_4(
+        moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = _with_config(moe_dir, tmp_path / "v4", model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"],
+                       quantization_config=V4_FP8)
+    assert main(["plan", "--model", str(src), "rollout.name=vllm"]) == 0  # rule 3: passes through
+    capsys.readouterr()
+    assert main(["plan", "--model", str(src), "rollout.name=vllm", "rollout.checkpoint_engine.backend=delta_sharded"]) == 2
+    err = capsys.readouterr().err
+    assert "QuantizedDeltaSync" in err and "dispatch rule 4" in err
+
+
+def test_plan_refuses_a_refit_of_a_native_layout_the_trainer_cannot_produce(
+        moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = _with_config(moe_dir, tmp_path / "gptoss", quantization_config={"quant_method": "mxfp4"})
+    assert main(["plan", "--model", str(src), "rollout.name=vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "NativeRefitUnsupported" in err and "dispatch rule 1" in err and "BF16 tensors" in err
+    assert main(["plan", "--model", str(src), "rollout.name=vllm", "rollout.quantization.moe=MXFP4"]) == 0

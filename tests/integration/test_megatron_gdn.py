@@ -367,3 +367,57 @@ def test_the_composition_root_makes_a_megatron_models_gdn_layers_packed_safe(mc,
 
 class _Stub:
     mode = types.SimpleNamespace(value="hook")
+
+
+def test_thd_built_batches_run_megatron_gdn_layers_without_a_host_read(mc, upstream_on_cpu, monkeypatch) -> None:
+    """Boundaries validated where adapters.megatron.thd builds the PackedSeqParams; every GDN layer
+    then runs on boundary tensors that raise on any host read (tests/unit/test_gdn_packing)."""
+    from adapters.megatron import gdn_forward, thd
+    from domain.forward.thd import ThdLayout
+    from tests.unit.test_gdn_packing import NoHostSync
+
+    class ArmedNoHostSync(NoHostSync):
+        """NoHostSync once armed: Megatron's own PackedSeqParams.__post_init__ may read (it
+        builds its seq_idx), so reads raise only after the batch is built."""
+
+        armed = False
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if not ArmedNoHostSync.armed:
+                return super(NoHostSync, cls).__torch_function__(func, types, args, kwargs or {})
+            return super().__torch_function__(func, types, args, kwargs)
+
+    real = ThdLayout.cu_seqlens_tensor
+    monkeypatch.setattr(ThdLayout, "cu_seqlens_tensor", lambda self, *, padded, device="cpu":
+                        real(self, padded=padded, device=device).as_subclass(ArmedNoHostSync))
+    real_validate = gdn_forward.validate_packed_seq_params
+
+    def armed_validate(*args, **kwargs):  # type: ignore[no-untyped-def]
+        ArmedNoHostSync.armed = True  # the builder's validation uses the layout's ints: no read
+        try:
+            return real_validate(*args, **kwargs)
+        finally:
+            ArmedNoHostSync.armed = False
+
+    monkeypatch.setattr(gdn_forward, "validate_packed_seq_params", armed_validate)
+    layout = ThdLayout.plan([20, 45, 7], align=ALIGN)
+    batch = thd.packed_seq_params(layout)
+    ArmedNoHostSync.armed = True
+    plain = packed_params(mc, real(layout, padded=False), real(layout, padded=True))
+    layers = [upstream_on_cpu(mc.build(seed=s)) for s in (1, 2)]
+    x = torch.randn(layout.total, 1, HIDDEN)
+    try:
+        assert getattr(batch, gdn_forward.BOUNDARIES_ATTR).values == layout.cu_seqlens_padded
+        for layer in layers:  # natively packed-aware Megatron-Core: our validation hook reads nothing
+            gdn_adapter._validation_hook(layer, (x, None), {"packed_seq_params": batch})
+        gdn_adapter.patch_gdn_forward(mc.GatedDeltaNet, kernels="reference", force=True)
+        h = x
+        for layer in layers:  # the packed-aware forward, layer after layer
+            h, _ = layer(h, None, packed_seq_params=batch)
+    finally:
+        ArmedNoHostSync.armed = False
+    expected = x
+    for layer in layers:
+        expected, _ = layer(expected, None, packed_seq_params=plain)
+    assert torch.equal(h.as_subclass(torch.Tensor), expected)

@@ -12,6 +12,7 @@ from domain.errors import (
     EngineRejectsQuantization,
     FusedGroupSplit,
     NativeLayoutOverride,
+    NativeRefitUnsupported,
     NonDivisibleTensors,
     QatModeMismatch,
     QatWithTeRecipe,
@@ -110,10 +111,21 @@ def test_sglang_all_mxfp8_becomes_native_mxfp8() -> None:
 
 # --- rule 1 -----------------------------------------------------------------------------------------
 
-def test_rule1_unsupported_native_method_passes_through() -> None:
-    res = resolve(DispatchInput(engine="vllm", model_config=GPT_OSS))
+def test_rule1_unsupported_native_method_is_copied_untouched_by_export() -> None:
+    res = resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, purpose="export"))
     assert res.layout == "native-passthrough" and not res.plan.is_quantized and res.is_quantized
-    assert res.native is not None and res.native.method == "mxfp4"
+    assert res.native is not None and res.native.method == "mxfp4" and res.served is None
+
+
+def test_rule1_a_refit_of_a_native_layout_the_trainer_cannot_produce_is_refused() -> None:
+    # The engine would be configured for mxfp4 experts while the refit sends BF16 tensors.
+    with pytest.raises(NativeRefitUnsupported, match=r"'mxfp4'.*send BF16 tensors.*dispatch rule 1") as err:
+        resolve(DispatchInput(engine="vllm", model_config=GPT_OSS))
+    assert isinstance(err.value, UnsupportedQuantMethod)
+    # what the message offers instead works: a preset the trainer exports, or BF16
+    assert resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, requested=plan(moe="MXFP4"))).plan.is_quantized
+    bf16 = resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, hf_overrides={"quantization_config": None}))
+    assert bf16.layout == "bf16"
 
 
 def test_rule1_unsupported_method_with_qat_or_override_is_not_implemented() -> None:
@@ -135,6 +147,38 @@ def test_rule2_qat_mode_must_match_the_rollout() -> None:
         resolve(DispatchInput(qat_enable=True, qat_mode="MXFP4"))
     with pytest.raises(QatModeMismatch, match=r"FP8_BLOCK, NVFP4"):
         resolve(DispatchInput(requested=plan(linear="FP8_BLOCK", moe="NVFP4"), qat_enable=True, qat_mode="NVFP4"))
+
+
+@pytest.mark.parametrize(("mode", "rollout"), [
+    ("fp8", {"linear": "FP8_BLOCK", "moe": "FP8_BLOCK"}),
+    ("FP8_BLOCK", {"linear": "FP8_BLOCK"}),
+    ("mxfp8", {"linear": "MXFP8", "moe": "MXFP8"}),
+    ("mxfp4", {"moe": "MXFP4"}),
+    ("mxfp4_mxfp8", {"moe": "MXFP4", "moe_activation": "mxfp8"}),
+    ("nvfp4", {"linear": "NVFP4", "moe": "NVFP4"}),
+    ("w4a16", {"linear": "NVFP4", "linear_activation": "none"}),
+])
+def test_rule2_verl_qat_modes_map_to_a_preset_and_an_activation_kind(mode: str, rollout: dict) -> None:
+    assert resolve(DispatchInput(engine="vllm", requested=plan(**rollout), qat_enable=True, qat_mode=mode)).plan.is_quantized
+
+
+@pytest.mark.parametrize(("mode", "rollout", "reason"), [
+    ("mxfp4_mxfp8", {"moe": "MXFP4"}, r"trains MXFP4 weights, mxfp8 activations.*mxfp4 activations; set qat.mode=mxfp4, "
+                                      r"or set rollout.quantization.moe_activation=mxfp8"),
+    ("mxfp4", {"moe": "MXFP4", "moe_activation": "mxfp8"}, r"set qat.mode=mxfp4_mxfp8"),
+    ("nvfp4", {"linear": "NVFP4", "linear_activation": "none"}, r"set qat.mode=w4a16"),
+    ("fp8", {"linear": "FP8_BLOCK", "linear_activation": "none"}, r"no QAT mode trains FP8_BLOCK with none activations"),
+    ("mxfp8", {"moe": "MXFP4"}, r"qat.mode='mxfp8' does not match.*set qat.mode to mxfp4"),
+])
+def test_rule2_a_qat_mode_that_cannot_match_the_rollout_says_why(mode: str, rollout: dict, reason: str) -> None:
+    with pytest.raises(QatModeMismatch, match=reason):
+        resolve(DispatchInput(engine="vllm", requested=plan(**rollout), qat_enable=True, qat_mode=mode))
+
+
+def test_rule2_verls_static_nvfp4_mode_is_rejected_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match=r"'w4a4' cannot be matched.*static NVFP4 activation scales.*use mode nvfp4"):
+        resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="w4a4"))
+    assert resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_mode="w4a4")).plan.is_quantized  # QAT off
 
 
 def test_rule2_qat_ignore_patterns_must_stay_bf16_in_the_rollout() -> None:
@@ -171,7 +215,23 @@ def test_rule4_quantized_rollout_rejects_delta_sync() -> None:
     with pytest.raises(QuantizedDeltaSync, match=r"wire_format='delta_flush'"):
         resolve(DispatchInput(requested=plan(moe="MXFP4"), wire_format="delta_flush"))
     with pytest.raises(QuantizedDeltaSync):  # native pass-through is quantized too
-        resolve(DispatchInput(model_config=GPT_OSS, sync_backend="delta_sharded"))
+        resolve(DispatchInput(model_config=GPT_OSS, sync_backend="delta_sharded", purpose="export"))
+    with pytest.raises(QuantizedDeltaSync, match=r"dispatch rule 4"):  # native FP8 the trainer exports
+        resolve(DispatchInput(model_config=DEEPSEEK_FP8, sync_backend="delta_sharded"))
+
+
+@pytest.mark.parametrize(("extra", "error"), [
+    ({"sync_backend": "delta_sharded"}, QuantizedDeltaSync),
+    ({"wire_format": "delta_flush"}, QuantizedDeltaSync),
+    ({"engine": "trtllm"}, EngineRejectsQuantization),
+    ({"qat_enable": True, "qat_mode": "nvfp4"}, QatModeMismatch),
+])
+def test_release_layout_models_go_through_every_rule(extra: dict, error: type) -> None:
+    # DeepSeek-V4 passes its native FP8 through (rule 3), and is still a quantized rollout.
+    with pytest.raises(error):
+        resolve(DispatchInput(model_config=DEEPSEEK_V4, **extra))
+    res = resolve(DispatchInput(model_config=DEEPSEEK_V4, qat_enable=True, qat_mode="fp8"))
+    assert res.is_quantized and res.served is not None and res.served.linear is FP8_BLOCK
     assert not resolve(DispatchInput(sync_backend="delta_sharded", wire_format="delta_flush")).is_quantized
 
 

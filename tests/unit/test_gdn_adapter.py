@@ -264,3 +264,101 @@ def test_gpu_check_harness_runs_on_cpu() -> None:
             assert r.leak > 0.1, r.line()
     if not torch.cuda.is_available():
         assert main([]) == 2  # standalone without CUDA: says so and exits 2
+
+
+# --- one validation per batch, no host read in the layers --------------------------------------
+
+
+class CountingReads(torch.Tensor):
+    """Counts the host reads of its values (the operations NoHostSync refuses)."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from tests.unit.test_gdn_packing import _SYNCING
+
+        if func in _SYNCING:
+            CountingReads.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Model(torch.nn.Module):
+    """Three GDN layers behind a forward that takes packed_seq_params, as GPTModel does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(FakeOldGdn(i + 1) for i in range(3))
+        self.reads_at_entry: int | None = None
+
+    def forward(self, hidden_states, packed_seq_params=None):
+        self.reads_at_entry = CountingReads.reads
+        for layer in self.layers:
+            hidden_states, _ = layer(hidden_states, None, packed_seq_params=packed_seq_params)
+        return hidden_states
+
+
+def _no_sync_params(values_q: tuple[int, ...], values_padded: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    from tests.unit.test_gdn_packing import no_sync
+
+    q, padded = no_sync(cu(*values_q)), no_sync(cu(*values_padded))
+    return params(q, padded, cu_seqlens_kv=q, cu_seqlens_kv_padded=padded)
+
+
+def test_a_batch_validated_where_it_is_built_runs_every_layer_without_a_host_read() -> None:
+    from adapters.megatron.gdn_forward import validate_packed_seq_params
+
+    model = Model()
+    gdn.patch_gdn_forward(FakeOldGdn, kernels="reference")
+    x = torch.randn(64, 1, HIDDEN)
+    reference = model(x, packed_seq_params=params(cu(0, 20, 50), cu(0, 32, 64)))
+    batch = _no_sync_params((0, 20, 50), (0, 32, 64))  # any host read of these raises HostSync
+    record = validate_packed_seq_params(batch, values=(0, 32, 64))  # the builder's host integers
+    assert record.values == (0, 32, 64) and record.name == "cu_seqlens_q_padded"
+    out = model(x, packed_seq_params=batch)  # three patched layers
+    assert torch.equal(out.as_subclass(torch.Tensor), reference)
+    # natively packed-aware versions: the validation hook of each layer reads nothing either
+    for layer in model.layers:
+        gdn._validation_hook(layer, (x, None), {"packed_seq_params": batch})
+    # sensitivity: without the batch's record a layer reads the boundaries, and the detector says so
+    from adapters.megatron.gdn_forward import BOUNDARIES_ATTR
+    from tests.unit.test_gdn_packing import HostSync
+
+    delattr(batch, BOUNDARIES_ATTR)
+    with pytest.raises(HostSync):
+        model.layers[0](x, None, packed_seq_params=batch)
+
+
+def test_a_batch_built_elsewhere_is_read_once_at_the_models_entry() -> None:
+    model = Model()
+    apply_packed_gdn(model, gdn_class=FakeOldGdn, kernels="reference")
+    counting = cu(0, 32, 64).as_subclass(CountingReads)
+    batch = params(counting, cu_seqlens_kv=counting)
+    CountingReads.reads = 0
+    model(torch.randn(64, 1, HIDDEN), packed_seq_params=batch)
+    assert (model.reads_at_entry, CountingReads.reads) == (1, 1)  # once, before the first layer
+    model(torch.randn(64, 1, HIDDEN), packed_seq_params=batch)
+    assert CountingReads.reads == 1  # the same batch again: validated already
+    remove_packed_gdn(model, gdn_class=FakeOldGdn)
+    assert not gdn.remove_batch_validation(model)
+
+
+def test_layers_called_directly_validate_once_per_batch_not_per_layer() -> None:
+    gdn.patch_gdn_forward(FakeOldGdn, kernels="reference")
+    layers = [FakeOldGdn(i) for i in range(4)]
+    counting = cu(0, 16, 32).as_subclass(CountingReads)
+    batch = params(counting)
+    CountingReads.reads = 0
+    x = torch.randn(32, 1, HIDDEN)
+    for layer in layers:
+        x, _ = layer(x, None, packed_seq_params=batch)
+    assert CountingReads.reads == 1
+
+
+def test_a_replaced_boundary_tensor_is_validated_again() -> None:
+    layer, x = FakeOldGdn(), torch.randn(8, 1, HIDDEN)
+    batch = params(cu(0, 4, 8))
+    check_packed_input(layer, x, batch)
+    batch.cu_seqlens_q = cu(0, 8, 4)
+    with pytest.raises(InvalidPackedBoundaries, match="decreases"):
+        check_packed_input(layer, x, batch)

@@ -117,8 +117,10 @@ class NoHostSync(torch.Tensor):
         kwargs = kwargs or {}
         if func in _SYNCING:
             raise HostSync(f"{getattr(func, '__name__', func)} reads tensor values on the host")
-        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and "output_size" not in kwargs:
-            raise HostSync("repeat_interleave without output_size synchronizes")
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        if (func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and "output_size" not in kwargs
+                and isinstance(repeats, torch.Tensor)):
+            raise HostSync("repeat_interleave by a tensor without output_size synchronizes")
         if func is torch.Tensor.to and any(
             isinstance(a, (str, torch.device)) for a in (*args, *kwargs.values())
         ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -65,9 +66,10 @@ DOMAIN_ROOMS = {
     "forward": {"forward"},
     "": set(),  # domain/errors.py, mismatch.py, environment.py
 }
-# Adapters that need a package the base install does not have (an extra): only the composition
-# root imports them, in the branch that selects them.
-OPTIONAL_ADAPTERS = ("adapters.megatron", "adapters.vllm", "adapters.sglang", "adapters.modelopt")
+# Packages the base install does not have (they come with an extra, or with the engine's own
+# environment). An adapter module that imports one of them, anywhere in it, is imported by the
+# composition root only, in the branch that selects it.
+OPTIONAL_PACKAGES = {"vllm", "sglang", "megatron", "modelopt", "fla", "transformer_engine", "causal_conv1d"}
 
 
 def _runtime_imports(path: pathlib.Path) -> set[str]:
@@ -108,12 +110,30 @@ def test_adapters_never_import_the_application(path: pathlib.Path) -> None:
     assert not {m for m in _runtime_imports(path) if m.split(".")[0] == "app"}, f"{path} imports app/"
 
 
+@functools.cache
+def _optional_adapter_modules() -> frozenset[str]:
+    out = set()
+    for path in _modules("adapters"):
+        if {m.split(".")[0] for m in _runtime_imports(path)} & OPTIONAL_PACKAGES:
+            out.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    return frozenset(out)
+
+
+def test_the_optional_adapters_are_the_engine_and_trainer_adapters() -> None:
+    optional = _optional_adapter_modules()
+    # what the rule below protects: the real engines' clients, Megatron, ModelOpt
+    assert {"adapters.vllm.client", "adapters.sglang.client", "adapters.modelopt.backend",
+            "adapters.megatron.trainer_model"} <= optional
+    assert "adapters.sglang.engine" not in optional  # the SGLang adapter itself runs without SGLang
+
+
 @pytest.mark.parametrize("path", _modules("app"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_only_the_composition_root_imports_optional_adapters(path: pathlib.Path) -> None:
     if path.name == "bootstrap.py":
         return
-    bad = sorted(m for m in _runtime_imports(path) if m.startswith(OPTIONAL_ADAPTERS))
-    assert not bad, f"{path} imports {bad}; get the adapter from app.bootstrap"
+    optional = _optional_adapter_modules()
+    bad = sorted(m for m in _runtime_imports(path) if m in optional or m.rpartition(".")[0] in optional)
+    assert not bad, f"{path} imports {bad}, which need an optional package; get them from app.bootstrap"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "app" / "services").rglob("*.py")) + sorted((ROOT / "app" / "cli").rglob("*.py")),

@@ -25,6 +25,7 @@ from domain.refit.report import RefitOutcome
 from domain.refit.session import CommitMode
 from tests.engine_fakes.sglang import (
     LAYERS,
+    UNSENT,
     FakeMxfp8LinearMethod,
     FakeSglangEngine,
     FakeSglangModel,
@@ -35,6 +36,7 @@ from tests.engine_fakes.sglang import (
 )
 
 BUCKET = 12_000  # several buckets per layer: scales and experts straddle buckets
+H_ = 64
 
 
 def build(linear="MXFP8", moe=None, *, native_mxfp8=True, plan_native=None, **kw):  # type: ignore[no-untyped-def]
@@ -171,6 +173,26 @@ def test_failure_at_any_bucket_leaves_live_weights_intact(fail_at: int) -> None:
     assert service.refit().ok  # the next refit goes through
 
 
+def test_a_failure_before_a_layer_is_written_has_not_backed_it_up() -> None:
+    model, _fake, engine, plan = build()
+    refit(engine, stream(plan, 1), 1)
+    live = snapshot(model)
+    first = next(iter(pack_buckets(stream(plan, 2), BUCKET)))
+    reached = {refit_loader.backup_group(m.name) for m in first.metas}  # what the first bucket writes
+    assert "layers.1" not in reached
+    real_load = model.load_weights
+    model.load_weights = lambda weights: (_ for _ in ()).throw(RuntimeError("injected"))  # the first load fails
+    with pytest.raises(RuntimeError, match="injected"):
+        refit(engine, stream(plan, 2), 2)
+    model.load_weights = real_load
+    loader = refit_loader.loader_for(model)
+    assert loader is not None and {refit_loader.backup_group(n) for n in loader.backed_up} <= reached
+    every = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert loader.peak_backup_bytes == sum(every[n].nbytes for n in loader.backed_up)
+    assert loader.peak_backup_bytes < sum(t.nbytes for n, t in every.items() if not n.startswith(UNSENT))
+    assert same(live, snapshot(model)) and not engine.is_stale
+
+
 def test_postprocessing_failure_restores_layers_already_rebuilt() -> None:
     model, _fake, engine, plan = build()
     refit(engine, stream(plan, 1), 1)
@@ -191,6 +213,87 @@ def test_a_shape_change_in_postprocessing_fails_closed_and_restores() -> None:
     with pytest.raises(StorageRebound, match="captured storage cannot hold it"):
         refit(engine, stream(plan, 2), 2)
     assert same(live, snapshot(model)) and before.differences(fake.storage_fingerprint()) == []
+
+
+# --- the backup: only what a refit overwrites --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("linear", "moe"), [("MXFP8", None), (None, "MXFP4"), (None, None)])
+def test_a_refit_backs_up_what_it_overwrites_and_nothing_else(linear, moe) -> None:  # type: ignore[no-untyped-def]
+    model, _fake, engine, plan = build(linear=linear, moe=moe)
+    refit(engine, stream(plan, 1), 1)
+    loader = refit_loader.loader_for(model)
+    assert loader is not None
+    every = dict(model.named_parameters()) | dict(model.named_buffers())
+    written = {n for n in every if not n.startswith(UNSENT)}  # the layers, embeddings and head the stream reaches
+    assert set(loader.backed_up) == written
+    assert loader.peak_backup_bytes == sum(every[n].nbytes for n in written)
+    assert loader.peak_backup_bytes < sum(t.nbytes for t in every.values())  # the old BEGIN copied everything
+    # layer by layer, in stream order: the embedding first, then layer 0 before layer 1
+    order = [refit_loader.backup_group(n) for n in loader.backed_up]
+    assert order.index("embed_tokens") < order.index("layers.0") < order.index("layers.1")
+
+
+def test_a_tensor_for_a_layer_the_engine_lacks_backs_up_the_modules_outside_the_layers() -> None:
+    model, fake, engine, plan = build()
+    refit(engine, stream(plan, 1), 1)
+    live = snapshot(model)
+    stray = ("model.layers.9.self_attn.o_proj.weight", torch.zeros(H_, H_, dtype=torch.bfloat16))
+    with pytest.raises(IndexError):  # the fake's load_weights has no layer 9
+        refit(engine, [stray, *stream(plan, 2)], 2)
+    loader = refit_loader.loader_for(model)
+    assert loader is not None
+    groups = {refit_loader.backup_group(n) for n in loader.backed_up}
+    assert groups == {"embed_tokens", "lm_head", "rotary_emb", "vision_tower"}
+    assert same(live, snapshot(model)) and not fake.session
+
+
+def test_a_tied_weight_is_backed_up_once_and_restored() -> None:
+    model, _fake, engine, plan = build(linear=None)
+    model.lm_head.weight = model.embed_tokens.weight  # one Parameter under two modules
+    refit(engine, stream(plan, 1), 1)
+    live = snapshot(model)
+    loader = refit_loader.loader_for(model)
+    assert loader is not None and {"embed_tokens.weight", "lm_head.weight"} <= set(loader.backed_up)
+    every = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    distinct = {t.data_ptr(): t.nbytes for n, t in every.items() if not n.startswith(UNSENT)}
+    assert loader.peak_backup_bytes == sum(distinct.values())
+    model.layers[1].experts.load_experts = lambda named: (_ for _ in ()).throw(RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        refit(engine, stream(plan, 2), 2)
+    assert same(live, snapshot(model))
+
+
+class _SharedBuffer(torch.nn.Module):
+    """Two layers whose buffers are overlapping views of one storage (a shared workspace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        storage = torch.arange(16, dtype=torch.float32)
+        self.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+        self.layers[0].register_buffer("ws", storage[0:10])
+        self.layers[1].register_buffer("ws", storage[5:15])
+        self.layers[0].weight = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.layers[1].weight = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in weights:
+            if name == "boom":
+                raise RuntimeError("injected")
+            layer = self.layers[int(name.split(".")[2])]
+            layer.weight.data.copy_(t)
+            layer.ws.data.fill_(-1.0)  # writes the storage layer 1 shares
+
+
+def test_storage_shared_across_layers_is_restored_to_its_pre_refit_value() -> None:
+    model = _SharedBuffer()
+    before = model.layers[0].ws.clone(), model.layers[1].ws.clone()
+    refit_loader.load(model, [(BEGIN_MARKER, StagingRule().to_tensor(1))])
+    refit_loader.load(model, [("model.layers.0.x.weight", torch.ones(4))])  # layer 0 backed up, then written
+    with pytest.raises(RuntimeError, match="injected"):  # layer 1 backed up after the shared part changed
+        refit_loader.load(model, [("model.layers.1.x.weight", torch.ones(4)), ("boom", torch.ones(1))])
+    assert torch.equal(model.layers[0].ws, before[0]) and torch.equal(model.layers[1].ws, before[1])
+    assert torch.equal(model.layers[0].weight, torch.zeros(4))
 
 
 def test_serving_and_commit_mode() -> None:
@@ -272,7 +375,7 @@ def test_server_kwargs() -> None:
 def test_missing_sglang_names_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
-    from adapters.sglang.engine import EngineClient
+    from adapters.sglang.client import EngineClient
 
     real_import = builtins.__import__
 

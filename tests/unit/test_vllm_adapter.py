@@ -294,7 +294,7 @@ def test_expected_layout_rejects_a_repeated_tensor_before_vllm_sees_it() -> None
 
 
 def test_launch_without_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
-    from adapters.vllm.engine import LlmWorkers
+    from adapters.vllm.client import LlmWorkers
 
     real_import = builtins.__import__
 
