@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import os
 import queue
 import sys
@@ -146,8 +147,16 @@ def _run(ctx: Any, fn: Callable[..., Any], size: int, args: tuple[Any, ...], tim
                     args=(fn, r, size, port, results, args, threads, pg_timeout_s, dump_after, log_dir))
         for r in range(size)
     ]
-    for p in procs:
-        p.start()
+    # Forked children inherit every object of this process, some owned by threads or extensions
+    # that do not survive a fork (compiled kernels, thread pools); a garbage collection of them in
+    # a child can crash it. Frozen objects are never collected: the children leave them alone.
+    gc.collect()
+    gc.freeze()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        gc.unfreeze()
     got: dict[int, RankResult] = {}
     deadline = time.monotonic() + timeout_s
     while len(got) < size and time.monotonic() < deadline:

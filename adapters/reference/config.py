@@ -185,16 +185,23 @@ MICRO_MOE = ReferenceModelConfig(
     mlp_only_layers=(0,),
 )
 
+# 48M parameters with wide layers: `refit bench transport --quick` (the full run uses bench-moe).
+BENCH_QUICK = ReferenceModelConfig(
+    vocab_size=8192, hidden_size=1024, num_layers=2, num_heads=16, num_kv_heads=8, head_dim=64,
+    intermediate_size=4096, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, mlp_only_layers=(0,),
+)
+
 PRESETS: dict[str, ReferenceModelConfig] = {
     "tiny-moe": TINY_MOE,
     "tiny-dense": TINY_DENSE,
     "micro-moe": MICRO_MOE,
     "bench-moe": BENCH_MOE,
+    "bench-quick": BENCH_QUICK,
 }
 
 
 def preset(name: str) -> ReferenceModelConfig:
-    """A model preset by name (`tiny-moe`, `tiny-dense`, `micro-moe`, `bench-moe`).
+    """A model preset by name (`tiny-moe`, `tiny-dense`, `micro-moe`, `bench-moe`, `bench-quick`).
 
     Raises:
         KeyError: naming the valid presets.

@@ -31,36 +31,37 @@ from typing import Any
 import attrs
 import torch
 
-from adapters.reference.config import ReferenceModelConfig, hf_weight_shapes, preset
 from app.bench.report import BenchReport
-from domain.refit.sharding import ParallelLayout
+from app.bootstrap import Services, bootstrap
+from domain.refit.sharding import RefitWorld
 
-QUICK_MODEL = ReferenceModelConfig(
-    vocab_size=8192, hidden_size=1024, num_layers=2, num_heads=16, num_kv_heads=8, head_dim=64,
-    intermediate_size=4096, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, mlp_only_layers=(0,),
-)
 TARGET = 0.8  # the distributed refit should reach 80% of the raw broadcast's throughput
 
 
 @attrs.frozen
 class _Settings:
-    cfg: ReferenceModelConfig
-    bucket_sizes: tuple[int, ...]  # the first is the headline (the target applies to it)
+    model: str
+    bucket_sizes: tuple[int, ...]
     repeats: int
     quantized_repeats: int
 
 
-def _raw_broadcast(rank: int, trainer: Any, bucket_bytes: int, repeats: int) -> dict[str, Any]:
+def _services(s: _Settings, bucket_bytes: int, **kwargs: Any) -> Services:
+    return bootstrap(overrides=[f"reference.model={s.model}",
+                                f"rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_bytes / 2**20!r}"],
+                     **kwargs)
+
+
+def _raw_broadcast(rank: int, trainer: Any, bucket_bytes: int, lead_bytes: int, repeats: int) -> dict[str, Any]:
     """Pre-packed BF16 buckets, then plain dist.broadcast of each, `repeats` times."""
     import torch.distributed as dist
 
-    from adapters.distributed.wire import LEAD_BYTES
     from domain.refit.buckets import BucketPlanner
 
     sizes = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
-        planner = BucketPlanner(bucket_bytes, lead_bytes=LEAD_BYTES)  # exactly the refit's buckets
-        bufs = [b.buffer[: b.nbytes].clone() for b in planner.pack(trainer.full.named_weights())]
+        planner = BucketPlanner(bucket_bytes, lead_bytes=lead_bytes)  # exactly the refit's buckets
+        bufs = [b.buffer[: b.nbytes].clone() for b in planner.pack(trainer.named_weights())]
         sizes = torch.tensor([len(bufs), *[b.numel() for b in bufs]], dtype=torch.int64)
         count = torch.tensor([sizes.numel()], dtype=torch.int64)
     else:
@@ -82,27 +83,18 @@ def _raw_broadcast(rank: int, trainer: Any, bucket_bytes: int, repeats: int) -> 
     return {"seconds": statistics.median(times[1:]), "bytes": int(sizes[1:].sum()), "buckets": len(bufs)}
 
 
-def _refits(rank: int, s: _Settings, bucket_bytes: int, plan: Any, trainer: Any, repeats: int) -> dict[int, dict[str, float]]:
+def _refits(rank: int, s: _Settings, bucket_bytes: int, plan: Any, services: Services,
+            repeats: int) -> dict[int, dict[str, float]]:
     """Distributed refits with double buffering (window 2) and without (window 1), alternating
-    (w2, w1, w2, w1, ...) so that both see the same machine; one warm-up each, then medians."""
-    from adapters.distributed.torch_dist import TorchDistCollectives
-    from adapters.reference.engine import ReferenceEngine
-    from app.services.distributed_refit import DistributedRefitService
-    from domain.refit.sharding import RefitWorld
-
+    (w2, w1, w2, w1, ...) so that both see the same machine; one warm-up each, then medians.
+    Both refit the same engine from the same trainer (`services` holds them)."""
     world = RefitWorld()
-    engine = ReferenceEngine(s.cfg, plan) if rank == 1 else None  # one engine, refitted by both
-    services = {}
-    for window in (2, 1):
-        comm = TorchDistCollectives(world, rank, step_timeout_s=300, phase_timeout_s=600,
-                                    bucket_bytes=bucket_bytes, window=window)
-        services[window] = DistributedRefitService(
-            world, comm, plan, hf_weight_shapes(s.cfg), trainer=trainer if rank == 0 else None, engine=engine,
-            bucket_bytes=bucket_bytes, window=window,
-        )
+    refits = {window: services.distributed_refit(world, rank, plan=plan, window=window,
+                                                 step_timeout_s=300, phase_timeout_s=600)
+              for window in (2, 1)}
     runs: dict[int, list[tuple[float, float, int]]] = {2: [], 1: []}
     for _ in range(repeats + 1):
-        for window, svc in services.items():
+        for window, svc in refits.items():
             report = svc.refit()
             runs[window].append((report.timings["stream"], report.timings["total"], report.bytes_sent))
     return {
@@ -114,30 +106,33 @@ def _refits(rank: int, s: _Settings, bucket_bytes: int, plan: Any, trainer: Any,
 
 def bench_rank(rank: int, s: _Settings) -> dict[str, Any]:
     """One rank of the benchmark world (rank 0 trainer, rank 1 engine)."""
-    from adapters.distributed.sliced_trainer import SlicedTrainer
-    from adapters.reference.trainer import ReferenceTrainer
     from domain.quant.plan import QuantizationPlan
 
-    trainer = SlicedTrainer(ReferenceTrainer.from_seed(s.cfg, 0), ParallelLayout(), 0) if rank == 0 else None
+    base = _services(s, s.bucket_sizes[0])
+    trainer = base.trainer_model() if rank == 0 else None
+    engine = base.rollout_engine(QuantizationPlan.bf16()) if rank == 1 else None
     bf16, quantized = QuantizationPlan.bf16(), QuantizationPlan.from_presets("FP8_BLOCK", "NVFP4")
     out: dict[str, Any] = {}
     for size in s.bucket_sizes:
-        out[f"raw/{size}"] = _raw_broadcast(rank, trainer, size, s.repeats)
-        for window, r in _refits(rank, s, size, bf16, trainer, s.repeats).items():
+        services = _services(s, size, trainer=trainer, engine=engine)
+        lead = services.distributed_refit(RefitWorld(), rank, plan=bf16).comm.lead_bytes
+        out[f"raw/{size}"] = _raw_broadcast(rank, trainer, size, lead, s.repeats)
+        for window, r in _refits(rank, s, size, bf16, services, s.repeats).items():
             out[f"bf16_w{window}/{size}"] = r
-    for window, r in _refits(rank, s, s.bucket_sizes[0], quantized, trainer, s.quantized_repeats).items():
+    q_engine = base.rollout_engine(quantized) if rank == 1 else None
+    services = _services(s, s.bucket_sizes[0], trainer=trainer, engine=q_engine)
+    for window, r in _refits(rank, s, s.bucket_sizes[0], quantized, services, s.quantized_repeats).items():
         out[f"quant_w{window}"] = r
     return out
 
 
 def run(quick: bool = False) -> BenchReport:
-    from adapters.distributed.launch import launch_world
-
-    cfg = QUICK_MODEL if quick else preset("bench-moe")
     sizes = (16 << 20,) if quick else (64 << 20, 16 << 20)
-    s = _Settings(cfg, sizes, 5 if quick else 7, 3 if quick else 5)
+    s = _Settings("bench-quick" if quick else "bench-moe", sizes, 5 if quick else 7, 3 if quick else 5)
+    services = _services(s, sizes[0])
+    cfg = services.reference_config()
     load_before = os.getloadavg()[0]
-    results = launch_world(bench_rank, 2, (s,), timeout_s=300 if quick else 1800, capture_output=True)
+    results = services.launch_world(bench_rank, 2, (s,), timeout_s=300 if quick else 1800)
     load_after = os.getloadavg()[0]
     bad = [f"rank {r.rank}: {r.error}\n{r.output[-2000:]}" for r in results if not r.ok]
     if bad:
