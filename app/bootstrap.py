@@ -48,7 +48,8 @@ def build_plan(
     *,
     moe_activation: str | None = None,
     ignore: tuple[str, ...] = (),
-    scale_rule: str = "rceil",
+    scale_rule: str | None = None,
+    numerics: str = "engine",
 ):
     """A QuantizationPlan from preset names (None = BF16); ConfigError names a bad key.
 
@@ -58,7 +59,8 @@ def build_plan(
     from domain.quant.plan import QuantizationPlan
 
     return QuantizationPlan.from_presets(
-        linear=linear, moe=moe, moe_activation=moe_activation, ignore=ignore, scale_rule=scale_rule
+        linear=linear, moe=moe, moe_activation=moe_activation, ignore=ignore, scale_rule=scale_rule,
+        numerics=numerics,
     )
 
 

@@ -20,7 +20,7 @@ import yaml
 from domain.errors import ConfigError, ConfigTypeError, UnknownConfigKey
 from domain.quant import naming
 from domain.quant.dispatch import DELTA_BACKENDS, DELTA_WIRE_FORMATS, ENGINES
-from domain.quant.formats import FORMATS, ActivationScheme, MxScaleRule
+from domain.quant.formats import FORMATS, ActivationScheme, ElementRule, MxScaleRule
 
 NoneType = type(None)
 SYNC_BACKENDS = ("naive", "nccl", "gloo", *DELTA_BACKENDS)
@@ -104,9 +104,13 @@ SCHEMA: tuple[Key, ...] = (
         "modules kept BF16, added to the defaults: names, dot suffixes, re:REGEX, fnmatch", check=_patterns),
     Key("rollout.quantization.config_file", (str, NoneType), None,
         "a compressed-tensors quantization_config JSON file used instead of linear/moe"),
-    Key("rollout.quantization.scale_rule", (str,), "rceil",
-        "MX shared-exponent rule: rceil (TE/ModelOpt/vLLM) or even (compressed-tensors bytes)",
-        choices=tuple(r.value for r in MxScaleRule)),
+    Key("rollout.quantization.numerics", (str,), ElementRule.ENGINE.value,
+        "element rule: engine (the engine's own quantizers and the QAT kernels) or compressed-tensors "
+        "(llm-compressor checkpoints byte for byte)", choices=tuple(r.value for r in ElementRule)),
+    Key("rollout.quantization.scale_rule", (str, NoneType), None,
+        "MX shared-exponent rule for both MX formats: rceil or even; null = the element rule's choice "
+        "(engine: MXFP8 rceil, MXFP4 even; compressed-tensors: even)",
+        choices=(None, *(r.value for r in MxScaleRule))),
     Key("rollout.engine_kwargs.vllm.hf_overrides", (dict, str, NoneType), None,
         "vLLM hf_overrides (dict or JSON string); its quantization_config wins, null = BF16",
         check=_hf_overrides, free=True),

@@ -37,9 +37,13 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised only without 
 from domain.quant import naming
 from domain.quant.dispatch import Resolution
 from domain.quant.formats import ActivationScheme, PrecisionFormat
+from domain.quant.numerics import numerics_metadata
 from domain.quant.plan import QuantizationPlan
 
 EXPERTS_TARGET = naming.EXPERTS_PATTERN
+# The element and MX scale rules the exporter used, recorded in the quantization_config under a key
+# of its own: compressed-tensors, vLLM and SGLang read the keys they know and ignore the rest.
+NUMERICS_KEY = "rl_refit_numerics"
 
 # compressed-tensors preset whose input_activations each activation scheme takes.
 _ACTIVATION_PRESET = {
@@ -159,7 +163,8 @@ def engine_quantization_config(
             names exactly; when None, the ignore entries are listed instead).
 
     Returns:
-        The dict, or None for a BF16 rollout.
+        The dict, or None for a BF16 rollout. Layouts the exporter quantizes carry NUMERICS_KEY:
+        the element rule and, per format, the MX scale rule and the reference it follows.
     """
     layout, plan, native = resolution.layout, resolution.plan, resolution.native
     if layout == "bf16":
@@ -168,7 +173,9 @@ def engine_quantization_config(
         return dict(native.config) if native is not None else None
     kept = list(bf16_modules) if bf16_modules is not None else [*naming.DEFAULT_IGNORE, *plan.ignore]
     if layout == "sglang-mxfp8":
-        return sglang_mxfp8_config(kept)
-    if layout == "native-fp8":
-        return deepseek_fp8_config(kept)
-    return to_config_json(compressed_tensors_config(plan))
+        config = sglang_mxfp8_config(kept)
+    elif layout == "native-fp8":
+        config = deepseek_fp8_config(kept)
+    else:
+        config = to_config_json(compressed_tensors_config(plan))
+    return {**config, NUMERICS_KEY: numerics_metadata(plan)}

@@ -213,7 +213,7 @@ class ModelOptQatBackend:
         args = quantizer.backend_extra_args
         tensor = state.by_name[args["tensor"]]
         if args["role"] == "input":
-            return fake_quantize_input(ActivationScheme(args["scheme"]), x, f"{tensor.module} input")
+            return fake_quantize_input(state.plan, ActivationScheme(args["scheme"]), x, f"{tensor.module} input")
         return straight_through(x, self._reference(state, tensor, x).detach())
 
     def _set_group_amax(self, state: _State) -> None:
