@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from domain.quant.codecs import dequantize_weight, nvfp4_global_scale, quantize_weight
-from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ElementRule, MxScaleRule
+from domain.quant.formats import FORMATS, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ElementRule, MxScaleRule
 from tests.codecs.special import special_weight
 
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the reference")
@@ -17,34 +17,56 @@ from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor  # n
 from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
-from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
+
+from tests.codecs import ct_reference  # noqa: E402
+from tests.codecs.ct_reference import group_minmax as _group_minmax  # noqa: E402
+from tests.codecs.ct_reference import scheme as _scheme  # noqa: E402
+from tests.codecs.matrix import cases, fused_group  # noqa: E402
 
 CT = ElementRule.COMPRESSED_TENSORS
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SHAPES = [(33, 64), (48, 96), (7, 160)]
 
 
-def _scheme(name: str) -> QuantizationScheme:
-    return preset_name_to_scheme(name, ["Linear"])
-
-
-def _group_minmax(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = w.float().reshape(w.shape[0], -1, group)
-    return g.amin(-1), g.amax(-1)
-
-
 def _ct_nvfp4(w: torch.Tensor, gs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    scheme = _scheme("NVFP4")
-    wf = w.float()
-    if gs is None:
-        gs = generate_gparam(wf.amin().reshape(1), wf.amax().reshape(1))
-    mn, mx = _group_minmax(w, 16)
-    scale, _ = calculate_qparams(mn, mx, scheme.weights, global_scale=gs)
-    return NVFP4PackedCompressor.compress(
-        {"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme
-    )
+    return ct_reference.quantize(NVFP4, w, gs)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _matrix() -> list[tuple[str, str, torch.Tensor]]:
+    return [(f.name, name, w) for f in (FP8_BLOCK, MXFP8, MXFP4, NVFP4) for name, w in cases(f).items()
+            if not name.startswith("edge")]  # compressed-tensors' compressor takes whole blocks only
+
+
+@pytest.mark.parametrize(("preset", "case", "w"), _matrix(), ids=lambda v: v if isinstance(v, str) else "")
+def test_the_matrix_equals_compressed_tensors_under_its_rule(preset: str, case: str, w: torch.Tensor) -> None:
+    fmt = FORMATS[preset]
+    weights = list(w) if w.dim() == 3 else [w]
+    ours = quantize_weight(fmt, w, numerics=CT).tensors
+    for e, one in enumerate(weights):
+        ref = ct_reference.quantize(fmt, one)
+        mine = {key: t[e] if w.dim() == 3 else t for key, t in ours.items()}
+        for key, want in ref.items():
+            if key == "weight_global_scale":
+                assert torch.equal(mine[key].float().reshape(-1), want.float().reshape(-1)), (case, e, key)
+            else:
+                assert torch.equal(_bits(mine[key]), _bits(want)), (case, e, key)
+
+
+def test_fused_group_equals_compressed_tensors_under_its_rule() -> None:
+    group = fused_group()
+    gs = nvfp4_global_scale(*group.values(), numerics=CT)
+    ref_gs = ct_reference.global_scale(*group.values())
+    assert torch.equal(gs, ref_gs)
+    for w in group.values():
+        ours = quantize_weight(NVFP4, w, global_scale=gs, numerics=CT).tensors
+        ref = ct_reference.quantize(NVFP4, w, ref_gs)
+        assert torch.equal(ours["weight_packed"], ref["weight_packed"])
+        assert torch.equal(_bits(ours["weight_scale"]), _bits(ref["weight_scale"]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
