@@ -20,16 +20,13 @@ import torch  # noqa: E402
 
 from domain.quant.codecs import fake_quantize_activation, nvfp4_global_scale, quantize_weight  # noqa: E402
 from domain.quant.codecs.elements import e2m1_values, unpack_fp4  # noqa: E402
-from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, ElementRule  # noqa: E402
+from domain.quant.formats import FORMATS, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, ElementRule  # noqa: E402
 from tests.codecs.matrix import cases, fused_group, real_shaped  # noqa: E402
 from tests.vllm import references as ref  # noqa: E402
+from tests.vllm.compare import assert_equals_vllm  # noqa: E402
+from tests.vllm.compare import bits as _bits  # noqa: E402
 
 ENGINE = ElementRule.ENGINE
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def _per_expert(w: torch.Tensor) -> list[torch.Tensor]:
@@ -40,61 +37,15 @@ def _pick(tensors: dict[str, torch.Tensor], e: int, experts: bool) -> dict[str, 
     return {k: t[e] for k, t in tensors.items()} if experts else tensors
 
 
-def _ids(params: list[tuple[str, torch.Tensor]]) -> list[str]:
-    return [name for name, _ in params]
+MATRIX = [(fmt.name, name, w) for fmt in (FP8_BLOCK, MXFP8, MXFP4, NVFP4) for name, w in cases(fmt).items()]
 
 
-FP8_CASES = list(cases(FP8_BLOCK).items())
-MXFP8_CASES = list(cases(MXFP8).items())
-MXFP4_CASES = list(cases(MXFP4).items())
-NVFP4_CASES = list(cases(NVFP4).items())
-
-
-@pytest.mark.parametrize(("case", "w"), FP8_CASES, ids=_ids(FP8_CASES))
-def test_fp8_block_equals_per_block_cast_to_fp8(case: str, w: torch.Tensor) -> None:
-    ours = quantize_weight(FP8_BLOCK, w, numerics=ENGINE).tensors
+@pytest.mark.parametrize(("preset", "case", "w"), MATRIX, ids=[f"{p}-{c}" for p, c, _ in MATRIX])
+def test_the_matrix_equals_vllms_quantizers(preset: str, case: str, w: torch.Tensor) -> None:
+    fmt = FORMATS[preset]
+    ours = quantize_weight(fmt, w, numerics=ENGINE).tensors
     for e, one in enumerate(_per_expert(w)):
-        q, scale = ref.fp8_block(one)
-        mine = _pick(ours, e, w.dim() == 3)
-        assert torch.equal(_bits(mine["weight_scale"]), _bits(scale)), case
-        assert torch.equal(_bits(mine["weight"]), _bits(q)), case
-
-
-@pytest.mark.parametrize(("case", "w"), MXFP8_CASES, ids=_ids(MXFP8_CASES))
-def test_mxfp8_equals_vllm_online_mxfp8(case: str, w: torch.Tensor) -> None:
-    ours = quantize_weight(MXFP8, w, numerics=ENGINE).tensors
-    q, scale = ref.mxfp8(w)
-    assert torch.equal(ours["weight_scale"], scale), case
-    assert torch.equal(_bits(ours["weight"]), _bits(q)), case
-
-
-@pytest.mark.parametrize(("case", "w"), MXFP4_CASES, ids=_ids(MXFP4_CASES))
-def test_mxfp4_equals_vllm_mxfp4_quantize(case: str, w: torch.Tensor) -> None:
-    ours = quantize_weight(MXFP4, w, numerics=ENGINE).tensors
-    packed, scale = ref.mxfp4(w)
-    assert torch.equal(ours["weight_scale"], scale), case
-    assert torch.equal(ours["weight_packed"], packed), case
-
-
-def _check_nvfp4(case: str, mine: dict[str, torch.Tensor], one: torch.Tensor, gs: torch.Tensor) -> None:
-    values, scale = ref.nvfp4(one, gs)
-    assert torch.equal(_bits(mine["weight_global_scale"].reshape(1)), _bits(gs)), case
-    assert torch.equal(_bits(mine["weight_scale"].float()), _bits(scale)), case
-    got = e2m1_values(unpack_fp4(mine["weight_packed"]))
-    # Bit for bit, except the sign of a zero: it is the input's sign bit, as the kernel's
-    # cvt.rn.satfinite.e2m1x2.f32 keeps it, where the mirror's torch.sign(x) * |q| turns a
-    # product that was -0.0 (an input of -0.0, or one that underflowed) into +0.
-    zero = values == 0
-    assert torch.equal(_bits(got)[~zero], _bits(values)[~zero]), case
-    assert bool((got[zero] == 0).all()), case
-    assert torch.equal(torch.signbit(got[zero]), torch.signbit(one.float()[zero])), case
-
-
-@pytest.mark.parametrize(("case", "w"), NVFP4_CASES, ids=_ids(NVFP4_CASES))
-def test_nvfp4_equals_ref_nvfp4_quant(case: str, w: torch.Tensor) -> None:
-    ours = quantize_weight(NVFP4, w, numerics=ENGINE).tensors
-    for e, one in enumerate(_per_expert(w)):
-        _check_nvfp4(case, _pick(ours, e, w.dim() == 3), one, ref.nvfp4_global_scale(one))
+        assert_equals_vllm(fmt, _pick(ours, e, w.dim() == 3), one, what=f"{preset} {case} [{e}]")
 
 
 def test_nvfp4_fused_group_shares_vllms_global_scale() -> None:
@@ -103,15 +54,18 @@ def test_nvfp4_fused_group_shares_vllms_global_scale() -> None:
     want = ref.nvfp4_global_scale(*group.values())
     assert torch.equal(_bits(gs), _bits(want))
     for name, w in group.items():
-        _check_nvfp4(name, quantize_weight(NVFP4, w, global_scale=gs, numerics=ENGINE).tensors, w, want)
+        assert_equals_vllm(NVFP4, quantize_weight(NVFP4, w, global_scale=gs, numerics=ENGINE).tensors, w, want, name)
 
 
-def test_nvfp4_negative_zero_keeps_its_sign_bit() -> None:
+def test_e2m1_negative_zero_keeps_its_sign_bit() -> None:
     w = torch.randn(4, 32, dtype=torch.bfloat16)
     w[0, :3] = torch.tensor([-0.0, 0.0, -0.0])
-    codes = unpack_fp4(quantize_weight(NVFP4, w, numerics=ENGINE).tensors["weight_packed"])
-    assert codes[0, :3].tolist() == [8, 0, 8]
-    _check_nvfp4("negative zero", quantize_weight(NVFP4, w, numerics=ENGINE).tensors, w, ref.nvfp4_global_scale(w))
+    for fmt in (NVFP4, MXFP4):
+        tensors = quantize_weight(fmt, w, numerics=ENGINE).tensors
+        assert unpack_fp4(tensors["weight_packed"])[0, :3].tolist() == [8, 0, 8]
+        assert_equals_vllm(fmt, tensors, w, what=fmt.name)
+    ct = quantize_weight(NVFP4, w, numerics=ElementRule.COMPRESSED_TENSORS).tensors
+    assert unpack_fp4(ct["weight_packed"])[0, :3].tolist() == [0, 0, 0]
 
 
 # --- activations -----------------------------------------------------------------------------------
