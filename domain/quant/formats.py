@@ -190,8 +190,7 @@ FP8_BLOCK = PrecisionFormat(
         RuleSpec(ElementRule.ENGINE,
                  "scale = max(amax, 1e-4) / 448; q = e4m3(x * (1.0 / scale)). Activations (1x128): "
                  "scale = max(amax, 1e-10) / 448; q = e4m3(x / scale)",
-                 "vLLM per_block_cast_to_fp8 (DeepGEMM, Transformer Engine, ModelOpt); activations: "
-                 "vLLM per_token_group_quant_fp8"),
+                 "vLLM per_block_cast_to_fp8 (DeepGEMM's); activations: vLLM per_token_group_quant_fp8"),
         RuleSpec(ElementRule.COMPRESSED_TENSORS,
                  "scale = amax / 448 (float32 eps for a zero block); q = e4m3(x / scale)",
                  "compressed-tensors calculate_qparams + FloatQuantizationCompressor"),

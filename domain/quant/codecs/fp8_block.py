@@ -3,8 +3,9 @@
 The block is the format's (`FP8_BLOCK.block_size`, 128x128 for weights; activations use 1 x 128
 groups). scale = amax_block / 448 in float32. The element rules (ARCHITECTURE.md section 3):
 
-- engine, weights: vLLM's `per_block_cast_to_fp8` (the order of DeepGEMM, Transformer Engine and
-  ModelOpt): amax clamped to 1e-4, elements = e4m3(x * (1.0 / scale)). The reciprocal product
+- engine, weights: vLLM's `per_block_cast_to_fp8` (DeepGEMM's): amax clamped to 1e-4, elements =
+  e4m3(x * (1.0 / scale)). (Transformer Engine's and ModelOpt's block quantizers multiply by
+  448 / amax instead, and decode with its reciprocal: a third order, docs/qat.md.) The reciprocal product
   can land on the other side of a tie: where x / scale is exactly 42, the division rounds to 40
   (the even mantissa) and the product, just above 42, to 44.
 - engine, activations: vLLM's `per_token_group_quant_fp8` CUDA kernel: amax clamped to 1e-10,
