@@ -39,7 +39,7 @@ def e2m1_codes(x: torch.Tensor, *, signed_zero: bool = False) -> torch.Tensor:
     bits = a.view(torch.int32)
     from_one = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
     code = torch.where(a < 1.0, torch.round(a * 2.0).to(torch.int32), from_one).clamp(max=7)
-    negative = torch.signbit(x) if signed_zero else x < 0
+    negative = x.view(torch.int32) < 0 if signed_zero else x < 0  # the int view reads the sign bit
     return code.to(torch.uint8) | (negative.to(torch.uint8) << 3)
 
 
