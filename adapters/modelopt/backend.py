@@ -20,7 +20,14 @@ import attrs
 import structlog
 import torch
 
-from adapters.modelopt.configs import NATIVE_ORDERS, NUMERICS, input_attributes, preset_of, scheme_of, weight_attributes
+from adapters.modelopt.configs import (
+    NATIVE_ORDERS,
+    NUMERICS,
+    input_attributes,
+    preset_of,
+    scheme_of,
+    weight_attributes,
+)
 from adapters.qat_reference.layouts import Layout, select_layout
 from domain.errors import ConfigError, QatNumericsMismatch, QatStateError, QatUnsupportedModel
 from domain.quant.formats import NVFP4, ActivationScheme

@@ -118,7 +118,7 @@ def _comparisons() -> list[dict]:  # pragma: no cover - needs CUDA and vLLM
             differ, elements = fn()
             results.append({"name": name, "ran": True, "differ": differ, "elements": elements,
                             "seconds": round(time.time() - t0, 1)})
-        except Exception as err:  # noqa: BLE001 - reported, then judged by verdict()
+        except Exception as err:  # reported, then judged by verdict()
             results.append({"name": name, "ran": True, "error": f"{type(err).__name__}: {err}"[:500]})
 
     def fp8_block() -> tuple[int, int]:

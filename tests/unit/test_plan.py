@@ -6,7 +6,16 @@ import attrs
 import pytest
 
 from domain.errors import ConfigError
-from domain.quant.formats import BF16, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, ElementRule, MxScaleRule
+from domain.quant.formats import (
+    BF16,
+    FP8_BLOCK,
+    MXFP4,
+    MXFP8,
+    NVFP4,
+    ActivationScheme,
+    ElementRule,
+    MxScaleRule,
+)
 from domain.quant.numerics import numerics_decisions, numerics_metadata
 from domain.quant.plan import QuantizationPlan, TensorDecision
 

@@ -27,7 +27,10 @@ import torch
 from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 from vllm.model_executor.layers.quantization.online.nvfp4 import FLOAT8_E4M3_MAX
 from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
-from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import FLOAT4_E2M1_MAX, ref_nvfp4_quant
+from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+    FLOAT4_E2M1_MAX,
+    ref_nvfp4_quant,
+)
 from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape, weight_amax
 from vllm.utils.deep_gemm import per_block_cast_to_fp8
 

@@ -7,13 +7,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
-import torch  # noqa: E402
+import torch
 
-from domain.quant.codecs import nvfp4_global_scale, quantize_weight  # noqa: E402
-from domain.quant.formats import FORMATS, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ElementRule  # noqa: E402
-from tests.codecs import ct_reference  # noqa: E402
-from tests.codecs.matrix import cases, fused_group  # noqa: E402
-from tests.vllm.compare import bits  # noqa: E402
+from domain.quant.codecs import nvfp4_global_scale, quantize_weight
+from domain.quant.formats import FORMATS, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ElementRule
+from tests.codecs import ct_reference
+from tests.codecs.matrix import cases, fused_group
+from tests.vllm.compare import bits
 
 CT = ElementRule.COMPRESSED_TENSORS
 # compressed-tensors' compressor takes whole blocks only: no edge blocks.

@@ -16,15 +16,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
-import torch  # noqa: E402
+import torch
 
-from domain.quant.codecs import fake_quantize_activation, nvfp4_global_scale, quantize_weight  # noqa: E402
-from domain.quant.codecs.elements import e2m1_values, unpack_fp4  # noqa: E402
-from domain.quant.formats import FORMATS, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, ElementRule  # noqa: E402
-from tests.codecs.matrix import cases, fused_group, real_shaped  # noqa: E402
-from tests.vllm import references as ref  # noqa: E402
-from tests.vllm.compare import assert_equals_vllm  # noqa: E402
-from tests.vllm.compare import bits as _bits  # noqa: E402
+from domain.quant.codecs import fake_quantize_activation, nvfp4_global_scale, quantize_weight
+from domain.quant.codecs.elements import e2m1_values, unpack_fp4
+from domain.quant.formats import FORMATS, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, ElementRule
+from tests.codecs.matrix import cases, fused_group, real_shaped
+from tests.vllm import references as ref
+from tests.vllm.compare import assert_equals_vllm
+from tests.vllm.compare import bits as _bits
 
 ENGINE = ElementRule.ENGINE
 

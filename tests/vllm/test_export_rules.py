@@ -13,20 +13,20 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 pytest.importorskip("transformers", reason="building the tiny HF models needs transformers")
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import torch
+from safetensors.torch import load_file
 
-from adapters.compressed_tensors.quantization_config import NUMERICS_KEY  # noqa: E402
-from adapters.hf_checkpoint.reader import HfCheckpoint  # noqa: E402
-from app.config import build_config  # noqa: E402
-from app.services.checkpoint_export import export_checkpoint  # noqa: E402
-from app.services.planning import make_plan  # noqa: E402
-from domain.quant import naming  # noqa: E402
-from domain.quant.formats import NVFP4, ElementRule  # noqa: E402
-from tests.codecs import ct_reference  # noqa: E402
-from tests.integration.export_models import save_tiny_model  # noqa: E402
-from tests.vllm import references as ref  # noqa: E402
-from tests.vllm.compare import assert_equals_vllm, bits  # noqa: E402
+from adapters.compressed_tensors.quantization_config import NUMERICS_KEY
+from adapters.hf_checkpoint.reader import HfCheckpoint
+from app.config import build_config
+from app.services.checkpoint_export import export_checkpoint
+from app.services.planning import make_plan
+from domain.quant import naming
+from domain.quant.formats import NVFP4, ElementRule
+from tests.codecs import ct_reference
+from tests.integration.export_models import save_tiny_model
+from tests.vllm import references as ref
+from tests.vllm.compare import assert_equals_vllm, bits
 
 COMBOS = [("FP8_BLOCK", "NVFP4"), ("MXFP8", "MXFP4"), ("NVFP4", "FP8_BLOCK"), ("MXFP4", "MXFP8")]
 
