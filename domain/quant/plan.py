@@ -2,7 +2,8 @@
 
 A plan is a value: the preset for dense Linear layers (`linear`), for routed experts (`moe`),
 the experts' activation scheme, the user's ignore entries (added to naming.DEFAULT_IGNORE), the
-element rule (`numerics`) and the MX scale rule. `decide(name, shape)` is a pure function of those and the tensor's name and shape.
+element rule (`numerics`) and the MX scale rule. `decide(name, shape)` is a pure function of those
+and the tensor's name and shape.
 """
 
 from __future__ import annotations

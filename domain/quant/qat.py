@@ -307,7 +307,9 @@ def activation_scheme(plan: QuantizationPlan, decision: TensorDecision) -> Activ
     return plan.effective_moe_activation if decision.kind == "expert" else plan.effective_linear_activation
 
 
-def fake_quantize_input(plan: QuantizationPlan, scheme: ActivationScheme, x: Tensor, name: str = "activation") -> Tensor:
+def fake_quantize_input(
+    plan: QuantizationPlan, scheme: ActivationScheme, x: Tensor, name: str = "activation"
+) -> Tensor:
     """Activation fake-quantization as the rollout kernels do it (per token / dynamic), with STE.
 
     Args:
