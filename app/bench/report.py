@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -87,7 +87,7 @@ class BenchReport:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def measure_interleaved(fns: dict[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1) -> dict[str, float]:
+def measure_interleaved(fns: Mapping[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1) -> dict[str, float]:
     """Median wall-clock seconds of each of `fns`, run in turns (the order reversed every round), so
     that a load change on a shared machine hits every candidate alike."""
     for fn in fns.values():
