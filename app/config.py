@@ -25,7 +25,7 @@ import yaml
 from domain.errors import ConfigError, ConfigTypeError, RemovedConfigKey, UnknownConfigKey
 from domain.quant import naming
 from domain.quant.dispatch import ENGINES
-from domain.quant.formats import FORMATS, ActivationScheme, MxScaleRule
+from domain.quant.formats import FORMATS, ActivationScheme, ElementRule, MxScaleRule
 from domain.quant.qat_modes import canonical_qat_mode
 from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS
 
@@ -133,9 +133,13 @@ SCHEMA: tuple[Key, ...] = (
     Key("rollout.quantization.allow_config_rewrite", (bool,), False,
         "true: a config_file / hf_overrides quantization_config that cannot be honoured as written is "
         "rewritten from the presets (refit plan lists every change) instead of rejected"),
-    Key("rollout.quantization.scale_rule", (str,), "rceil",
-        "MX shared-exponent rule: rceil (TE/ModelOpt/vLLM) or even (compressed-tensors bytes)",
-        choices=tuple(r.value for r in MxScaleRule)),
+    Key("rollout.quantization.numerics", (str,), ElementRule.ENGINE.value,
+        "element rule: engine (the engine's own quantizers and the QAT kernels) or compressed-tensors "
+        "(llm-compressor checkpoints byte for byte)", choices=tuple(r.value for r in ElementRule)),
+    Key("rollout.quantization.scale_rule", (str, NoneType), None,
+        "MX shared-exponent rule for both MX formats: rceil or even; null = the element rule's choice "
+        "(engine: MXFP8 rceil, MXFP4 even; compressed-tensors: even)",
+        choices=(None, *(r.value for r in MxScaleRule))),
     Key("rollout.engine_kwargs.vllm.hf_overrides", (dict, str, NoneType), None,
         "vLLM hf_overrides (dict or JSON string); its quantization_config wins, null = BF16",
         check=_hf_overrides, free=True),

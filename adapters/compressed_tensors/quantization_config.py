@@ -41,9 +41,13 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised only without 
 from domain.quant import naming
 from domain.quant.dispatch import Resolution
 from domain.quant.formats import ActivationScheme, PrecisionFormat
+from domain.quant.numerics import numerics_metadata
 from domain.quant.plan import QuantizationPlan
 
 EXPERTS_TARGET = naming.EXPERTS_PATTERN
+# The element and MX scale rules the exporter used, recorded in the quantization_config under a key
+# of its own: compressed-tensors, vLLM and SGLang read the keys they know and ignore the rest.
+NUMERICS_KEY = "rl_refit_numerics"
 
 # compressed-tensors preset whose input_activations each activation scheme takes.
 _ACTIVATION_PRESET = {
@@ -184,7 +188,8 @@ def engine_quantization_config(
         extra_ignore: rollout.quantization.ignore (appended to a config sent as written).
 
     Returns:
-        The dict, or None for a BF16 rollout.
+        The dict, or None for a BF16 rollout. Layouts the exporter quantizes carry NUMERICS_KEY:
+        the element rule and, per format, the MX scale rule and the reference it follows.
     """
     layout, plan, native = resolution.layout, resolution.plan, resolution.native
     if layout == "bf16":
@@ -195,10 +200,11 @@ def engine_quantization_config(
         return as_written_config(native.config, extra_ignore)
     kept = list(bf16_modules) if bf16_modules is not None else [*naming.DEFAULT_IGNORE, *plan.ignore]
     if layout == "sglang-mxfp8":
-        return sglang_mxfp8_config(kept)
-    if layout == "native-fp8":
-        return deepseek_fp8_config(kept)
-    config = to_config_json(compressed_tensors_config(plan))
-    if native is not None and native.config.get("kv_cache_scheme"):
-        config["kv_cache_scheme"] = copy.deepcopy(native.config["kv_cache_scheme"])  # honoured either way
-    return config
+        config = sglang_mxfp8_config(kept)
+    elif layout == "native-fp8":
+        config = deepseek_fp8_config(kept)
+    else:
+        config = to_config_json(compressed_tensors_config(plan))
+        if native is not None and native.config.get("kv_cache_scheme"):
+            config["kv_cache_scheme"] = copy.deepcopy(native.config["kv_cache_scheme"])  # honoured either way
+    return {**config, NUMERICS_KEY: numerics_metadata(plan)}

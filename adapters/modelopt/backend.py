@@ -20,7 +20,14 @@ import attrs
 import structlog
 import torch
 
-from adapters.modelopt.configs import NUMERICS, input_attributes, preset_of, scheme_of, weight_attributes
+from adapters.modelopt.configs import (
+    NATIVE_ORDERS,
+    NUMERICS,
+    input_attributes,
+    preset_of,
+    scheme_of,
+    weight_attributes,
+)
 from adapters.qat_reference.layouts import Layout, select_layout
 from domain.errors import ConfigError, QatNumericsMismatch, QatStateError, QatUnsupportedModel
 from domain.quant.formats import NVFP4, ActivationScheme
@@ -213,7 +220,7 @@ class ModelOptQatBackend:
         args = quantizer.backend_extra_args
         tensor = state.by_name[args["tensor"]]
         if args["role"] == "input":
-            return fake_quantize_input(ActivationScheme(args["scheme"]), x, f"{tensor.module} input")
+            return fake_quantize_input(state.plan, ActivationScheme(args["scheme"]), x, f"{tensor.module} input")
         return straight_through(x, self._reference(state, tensor, x).detach())
 
     def _set_group_amax(self, state: _State) -> None:
@@ -255,11 +262,14 @@ class ModelOptQatBackend:
         if n:
             first = tuple(int(i) for i in differ.nonzero()[0])
             gap = float((got.float() - want.float()).abs().max())
+            order = NATIVE_ORDERS.get(preset_of(quantizer.num_bits, quantizer.block_sizes))
+            why = f"; ModelOpt computes {order}" if order and self.numerics == "modelopt" else ""
             raise QatNumericsMismatch(
                 t.name,
                 f"ModelOpt's weight fake-quantization ({self.numerics} numerics) differs from dequantize(exported "
-                f"tensors) in {n} of {differ.numel()} elements (first at {first}: {float(got[first])} vs "
-                f"{float(want[first])}; max |diff| {gap:.3e}); training on it would not train on the bits the "
-                "rollout serves: use numerics='exporter' (the default) or the reference QAT backend",
+                f"tensors, {state.plan.numerics.value} rule) in {n} of {differ.numel()} elements (first at {first}: "
+                f"{float(got[first])} vs {float(want[first])}; max |diff| {gap:.3e}){why}; training on it would not "
+                "train on the bits the rollout serves: use numerics='exporter' (the default) or the reference QAT "
+                "backend",
             )
         log.debug("qat weights bit-identical to the exporter", layer=t.name, backend=self.name)

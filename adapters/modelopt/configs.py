@@ -16,8 +16,12 @@ activations per 1x128 group, so those input quantizers run the codec through a r
 ModelOpt quant backend (`backend` / `backend_extra_args` of the quantizer attribute config).
 
 Weights: with `numerics="exporter"` (the default) the weight quantizers run the exporter's
-quantize-dequantize through the same registered backend; with `numerics="modelopt"` they run
-ModelOpt's own kernels, and the first-forward check compares them with the exporter bit for bit.
+quantize-dequantize through the same registered backend, under the plan's element rule; with
+`numerics="modelopt"` they run ModelOpt's own kernels, and the first-forward check compares them
+with the exporter bit for bit. ModelOpt's FP8 block kernel (`tensor_quant._fp8_eager`, CPU and
+GPU) computes neither element rule: it multiplies by 448 / amax (not by 1 / (amax / 448), vLLM's
+and DeepGEMM's order) and decodes with 1 / (448 / amax) (not amax / 448), so on real weights it
+differs from the export on a few elements per thousand under either rule (NATIVE_ORDERS).
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ NATIVE_INPUT_CONFIGS: dict[ActivationScheme, str] = {
     ActivationScheme.MXFP4: "MXFP4_DEFAULT_CFG",
 }
 NUMERICS = ("exporter", "modelopt")
+# What ModelOpt's own weight kernels compute, for the first-forward check's message.
+NATIVE_ORDERS: dict[str, str] = {
+    FP8_BLOCK.name: "e4m3(x * (448 / amax)) decoded as q * (1 / (448 / amax)) (tensor_quant._fp8_eager)",
+}
 
 
 def _entry(mtq: Any, config_name: str, quantizer: str) -> dict[str, Any]:

@@ -64,8 +64,9 @@ class _Applied:
 class _LinearInputs(TorchFunctionMode):
     """Fake-quantizes the input of every F.linear whose weight is (a view of) a registered tensor."""
 
-    def __init__(self, sites: Mapping[int, tuple[ActivationScheme, str]]) -> None:
+    def __init__(self, plan: QuantizationPlan, sites: Mapping[int, tuple[ActivationScheme, str]]) -> None:
         super().__init__()
+        self.plan = plan
         self.sites = sites
         self.hits: dict[int, int] = dict.fromkeys(sites, 0)
 
@@ -76,7 +77,7 @@ class _LinearInputs(TorchFunctionMode):
             if key in self.sites:
                 scheme, name = self.sites[key]
                 self.hits[key] += 1
-                args = (fake_quantize_input(scheme, args[0], name), *args[1:])
+                args = (fake_quantize_input(self.plan, scheme, args[0], name), *args[1:])
         return func(*args, **kwargs)
 
 
@@ -180,7 +181,7 @@ class ReferenceQatBackend:
                 values = fake_quantize_tensors(applied.plan, [(t, self._current(applied, t)) for t in unit])
                 fq.update({t.name: v for t, v in zip(unit, values, strict=True) if t.module == module_name})
             if input_sites and input_sites[0].scheme is not ActivationScheme.NONE:
-                args, kwargs = _quantize_first_input(input_sites[0], module_name, args, kwargs)
+                args, kwargs = _quantize_first_input(applied.plan, input_sites[0], module_name, args, kwargs)
             saved = {}
             for s in sites:
                 saved[s.tensor.name] = module._parameters[s.tensor.param]
@@ -191,7 +192,7 @@ class ReferenceQatBackend:
                           for s in sites if s.site != INPUT and s.scheme is not ActivationScheme.NONE}
                 if not linear:
                     return inner(*args, **kwargs)
-                with _LinearInputs(linear) as mode:
+                with _LinearInputs(applied.plan, linear) as mode:
                     out = inner(*args, **kwargs)
                 _check_reached(mode, module_name, args)
                 return out
@@ -205,13 +206,14 @@ class ReferenceQatBackend:
         applied.wrapped[module_name] = (module, previous)
 
 
-def _quantize_first_input(site: _Site, module_name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _quantize_first_input(plan: QuantizationPlan, site: _Site, module_name: str, args: tuple,
+                          kwargs: dict) -> tuple[tuple, dict]:
     name = f"{module_name} input"
     if args and isinstance(args[0], torch.Tensor):
-        return (fake_quantize_input(site.scheme, args[0], name), *args[1:]), kwargs
+        return (fake_quantize_input(plan, site.scheme, args[0], name), *args[1:]), kwargs
     for key in _INPUT_KWARGS:
         if isinstance(kwargs.get(key), torch.Tensor):
-            return args, {**kwargs, key: fake_quantize_input(site.scheme, kwargs[key], name)}
+            return args, {**kwargs, key: fake_quantize_input(plan, site.scheme, kwargs[key], name)}
     raise QatUnsupportedModel(f"module {module_name!r} was called without a tensor input to fake-quantize")
 
 

@@ -328,7 +328,8 @@ class ReferenceEngine:
         if not m.format.is_quantized:
             return x
         scheme = self.plan.effective_moe_activation if is_routed(key) else self.plan.effective_linear_activation
-        return fake_quantize_activation(scheme, x, name=key)
+        return fake_quantize_activation(scheme, x, name=key, numerics=self.plan.numerics,
+                                        scale_rule=self.plan.scale_rule)
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Rollout log-probs and entropies, float32 [B, T - 1] (RolloutEngine port)."""

@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -85,6 +85,22 @@ class BenchReport:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def measure_interleaved(fns: Mapping[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Median wall-clock seconds of each of `fns`, run in turns (the order reversed every round), so
+    that a load change on a shared machine hits every candidate alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for i in range(repeat):
+        for name in order if i % 2 == 0 else reversed(order):
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def measure(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -> float:

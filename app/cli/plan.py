@@ -15,6 +15,7 @@ from rich.table import Table
 from app.config import Section, load_config
 from app.services.planning import PlanReport
 from domain.errors import RefitError
+from domain.quant.numerics import numerics_decisions
 
 if TYPE_CHECKING:
     from app.bootstrap import Services
@@ -70,7 +71,8 @@ def _plan_dict(report: PlanReport) -> dict[str, Any]:
         "moe": plan.moe.name,
         "moe_activation": plan.effective_moe_activation.value,
         "ignore": list(plan.ignore),
-        "scale_rule": plan.scale_rule.value,
+        "numerics": plan.numerics.value,
+        "scale_rule": None if plan.scale_rule is None else plan.scale_rule.value,
         "scale_name": plan.scale_name,
         "source": res.source,
         "layout": res.layout,
@@ -95,6 +97,7 @@ def to_json(report: PlanReport) -> dict[str, Any]:
     return {
         "engine": report.engine,
         "plan": _plan_dict(report),
+        "numerics": [d.to_dict() for d in numerics_decisions(report.plan)],
         "rules": [{"rule": o.rule, "name": o.name, "outcome": o.outcome} for o in report.resolution.outcomes],
         "engine_config": report.engine_config,
         "unused_keys": list(report.unused_keys),
@@ -117,8 +120,8 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False) 
     summary.add_row("dense Linear", p["linear"], p["linear_activation"])
     summary.add_row("routed experts", p["moe"], p["moe_activation"])
     console.print(summary)
-    console.print(f"ignore (besides the defaults): {p['ignore'] or 'none'}; MX scale rule {p['scale_rule']}; "
-                  f"block scale name {p['scale_name']}")
+    console.print(f"ignore (besides the defaults): {p['ignore'] or 'none'}; block scale name {p['scale_name']}")
+    _render_numerics(report, console)
     rules = Table(title="dispatch rules")
     for col in ("rule", "check", "outcome"):
         rules.add_column(col)
@@ -145,6 +148,22 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False) 
                   else "engine quantization_config: none (BF16)")
     if report.engine_config:
         console.print_json(json.dumps(report.engine_config))
+
+
+def _render_numerics(report: PlanReport, console: Console) -> None:
+    decisions = numerics_decisions(report.plan)
+    if not decisions:
+        return
+    table = Table(title=f"numerics: element rule {report.plan.numerics.value}")
+    for col in ("format", "quantizes", "MX scale rule", "reference"):
+        table.add_column(col, overflow="fold")
+    for d in decisions:
+        scale = "-" if d.scale_rule is None else f"{d.scale_rule.value} ({d.scale_reason})"
+        table.add_row(d.format.name, ", ".join(d.roles), scale, d.spec.reference)
+    console.print(table)
+    console.print(f"why: {decisions[0].element_reason}")
+    for d in decisions:
+        console.print(f"{d.format.name}: {d.spec.formula}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,8 +13,7 @@ from app.config import Section
 from domain.errors import ConfigError
 from domain.quant import naming
 from domain.quant.dispatch import DispatchInput, Resolution, resolve
-from domain.quant.formats import MxScaleRule
-from domain.quant.plan import QuantizationPlan, TensorDecision
+from domain.quant.plan import QuantizationPlan, TensorDecision, parse_numerics, parse_scale_rule
 
 
 class _Checkpoint(Protocol):
@@ -87,7 +86,7 @@ def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose
     if q.linear is not None or q.moe is not None:
         requested = QuantizationPlan.from_presets(
             linear=q.linear, moe=q.moe, moe_activation=q.moe_activation,
-            linear_activation=q.linear_activation, scale_rule=q.scale_rule,
+            linear_activation=q.linear_activation, scale_rule=q.scale_rule, numerics=q.numerics,
         )
     elif q.moe_activation is not None or q.linear_activation is not None:
         key = "moe_activation" if q.moe_activation is not None else "linear_activation"
@@ -117,6 +116,24 @@ def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose
         allow_config_rewrite=q.allow_config_rewrite,
         purpose=purpose,
     )
+
+
+def with_numerics(plan: QuantizationPlan, cfg: Section) -> QuantizationPlan:
+    """The plan with rollout.quantization.numerics and scale_rule applied, whatever chose its presets
+    (linear/moe, a config_file or the checkpoint's own quantization_config).
+
+    Args:
+        plan: the resolved plan.
+        cfg: the validated configuration.
+
+    Returns:
+        The plan, evolved only when a rule differs.
+    """
+    q = cfg.rollout.quantization
+    numerics, rule = parse_numerics(q.numerics), parse_scale_rule(q.scale_rule)
+    if plan.numerics is numerics and plan.scale_rule is rule:
+        return plan
+    return attrs.evolve(plan, numerics=numerics, scale_rule=rule)
 
 
 def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> list[str]:
@@ -160,9 +177,9 @@ def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: s
     shapes = tuple(checkpoint.tensor_shapes()) if checkpoint is not None else None
     inp = dispatch_input(cfg, checkpoint.config if checkpoint is not None else None, purpose)
     res = resolve(inp, shapes)
-    rule = MxScaleRule(cfg.rollout.quantization.scale_rule)
-    if res.plan.scale_rule is not rule:
-        res = attrs.evolve(res, plan=attrs.evolve(res.plan, scale_rule=rule))
+    plan = with_numerics(res.plan, cfg)
+    if plan is not res.plan:
+        res = attrs.evolve(res, plan=plan)
     from adapters.compressed_tensors.quantization_config import engine_quantization_config
 
     kept = bf16_linear_modules(res.plan, shapes) if shapes is not None else None

@@ -21,9 +21,8 @@ import structlog
 import torch
 
 from app.config import Section
-from app.services.planning import dispatch_input
+from app.services.planning import dispatch_input, with_numerics
 from domain.quant.dispatch import resolve
-from domain.quant.formats import MxScaleRule
 from domain.quant.plan import QuantizationPlan
 from domain.quant.qat import QatSummary
 from domain.quant.qat_checks import QatSettings, check_effective_precision, check_qat_plan
@@ -84,11 +83,9 @@ def rollout_plan_for(cfg: Section, shapes: list[tuple[str, tuple[int, ...]]],
         model_config: the checkpoint's config.json, or None.
 
     Returns:
-        The plan, with rollout.quantization.scale_rule applied.
+        The plan, with rollout.quantization.numerics and scale_rule applied.
     """
-    plan = resolve(dispatch_input(cfg, model_config), shapes).plan
-    rule = MxScaleRule(cfg.rollout.quantization.scale_rule)
-    return plan if plan.scale_rule is rule else attrs.evolve(plan, scale_rule=rule)
+    return with_numerics(resolve(dispatch_input(cfg, model_config), shapes).plan, cfg)
 
 
 def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend,

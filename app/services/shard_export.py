@@ -182,7 +182,7 @@ class ShardExporter:
             error = err
         failed, amax = channel.exchange(step, error is not None, amax)
         self._stop(u, error, failed)
-        gs = global_scale_from_amax(amax, u.name) if u.has_global_scale else None
+        gs = global_scale_from_amax(amax, u.name, self.plan.numerics) if u.has_global_scale else None
         pieces: list[dict[str, torch.Tensor]] = []
         try:
             for shard, d, mode in zip(shards, u.decisions, u.modes, strict=True):

@@ -36,9 +36,9 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1024, 1024, generator=g).to(torch.bfloat16)
-    cases = [("FP8_BLOCK", FP8_BLOCK, MxScaleRule.RCEIL), ("MXFP8 rceil", MXFP8, MxScaleRule.RCEIL),
+    cases = [("FP8_BLOCK", FP8_BLOCK, None), ("MXFP8 rceil", MXFP8, MxScaleRule.RCEIL),
              ("MXFP8 even", MXFP8, MxScaleRule.EVEN), ("MXFP4 rceil", MXFP4, MxScaleRule.RCEIL),
-             ("MXFP4 even", MXFP4, MxScaleRule.EVEN), ("NVFP4", NVFP4, MxScaleRule.RCEIL)]
+             ("MXFP4 even", MXFP4, MxScaleRule.EVEN), ("NVFP4", NVFP4, None)]
     names, errors, bits = [], [], []
     for label, fmt, rule in cases:
         q = quantize_weight(fmt, w, scale_rule=rule)

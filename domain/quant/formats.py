@@ -46,8 +46,34 @@ class ScaleEncoding(enum.Enum):
 class MxScaleRule(enum.Enum):
     """How an MX block's shared exponent is chosen (ARCHITECTURE.md section 3)."""
 
-    RCEIL = "rceil"  # Transformer Engine, ModelOpt, vLLM online, torchao RCEIL (default)
-    EVEN = "even"  # compressed-tensors / llm-compressor checkpoints
+    RCEIL = "rceil"  # exact ceil(log2(amax / elem_max)): Transformer Engine, ModelOpt, vLLM's MXFP8, torchao RCEIL
+    EVEN = "even"  # OCP round-to-nearest: compressed-tensors, vLLM's online MXFP4 (Triton downcast_to_mxfp)
+
+
+class ElementRule(enum.Enum):
+    """The operation order that turns a block's values into its scale and elements.
+
+    The two orders differ only on ties and on degenerate (zero or tiny) blocks, on a small share of
+    elements, which is enough to break bit-identity (ARCHITECTURE.md section 3).
+    """
+
+    ENGINE = "engine"  # the rollout engine's own online quantizer and the QAT kernels (default)
+    COMPRESSED_TENSORS = "compressed-tensors"  # llm-compressor checkpoints, byte for byte
+
+
+@attrs.frozen
+class RuleSpec:
+    """One element rule of one format, as `refit plan` and docs/formats.md state it.
+
+    Attributes:
+        rule: the element rule.
+        formula: the scale and element expressions, in the reference's own operation order.
+        reference: the function whose expressions the codec ports.
+    """
+
+    rule: ElementRule
+    formula: str
+    reference: str
 
 
 class ActivationScheme(enum.Enum):
@@ -73,6 +99,8 @@ class PrecisionFormat:
         activation: the default dynamic activation scheme of the rollout.
         tensor_names: checkpoint tensors one quantized Linear weight becomes.
         ct_format: compressed-tensors CompressionFormat value (None for BF16).
+        engine_scale_rule: MX only: the exponent rule of the engine's own quantizer.
+        rules: the element rules, with their formulas and references.
     """
 
     name: str
@@ -82,6 +110,8 @@ class PrecisionFormat:
     activation: ActivationScheme
     tensor_names: tuple[str, ...]
     ct_format: str | None
+    engine_scale_rule: MxScaleRule | None = None
+    rules: tuple[RuleSpec, ...] = ()
 
     @property
     def is_quantized(self) -> bool:
@@ -107,6 +137,31 @@ class PrecisionFormat:
         rows, cols = self.block_size
         return cols if rows == 1 else 1
 
+    @property
+    def is_mx(self) -> bool:
+        """One E8M0 exponent per block (MXFP8, MXFP4): the MX scale rule applies."""
+        return self.scale_encoding is ScaleEncoding.E8M0
+
+    def scale_rule(self, numerics: ElementRule, override: MxScaleRule | None = None) -> MxScaleRule | None:
+        """The MX exponent rule this format uses under `numerics`; None for non-MX formats.
+
+        Args:
+            numerics: the element rule.
+            override: rollout.quantization.scale_rule when the user set it (it wins).
+
+        Returns:
+            The override; else the engine's rule under ENGINE and EVEN under COMPRESSED_TENSORS.
+        """
+        if not self.is_mx:
+            return None
+        if override is not None:
+            return override
+        return self.engine_scale_rule if numerics is ElementRule.ENGINE else MxScaleRule.EVEN
+
+    def rule_spec(self, numerics: ElementRule) -> RuleSpec | None:
+        """The formula and reference of `numerics` for this format (None for BF16)."""
+        return next((r for r in self.rules if r.rule is numerics), None)
+
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of `weight_scale` for a weight of `shape` (2-D [N, K] or 3-D [E, N, K])."""
         rows, cols = self.block_size
@@ -131,6 +186,15 @@ FP8_BLOCK = PrecisionFormat(
     activation=ActivationScheme.FP8_GROUP_128,
     tensor_names=("weight", "weight_scale"),
     ct_format="float-quantized",
+    rules=(
+        RuleSpec(ElementRule.ENGINE,
+                 "scale = max(amax, 1e-4) / 448; q = e4m3(x * (1.0 / scale)). Activations (1x128): "
+                 "scale = max(amax, 1e-10) / 448; q = e4m3(x / scale)",
+                 "vLLM per_block_cast_to_fp8 (DeepGEMM's); activations: vLLM per_token_group_quant_fp8"),
+        RuleSpec(ElementRule.COMPRESSED_TENSORS,
+                 "scale = amax / 448 (float32 eps for a zero block); q = e4m3(x / scale)",
+                 "compressed-tensors calculate_qparams + FloatQuantizationCompressor"),
+    ),
 )
 MXFP8 = PrecisionFormat(
     name="MXFP8",
@@ -140,6 +204,14 @@ MXFP8 = PrecisionFormat(
     activation=ActivationScheme.MXFP8,
     tensor_names=("weight", "weight_scale"),
     ct_format="mxfp8-quantized",
+    engine_scale_rule=MxScaleRule.RCEIL,
+    rules=(
+        RuleSpec(ElementRule.ENGINE, "e = ceil(log2(amax / 448)) + 127 in [0, 254] (rceil); q = e4m3(x / 2^(e - 127))",
+                 "vLLM _mxfp8_e4m3_quantize_torch (online MXFP8, weights and activations)"),
+        RuleSpec(ElementRule.COMPRESSED_TENSORS,
+                 "e = 127 + floor(log2(round_up_pow2(amax))) - 8 in [0, 254] (even); q = e4m3(x / 2^(e - 127))",
+                 "compressed-tensors calculate_qparams + MXFP8QuantizationCompressor"),
+    ),
 )
 MXFP4 = PrecisionFormat(
     name="MXFP4",
@@ -149,6 +221,16 @@ MXFP4 = PrecisionFormat(
     activation=ActivationScheme.MXFP4,
     tensor_names=("weight_packed", "weight_scale"),
     ct_format="mxfp4-pack-quantized",
+    engine_scale_rule=MxScaleRule.EVEN,
+    rules=(
+        RuleSpec(ElementRule.ENGINE,
+                 "e = floor(log2(round_up_pow2(amax))) - 2 + 127 in [0, 254] (even); q = e2m1(x * 2^(127 - e)), "
+                 "the sign of -0 kept",
+                 "vLLM mxfp4_quantize (Triton downcast_to_mxfp)"),
+        RuleSpec(ElementRule.COMPRESSED_TENSORS,
+                 "e as for engine (even); q = e2m1(x / 2^(e - 127)), -0 stored as +0",
+                 "compressed-tensors calculate_qparams + MXFP4PackedCompressor"),
+    ),
 )
 NVFP4 = PrecisionFormat(
     name="NVFP4",
@@ -158,6 +240,17 @@ NVFP4 = PrecisionFormat(
     activation=ActivationScheme.NVFP4_PER_TOKEN,
     tensor_names=("weight_packed", "weight_scale", "weight_global_scale"),
     ct_format="nvfp4-pack-quantized",
+    rules=(
+        RuleSpec(ElementRule.ENGINE,
+                 "gs = (6 * 448) / max(amax_tensor, 1e-8); s = e4m3(gs * (amax_block * (1 / 6))), 0 kept; "
+                 "q = e2m1(x * r(s * r(gs))) with r(t) = 1 / (t + (t == 0) * 1e8), the sign of -0 kept",
+                 "vLLM scaled_fp4_quant as its torch mirror ref_nvfp4_quant computes it; global scale as "
+                 "Nvfp4OnlineMoEMethod"),
+        RuleSpec(ElementRule.COMPRESSED_TENSORS,
+                 "gs = (6 * 448) / amax_tensor (1.0 for a zero tensor); s = e4m3(gs * (amax_block / 6)), 0 stored "
+                 "as 0.125; q = e2m1(x / (s / gs))",
+                 "compressed-tensors generate_gparam, calculate_qparams + NVFP4PackedCompressor"),
+    ),
 )
 
 # The registry of presets, by name. Plain dict, built in one place.

@@ -1,8 +1,9 @@
 """The rollout quantization plan: per tensor, BF16 or which preset, and the fused group.
 
 A plan is a value: the preset for dense Linear layers (`linear`), for routed experts (`moe`),
-the experts' activation scheme, the user's ignore entries (added to naming.DEFAULT_IGNORE) and the
-MX scale rule. `decide(name, shape)` is a pure function of those and the tensor's name and shape.
+the experts' activation scheme, the user's ignore entries (added to naming.DEFAULT_IGNORE), the
+element rule (`numerics`) and the MX scale rule. `decide(name, shape)` is a pure function of those
+and the tensor's name and shape.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from domain.quant.formats import (
     MXFP8,
     NVFP4,
     ActivationScheme,
+    ElementRule,
     MxScaleRule,
     PrecisionFormat,
     format_by_name,
@@ -153,22 +155,41 @@ def parse_activation(
     raise ConfigError(key, f"unknown scheme {value!r}; valid: {valid}")
 
 
-def parse_scale_rule(value: str | MxScaleRule) -> MxScaleRule:
-    """Read an MX scale rule (`rceil` or `even`).
+def parse_scale_rule(value: str | MxScaleRule | None) -> MxScaleRule | None:
+    """Read an MX scale rule (`rceil` or `even`); None leaves it to the element rule.
 
     Args:
-        value: the rule or its string value.
+        value: the rule, its string value, or None.
 
     Returns:
-        The MxScaleRule.
+        The MxScaleRule, or None.
     """
-    if isinstance(value, MxScaleRule):
+    if value is None or isinstance(value, MxScaleRule):
         return value
     try:
         return MxScaleRule(str(value).strip().lower())
     except ValueError:
         valid = ", ".join(r.value for r in MxScaleRule)
-        raise ConfigError("rollout.quantization.scale_rule", f"unknown rule {value!r}; valid: {valid}") from None
+        raise ConfigError("rollout.quantization.scale_rule", f"unknown rule {value!r}; valid: {valid} "
+                          "(or null for the element rule's choice)") from None
+
+
+def parse_numerics(value: str | ElementRule) -> ElementRule:
+    """Read an element rule (`engine` or `compressed-tensors`; `compressed_tensors` is accepted).
+
+    Args:
+        value: the rule or its string value.
+
+    Returns:
+        The ElementRule.
+    """
+    if isinstance(value, ElementRule):
+        return value
+    try:
+        return ElementRule(str(value).strip().lower().replace("_", "-"))
+    except ValueError:
+        valid = ", ".join(r.value for r in ElementRule)
+        raise ConfigError("rollout.quantization.numerics", f"unknown element rule {value!r}; valid: {valid}") from None
 
 
 def parse_format(key: str, value: str | PrecisionFormat | None) -> PrecisionFormat:
@@ -198,22 +219,26 @@ class QuantizationPlan:
         moe: preset for routed experts (BF16 = not quantized).
         moe_activation: the experts' activation scheme; None = the moe preset's default.
         ignore: the user's ignore entries, added to naming.DEFAULT_IGNORE.
-        scale_rule: the MX shared-exponent rule (RCEIL by default, EVEN for compressed-tensors bytes).
+        scale_rule: the MX shared-exponent rule the user chose (it wins for both MX formats); None =
+            each format's rule under `numerics` (`PrecisionFormat.scale_rule`).
         scale_name: checkpoint name of the block scale: `weight_scale` (compressed-tensors) or
             `weight_scale_inv` (native DeepSeek-style FP8 and SGLang's native MXFP8).
         linear_activation: the dense layers' activation scheme; None = the linear preset's default.
         targets: the config groups of a user's compressed-tensors config, when its targets cover
             only some Linear layers (empty: every dense / expert Linear weight is quantized).
+        numerics: the element rule: ENGINE (the engine's own quantizers, default) or
+            COMPRESSED_TENSORS (llm-compressor checkpoints byte for byte).
     """
 
     linear: PrecisionFormat = BF16
     moe: PrecisionFormat = BF16
     moe_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
     ignore: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_check_ignore)
-    scale_rule: MxScaleRule = MxScaleRule.RCEIL
+    scale_rule: MxScaleRule | None = None
     scale_name: str = attrs.field(default="weight_scale", validator=attrs.validators.in_(SCALE_NAMES))
     linear_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
     targets: tuple[TargetGroup, ...] = attrs.field(default=(), converter=_to_groups)
+    numerics: ElementRule = ElementRule.ENGINE
 
     @classmethod
     def bf16(cls) -> QuantizationPlan:
@@ -227,9 +252,10 @@ class QuantizationPlan:
         moe: str | PrecisionFormat | None = None,
         ignore: Iterable[str] = (),
         moe_activation: str | ActivationScheme | None = None,
-        scale_rule: str | MxScaleRule = MxScaleRule.RCEIL,
+        scale_rule: str | MxScaleRule | None = None,
         scale_name: str = "weight_scale",
         linear_activation: str | ActivationScheme | None = None,
+        numerics: str | ElementRule = ElementRule.ENGINE,
     ) -> QuantizationPlan:
         """Build a plan from preset names, as the configuration writes them.
 
@@ -238,9 +264,11 @@ class QuantizationPlan:
             moe: preset for routed experts, or None for BF16.
             ignore: user ignore entries (exact names, dot suffixes, `re:` regexes, fnmatch).
             moe_activation: e.g. "nvfp4_per_token" or "mxfp8"; None = the moe preset's default.
-            scale_rule: "rceil" (default) or "even".
+            scale_rule: "rceil" or "even" for both MX formats; None (default) = each format's rule
+                under `numerics`.
             scale_name: "weight_scale" or "weight_scale_inv".
             linear_activation: like moe_activation, for dense layers.
+            numerics: "engine" (default) or "compressed-tensors".
 
         Returns:
             The validated plan. Raises ConfigError naming the key on a bad value.
@@ -253,6 +281,7 @@ class QuantizationPlan:
             ignore=tuple(ignore),
             scale_rule=parse_scale_rule(scale_rule),
             scale_name=scale_name,
+            numerics=parse_numerics(numerics),
         )
 
     @property
@@ -269,6 +298,10 @@ class QuantizationPlan:
     def effective_linear_activation(self) -> ActivationScheme:
         """The dense layers' activation scheme, defaults applied (NONE when they stay BF16)."""
         return self.linear.activation if self.linear_activation is None else self.linear_activation
+
+    def scale_rule_for(self, fmt: PrecisionFormat) -> MxScaleRule | None:
+        """The MX exponent rule `fmt` is quantized with under this plan (None for non-MX formats)."""
+        return fmt.scale_rule(self.numerics, self.scale_rule)
 
     @property
     def formats(self) -> tuple[PrecisionFormat, ...]:

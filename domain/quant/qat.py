@@ -306,10 +306,13 @@ def activation_scheme(plan: QuantizationPlan, decision: TensorDecision) -> Activ
     return plan.effective_moe_activation if decision.kind == "expert" else plan.effective_linear_activation
 
 
-def fake_quantize_input(scheme: ActivationScheme, x: Tensor, name: str = "activation") -> Tensor:
+def fake_quantize_input(
+    plan: QuantizationPlan, scheme: ActivationScheme, x: Tensor, name: str = "activation"
+) -> Tensor:
     """Activation fake-quantization as the rollout kernels do it (per token / dynamic), with STE.
 
     Args:
+        plan: the rollout quantization plan (its element and MX scale rules).
         scheme: the activation scheme (NONE returns x).
         x: the layer input [..., K].
         name: the layer, for errors.
@@ -317,4 +320,4 @@ def fake_quantize_input(scheme: ActivationScheme, x: Tensor, name: str = "activa
     Returns:
         The codec's quantize-dequantize of x (`domain.quant.codecs.fake_quantize_activation`).
     """
-    return fake_quantize_activation(scheme, x, name=name)
+    return fake_quantize_activation(scheme, x, name=name, numerics=plan.numerics, scale_rule=plan.scale_rule)

@@ -109,7 +109,8 @@ def _local(plan: QuantizationPlan, local: str) -> str:
 def _quantize(plan: QuantizationPlan, fmt: PrecisionFormat, w: Tensor, name: str, global_scale: Tensor | None) -> dict[str, Tensor]:
     from domain.quant.codecs import quantize_weight  # bounds its own scratch memory (row chunks)
 
-    return quantize_weight(fmt, w, name=name, global_scale=global_scale, scale_rule=plan.scale_rule).tensors
+    return quantize_weight(fmt, w, name=name, global_scale=global_scale, numerics=plan.numerics,
+                          scale_rule=plan.scale_rule).tensors
 
 
 def _emit(plan: QuantizationPlan, module: str, weight: Tensor, fmt, global_scale=None) -> Iterator[tuple[str, Tensor]]:
@@ -126,7 +127,7 @@ def _emit_fused_experts(plan: QuantizationPlan, d: TensorDecision, w: Tensor) ->
     scales = None
     if d.format.has_global_scale and gate_up:
         # gate and up of one expert share one global scale: the amax over both halves.
-        scales = nvfp4_global_scale(w, name=d.name)  # [E, 1]
+        scales = nvfp4_global_scale(w, name=d.name, numerics=plan.numerics)  # [E, 1]
     for module, e, rows in split:
         gs = scales[e] if scales is not None else None
         yield from _emit(plan, module, w[e, rows], d.format, gs)
@@ -147,7 +148,7 @@ def emit_unit(plan: QuantizationPlan, unit: Unit[Tensor]) -> Iterator[tuple[str,
     if unit.group is not None:
         from domain.quant.codecs import nvfp4_global_scale
 
-        gs = nvfp4_global_scale(*unit.values, name=unit.group)
+        gs = nvfp4_global_scale(*unit.values, name=unit.group, numerics=plan.numerics)
         for d, w in unit.items:
             yield from _emit(plan, naming.module_name(d.name), w, d.format, gs)
         return

@@ -14,6 +14,7 @@ import torch
 
 from domain.errors import ShardingError
 from domain.quant import naming
+from domain.quant.formats import ElementRule
 from domain.quant.plan import QuantizationPlan, TensorDecision
 from domain.refit.buckets import align_up
 
@@ -36,12 +37,15 @@ def local_amax(shards: Iterable[torch.Tensor]) -> torch.Tensor:
     return amax
 
 
-def global_scale_from_amax(amax: torch.Tensor, name: str) -> torch.Tensor:
+def global_scale_from_amax(
+    amax: torch.Tensor, name: str, numerics: ElementRule = ElementRule.ENGINE
+) -> torch.Tensor:
     """The NVFP4 global scale for a unit whose amax (over every rank) is `amax`.
 
     Args:
         amax: float32 scalar, the all-reduced maximum of `local_amax` over the unit's holders.
         name: the unit's name, for errors.
+        numerics: the plan's element rule.
 
     Returns:
         float32 [1]: the codecs' own `nvfp4_global_scale` applied to that maximum, hence the value a
@@ -49,7 +53,7 @@ def global_scale_from_amax(amax: torch.Tensor, name: str) -> torch.Tensor:
     """
     from domain.quant.codecs import nvfp4_global_scale
 
-    return nvfp4_global_scale(amax.reshape(1, 1).float(), name=name)
+    return nvfp4_global_scale(amax.reshape(1, 1).float(), name=name, numerics=numerics)
 
 
 def quantize_shard(
@@ -58,7 +62,7 @@ def quantize_shard(
     """One rank's piece of a tensor in checkpoint format (local names, e.g. `weight_packed`).
 
     Args:
-        plan: the quantization plan (MX scale rule).
+        plan: the quantization plan (element and MX scale rules).
         decision: the tensor's decision (BF16 passes the shard through as `weight`).
         shard: the rank's shard (2-D), or the gathered full tensor.
         global_scale: NVFP4: the unit's global scale from `global_scale_from_amax`; else None.
@@ -71,7 +75,8 @@ def quantize_shard(
     from domain.quant.codecs import quantize_weight
 
     gs = global_scale if decision.format.has_global_scale else None
-    q = quantize_weight(decision.format, shard, name=decision.name, global_scale=gs, scale_rule=plan.scale_rule)
+    q = quantize_weight(decision.format, shard, name=decision.name, global_scale=gs, numerics=plan.numerics,
+                        scale_rule=plan.scale_rule)
     return dict(q.tensors)
 
 

@@ -1,7 +1,7 @@
 """Codecs against plain-torch references written from the spec (ARCHITECTURE.md section 3),
-block by block with Python loops: FP8 block with FP32 scales and edge blocks, MX rceil for the
-dtypes torchao does not take (float16), E2M1 rounding against a brute-force search, packing order,
-and per-expert quantization of 3-D tensors."""
+block by block with Python loops: FP8 block with FP32 scales and edge blocks under both element
+rules, MX rceil for the dtypes torchao does not take (float16), E2M1 rounding against a
+brute-force search, packing order, and per-expert quantization of 3-D tensors."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 
 from domain.quant.codecs import dequantize_weight, nvfp4_global_scale, quantize_weight
 from domain.quant.codecs.elements import e2m1_codes, e2m1_values, pack_fp4, unpack_fp4
-from domain.quant.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule
+from domain.quant.formats import E2M1_VALUES, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ElementRule, MxScaleRule
 from tests.codecs.special import special_weight
 
 
-def _fp8_block_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_block_reference(w: torch.Tensor, rule: ElementRule) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     x = w.float()
     nb, kb = math.ceil(n / 128), math.ceil(k / 128)
@@ -25,20 +25,26 @@ def _fp8_block_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(nb):
         for j in range(kb):
             blk = x[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]  # edge blocks are just smaller
-            s = blk.abs().max() / 448.0
-            if s == 0:
-                s = torch.tensor(torch.finfo(torch.float32).eps)
+            if rule is ElementRule.ENGINE:  # amax clamped to 1e-4, times the reciprocal
+                s = torch.clamp(blk.abs().max(), min=1e-4) / 448.0
+                scaled = blk * (1.0 / s)
+            else:  # divided; a zero block gets float32 eps
+                s = blk.abs().max() / 448.0
+                if s == 0:
+                    s = torch.tensor(torch.finfo(torch.float32).eps)
+                scaled = blk / s
             scale[i, j] = s
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = scaled.clamp(-448, 448).to(torch.float8_e4m3fn)
     return q, scale
 
 
+@pytest.mark.parametrize("rule", list(ElementRule))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1), (129, 257), (300, 128), (128, 1000)])
-def test_fp8_block_matches_spec_reference(dtype, shape) -> None:
+def test_fp8_block_matches_spec_reference(dtype, shape, rule) -> None:
     w = special_weight(shape[0], shape[1], dtype, block=max(1, min(128, shape[1])), seed=sum(shape))
-    q = quantize_weight(FP8_BLOCK, w)
-    ref_q, ref_s = _fp8_block_reference(w)
+    q = quantize_weight(FP8_BLOCK, w, numerics=rule)
+    ref_q, ref_s = _fp8_block_reference(w, rule)
     assert torch.equal(q.tensors["weight_scale"], ref_s)
     assert torch.equal(q.tensors["weight"].view(torch.uint8), ref_q.view(torch.uint8))
     dq = dequantize_weight(q)
@@ -54,22 +60,25 @@ def _rceil_exponent(amax: float, elem_max: float) -> int:
     return max(0, min(254, (e - 1 if m == 0.5 else e) + 127))
 
 
+@pytest.mark.parametrize("rule", list(ElementRule))
 @pytest.mark.parametrize("fmt", [MXFP8, MXFP4])
-def test_mx_rceil_float16_matches_spec_reference(fmt) -> None:
+def test_mx_rceil_float16_matches_spec_reference(fmt, rule) -> None:
     w = special_weight(9, 96, torch.float16, block=32, seed=11)
-    q = quantize_weight(fmt, w)
+    w[0, :4] = torch.tensor([-0.0, 0.0, -0.0, 1.0])  # the element rules encode an E2M1 -0 differently
+    q = quantize_weight(fmt, w, numerics=rule, scale_rule=MxScaleRule.RCEIL)
     x = w.float().reshape(9, 3, 32)
     for r in range(9):
         for b in range(3):
             e = _rceil_exponent(float(x[r, b].abs().max()), fmt.element.max)
             assert int(q.tensors["weight_scale"][r, b]) == e
     ref_scale = torch.exp2(q.tensors["weight_scale"].float() - 127).repeat_interleave(32, -1)
-    ref = (w.float() / torch.where(q.tensors["weight_scale"].repeat_interleave(32, -1) == 0, 1.0, ref_scale))
-    ref = ref.clamp(-fmt.element.max, fmt.element.max)
+    ref = (w.float() / ref_scale).clamp(-fmt.element.max, fmt.element.max)
     if fmt is MXFP8:
         assert torch.equal(q.tensors["weight"].view(torch.uint8), ref.to(torch.float8_e4m3fn).view(torch.uint8))
     else:
-        assert torch.equal(unpack_fp4(q.tensors["weight_packed"]), _brute_force_e2m1(ref))
+        codes = unpack_fp4(q.tensors["weight_packed"])
+        assert torch.equal(codes, _brute_force_e2m1(ref, signed_zero=rule is ElementRule.ENGINE))
+        assert codes[0, 0].item() == (8 if rule is ElementRule.ENGINE else 0)
 
 
 def test_rceil_takes_the_exact_ceiling_just_above_a_power_of_two() -> None:
@@ -82,7 +91,7 @@ def test_rceil_takes_the_exact_ceiling_just_above_a_power_of_two() -> None:
     assert int(q.tensors["weight_scale"][0, 0]) == 127 - 2
 
 
-def _brute_force_e2m1(x: torch.Tensor) -> torch.Tensor:
+def _brute_force_e2m1(x: torch.Tensor, *, signed_zero: bool = False) -> torch.Tensor:
     grid = torch.tensor(E2M1_VALUES)
     flat = x.reshape(-1)
     out = torch.empty(flat.shape, dtype=torch.uint8)
@@ -91,7 +100,8 @@ def _brute_force_e2m1(x: torch.Tensor) -> torch.Tensor:
         d = (grid - a).abs()
         best = [j for j in range(8) if d[j] == d.min()]
         code = best[0] if len(best) == 1 else next(j for j in best if j % 2 == 0)  # ties to even
-        out[i] = code | (8 if v < 0 else 0)
+        negative = math.copysign(1.0, v) < 0 if signed_zero else v < 0
+        out[i] = code | (8 if negative else 0)
     return out.reshape(x.shape)
 
 
@@ -100,6 +110,8 @@ def test_e2m1_rounding_matches_brute_force_including_ties() -> None:
     grid = torch.linspace(-8, 8, 2049).tolist()
     vals = torch.tensor(ties + [-t for t in ties] + grid + list(E2M1_VALUES) + [6.5, 7.0, 1e9, -1e9, 1e-30])
     assert torch.equal(e2m1_codes(vals), _brute_force_e2m1(vals))
+    signed = torch.cat([vals, torch.tensor([-0.0, 0.0, -1e-30])])
+    assert torch.equal(e2m1_codes(signed, signed_zero=True), _brute_force_e2m1(signed, signed_zero=True))
 
 
 def test_e2m1_decode_covers_all_sixteen_codes() -> None:

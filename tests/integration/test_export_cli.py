@@ -72,6 +72,36 @@ def test_plan_table_without_a_model(capsys: pytest.CaptureFixture) -> None:
     assert "MXFP4" in text and "mxfp8" in text and "skipped: no model given" in text
 
 
+def test_plan_shows_the_rule_of_every_format_with_its_reason(capsys: pytest.CaptureFixture) -> None:
+    args = ["plan", "rollout.quantization.linear=FP8_BLOCK", "rollout.quantization.moe=MXFP4",
+            "rollout.quantization.moe_activation=mxfp8"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["numerics"] == "engine" and out["plan"]["scale_rule"] is None
+    rows = {r["format"]: r for r in out["numerics"]}
+    assert list(rows) == ["FP8_BLOCK", "MXFP4", "MXFP8"]
+    assert rows["FP8_BLOCK"]["roles"] == ["weights", "activations"] and rows["FP8_BLOCK"]["scale_rule"] is None
+    assert "per_block_cast_to_fp8" in rows["FP8_BLOCK"]["reference"]
+    assert (rows["MXFP4"]["scale_rule"], rows["MXFP8"]["scale_rule"]) == ("even", "rceil")
+    assert rows["MXFP8"]["roles"] == ["activations"] and "engine quantizer" in rows["MXFP8"]["reason"]
+    assert main([*args, "rollout.quantization.numerics=compressed-tensors", "--json"]) == 0
+    rows = {r["format"]: r for r in json.loads(capsys.readouterr().out)["numerics"]}
+    assert {r["element_rule"] for r in rows.values()} == {"compressed-tensors"}
+    assert rows["MXFP8"]["scale_rule"] == "even" and "llm-compressor" in rows["MXFP8"]["reason"]
+    assert main([*args, "rollout.quantization.scale_rule=rceil", "--json"]) == 0
+    rows = {r["format"]: r for r in json.loads(capsys.readouterr().out)["numerics"]}
+    assert rows["MXFP4"]["scale_rule"] == "rceil" and "set by rollout.quantization.scale_rule" in rows["MXFP4"]["reason"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "numerics: element rule engine" in text and "x * (1.0 / scale)" in text
+
+
+def test_plan_rejects_an_unknown_element_rule(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "rollout.quantization.linear=NVFP4", "rollout.quantization.numerics=llm-compressor"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.quantization.numerics" in err and "engine, compressed-tensors" in err
+
+
 def test_plan_rejects_with_exit_code_2_and_the_error_on_stderr(capsys: pytest.CaptureFixture) -> None:
     rc = main(["plan", "--json", "rollout.name=sglang", "rollout.quantization.linear=MXFP8", "rollout.quantization.moe=MXFP4"])
     captured = capsys.readouterr()

@@ -92,8 +92,8 @@ def _check(src: Path, config: dict, exported: dict[str, torch.Tensor], report: o
         gs = None
         if d.format.name == NVFP4.name:
             members = naming.group_members(d.group) if d.group else (module,)
-            gs = nvfp4_global_scale(*(original[m + ".weight"] for m in members))
-        ref = quantize_weight(d.format, w, global_scale=gs, scale_rule=plan.scale_rule)
+            gs = nvfp4_global_scale(*(original[m + ".weight"] for m in members), numerics=plan.numerics)
+        ref = quantize_weight(d.format, w, global_scale=gs, numerics=plan.numerics, scale_rule=plan.scale_rule)
         rows = table[d.format.name]
         assert {f"{module}.{t}" for t, _, _ in rows} == {k for k in exported if k.startswith(module + ".")}
         n, k = w.shape
@@ -136,6 +136,18 @@ def test_even_scale_rule_matches_compressed_tensors_bytes(moe_dir: Path, tmp_pat
     config, exported, report = _export(moe_dir, tmp_path / "out", moe="MXFP4", scale_rule="even")
     assert report.plan.scale_rule.value == "even"
     assert _check(moe_dir, config, exported, report) == 12
+
+
+@pytest.mark.parametrize(("linear", "moe"), [("FP8_BLOCK", "NVFP4"), ("NVFP4", "MXFP8")])
+def test_compressed_tensors_numerics_export(moe_dir: Path, tmp_path: Path, linear: str, moe: str) -> None:
+    config, exported, report = _export(moe_dir, tmp_path / "out", linear=linear, moe=moe,
+                                       numerics="compressed-tensors")
+    assert report.plan.numerics.value == "compressed-tensors"
+    assert report.plan.scale_rule_for(FORMATS["MXFP8"]).value == "even"
+    assert _check(moe_dir, config, exported, report) == 16
+    recorded = config["quantization_config"]["rl_refit_numerics"]
+    assert recorded["element_rule"] == "compressed-tensors"
+    assert {f: e["element_rule"] for f, e in recorded["formats"].items()} == dict.fromkeys({linear, moe}, "compressed-tensors")
 
 
 def test_docs_table_covers_every_preset() -> None:

@@ -58,11 +58,12 @@ def _expected_effective(t: ReferenceTrainer, plan: QuantizationPlan) -> dict[str
         fmt = plan.decide(f"{module0}.weight", tuple(w0.shape)).format
         if not fmt.is_quantized:
             continue
-        gs = nvfp4_global_scale(*(w for _, w in items)) if fmt == NVFP4 else None
+        gs = nvfp4_global_scale(*(w for _, w in items), numerics=plan.numerics) if fmt == NVFP4 else None
         for module, w in items:
             slot = slot_table(t.config)[module]
             target = expected[key] if expert is None else expected[key][expert]
-            target[slot.rows] = fake_quantize_weight(fmt, w, global_scale=gs, scale_rule=plan.scale_rule)
+            target[slot.rows] = fake_quantize_weight(fmt, w, global_scale=gs, numerics=plan.numerics,
+                                                     scale_rule=plan.scale_rule)
     return expected
 
 

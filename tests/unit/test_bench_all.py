@@ -187,3 +187,12 @@ def test_cli_exits_1_when_a_suite_fails(fake_suite_module, logs, tmp_path: Path)
     assert main(["bench", "all", "--out", str(tmp_path)]) == 1
     assert json.loads((tmp_path / JSON_NAME).read_text())["suites"]["fake"]["status"] == "error"
     assert [e["suite"] for e in logs if e["event"] == "bench_suite_failed"] == ["fake"]
+
+
+def test_measure_interleaved_runs_the_candidates_in_turns() -> None:
+    from app.bench.report import measure_interleaved
+
+    calls: list[str] = []
+    medians = measure_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeat=3)
+    assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-ups, then turns in alternating order

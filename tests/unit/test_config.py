@@ -18,6 +18,7 @@ def test_defaults() -> None:
     assert cfg.rollout.quantization.linear is None and cfg.rollout.quantization.ignore == ()
     assert cfg["rollout.checkpoint_engine.update_weights_bucket_megabytes"] == 512
     assert cfg.actor.megatron.qat.enable is False
+    assert cfg.rollout.quantization.numerics == "engine" and cfg.rollout.quantization.scale_rule is None
     assert set(KEYS) == {k.path for k in SCHEMA}
 
 
@@ -56,6 +57,10 @@ def test_hf_overrides_dict_json_string_and_dotted() -> None:
     ({}, ["rollout.quantization.ignore=['re:(']"], ConfigError, "rollout.quantization.ignore", "invalid regular expression"),
     ({}, ["rollout.engine_kwargs.vllm.hf_overrides={oops"], ConfigError, "rollout.engine_kwargs.vllm.hf_overrides", "not valid JSON"),
     ({}, ["rollout.checkpoint_engine.backend=carrier_pigeon"], ConfigError, "rollout.checkpoint_engine.backend", "delta_sharded"),
+    ({}, ["rollout.quantization.numerics=vllm"], ConfigError, "rollout.quantization.numerics",
+     "valid: engine, compressed-tensors"),
+    ({}, ["rollout.quantization.scale_rule=floor"], ConfigError, "rollout.quantization.scale_rule",
+     "valid: null, rceil, even"),
     ({}, ["actor.megatron.override_transformer_config.fp4_recipe=mxfp4"], ConfigError,
      "actor.megatron.override_transformer_config.fp4_recipe", "nvfp4"),
 ])

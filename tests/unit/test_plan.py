@@ -6,7 +6,17 @@ import attrs
 import pytest
 
 from domain.errors import ConfigError
-from domain.quant.formats import BF16, FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, MxScaleRule
+from domain.quant.formats import (
+    BF16,
+    FP8_BLOCK,
+    MXFP4,
+    MXFP8,
+    NVFP4,
+    ActivationScheme,
+    ElementRule,
+    MxScaleRule,
+)
+from domain.quant.numerics import numerics_decisions, numerics_metadata
 from domain.quant.plan import QuantizationPlan, TensorDecision
 
 
@@ -35,6 +45,7 @@ def test_bf16_plan_quantizes_nothing() -> None:
     ({"linear": "FP8_BLOCK", "linear_activation": "mxfp4"}, "rollout.quantization.linear_activation", "linear=FP8_BLOCK"),
     ({"linear": "MXFP8", "ignore": ["re:("]}, "rollout.quantization.ignore", "invalid regular expression"),
     ({"linear": "MXFP8", "scale_rule": "floor"}, "rollout.quantization.scale_rule", "valid: rceil, even"),
+    ({"linear": "MXFP8", "numerics": "llm"}, "rollout.quantization.numerics", "valid: engine, compressed-tensors"),
 ])
 def test_bad_values_name_the_key(kwargs: dict, key: str, text: str) -> None:
     with pytest.raises(ConfigError, match=text) as err:
@@ -88,3 +99,31 @@ def test_plan_is_frozen_and_scale_name_validated() -> None:
     assert attrs.evolve(plan, scale_name="weight_scale_inv").scale_name == "weight_scale_inv"
     with pytest.raises(ValueError):
         attrs.evolve(plan, scale_name="scale")
+
+
+def test_numerics_default_to_the_engine_and_scale_rules_to_each_format() -> None:
+    plan = QuantizationPlan.from_presets("MXFP8", "MXFP4")
+    assert plan.numerics is ElementRule.ENGINE and plan.scale_rule is None
+    assert (plan.scale_rule_for(MXFP8), plan.scale_rule_for(MXFP4)) == (MxScaleRule.RCEIL, MxScaleRule.EVEN)
+    ct = QuantizationPlan.from_presets("MXFP8", "MXFP4", numerics="compressed_tensors")
+    assert ct.numerics is ElementRule.COMPRESSED_TENSORS
+    assert (ct.scale_rule_for(MXFP8), ct.scale_rule_for(MXFP4)) == (MxScaleRule.EVEN, MxScaleRule.EVEN)
+    chosen = QuantizationPlan.from_presets("MXFP8", "MXFP4", numerics="compressed-tensors", scale_rule="rceil")
+    assert (chosen.scale_rule_for(MXFP8), chosen.scale_rule_for(MXFP4)) == (MxScaleRule.RCEIL, MxScaleRule.RCEIL)
+    assert chosen.scale_rule_for(FP8_BLOCK) is None
+
+
+def test_numerics_decisions_cover_weight_and_activation_formats() -> None:
+    plan = QuantizationPlan.from_presets("NVFP4", "MXFP4", moe_activation="mxfp8")
+    decisions = {d.format.name: d for d in numerics_decisions(plan)}
+    assert list(decisions) == ["NVFP4", "MXFP4", "MXFP8"]
+    assert decisions["NVFP4"].roles == ("weights", "activations") and decisions["NVFP4"].scale_rule is None
+    assert decisions["MXFP4"].roles == ("weights",) and decisions["MXFP8"].roles == ("activations",)
+    assert "ref_nvfp4_quant" in decisions["NVFP4"].spec.reference
+    assert decisions["MXFP4"].scale_reason == "the rule of MXFP4's engine quantizer"
+    assert numerics_metadata(plan) == {"element_rule": "engine", "formats": {
+        "NVFP4": {"element_rule": "engine", "reference": NVFP4.rule_spec(ElementRule.ENGINE).reference},
+        "MXFP4": {"element_rule": "engine", "scale_rule": "even", "reference": MXFP4.rule_spec(ElementRule.ENGINE).reference},
+        "MXFP8": {"element_rule": "engine", "scale_rule": "rceil", "reference": MXFP8.rule_spec(ElementRule.ENGINE).reference},
+    }}
+    assert numerics_decisions(QuantizationPlan.bf16()) == ()

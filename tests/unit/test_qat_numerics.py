@@ -1,8 +1,9 @@
 """QAT numerics: the reference backend trains on dequantize(exported tensors), bit for bit.
 
 The reference values come from the exporter's checkpoint tensors (quantize_stream) decoded with
-the codec (tests/unit/qat_models.rollout_values), for every preset, both MX scale rules, dense
-layers, q/k/v and gate/up groups spread over separate modules, and fused 3-D experts.
+the codec (tests/unit/qat_models.rollout_values), for every preset, both element rules, both MX
+scale rules, dense layers, q/k/v and gate/up groups spread over separate modules, and fused 3-D
+experts; the inputs get the rollout's activation quantization under the plan's rule.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from domain.quant.qat import HfPart, TrainerTensor, fake_quantize_tensors, strai
 from tests.unit.qat_models import H, LinearCalls, TinyHf, rollout_values
 
 PRESETS = ["FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4"]
-CASES = [(p, "rceil") for p in PRESETS] + [("MXFP8", "even"), ("MXFP4", "even")]
+CASES = ([(p, None, n) for p in PRESETS for n in ("engine", "compressed-tensors")]
+         + [("MXFP8", "even", "engine"), ("MXFP4", "rceil", "engine")])
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -32,10 +34,10 @@ def _assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert diff == 0, f"{what}: {diff} of {got.numel()} elements differ"
 
 
-@pytest.mark.parametrize(("preset", "rule"), CASES)
-def test_weights_equal_decoded_export_for_every_layer_kind(preset: str, rule: str) -> None:
+@pytest.mark.parametrize(("preset", "rule", "numerics"), CASES)
+def test_weights_equal_decoded_export_for_every_layer_kind(preset: str, rule: str | None, numerics: str) -> None:
     model = TinyHf()
-    plan = QuantizationPlan.from_presets(preset, preset, scale_rule=rule)
+    plan = QuantizationPlan.from_presets(preset, preset, scale_rule=rule, numerics=numerics)
     want = rollout_values(plan, [(n, p.detach()) for n, p in model.named_parameters()])
     summary = ReferenceQatBackend().apply(model, plan)
     model(torch.randn(5, H, dtype=torch.bfloat16))
@@ -111,11 +113,13 @@ SCHEMES = [
 ]
 
 
+@pytest.mark.parametrize("numerics", ["engine", "compressed-tensors"])
 @pytest.mark.parametrize(("preset", "activation", "scheme"), SCHEMES)
 def test_activations_equal_the_codecs_dynamic_quantization(preset: str, activation: str | None,
-                                                           scheme: ActivationScheme) -> None:
+                                                           scheme: ActivationScheme, numerics: str) -> None:
     model = TinyHf()
-    plan = QuantizationPlan.from_presets(preset, preset, linear_activation=activation, moe_activation=activation)
+    plan = QuantizationPlan.from_presets(preset, preset, linear_activation=activation, moe_activation=activation,
+                                         numerics=numerics)
     ReferenceQatBackend().apply(model, plan)
     x = torch.randn(6, H, dtype=torch.bfloat16) * torch.logspace(-2, 2, 6, dtype=torch.bfloat16)[:, None]
     with LinearCalls() as calls:
@@ -124,13 +128,14 @@ def test_activations_equal_the_codecs_dynamic_quantization(preset: str, activati
     raw = model.model.layers[0].input_layernorm(x)
     dense = [(i, w) for i, w in calls.calls if torch.equal(w, q_proj.seen_weight)]
     assert dense, "q_proj's F.linear was not seen"
-    _assert_bitwise(dense[0][0], fake_quantize_activation(scheme, raw), "q_proj input")
+    _assert_bitwise(dense[0][0], fake_quantize_activation(scheme, raw, numerics=plan.numerics), "q_proj input")
     experts = model.model.layers[1].mlp.experts
     gate_up = experts.seen_weight["gate_up_proj"]
     expert_calls = [(i, w) for i, w in calls.calls if w.shape == gate_up.shape[1:] and torch.equal(w, gate_up[0])]
     assert len(expert_calls) == 1
     moe_in = experts.seen_input
-    _assert_bitwise(expert_calls[0][0], fake_quantize_activation(scheme, moe_in), "expert 0 gate_up input")
+    want = fake_quantize_activation(scheme, moe_in, numerics=plan.numerics)
+    _assert_bitwise(expert_calls[0][0], want, "expert 0 gate_up input")
     router = [(i, w) for i, w in calls.calls if w.shape[0] == 2 and w.shape[1] == H]
     assert router and torch.equal(router[0][0], moe_in), "the BF16 router's input must not be fake-quantized"
 
@@ -177,3 +182,16 @@ def test_gradients_reach_weights_and_inputs_unchanged(preset: str) -> None:
     (F.linear(xq, wq) * g).sum().backward()
     _assert_bitwise(proj.weight.grad, wq.grad, "weight gradient")
     _assert_bitwise(x.grad, xq.grad, "input gradient")
+
+
+def test_the_plans_element_rule_reaches_the_activations() -> None:
+    from domain.quant.qat import fake_quantize_input
+
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)  # one NVFP4 tie
+    scheme = ActivationScheme.NVFP4_PER_TOKEN
+    got = {n: fake_quantize_input(QuantizationPlan.from_presets("NVFP4", None, numerics=n), scheme, x)
+           for n in ("engine", "compressed-tensors")}
+    assert not torch.equal(got["engine"], got["compressed-tensors"])
+    for n, value in got.items():
+        _assert_bitwise(value, fake_quantize_activation(scheme, x, numerics=QuantizationPlan.from_presets(
+            "NVFP4", None, numerics=n).numerics), n)

@@ -1,9 +1,12 @@
 """Dynamic activation fake-quantization: what the rollout kernels do to a layer's input.
 
-All schemes work along the last (hidden) dimension, per token:
-- FP8 1x128 groups: float32 scale = amax_group / 448 per 128 values (edge group allowed).
-- MXFP8 / MXFP4: 1x32 blocks with E8M0 scales, rceil rule.
-- NVFP4 per token: a global scale per token (448 * 6 / amax_token), then 1x16 E4M3 block scales.
+All schemes work along the last (hidden) dimension, per token, under the plan's element rule
+(engine by default: the rollout's own activation kernels):
+- FP8 1x128 groups: float32 scale = amax_group / 448 per 128 values (edge group allowed); the
+  engine's kernel (per_token_group_quant_fp8) clamps amax to 1e-10 and divides.
+- MXFP8 / MXFP4: the weights' 1x32 blocks and E8M0 exponent rule.
+- NVFP4 per token: a global scale per token ((6 * 448) / amax_token), then the weights' 1x16 E4M3
+  block scales and element order.
 - NVFP4 static: one calibrated global scale (input_global_scale) for every token.
 """
 
@@ -14,7 +17,9 @@ import torch
 from domain.errors import InvalidTensor, UnsupportedDtype
 from domain.quant.codecs import fp8_block, mx, nvfp4
 from domain.quant.codecs.checks import FLOAT_DTYPES, check_last_dim
-from domain.quant.formats import ActivationScheme, ElementType, MxScaleRule
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, ElementRule, MxScaleRule
+
+_GROUP = (1, FP8_BLOCK.block_size[1])  # one token x the weight block's K: 1 x 128
 
 
 def _per_token(x: torch.Tensor) -> torch.Tensor:
@@ -23,27 +28,28 @@ def _per_token(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _fake_quantize(
-    scheme: ActivationScheme, x: torch.Tensor, global_scale: torch.Tensor | None, name: str
+    scheme: ActivationScheme, x: torch.Tensor, global_scale: torch.Tensor | None, name: str,
+    rule: ElementRule, scale_rule: MxScaleRule | None,
 ) -> torch.Tensor:
     t = _per_token(x)
     if scheme is ActivationScheme.FP8_GROUP_128:
-        q, s = fp8_block.quantize(t, name, (1, 128))
-        out = fp8_block.dequantize(q, s, (1, 128))
+        q, s = fp8_block.quantize(t, name, _GROUP, rule, activation=True)
+        out = fp8_block.dequantize(q, s, _GROUP)
     elif scheme in (ActivationScheme.MXFP8, ActivationScheme.MXFP4):
-        element = ElementType.E4M3 if scheme is ActivationScheme.MXFP8 else ElementType.E2M1
-        check_last_dim(t, name, k_multiple=mx.MX_BLOCK, fmt_name=scheme.value)
-        elements, scale = mx.quantize(t, name, element, MxScaleRule.RCEIL)
-        out = mx.dequantize(elements, scale, element)
+        fmt = MXFP8 if scheme is ActivationScheme.MXFP8 else MXFP4
+        check_last_dim(t, name, k_multiple=fmt.k_multiple, fmt_name=scheme.value)
+        elements, scale = mx.quantize(t, name, fmt, rule, scale_rule)
+        out = mx.dequantize(elements, scale, fmt)
     elif scheme in (ActivationScheme.NVFP4_PER_TOKEN, ActivationScheme.NVFP4_STATIC):
-        check_last_dim(t, name, k_multiple=nvfp4.NVFP4_BLOCK, fmt_name=scheme.value)
+        check_last_dim(t, name, k_multiple=NVFP4.k_multiple, fmt_name=scheme.value)
         if scheme is ActivationScheme.NVFP4_PER_TOKEN:
-            gs = nvfp4.global_scale(t.unsqueeze(-2), name=name)  # [T, 1]: one per token
+            gs = nvfp4.global_scale(t.unsqueeze(-2), name=name, rule=rule)  # [T, 1]: one per token
         elif global_scale is None:
             raise InvalidTensor(name, "static NVFP4 activations need a calibrated input_global_scale",
                                 "pass global_scale, or use the nvfp4_per_token scheme")
         else:
             gs = global_scale.float().reshape(1, 1)
-        packed, scale = nvfp4.quantize(t, name, gs)
+        packed, scale = nvfp4.quantize(t, name, gs, rule)
         out = nvfp4.dequantize(packed, scale, gs)
     else:
         return x
@@ -52,12 +58,12 @@ def _fake_quantize(
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, scheme, global_scale, name):
-        return _fake_quantize(scheme, x, global_scale, name)
+    def forward(ctx, x, scheme, global_scale, name, rule, scale_rule):
+        return _fake_quantize(scheme, x, global_scale, name, rule, scale_rule)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None
+        return grad, None, None, None, None, None
 
 
 def fake_quantize_activation(
@@ -66,6 +72,8 @@ def fake_quantize_activation(
     *,
     global_scale: torch.Tensor | None = None,
     name: str = "activation",
+    numerics: ElementRule = ElementRule.ENGINE,
+    scale_rule: MxScaleRule | None = None,
 ) -> torch.Tensor:
     """Quantize-dequantize an activation [..., H] the way the rollout's kernels quantize it.
 
@@ -74,6 +82,8 @@ def fake_quantize_activation(
         x: activations in bfloat16, float16 or float32; the last dimension is the hidden one.
         global_scale: the calibrated input_global_scale, for NVFP4_STATIC only.
         name: for errors.
+        numerics: the element rule (the plan's `numerics`).
+        scale_rule: MX only: the exponent rule; None = the format's rule under `numerics`.
 
     Returns:
         A tensor like x. Gradients pass straight through (the identity), for QAT.
@@ -82,4 +92,4 @@ def fake_quantize_activation(
         return x
     if x.dtype not in FLOAT_DTYPES:
         raise UnsupportedDtype(name, f"dtype {x.dtype} cannot be quantized", "pass a floating tensor")
-    return _StraightThrough.apply(x, scheme, global_scale, name)
+    return _StraightThrough.apply(x, scheme, global_scale, name, numerics, scale_rule)

@@ -10,14 +10,15 @@ import torch
 from domain.errors import InvalidTensor
 from domain.quant.codecs import fp8_block, mx, nvfp4
 from domain.quant.codecs.checks import check_weight
-from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, MxScaleRule, PrecisionFormat
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ElementRule, MxScaleRule, PrecisionFormat
 
 Tensors = dict[str, torch.Tensor]
 
 
 class WeightCodec(Protocol):
     def encode(
-        self, w: torch.Tensor, name: str, global_scale: torch.Tensor | None, rule: MxScaleRule
+        self, w: torch.Tensor, name: str, global_scale: torch.Tensor | None, numerics: ElementRule,
+        scale_rule: MxScaleRule | None,
     ) -> Tensors: ...
 
     def decode(self, tensors: Tensors) -> torch.Tensor: ...
@@ -25,39 +26,42 @@ class WeightCodec(Protocol):
 
 @attrs.frozen
 class Fp8BlockCodec:
-    block: tuple[int, int] = (128, 128)
+    fmt: PrecisionFormat
 
-    def encode(self, w: torch.Tensor, name: str, global_scale: torch.Tensor | None, rule: MxScaleRule) -> Tensors:
-        q, scale = fp8_block.quantize(w, name, self.block)
+    def encode(self, w: torch.Tensor, name: str, global_scale: torch.Tensor | None, numerics: ElementRule,
+               scale_rule: MxScaleRule | None) -> Tensors:
+        q, scale = fp8_block.quantize(w, name, self.fmt.block_size, numerics)
         return {"weight": q, "weight_scale": scale}
 
     def decode(self, tensors: Tensors) -> torch.Tensor:
-        return fp8_block.dequantize(tensors["weight"], tensors["weight_scale"], self.block)
+        return fp8_block.dequantize(tensors["weight"], tensors["weight_scale"], self.fmt.block_size)
 
 
 @attrs.frozen
 class MxCodec:
     fmt: PrecisionFormat
 
-    def encode(self, w: torch.Tensor, name: str, global_scale: torch.Tensor | None, rule: MxScaleRule) -> Tensors:
-        elements, scale = mx.quantize(w, name, self.fmt.element, rule)
+    def encode(self, w: torch.Tensor, name: str, global_scale: torch.Tensor | None, numerics: ElementRule,
+               scale_rule: MxScaleRule | None) -> Tensors:
+        elements, scale = mx.quantize(w, name, self.fmt, numerics, scale_rule)
         return {self.fmt.weight_name: elements, "weight_scale": scale}
 
     def decode(self, tensors: Tensors) -> torch.Tensor:
-        return mx.dequantize(tensors[self.fmt.weight_name], tensors["weight_scale"], self.fmt.element)
+        return mx.dequantize(tensors[self.fmt.weight_name], tensors["weight_scale"], self.fmt)
 
 
 @attrs.frozen
 class Nvfp4Codec:
-    def encode(self, w: torch.Tensor, name: str, global_scale: torch.Tensor | None, rule: MxScaleRule) -> Tensors:
-        gs = nvfp4.global_scale(w, name=name) if global_scale is None else global_scale.float()
+    def encode(self, w: torch.Tensor, name: str, global_scale: torch.Tensor | None, numerics: ElementRule,
+               scale_rule: MxScaleRule | None) -> Tensors:
+        gs = nvfp4.global_scale(w, name=name, rule=numerics) if global_scale is None else global_scale.float()
         expected = (*w.shape[:-2], 1)
         if tuple(gs.shape) != expected:
             raise InvalidTensor(
                 name, f"global scale of shape {tuple(gs.shape)} given for a weight of shape "
                 f"{tuple(w.shape)}", f"pass one of shape {expected} (nvfp4_global_scale computes it)"
             )
-        packed, scale = nvfp4.quantize(w, name, gs)
+        packed, scale = nvfp4.quantize(w, name, gs, numerics)
         return {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": gs}
 
     def decode(self, tensors: Tensors) -> torch.Tensor:
@@ -65,7 +69,7 @@ class Nvfp4Codec:
 
 
 CODECS: dict[str, WeightCodec] = {
-    FP8_BLOCK.name: Fp8BlockCodec(),
+    FP8_BLOCK.name: Fp8BlockCodec(FP8_BLOCK),
     MXFP8.name: MxCodec(MXFP8),
     MXFP4.name: MxCodec(MXFP4),
     NVFP4.name: Nvfp4Codec(),
@@ -108,7 +112,8 @@ def quantize_weight(
     *,
     name: str = "weight",
     global_scale: torch.Tensor | None = None,
-    scale_rule: MxScaleRule = MxScaleRule.RCEIL,
+    numerics: ElementRule = ElementRule.ENGINE,
+    scale_rule: MxScaleRule | None = None,
 ) -> QuantizedWeight:
     """Quantize a Linear weight [N, K] or expert weights [E, N, K] (per expert) into `fmt`.
 
@@ -118,7 +123,10 @@ def quantize_weight(
         name: the tensor's name, used in errors.
         global_scale: NVFP4 only: a shared global scale (see `nvfp4_global_scale`); computed from
             `w` alone when omitted.
-        scale_rule: MX only: the exponent rule (rceil by default, even for compressed-tensors).
+        numerics: the element rule: ENGINE (the engine's own quantizer, default) or
+            COMPRESSED_TENSORS (llm-compressor checkpoints byte for byte).
+        scale_rule: MX only: the exponent rule; None = the format's rule under `numerics`
+            (`fmt.scale_rule`: MXFP8 rceil and MXFP4 even under engine, even under compressed-tensors).
 
     Returns:
         The checkpoint tensors, all computed before anything is returned.
@@ -130,15 +138,16 @@ def quantize_weight(
     check_weight(w, name, k_multiple=fmt.k_multiple, fmt_name=fmt.name)
     w = w.detach()
     if global_scale is None and fmt.has_global_scale:
-        global_scale = nvfp4.global_scale(w, name=name)  # over the whole tensor, before chunking
+        global_scale = nvfp4.global_scale(w, name=name, rule=numerics)  # over the whole tensor, before chunking
     if w.dim() == 3:
         per_expert = [
-            _encode_rows(codec, fmt, w[e], name, None if global_scale is None else global_scale[e], scale_rule)
+            _encode_rows(codec, fmt, w[e], name, None if global_scale is None else global_scale[e], numerics,
+                         scale_rule)
             for e in range(w.shape[0])
         ]
         tensors = {key: torch.stack([t[key] for t in per_expert]) for key in per_expert[0]}
     else:
-        tensors = _encode_rows(codec, fmt, w, name, global_scale, scale_rule)
+        tensors = _encode_rows(codec, fmt, w, name, global_scale, numerics, scale_rule)
     return QuantizedWeight(fmt, tensors, tuple(w.shape), w.dtype)
 
 
@@ -155,13 +164,14 @@ def _encode_rows(
     w: torch.Tensor,
     name: str,
     global_scale: torch.Tensor | None,
-    rule: MxScaleRule,
+    numerics: ElementRule,
+    scale_rule: MxScaleRule | None,
 ) -> Tensors:
     block_rows = fmt.block_size[0]
     rows = max(block_rows, CHUNK_ELEMENTS // max(w.shape[-1], 1) // block_rows * block_rows)
     if w.shape[0] <= rows:
-        return codec.encode(w, name, global_scale, rule)
-    parts = [codec.encode(w[i:i + rows], name, global_scale, rule) for i in range(0, w.shape[0], rows)]
+        return codec.encode(w, name, global_scale, numerics, scale_rule)
+    parts = [codec.encode(w[i:i + rows], name, global_scale, numerics, scale_rule) for i in range(0, w.shape[0], rows)]
     return {
         key: parts[0][key] if key == "weight_global_scale" else torch.cat([p[key] for p in parts])
         for key in parts[0]
@@ -179,22 +189,27 @@ def fake_quantize_weight(
     w: torch.Tensor,
     *,
     global_scale: torch.Tensor | None = None,
-    scale_rule: MxScaleRule = MxScaleRule.RCEIL,
+    numerics: ElementRule = ElementRule.ENGINE,
+    scale_rule: MxScaleRule | None = None,
     name: str = "weight",
 ) -> torch.Tensor:
     """dequantize(quantize(w)) in w's dtype: the values the rollout computes with."""
-    q = quantize_weight(fmt, w, name=name, global_scale=global_scale, scale_rule=scale_rule)
+    q = quantize_weight(fmt, w, name=name, global_scale=global_scale, numerics=numerics, scale_rule=scale_rule)
     return dequantize_weight(q, w.dtype)
 
 
-def nvfp4_global_scale(*tensors: torch.Tensor, name: str = "weight") -> torch.Tensor:
-    """The NVFP4 global scale shared by a fused group (q/k/v, gate/up): 448 * 6 / amax over all.
+def nvfp4_global_scale(
+    *tensors: torch.Tensor, name: str = "weight", numerics: ElementRule = ElementRule.ENGINE
+) -> torch.Tensor:
+    """The NVFP4 global scale shared by a fused group (q/k/v, gate/up): (6 * 448) / amax over all.
 
     Args:
         tensors: the group's weights, all [N_i, K] or all [E, N_i, K].
         name: the group's name, for errors.
+        numerics: the element rule; it decides a zero maximum (amax clamped to 1e-8 under
+            engine, 1.0 under compressed-tensors).
 
     Returns:
         float32 [1] (2-D) or [E, 1] (3-D experts).
     """
-    return nvfp4.global_scale(*tensors, name=name)
+    return nvfp4.global_scale(*tensors, name=name, rule=numerics)

@@ -1,9 +1,14 @@
 """Optional torch.compile of the codec kernels.
 
-The eager kernels are the readable reference; compiled ones are bit-identical (tested) and several
-times faster on CPU (inductor's C++ code generation) and GPU. Compilation is off by default, is
-switched on once by the composition root, and each kernel is compiled once per process (torch
-recompiles only for new shapes, and marks shapes dynamic after the first change).
+The eager kernels are the readable reference; compiled ones are bit-identical to them under every
+element and scale rule (tests/codecs/test_compiled.py), and `refit bench codecs` measures both.
+Compilation is off by default; `set_compiled(True)` switches it on for the process (the
+benchmark and the tests do; nothing else does). Each kernel function gets one `torch.compile`
+wrapper per process (fullgraph); dynamo traces it again for each new combination of its
+non-tensor arguments (format, element and scale rule, block), input dtype and shape (marking
+shapes dynamic after the first change). Those combinations are few but more than dynamo's default
+of 8 entries per function, past which a fullgraph compile raises, so codec calls run with a
+larger limit.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Cache entries per kernel: 2 element rules x 2 MX scale rules x 2 element types x 3 dtypes, each
+# with a static and a dynamic shape, fit well within it.
+RECOMPILE_LIMIT = 64
+
 _enabled = False
 
 
@@ -25,15 +34,18 @@ def set_compiled(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
-def compiled_enabled() -> bool:
-    return _enabled
-
-
 @functools.cache
 def _compiled(fn: F) -> F:
     return torch.compile(fn, fullgraph=True)  # type: ignore[return-value]
 
 
 def run(fn: Callable[..., Any], *args: Any) -> Any:
-    """Call a kernel, compiled or eager per the switch. Kernels never synchronize with the host."""
-    return (_compiled(fn) if _enabled else fn)(*args)
+    """Call a kernel, compiled or eager per the switch.
+
+    Kernels return their block maxima instead of checking them, so that the caller's finiteness
+    check is the only host synchronization.
+    """
+    if not _enabled:
+        return fn(*args)
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        return _compiled(fn)(*args)

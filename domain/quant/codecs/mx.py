@@ -1,14 +1,19 @@
-"""MX formats (MXFP8, MXFP4): E4M3 or E2M1 elements, one E8M0 scale per 32 elements along K.
+"""MX formats (MXFP8, MXFP4): E4M3 or E2M1 elements, one E8M0 exponent per block along K.
 
-Two exponent rules (ARCHITECTURE.md section 3):
+The block is the format's (`fmt.block_size`, 1 x 32). Two exponent rules (ARCHITECTURE.md
+section 3), chosen per format by the element rule unless rollout.quantization.scale_rule says:
 
-- rceil (default; Transformer Engine, ModelOpt, vLLM online, torchao RCEIL):
-  e = clamp(ceil(log2(amax / elem_max)) + 127, 0, 254), the ceiling taken exactly (as the
-  hardware's round-up conversion to ue8m0 does). Elements = x * 2^(127 - e), except that a block
-  with e = 0 is multiplied by 1 (Transformer Engine's reciprocal rule), which flushes it to zero.
-- even (compressed-tensors, llm-compressor): e = 127 + floor(log2(round_up_pow2(amax))) - emax,
-  round_up_pow2 rounding a mantissa of 1.75 or more up; clamped to [0, 254]. Elements =
-  x / 2^(e - 127).
+- rceil (the engine's rule for MXFP8: vLLM's online quantizer, Transformer Engine, ModelOpt,
+  torchao RCEIL): e = clamp(ceil(log2(amax / elem_max)) + 127, 0, 254), the ceiling taken exactly
+  (as the hardware's round-up conversion to ue8m0 does).
+- even (the engine's rule for MXFP4, vLLM's Triton `downcast_to_mxfp`, and compressed-tensors'
+  for both): e = 127 + floor(log2(round_up_pow2(amax))) - emax, round_up_pow2 rounding a
+  mantissa of 1.75 or more up; clamped to [0, 254].
+
+Elements = x / 2^(e - 127) under both element rules: every such power of two (2^-127 included)
+is exact in float32, so dividing by it and multiplying by 2^(127 - e), as vLLM's Triton kernels
+do, round to the same float. The element rules differ only in the sign of an E2M1 zero: the
+engine keeps the sign bit of -0.0 (code 8), compressed-tensors stores it as +0.
 """
 
 from __future__ import annotations
@@ -18,9 +23,8 @@ import torch
 from domain.quant.codecs import compile as kernels
 from domain.quant.codecs.checks import check_finite_amax
 from domain.quant.codecs.elements import e2m1_codes, e2m1_values, pack_fp4, to_e4m3, unpack_fp4
-from domain.quant.formats import E8M0_EXPONENT_BIAS, ElementType, MxScaleRule
+from domain.quant.formats import E8M0_EXPONENT_BIAS, ElementRule, ElementType, MxScaleRule, PrecisionFormat
 
-MX_BLOCK = 32
 _F32_EXP_MASK = 0x7F800000  # sign is zero for an amax
 _ROUND_175 = 1 << 21  # adding a quarter of the leading mantissa bit carries 1.75 and up
 
@@ -35,7 +39,7 @@ def e8m0_rceil(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
 
 
 def e8m0_even(amax: torch.Tensor, elem_emax: int) -> torch.Tensor:
-    """Biased E8M0 exponent (int32) by compressed-tensors' rule, from float32 block maxima."""
+    """Biased E8M0 exponent (int32) by the even (OCP round-to-nearest) rule, from float32 block maxima."""
     bits = amax.view(torch.int32)
     pow2_bits = (bits + _ROUND_175) & _F32_EXP_MASK
     floor_log2 = (pow2_bits >> 23) - 127  # exponent of the rounded power of two
@@ -49,44 +53,46 @@ def _exp2(e: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_kernel(
-    w: torch.Tensor, element: ElementType, rule: MxScaleRule
+    w: torch.Tensor, element: ElementType, block: int, scale_rule: MxScaleRule, rule: ElementRule
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // MX_BLOCK, MX_BLOCK)
+    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // block, block)
     amax = x.abs().amax(dim=-1, keepdim=True)
-    if rule is MxScaleRule.RCEIL:
-        e = e8m0_rceil(amax, element.max)
-        rcp = torch.where(e == 0, 1.0, _exp2(E8M0_EXPONENT_BIAS - e))
-        scaled = x * rcp
+    e = e8m0_rceil(amax, element.max) if scale_rule is MxScaleRule.RCEIL else e8m0_even(amax, element.emax)
+    scaled = (x / _exp2(e - E8M0_EXPONENT_BIAS)).clamp(-element.max, element.max).reshape(w.shape)
+    if element is ElementType.E4M3:
+        elements = to_e4m3(scaled)
     else:
-        e = e8m0_even(amax, element.emax)
-        scaled = x / _exp2(e - E8M0_EXPONENT_BIAS)
-    scaled = scaled.clamp(-element.max, element.max).reshape(w.shape)
-    elements = to_e4m3(scaled) if element is ElementType.E4M3 else pack_fp4(e2m1_codes(scaled))
+        elements = pack_fp4(e2m1_codes(scaled, signed_zero=rule is ElementRule.ENGINE))
     return elements, e.to(torch.uint8).squeeze(-1), amax
 
 
 def quantize(
-    w: torch.Tensor, name: str, element: ElementType, rule: MxScaleRule
+    w: torch.Tensor, name: str, fmt: PrecisionFormat, rule: ElementRule, scale_rule: MxScaleRule | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize [..., K] along K in blocks of 32.
+    """Quantize [..., K] along K in the format's blocks.
 
     Args:
-        w: the tensor (any float dtype; computed in float32); K must be a multiple of 32.
+        w: the tensor (any float dtype; computed in float32); K must be a multiple of the block.
         name: the tensor's name, for errors.
-        element: E4M3 (MXFP8) or E2M1 (MXFP4).
-        rule: the exponent rule.
+        fmt: MXFP8 or MXFP4.
+        rule: the element rule.
+        scale_rule: the exponent rule; None = the format's rule under `rule` (`fmt.scale_rule`).
 
     Returns:
-        (elements, scale_e8m0): e4m3 [..., K] or packed uint8 [..., K/2], and uint8 [..., K/32].
+        (elements, scale_e8m0): e4m3 [..., K] or packed uint8 [..., K/2], and uint8 [..., K/block].
     """
-    elements, scale, amax = kernels.run(_quantize_kernel, w, element, rule)
+    chosen = fmt.scale_rule(rule, scale_rule)
+    if chosen is None:
+        raise ValueError(f"{fmt.name} is not an MX format")
+    elements, scale, amax = kernels.run(_quantize_kernel, w, fmt.element, fmt.block_size[1], chosen, rule)
     check_finite_amax(amax, name)
     return elements, scale
 
 
-def dequantize(elements: torch.Tensor, scale_e8m0: torch.Tensor, element: ElementType) -> torch.Tensor:
+def dequantize(elements: torch.Tensor, scale_e8m0: torch.Tensor, fmt: PrecisionFormat) -> torch.Tensor:
     """float32 [..., K] = elements x 2^(e - 127)."""
-    values = elements.float() if element is ElementType.E4M3 else e2m1_values(unpack_fp4(elements))
-    x = values.reshape(*values.shape[:-1], values.shape[-1] // MX_BLOCK, MX_BLOCK)
+    block = fmt.block_size[1]
+    values = elements.float() if fmt.element is ElementType.E4M3 else e2m1_values(unpack_fp4(elements))
+    x = values.reshape(*values.shape[:-1], values.shape[-1] // block, block)
     scale = _exp2(scale_e8m0.to(torch.int32) - E8M0_EXPONENT_BIAS).unsqueeze(-1)
     return (x * scale).reshape(values.shape)
