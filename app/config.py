@@ -27,12 +27,21 @@ SYNC_BACKENDS = ("naive", "nccl", "gloo", *DELTA_BACKENDS)
 WIRE_FORMATS = ("bucketed", *DELTA_WIRE_FORMATS)
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters (messages quote what the user wrote)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for repr (sys.get_int_max_str_digits)
+        text = f"<an integer of about {int(value.bit_length() * 0.30103)} digits>"
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
 def _preset(key: str, value: Any) -> Any:
     if value is None:
         return None
     name = str(value).strip().upper().replace("-", "_")
     if name not in FORMATS:
-        raise ConfigError(key, f"unknown precision preset {value!r}; valid: {', '.join(FORMATS)} (or null for BF16)")
+        raise ConfigError(key, f"unknown precision preset {_short(value)}; valid: {', '.join(FORMATS)} (or null for BF16)")
     return None if name == "BF16" else name
 
 
@@ -41,7 +50,7 @@ def _activation(key: str, value: Any) -> Any:
         return None
     valid = [a.value for a in ActivationScheme]
     if str(value).lower() not in valid:
-        raise ConfigError(key, f"unknown activation scheme {value!r}; valid: {', '.join(valid)} (or null for the default)")
+        raise ConfigError(key, f"unknown activation scheme {_short(value)}; valid: {', '.join(valid)} (or null for the default)")
     return str(value).lower()
 
 
@@ -50,7 +59,7 @@ def _patterns(key: str, value: Any) -> tuple[str, ...]:
     for item in items:
         problem = naming.validate_ignore_entry(item)
         if problem:
-            raise ConfigError(key, f"{problem} (entry {item!r})")
+            raise ConfigError(key, f"{problem} (entry {_short(item)})")
     return tuple(items)
 
 
@@ -60,20 +69,59 @@ def _hf_overrides(key: str, value: Any) -> Any:
             value = json.loads(value)
         except json.JSONDecodeError as err:
             raise ConfigError(key, f"not valid JSON ({err.msg} at char {err.pos}); write a dict or a JSON object") from None
+        except (ValueError, RecursionError) as err:  # integers too long, nesting too deep
+            reason = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
+            raise ConfigError(key, f"not valid JSON ({reason}); write a dict or a JSON object") from None
         if not isinstance(value, dict):
             raise ConfigError(key, f"the JSON string must hold an object, got {type(value).__name__}")
     return value or None
 
 
+MAX_DEPTH = 32  # nesting of a configuration value: far beyond any real one, well within recursion
+
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Mapping | list | tuple):
+            deepest = max(deepest, depth)
+            children = node.values() if isinstance(node, Mapping) else node
+            stack.extend((child, depth + 1) for child in children if depth <= MAX_DEPTH)
+    return deepest
+
+
+def _check_plain(key: str, value: Any) -> Any:
+    """A value must be plain data: JSON-like types, nested at most MAX_DEPTH levels."""
+    if _depth(value) > MAX_DEPTH:
+        raise ConfigError(key, f"the value is nested more than {MAX_DEPTH} levels deep; flatten it")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigTypeError(key, f"the value holds something that is not plain data ({err}); "
+                              "use strings, numbers, booleans, null, lists and mappings") from None
+    return value
+
+
 def _positive(key: str, value: Any) -> Any:
     if value <= 0:
-        raise ConfigError(key, f"must be positive, got {value}")
+        raise ConfigError(key, f"must be positive, got {_short(value)}")
+    return value
+
+
+MAX_BUCKET_MIB = 1 << 20  # 1 TiB: a bucket is a buffer every rank allocates
+
+
+def _bucket_mib(key: str, value: Any) -> Any:
+    _positive(key, value)
+    if value > MAX_BUCKET_MIB:
+        raise ConfigError(key, f"must be at most {MAX_BUCKET_MIB} MiB (1 TiB), got {_short(value)}")
     return value
 
 
 def _non_negative(key: str, value: Any) -> Any:
     if value < 0:
-        raise ConfigError(key, f"must be 0 or more, got {value}")
+        raise ConfigError(key, f"must be 0 or more, got {_short(value)}")
     return value
 
 
@@ -118,7 +166,7 @@ SCHEMA: tuple[Key, ...] = (
         "false restores SGLang's automatic kernel selection; null = policy"),
     Key("rollout.checkpoint_engine.backend", (str,), "naive", "weight-sync backend", choices=SYNC_BACKENDS),
     Key("rollout.checkpoint_engine.update_weights_bucket_megabytes", (int,), 512,
-        "size bound of one weight-sync bucket, MiB", check=_positive),
+        "size bound of one weight-sync bucket, MiB", check=_bucket_mib),
     Key("rollout.wire_format", (str,), "bucketed", "how buckets travel", choices=WIRE_FORMATS),
     Key("actor.megatron.qat.enable", (bool,), False, "QAT fake-quantization in training"),
     Key("actor.megatron.qat.mode", (str, NoneType), None,
@@ -165,6 +213,13 @@ def _unknown(path: str) -> UnknownConfigKey:
     return UnknownConfigKey(path, f"unknown key; valid keys {where}: {', '.join(valid)}{hint}")
 
 
+def _section_problem(path: str, value: Any) -> str:
+    children = _children(path)
+    example = next(k.path for k in SCHEMA if k.path.startswith(path + "."))
+    return (f"is a section, not a value (got {type(value).__name__} {_short(value, 60)}); set one of its keys "
+            f"({', '.join(children)}), e.g. {example}=..., or give a mapping")
+
+
 def _free_parent(path: str) -> Key | None:
     return next((k for k in SCHEMA if k.free and path.startswith(k.path + ".")), None)
 
@@ -178,20 +233,74 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         elif isinstance(value, Mapping) and _children(path):
             flat.update(_flatten(value, path))
         elif _children(path):
-            raise ConfigTypeError(path, f"expected a section (a mapping) with keys {', '.join(_children(path))}, got {value!r}")
+            raise ConfigTypeError(path, _section_problem(path, value))
         else:
             raise _unknown(path)
     return flat
 
 
 def _set_free(flat: dict[str, Any], key: Key, path: str, value: Any) -> None:
-    current = _hf_overrides(key.path, flat.get(key.path)) or {}
+    current = _hf_overrides(key.path, _check_plain(key.path, flat.get(key.path))) or {}
+    if not isinstance(current, dict):
+        raise ConfigTypeError(key.path, f"expected a dict to set {path!r} in, got {type(current).__name__}")
     node = current = json.loads(json.dumps(current))
     parts = path[len(key.path) + 1:].split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
     flat[key.path] = current
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load without aliases: `*anchor` references can expand a few bytes into gigabytes
+    once a value is copied (a "billion laughs" document), and configurations never need them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text strictly: no aliases, no Python tags (safe_load), bounded nesting.
+
+    Args:
+        text: the document.
+
+    Returns:
+        The value. Raises ValueError with the reason: YAML errors, integers too long to convert,
+        nesting too deep for the parser.
+    """
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{err.problem or err.context}{where}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(" ".join(str(err).split())) from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except ValueError as err:  # e.g. an integer of more than sys.get_int_max_str_digits() digits
+        raise ValueError(str(err).split(";")[0]) from None
+
+
+def _quote_hint(key: str, raw: str) -> str:
+    """A corrected override for a value that is not valid YAML: quote it so that it reads as a
+    string (or, for a list of regexes, single-quote the items: YAML single quotes keep
+    backslashes)."""
+    candidates = []
+    if '"' in raw and "'" not in raw:
+        candidates.append(raw.replace('"', "'"))
+    candidates.append("'" + raw.replace("'", "''") + "'")
+    for fixed in candidates:
+        try:
+            read_yaml(fixed)
+        except ValueError:
+            continue
+        return f"{key}={fixed}"
+    return f"{key}='...'"  # pragma: no cover - a single-quoted scalar always parses
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -201,26 +310,35 @@ def parse_override(text: str) -> tuple[str, Any]:
         text: one command-line override.
 
     Returns:
-        (dotted key, value).
+        (dotted key, value). A VALUE that is not valid YAML raises ConfigError naming the key
+        and showing the quoted form.
     """
     key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
+    key = key.strip()
+    if not sep or not key:
         raise ConfigError(text, "an override is written KEY=VALUE, e.g. rollout.quantization.linear=FP8_BLOCK")
+    if not raw.strip():
+        return key, None
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
+        value = read_yaml(raw)
+    except ValueError as err:
+        hint = _quote_hint(key, raw) if len(raw) <= 200 else f"{key}='...'"
+        raise ConfigError(
+            key, f"the value {_short(raw)} is not valid YAML ({err}); quote it, e.g. {hint} "
+            "(in a shell, wrap the whole override in double quotes)"
+        ) from None
+    return key, value
 
 
 def _validate(key: Key, value: Any) -> Any:
+    _check_plain(key.path, value)
     ok = isinstance(value, key.types) and not (isinstance(value, bool) and bool not in key.types)
     if not ok:
         names = " or ".join("null" if t is NoneType else t.__name__ for t in key.types)
-        raise ConfigTypeError(key.path, f"expected {names}, got {type(value).__name__} {value!r}")
+        raise ConfigTypeError(key.path, f"expected {names}, got {type(value).__name__} {_short(value)}")
     if key.choices is not None and value not in key.choices:
         valid = ", ".join("null" if c is None else str(c) for c in key.choices)
-        raise ConfigError(key.path, f"invalid value {value!r}; valid: {valid}")
+        raise ConfigError(key.path, f"invalid value {_short(value)}; valid: {valid}")
     return key.check(key.path, value) if key.check else value
 
 
@@ -277,6 +395,8 @@ def build_config(tree: Mapping[str, Any] | None = None, overrides: Sequence[str]
             _set_free(flat, free, path, value)
         elif _children(path) and isinstance(value, Mapping):
             flat.update(_flatten(value, path))
+        elif _children(path):
+            raise ConfigTypeError(path, _section_problem(path, value))
         else:
             raise _unknown(path)
     values = {k.path: _validate(k, flat[k.path]) if k.path in flat else k.default for k in SCHEMA}
@@ -303,10 +423,18 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides:
     if source is None or isinstance(source, Mapping):
         return build_config(source, overrides)
     path = Path(source)
-    if not path.is_file():
+    if path.is_dir():
+        raise ConfigError("CONFIG", f"configuration file {str(path)!r} is a directory; pass a YAML file")
+    if not path.exists():
         raise ConfigError("CONFIG", f"configuration file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError("CONFIG", f"configuration file {str(path)!r} is not a regular file; pass a YAML file")
     try:
-        tree = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
+        tree = read_yaml(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError("CONFIG", f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except OSError as err:
+        raise ConfigError("CONFIG", f"{path}: cannot be read ({err.strerror or err})") from None
+    except ValueError as err:
         raise ConfigError("CONFIG", f"{path}: not valid YAML ({err})") from None
     return build_config(tree or {}, overrides)

@@ -249,8 +249,9 @@ def validate_ignore_entry(entry: str) -> str | None:
     if entry.startswith("re:"):
         try:
             re.compile(entry[3:])
-        except re.error as err:
-            return f"invalid regular expression {entry[3:]!r}: {err}"
+        except (re.error, RecursionError, OverflowError) as err:  # deep nesting, huge repeat counts
+            reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+            return f"invalid regular expression {entry[3:]!r}: {reason}"
     return None
 
 
