@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -253,6 +253,19 @@ def validate_ignore_entry(entry: str) -> str | None:
             reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
             return f"invalid regular expression {entry[3:]!r}: {reason}"
     return None
+
+
+def yaml_list(entries: Sequence[str]) -> str:
+    """Ignore entries as a YAML flow list in single quotes, which keep backslashes as written:
+    what a user can paste into a YAML file or a `KEY=VALUE` override.
+
+    Args:
+        entries: ignore entries.
+
+    Returns:
+        e.g. `['lm_head', 're:.*\\.down_proj$']` (one backslash each when printed).
+    """
+    return "[" + ", ".join("'" + e.replace("'", "''") + "'" for e in entries) + "]"
 
 
 def to_engine_pattern(entry: str) -> str:
