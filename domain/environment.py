@@ -8,7 +8,7 @@ packages).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
 import attrs
@@ -100,7 +100,7 @@ def _frozen_map(value: Mapping[str, str | None]) -> Mapping[str, str | None]:
     return MappingProxyType(dict(value))
 
 
-def _text_map(optional: bool):  # type: ignore[no-untyped-def]
+def _text_map(optional: bool) -> Callable[[object, attrs.Attribute, Mapping[object, object]], None]:
     """Validator: a mapping of strings to strings (or None, when `optional`)."""
     def check(_: object, attribute: attrs.Attribute, value: Mapping[object, object]) -> None:
         for k, v in value.items():

@@ -14,6 +14,7 @@ releases it when its process dies, even by SIGKILL, so a later export never wait
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -88,10 +89,8 @@ def remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             path.unlink()
-        except FileNotFoundError:
-            pass
 
 
 @attrs.frozen
@@ -210,9 +209,7 @@ class DestinationLock:
         """Remove the lock file and release the lock (nothing when not held)."""
         if self._fd is None:
             return
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # while still holding it: a waiter re-checks the path (above)
-        except FileNotFoundError:
-            pass
         os.close(self._fd)
         self._fd = None

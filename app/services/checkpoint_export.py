@@ -24,7 +24,13 @@ import structlog
 import torch
 
 from adapters.hf_checkpoint.reader import CONFIG_NAME, INDEX_NAME, HfCheckpoint
-from adapters.hf_checkpoint.writer import DEFAULT_SHARD_BYTES, CheckpointWriter, fsync_file, write_durably, writing
+from adapters.hf_checkpoint.writer import (
+    DEFAULT_SHARD_BYTES,
+    CheckpointWriter,
+    fsync_file,
+    write_durably,
+    writing,
+)
 from adapters.system.atomic_dir import DestinationLock, DirState, fsync_dir, publish, remove
 from app.services.planning import PlanReport
 from domain.errors import CheckpointError, NonFiniteTensor, OutputNotEmpty, OutputOverlapsModel

@@ -116,7 +116,8 @@ def test_failed_export_leaves_nothing_behind(moe_dir: Path, tmp_path: Path, monk
         def __getattr__(self, name: str) -> Any:
             return getattr(self._file, name)
 
-    monkeypatch.setattr(writer_module, "open", lambda *a, **k: FullDisk(builtins.open(*a, **k)), raising=False)
+    monkeypatch.setattr(writer_module, "open", lambda *a, **k: FullDisk(builtins.open(*a, **k)),  # noqa: SIM115
+                        raising=False)
     out = tmp_path / "out"
     assert main(["export", "--model", str(moe_dir), "--out", str(out), "rollout.quantization.linear=NVFP4"]) == 2
     err = capsys.readouterr().err
