@@ -29,7 +29,7 @@ import attrs
 import structlog
 import torch
 
-from adapters.distributed.wire import LEAD_BYTES
+from adapters.distributed.wire import LEAD_BYTES, RECEIVE_SLACK
 from adapters.memory.faults import RankFault
 from app.services.refit import describe_plan
 from app.services.shard_export import ShardExporter
@@ -95,7 +95,7 @@ class _BufferPool:
         for i, b in enumerate(self.free):
             if b.numel() >= nbytes:
                 return self.free.pop(i)[:nbytes]
-        return torch.empty(max(nbytes, self.capacity), dtype=torch.uint8)[:nbytes]
+        return torch.empty(max(nbytes, self.capacity) + RECEIVE_SLACK, dtype=torch.uint8)[:nbytes]  # received in place
 
     def give(self, buckets: Iterable[Bucket]) -> None:
         for b in buckets:  # the whole allocation behind the bucket's view
