@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 import torch
 
-from domain.errors import CheckpointError, OutputNotWritable
+from domain.errors import CheckpointError, OutputNotWritable, RefitError
 from domain.quant.stream import TensorSpec
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -49,7 +49,7 @@ def writing(what: str | Path) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        if isinstance(err, OutputNotWritable):
+        if isinstance(err, RefitError):  # already explained (OutputBusy, OutputNotWritable, ...)
             raise
         fix = _FIXES.get(err.errno or 0, "check the destination and try again")
         raise OutputNotWritable(f"cannot write {str(what)!r}: {err.strerror or err}; {fix}") from err

@@ -97,7 +97,10 @@ def _termination_raises() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help (0) or a bad command line (2, its line already printed)
+        return done.code if isinstance(done.code, int) else EXIT_ERROR
     where = f"refit {args.command}"
     try:
         with _termination_raises():

@@ -18,7 +18,7 @@ MAX_THREADS = 1024
 MAX_MIB = float(1 << 20)  # 1 TiB
 
 
-def _short(text: str, limit: int = 40) -> str:
+def _short(text: str, limit: int = 200) -> str:
     return repr(text) if len(text) <= limit else repr(text[: limit - 3] + "...")
 
 
@@ -36,11 +36,11 @@ def integer(low: int, high: int | None = None) -> Callable[[str], int]:
 
     def parse(text: str) -> int:
         try:
-            value = int(text.strip(), 10) if len(text) <= 40 else None
+            value = int(text.strip(), 10) if len(text) <= 40 else None  # no 4300-digit conversions
         except ValueError:
             value = None
         if value is None or value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected a whole number {span}, got {_short(text)}")
+            raise argparse.ArgumentTypeError(f"expected a whole number {span}, got {_short(text, 40)}")
         return value
 
     return parse
@@ -61,7 +61,7 @@ def mebibytes(high: float = MAX_MIB) -> Callable[[str], float]:
         except ValueError:
             value = math.nan
         if not math.isfinite(value) or not 0 < value <= high:
-            raise argparse.ArgumentTypeError(f"expected a number of MiB above 0 and at most {high:.0f}, got {_short(text)}")
+            raise argparse.ArgumentTypeError(f"expected a number of MiB above 0 and at most {high:.0f}, got {_short(text, 40)}")
         return value
 
     return parse
