@@ -228,6 +228,8 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for name, value in tree.items():
         path = f"{prefix}.{name}" if prefix else str(name)
+        if not str(name).strip():  # an empty key would name its parent section
+            raise _unknown(f"{prefix}.<empty key>".lstrip("."))
         if path in KEYS:
             flat[path] = value
         elif isinstance(value, Mapping) and _children(path):

@@ -128,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report(args: argparse.Namespace, line: str, code: int) -> int:
     if args.debug:
         traceback.print_exc()
-    print(line, file=sys.stderr)
+    # what the user typed is echoed; a lone surrogate in it must not fail the report itself
+    print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
     return code
 
 

@@ -9,6 +9,7 @@ import ipaddress
 import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,7 @@ def _listening() -> list[tuple[str, int]]:
             inodes.add(target[8:-1])
     found = []
     for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in open(table).read().splitlines()[1:]:
+        for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
                 continue

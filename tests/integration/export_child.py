@@ -28,8 +28,10 @@ def context() -> Any:
     return ctx
 
 
-def run_export(argv: list[str], kill_at: int, count_file: str | None, err_file: str, start: Any = None) -> None:
-    """The child: `refit export ARGV`; SIGKILL itself at its `kill_at`-th traced line (0: never).
+def run_export(argv: list[str], kill_at: int, count_file: str | None, err_file: str, start: Any = None,
+               sig: int = signal.SIGKILL) -> None:
+    """The child: `refit export ARGV`; sends itself `sig` (SIGKILL by default) at its `kill_at`-th
+    traced line (0: never).
 
     Writes the number of traced lines it ran to `count_file` (dry runs), its stderr to
     `err_file`, and exits with main's code.
@@ -45,7 +47,7 @@ def run_export(argv: list[str], kill_at: int, count_file: str | None, err_file: 
         if event == "line":
             count += 1
             if count == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
         return tracer
 
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the result table

@@ -51,9 +51,11 @@ def ctx() -> object:
     return export_child.context()
 
 
-def _start(ctx: object, argv: list[str], tmp: Path, kill_at: int = 0, tag: str = "a", start: object = None):
+def _start(ctx: object, argv: list[str], tmp: Path, kill_at: int = 0, tag: str = "a", start: object = None,
+           sig: int = signal.SIGKILL):
     err = tmp / f"stderr-{tag}"
-    proc = ctx.Process(target=export_child.run_export, args=(argv, kill_at, str(tmp / f"count-{tag}"), str(err), start))  # type: ignore[attr-defined]
+    proc = ctx.Process(target=export_child.run_export,  # type: ignore[attr-defined]
+                       args=(argv, kill_at, str(tmp / f"count-{tag}"), str(err), start, sig))
     proc.start()
     return proc, err
 
@@ -143,3 +145,23 @@ def test_two_racing_exports_never_both_write(model: Path, reference: dict[str, b
             assert force is False or "OutputBusy" in errors, errors  # with --force only the lock may refuse
         assert _tree(out) == reference, f"race {run}: --out is not one complete checkpoint"
         assert _leftovers(out) == [], f"race {run}: {_leftovers(out)} left behind"
+
+
+def test_a_terminated_export_cleans_up_after_itself(model: Path, reference: dict[str, bytes], ctx: object,
+                                                    tmp_path: Path) -> None:
+    out = tmp_path / "dry" / "out"
+    out.parent.mkdir()
+    proc, _ = _start(ctx, ["--model", str(model), "--out", str(out), *ARGS], tmp_path, tag="dry")
+    proc.join(60)
+    lines = int((tmp_path / "count-dry").read_text())
+    rng = random.Random(143)
+    for run in range(3):
+        out = tmp_path / f"term{run}" / "out"
+        out.parent.mkdir()
+        at = rng.randint(1, lines // 2)  # inside the export, before its publish
+        proc, err = _start(ctx, ["--model", str(model), "--out", str(out), *ARGS], tmp_path, kill_at=at,
+                           tag=f"term{run}", sig=signal.SIGTERM)
+        proc.join(60)
+        assert proc.exitcode == 128 + signal.SIGTERM, (at, err.read_text())
+        assert "stopped by SIGTERM" in err.read_text()
+        assert not out.exists() and _leftovers(out) == [], _leftovers(out)  # its own partial and lock are gone

@@ -73,6 +73,19 @@ def test_configuration_files(flat: dict[str, Any], capsys: pytest.CaptureFixture
 
 
 @_settings
+@given(tree=st.one_of(values, st.dictionaries(keys, values, max_size=6).map(_nest),
+                      st.builds(lambda: {"rollout": {"name": {1, 2}}}), st.builds(lambda: {"rollout": object()})))
+def test_configuration_dictionaries(tree: Any) -> None:
+    from app.config import load_config
+    from domain.errors import RefitError
+
+    try:
+        load_config(tree if isinstance(tree, dict) else {"rollout": tree})
+    except RefitError:
+        pass  # a typed error: the CLI prints it on one line and exits 2
+
+
+@_settings
 @given(key=keys, raw=st.one_of(st.text(max_size=60), values.map(lambda v: json.dumps(v, default=str))))
 def test_command_line_overrides(key: str, raw: str, capsys: pytest.CaptureFixture) -> None:
     _run(["plan", "--json", f"{key}={raw}"], capsys)
