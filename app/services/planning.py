@@ -66,12 +66,19 @@ def read_config_file(path: str) -> dict[str, Any]:
     """
     key = "rollout.quantization.config_file"
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(key, f"{path!r} is a directory; give the quantization_config JSON file")
     if not file.is_file():
         raise ConfigError(key, f"file {path!r} does not exist")
     try:
-        data = json.loads(file.read_text())
-    except ValueError as err:
-        raise ConfigError(key, f"{path}: not valid JSON ({err})") from None
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(key, f"{path}: not UTF-8 text (byte {err.start})") from None
+    except (ValueError, RecursionError) as err:
+        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
+        raise ConfigError(key, f"{path}: not valid JSON ({reason})") from None
+    except OSError as err:
+        raise ConfigError(key, f"{path}: cannot be read ({err.strerror or err})") from None
     if not isinstance(data, dict):
         raise ConfigError(key, f"{path}: expected a JSON object")
     return data.get("quantization_config", data) if isinstance(data.get("quantization_config"), dict) else data

@@ -8,6 +8,7 @@ safetensors files with arbitrary headers, and index files, and runs `refit plan`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import tempfile
@@ -79,10 +80,8 @@ def test_configuration_dictionaries(tree: Any) -> None:
     from app.config import load_config
     from domain.errors import RefitError
 
-    try:
+    with contextlib.suppress(RefitError):  # a typed error: the CLI prints it on one line and exits 2
         load_config(tree if isinstance(tree, dict) else {"rollout": tree})
-    except RefitError:
-        pass  # a typed error: the CLI prints it on one line and exits 2
 
 
 @_settings
@@ -131,3 +130,48 @@ def test_index_files(index: object, capsys: pytest.CaptureFixture) -> None:
                   str(Path(d) / "model.safetensors"))
         (Path(d) / "model.safetensors.index.json").write_text(json.dumps(index))
         _run(["plan", "--json", "--model", d], capsys)
+
+
+QC_KEYS = ["quant_method", "config_groups", "weight_block_size", "ignore", "ignored_layers", "modules_to_not_convert",
+           "format", "targets", "weights", "input_activations", "num_bits", "type", "strategy", "group_size",
+           "block_structure", "dynamic", "symmetric", "kv_cache_scheme", "scale_dtype"]
+qc_values = st.recursive(
+    st.one_of(scalars, st.sampled_from(["compressed-tensors", "fp8", "mxfp8", "mxfp4", "float", "int", "tensor_group",
+                                        "block", "group", "channel", "nvfp4-pack-quantized", "Linear", [128, 128], 4, 8])),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(QC_KEYS), inner, max_size=5),
+    max_leaves=16,
+)
+
+
+def _maybe(strategy: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(strategy, qc_values)
+
+
+quant_args = st.dictionaries(st.sampled_from(["num_bits", "type", "strategy", "group_size", "block_structure", "dynamic",
+                                              "symmetric", "scale_dtype"]),
+                             _maybe(st.sampled_from([4, 8, 16, 32, "float", "int", "block", "group", "tensor_group",
+                                                     "channel", "tensor", "token", [128, 128], [1, 32], True, False])),
+                             max_size=8)
+groups = st.fixed_dictionaries({"targets": _maybe(st.lists(st.sampled_from(["Linear", "re:.*mlp.experts.*", 5]), max_size=2)),
+                                "weights": _maybe(quant_args)},
+                               optional={"input_activations": _maybe(quant_args), "format": qc_values})
+quantization_configs = st.one_of(
+    st.dictionaries(st.sampled_from(QC_KEYS), qc_values, max_size=5),
+    st.fixed_dictionaries({"quant_method": _maybe(st.sampled_from(["compressed-tensors", "fp8", "mxfp8"])),
+                           "config_groups": _maybe(st.dictionaries(st.text(max_size=5), groups, max_size=3))},
+                          optional={"format": qc_values, "ignore": qc_values, "weight_block_size": qc_values,
+                                    "kv_cache_scheme": _maybe(quant_args)}),
+)
+
+
+@_settings
+@given(qc=quantization_configs)
+def test_quantization_config_dictionaries(qc: dict[str, Any], capsys: pytest.CaptureFixture) -> None:
+    tree = {"rollout": {"name": "vllm", "engine_kwargs": {"vllm": {"hf_overrides": {"quantization_config": qc}}}}}
+    with tempfile.TemporaryDirectory() as d:
+        file = Path(d) / "config.yaml"
+        try:
+            file.write_text(yaml.safe_dump(tree))
+        except (yaml.YAMLError, ValueError):
+            return
+        _run(["plan", "--json", str(file)], capsys)
