@@ -15,8 +15,8 @@ from types import MappingProxyType
 from typing import Any
 
 import attrs
-import yaml
 
+from app.config_yaml import quote_hint, read_yaml
 from domain.errors import ConfigError, ConfigTypeError, UnknownConfigKey
 from domain.quant import naming
 from domain.quant.dispatch import DELTA_BACKENDS, DELTA_WIRE_FORMATS, ENGINES
@@ -253,58 +253,6 @@ def _set_free(flat: dict[str, Any], key: Key, path: str, value: Any) -> None:
     flat[key.path] = current
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load without aliases: `*anchor` references can expand a few bytes into gigabytes
-    once a value is copied (a "billion laughs" document), and configurations never need them."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted", event.start_mark)
-        return super().compose_node(parent, index)
-
-
-def read_yaml(text: str) -> Any:
-    """Parse YAML text strictly: no aliases, no Python tags (safe_load), bounded nesting.
-
-    Args:
-        text: the document.
-
-    Returns:
-        The value. Raises ValueError with the reason: YAML errors, integers too long to convert,
-        nesting too deep for the parser.
-    """
-    try:
-        return yaml.load(text, Loader=_StrictLoader)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ValueError(f"{err.problem or err.context}{where}") from None
-    except yaml.YAMLError as err:
-        raise ValueError(" ".join(str(err).split())) from None
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    except ValueError as err:  # e.g. an integer of more than sys.get_int_max_str_digits() digits
-        raise ValueError(str(err).split(";")[0]) from None
-
-
-def _quote_hint(key: str, raw: str) -> str:
-    """A corrected override for a value that is not valid YAML: quote it so that it reads as a
-    string (or, for a list of regexes, single-quote the items: YAML single quotes keep
-    backslashes)."""
-    candidates = []
-    if '"' in raw and "'" not in raw:
-        candidates.append(raw.replace('"', "'"))
-    candidates.append("'" + raw.replace("'", "''") + "'")
-    for fixed in candidates:
-        try:
-            read_yaml(fixed)
-        except ValueError:
-            continue
-        return f"{key}={fixed}"
-    return f"{key}='...'"  # pragma: no cover - a single-quoted scalar always parses
-
-
 def parse_override(text: str) -> tuple[str, Any]:
     """Split `a.b.c=VALUE` and read VALUE as YAML (null, true, 3, [a, b], {k: v}).
 
@@ -324,7 +272,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = read_yaml(raw)
     except ValueError as err:
-        hint = _quote_hint(key, raw) if len(raw) <= 200 else f"{key}='...'"
+        hint = quote_hint(key, raw) if len(raw) <= 200 else f"{key}='...'"
         raise ConfigError(
             key, f"the value {_short(raw)} is not valid YAML ({err}); quote it, e.g. {hint} "
             "(in a shell, wrap the whole override in double quotes)"
