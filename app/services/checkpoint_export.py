@@ -203,8 +203,9 @@ def _copy_extras(checkpoint: HfCheckpoint, tmp: Path) -> list[str]:
 def _remove_stale(out: Path, own: Path) -> None:
     """Partial directories of earlier exports to `out` that died (SIGKILL, power loss): with the
     destination's lock held, no other export to `out` can be writing them."""
-    for stale in out.parent.glob(f".{out.name}.partial-*"):
-        if stale != own:
+    prefix = f".{out.name}.partial-"  # compared as text: a name may hold glob characters
+    for stale in out.parent.iterdir():
+        if stale.name.startswith(prefix) and stale != own:
             remove(stale)
 
 
