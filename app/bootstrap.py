@@ -569,8 +569,11 @@ class Services:
 
         try:
             data = json.loads(Path(snapshot_file).read_text())
-            return FixedEnvironmentProbe.from_dict(data.get("environment", data))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            data = data.get("environment", data) if isinstance(data, dict) else data
+            if not isinstance(data, dict):
+                raise TypeError(f"it holds a JSON {type(data).__name__}, not an object")
+            return FixedEnvironmentProbe.from_dict(data)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
             raise ConfigError("--environment", f"cannot read an environment snapshot from {snapshot_file}: {err}; "
                               "pass the JSON that `refit doctor --json` prints") from None
 

@@ -20,8 +20,8 @@ from types import MappingProxyType
 from typing import Any
 
 import attrs
-import yaml
 
+from app.config_yaml import quote_hint, read_yaml
 from domain.errors import ConfigError, ConfigTypeError, RemovedConfigKey, UnknownConfigKey
 from domain.quant import naming
 from domain.quant.dispatch import ENGINES
@@ -34,12 +34,21 @@ SYNC_BACKENDS = ("naive", "nccl", "gloo", *DELTA_BACKENDS)
 WIRE_FORMATS = ("bucketed", *DELTA_WIRE_FORMATS)
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters (messages quote what the user wrote)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for repr (sys.get_int_max_str_digits)
+        text = f"<an integer of about {int(value.bit_length() * 0.30103)} digits>"
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
 def _preset(key: str, value: Any) -> Any:
     if value is None:
         return None
     name = str(value).strip().upper().replace("-", "_")
     if name not in FORMATS:
-        raise ConfigError(key, f"unknown precision preset {value!r}; valid: {', '.join(FORMATS)} (or null for BF16)")
+        raise ConfigError(key, f"unknown precision preset {_short(value)}; valid: {', '.join(FORMATS)} (or null for BF16)")
     return None if name == "BF16" else name
 
 
@@ -48,7 +57,7 @@ def _activation(key: str, value: Any) -> Any:
         return None
     valid = [a.value for a in ActivationScheme]
     if str(value).lower() not in valid:
-        raise ConfigError(key, f"unknown activation scheme {value!r}; valid: {', '.join(valid)} (or null for the default)")
+        raise ConfigError(key, f"unknown activation scheme {_short(value)}; valid: {', '.join(valid)} (or null for the default)")
     return str(value).lower()
 
 
@@ -57,7 +66,7 @@ def _patterns(key: str, value: Any) -> tuple[str, ...]:
     for item in items:
         problem = naming.validate_ignore_entry(item)
         if problem:
-            raise ConfigError(key, f"{problem} (entry {item!r})")
+            raise ConfigError(key, f"{problem} (entry {_short(item)})")
     return tuple(items)
 
 
@@ -74,9 +83,38 @@ def _hf_overrides(key: str, value: Any) -> Any:
             value = json.loads(value)
         except json.JSONDecodeError as err:
             raise ConfigError(key, f"not valid JSON ({err.msg} at char {err.pos}); write a dict or a JSON object") from None
+        except (ValueError, RecursionError) as err:  # integers too long, nesting too deep
+            reason = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
+            raise ConfigError(key, f"not valid JSON ({reason}); write a dict or a JSON object") from None
         if not isinstance(value, dict):
             raise ConfigError(key, f"the JSON string must hold an object, got {type(value).__name__}")
     return value or None
+
+
+MAX_DEPTH = 32  # nesting of a configuration value: far beyond any real one, well within recursion
+
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Mapping | list | tuple):
+            deepest = max(deepest, depth)
+            children = node.values() if isinstance(node, Mapping) else node
+            stack.extend((child, depth + 1) for child in children if depth <= MAX_DEPTH)
+    return deepest
+
+
+def _check_plain(key: str, value: Any) -> Any:
+    """A value must be plain data: JSON-like types, nested at most MAX_DEPTH levels."""
+    if _depth(value) > MAX_DEPTH:
+        raise ConfigError(key, f"the value is nested more than {MAX_DEPTH} levels deep; flatten it")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigTypeError(key, f"the value holds something that is not plain data ({err}); "
+                              "use strings, numbers, booleans, null, lists and mappings") from None
+    return value
 
 
 def _commit_mode(key: str, value: Any) -> Any:
@@ -90,13 +128,23 @@ def _commit_mode(key: str, value: Any) -> Any:
 
 def _positive(key: str, value: Any) -> Any:
     if not value > 0:  # NaN is not positive either
-        raise ConfigError(key, f"must be positive, got {value}")
+        raise ConfigError(key, f"must be positive, got {_short(value)}")
+    return value
+
+
+MAX_BUCKET_MIB = 1 << 20  # 1 TiB: a bucket is a buffer every rank allocates
+
+
+def _bucket_mib(key: str, value: Any) -> Any:
+    _positive(key, value)
+    if value > MAX_BUCKET_MIB:
+        raise ConfigError(key, f"must be at most {MAX_BUCKET_MIB} MiB (1 TiB), got {_short(value)}")
     return value
 
 
 def _non_negative(key: str, value: Any) -> Any:
     if value < 0:
-        raise ConfigError(key, f"must be 0 or more, got {value}")
+        raise ConfigError(key, f"must be 0 or more, got {_short(value)}")
     return value
 
 
@@ -155,7 +203,7 @@ SCHEMA: tuple[Key, ...] = (
         "SGLang's KV-cache dtype (auto, fp8_e4m3, fp8_e5m2)", choices=("auto", "fp8_e4m3", "fp8_e5m2")),
     Key("rollout.checkpoint_engine.backend", (str,), "naive", "weight-sync backend", choices=SYNC_BACKENDS),
     Key("rollout.checkpoint_engine.update_weights_bucket_megabytes", (int, float), 512,
-        "size bound of one weight-sync bucket, MiB", check=_positive),
+        "size bound of one weight-sync bucket, MiB", check=_bucket_mib),
     Key("rollout.wire_format", (str,), "bucketed", "how buckets travel", choices=WIRE_FORMATS),
     Key("actor.megatron.qat.enable", (bool,), False, "QAT fake-quantization in training"),
     Key("actor.megatron.qat.mode", (str, NoneType), None,
@@ -225,6 +273,13 @@ ALIASES: dict[str, str] = {
 _HYDRA_KEYS = ("_target_",)
 
 
+def _section_problem(path: str, value: Any) -> str:
+    children = _children(path)
+    example = next(k.path for k in SCHEMA if k.path.startswith(path + "."))
+    return (f"is a section, not a value (got {type(value).__name__} {_short(value, 60)}); set one of its keys "
+            f"({', '.join(children)}), e.g. {example}=..., or give a mapping")
+
+
 def _removed_quantization_form(path: str, value: Any) -> RemovedConfigKey:
     """`rollout.quantization=fp8` (a string) was replaced by the per-role presets."""
     text = str(value).strip()
@@ -263,6 +318,8 @@ class _Reader:
 
     def tree(self, tree: Mapping[str, Any], prefix: str = "", written: str = "") -> None:
         for name, value in tree.items():
+            if not str(name).strip():  # an empty key would name its parent section
+                raise _unknown(f"{prefix}.<empty key>".lstrip("."))
             path = f"{prefix}.{name}" if prefix else str(name)
             shown = f"{written}.{name}" if written else str(name)
             if not prefix and name == VERL_ROOT and isinstance(value, Mapping):
@@ -282,8 +339,7 @@ class _Reader:
         elif path == "rollout.quantization":
             raise _removed_quantization_form(path, value)
         elif _children(path):
-            raise ConfigTypeError(path, f"expected a section (a mapping) with keys {', '.join(_children(path))}, "
-                                        f"got {value!r}")
+            raise ConfigTypeError(path, _section_problem(path, value))
         elif self.lenient and not _strict(path):
             self.unused.append(written)
         else:
@@ -299,7 +355,9 @@ def _flatten(tree: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 def _set_free(flat: dict[str, Any], key: Key, path: str, value: Any) -> None:
-    current = _hf_overrides(key.path, flat.get(key.path)) or {}
+    current = _hf_overrides(key.path, _check_plain(key.path, flat.get(key.path))) or {}
+    if not isinstance(current, dict):
+        raise ConfigTypeError(key.path, f"expected a dict to set {path!r} in, got {type(current).__name__}")
     node = current = json.loads(json.dumps(current))
     parts = path[len(key.path) + 1:].split(".")
     for part in parts[:-1]:
@@ -315,26 +373,35 @@ def parse_override(text: str) -> tuple[str, Any]:
         text: one command-line override.
 
     Returns:
-        (dotted key, value).
+        (dotted key, value). A VALUE that is not valid YAML raises ConfigError naming the key
+        and showing the quoted form.
     """
     key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
+    key = key.strip().lstrip("+")  # hydra's `+key=` / `++key=` (add / force-add) as verl users write
+    if not sep or not key:
         raise ConfigError(text, "an override is written KEY=VALUE, e.g. rollout.quantization.linear=FP8_BLOCK")
+    if not raw.strip():
+        return key, None
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().lstrip("+"), value  # hydra's `+key=` / `++key=` (add / force-add) as verl users write
+        value = read_yaml(raw)
+    except ValueError as err:
+        hint = quote_hint(key, raw) if len(raw) <= 200 else f"{key}='...'"
+        raise ConfigError(
+            key, f"the value {_short(raw)} is not valid YAML ({err}); quote it, e.g. {hint} "
+            "(in a shell, wrap the whole override in double quotes)"
+        ) from None
+    return key, value
 
 
 def _validate(key: Key, value: Any) -> Any:
+    _check_plain(key.path, value)
     ok = isinstance(value, key.types) and not (isinstance(value, bool) and bool not in key.types)
     if not ok:
         names = " or ".join("null" if t is NoneType else t.__name__ for t in key.types)
-        raise ConfigTypeError(key.path, f"expected {names}, got {type(value).__name__} {value!r}")
+        raise ConfigTypeError(key.path, f"expected {names}, got {type(value).__name__} {_short(value)}")
     if key.choices is not None and value not in key.choices:
         valid = ", ".join("null" if c is None else str(c) for c in key.choices)
-        raise ConfigError(key.path, f"invalid value {value!r}; valid: {valid}")
+        raise ConfigError(key.path, f"invalid value {_short(value)}; valid: {valid}")
     return key.check(key.path, value) if key.check else value
 
 
@@ -424,10 +491,18 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides:
     if source is None or isinstance(source, Mapping):
         return build_config(source, overrides)
     path = Path(source)
-    if not path.is_file():
+    if path.is_dir():
+        raise ConfigError("CONFIG", f"configuration file {str(path)!r} is a directory; pass a YAML file")
+    if not path.exists():
         raise ConfigError("CONFIG", f"configuration file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError("CONFIG", f"configuration file {str(path)!r} is not a regular file; pass a YAML file")
     try:
-        tree = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
+        tree = read_yaml(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError("CONFIG", f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except OSError as err:
+        raise ConfigError("CONFIG", f"{path}: cannot be read ({err.strerror or err})") from None
+    except ValueError as err:
         raise ConfigError("CONFIG", f"{path}: not valid YAML ({err})") from None
     return build_config(tree or {}, overrides)

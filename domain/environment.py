@@ -8,7 +8,7 @@ packages).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
 import attrs
@@ -106,6 +106,16 @@ def _frozen_map(value: Mapping[str, str | None]) -> Mapping[str, str | None]:
     return MappingProxyType(dict(value))
 
 
+def _text_map(optional: bool) -> Callable[[object, attrs.Attribute, Mapping[object, object]], None]:
+    """Validator: a mapping of strings to strings (or None, when `optional`)."""
+    def check(_: object, attribute: attrs.Attribute, value: Mapping[object, object]) -> None:
+        for k, v in value.items():
+            if not isinstance(k, str) or not (isinstance(v, str) or (optional and v is None)):
+                kind = "a string or null" if optional else "a string"
+                raise TypeError(f"{attribute.name}: {k!r} maps to {type(v).__name__} {v!r}; expected {kind}")
+    return check
+
+
 @attrs.frozen
 class EnvironmentSnapshot:
     """What is installed and visible on one machine.
@@ -120,12 +130,12 @@ class EnvironmentSnapshot:
         platform: the operating system, in words.
     """
 
-    python: str
-    packages: Mapping[str, str | None] = attrs.field(factory=dict, converter=_frozen_map)
-    torch_cuda: str | None = None
+    python: str = attrs.field(validator=attrs.validators.instance_of(str))
+    packages: Mapping[str, str | None] = attrs.field(factory=dict, converter=_frozen_map, validator=_text_map(True))
+    torch_cuda: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
     gpus: tuple[GpuInfo, ...] = attrs.field(default=(), converter=_gpus)
     nccl: bool = False
-    environ: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_map)
+    environ: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_map, validator=_text_map(False))
     platform: str = ""
 
     def version(self, distribution: str) -> str | None:

@@ -170,6 +170,26 @@ class OutputNotEmpty(RefitError, FileExistsError):
     """`refit export --out DIR` names a non-empty directory and `--force` was not given."""
 
 
+class OutputOverlapsModel(CheckpointError):
+    """`refit export --out DIR` is the model directory, inside it or above it (symlinks resolved)."""
+
+
+class OutputBusy(RefitError, BlockingIOError):
+    """Another export to the same `--out` is running (it holds the destination's lock)."""
+
+
+class OutputChanged(RefitError, FileExistsError):
+    """`--out` changed between the export's check and its publish; nothing was replaced."""
+
+
+class OutputNotWritable(RefitError, OSError):
+    """The export could not write its output (permissions, a read-only file system, a full disk)."""
+
+
+class QuantizedSource(CheckpointError):
+    """The source checkpoint stores quantized tensors in a layout the export cannot decode."""
+
+
 # --- refit: buckets, sessions, engines, mismatch metrics (domain/buckets, refit, mismatch) ---
 
 

@@ -30,10 +30,12 @@ if not dist.is_available():  # pragma: no cover
 from adapters.distributed.wire import (
     CONTROL_BYTES,
     LEAD_BYTES,
+    RECEIVE_SLACK,
     STATUS_BYTES,
     FrameKind,
     Header,
     StreamLayout,
+    StreamLimits,
     decode_control,
     decode_lead,
     decode_metas,
@@ -51,6 +53,7 @@ from domain.refit.sharding import RefitWorld
 from domain.refit.status import RankStatus, TransferStats
 
 _STATUS_PAD = 16  # bytes in front of a gathered piece: its holder's failure flag
+_TAIL = 16  # canary bytes checked after the announced bytes and planted at their end
 
 
 def wait_work(work: Any, rank: int, step: str, timeout_s: float, peers: Sequence[int]) -> float:
@@ -89,6 +92,8 @@ class TorchDistTransport:
         timeout_s: bound on each wait.
         window: buckets in flight (2 = double buffering, 1 = none).
         device: where receive buffers live (CPU for gloo, a CUDA device for NCCL).
+        max_tensor_bytes: the largest lone tensor a receiver accepts (a header announcing more is
+            refused before anything is allocated).
     """
 
     group: Any
@@ -100,8 +105,13 @@ class TorchDistTransport:
     timeout_s: float = 60.0
     window: int = 2
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), converter=torch.device)
+    max_tensor_bytes: int = 64 << 30
     _rbufs: list[torch.Tensor | None] = attrs.field(init=False, factory=lambda: [None, None])
     _layout: StreamLayout | None = attrs.field(init=False, default=None)
+    _control_buf: torch.Tensor | None = attrs.field(init=False, default=None)
+    _canary_bytes: tuple[int, torch.Tensor] | None = attrs.field(init=False, default=None)
+    _broken: str | None = attrs.field(init=False, default=None)
+    _orphans: list[Any] = attrs.field(init=False, factory=list)
 
     def _bcast(self, t: torch.Tensor, step: str) -> float:
         work = dist.broadcast(t, self.source, group=self.group, async_op=True)
@@ -134,6 +144,11 @@ class TorchDistTransport:
                     raise WireProtocolError(
                         f"bucket {bucket.index} differs from the stream layout of earlier refits (tensor names, "
                         "shapes, dtypes or bucket size changed); every rank must keep the same plan and model"
+                    )
+                if layout is None and encode_metas(bucket.metas).numel() > self.limits.max_meta_bytes:
+                    raise WireProtocolError(
+                        f"bucket {bucket.index} holds {len(bucket.metas)} tensors, whose metadata exceeds the "
+                        f"{self.limits.max_meta_bytes}-byte limit receivers accept; use larger buckets' alignment or fewer tensors"
                     )
             except StopIteration:
                 if layout is not None and n < len(layout):
@@ -214,18 +229,87 @@ class TorchDistTransport:
         self._control(Header(FrameKind.ABORT, self.refit_id, sent, meta_len=body.numel()), body, "abort header")
 
     # --- receivers ---------------------------------------------------------------------------
+    #
+    # A receiver distrusts its source. Every header is checked against the limits and the order
+    # of the stream before anything is allocated or received (StreamLimits). Over gloo, every
+    # receive is posted RECEIVE_SLACK bytes larger than announced, the surplus filled with a
+    # canary (the same on every receiver: gloo forwards whole receive buffers down its broadcast
+    # tree): gloo terminates a process that receives more than it posted, so a source that sends
+    # more than it announced lands in the surplus and is reported instead, and one that sends
+    # less leaves the canary planted at the end of the announced bytes. Bytes beyond the
+    # announced size are never read. (NCCL needs equal sizes on every rank: there receives are
+    # posted as announced, and a lying source ends in a timeout.) After a malformed message the
+    # stream is out of step: the transport refuses every later stream until the world restarts.
+
+    @property
+    def limits(self) -> StreamLimits:
+        return StreamLimits(self.bucket_bytes, self.max_tensor_bytes)
+
+    @property
+    def _slack(self) -> int:
+        return RECEIVE_SLACK if self.device.type == "cpu" else 0
+
+    def _canary(self) -> torch.Tensor:
+        if self._canary_bytes is None or self._canary_bytes[0] != self.refit_id:
+            g = torch.Generator().manual_seed(0x5EED_0000 + self.refit_id)
+            self._canary_bytes = (self.refit_id, torch.randint(0, 256, (self._slack + _TAIL,), dtype=torch.uint8, generator=g))
+        return self._canary_bytes[1]
 
     def _buffer(self, n: int, nbytes: int) -> torch.Tensor:
-        if nbytes > self.bucket_bytes:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # a lone large tensor
+        if nbytes > self.bucket_bytes:  # a lone large tensor
+            return torch.empty(nbytes + self._slack, dtype=torch.uint8, device=self.device)[:nbytes]
         slot = n % min(self.window, 2)
         buf = self._rbufs[slot]
         if buf is None:
-            buf = self._rbufs[slot] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+            buf = self._rbufs[slot] = torch.empty(self.bucket_bytes + self._slack, dtype=torch.uint8, device=self.device)
         return buf[:nbytes]
 
+    def _landing(self, dest: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
+        """Where a receive for `dest` lands: `dest` with the slack after it when its storage has
+        room (transport buffers always do), else a staging buffer copied into `dest` afterwards."""
+        need = dest.numel() + self._slack
+        storage = dest.untyped_storage()
+        if dest.is_contiguous() and storage.nbytes() - dest.storage_offset() >= need:
+            landing = torch.empty(0, dtype=torch.uint8, device=dest.device)
+            return landing.set_(storage, dest.storage_offset(), (need,), (1,)), False
+        return self._landing(self._buffer(n, dest.numel()), n)[0], True
+
+    def _post(self, dest: torch.Tensor, step: str, n: int = 0) -> _Posted:
+        """Post the receive of one message of `dest.numel()` announced bytes."""
+        if not self._slack:
+            return _Posted(self._bcast_async(dest), dest, dest, step, False)
+        landing, staged = self._landing(dest, n)
+        nbytes, canary = dest.numel(), self._canary()
+        landing[nbytes:].copy_(canary[: self._slack])
+        if nbytes >= _TAIL:
+            landing[nbytes - _TAIL : nbytes].copy_(canary[self._slack :])
+        return _Posted(self._bcast_async(landing), landing, dest, step, staged)
+
+    def _complete(self, rx: _Receive, p: _Posted) -> None:
+        """Wait for a posted receive, check it against its announced size, copy it if staged."""
+        rx.blocked += wait_work(p.work, self.rank, p.step, self.timeout_s, self.peers)
+        if not self._slack:
+            return
+        nbytes, canary = p.dest.numel(), self._canary()
+        if not torch.equal(p.landing[nbytes : nbytes + _TAIL], canary[:_TAIL]):
+            raise WireProtocolError(f"rank {self.source} sent more than the {nbytes} bytes it announced for "
+                                    f"{p.step} (refit {self.refit_id})")
+        if nbytes >= _TAIL and torch.equal(p.landing[nbytes - _TAIL : nbytes], canary[self._slack :]):
+            raise WireProtocolError(f"rank {self.source} sent fewer than the {nbytes} bytes it announced for "
+                                    f"{p.step} (refit {self.refit_id})")
+        if p.staged:
+            p.dest.copy_(p.landing[:nbytes])
+
     def receive(self, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None = None) -> TransferStats:
-        """Consume buckets until END; see ports.bucket_transport.BucketTransport.receive."""
+        """Consume buckets until END; see ports.bucket_transport.BucketTransport.receive.
+
+        Raises WireProtocolError (before allocating or receiving what a bad header announces)
+        when the source's stream breaks the wire format or its limits; the transport then
+        refuses every later stream (the ranks are out of step: restart the world).
+        """
+        if self._broken is not None:
+            raise WireProtocolError(f"the bucket stream from rank {self.source} is out of step since {self._broken}; "
+                                    "restart the refit world")
         rx = _Receive(time.perf_counter(), consume, allocate)
         try:
             if self._layout is None:
@@ -235,29 +319,44 @@ class TorchDistTransport:
         except TransportAborted:
             self._layout = None
             raise
+        except WireProtocolError as err:
+            self._broken, self._layout = f"refit {self.refit_id} ({err})", None
+            self._orphans.append(rx)  # receives may still be posted into its buffers: keep them alive
+            raise
         if rx.errors:
             raise rx.errors[0]
         return TransferStats(rx.n, rx.payload, rx.wire, time.perf_counter() - rx.t0, rx.blocked, rx.consumed)
 
-    def _end(self, rx: _Receive, after: str) -> None:
+    def _aborted(self, rx: _Receive, index: int, text: str) -> TransportAborted:
+        self._finish(rx, None)
+        return TransportAborted(f"rank {self.source} aborted the bucket stream of refit {self.refit_id} after "
+                                f"{index} buckets: {text}")
+
+    def _end(self, rx: _Receive, after: str, count: int) -> None:
         """The END or ABORT control message that closes every stream."""
         header, meta = self._receive_control(rx, after)
         if header.kind is FrameKind.ABORT:
-            self._finish(rx, None)
-            raise TransportAborted(
-                f"rank {self.source} aborted the bucket stream of refit {self.refit_id} after "
-                f"{header.index} buckets: {decode_text(meta)}"
-            )
+            raise self._aborted(rx, header.index, decode_text(meta))
         if header.kind is not FrameKind.END:
-            raise WireProtocolError(f"rank {self.source} sent a {header.kind.name} frame where the stream should end")
+            raise WireProtocolError(f"rank {self.source} sent bucket {header.index} after the last bucket of the "
+                                    f"stream layout it follows ({count} buckets)")
+        self.limits.check_end(header, self.source, count)
 
     def _receive_control(self, rx: _Receive, step: str) -> tuple[Header, torch.Tensor]:
-        control = torch.empty(CONTROL_BYTES, dtype=torch.uint8)
-        rx.blocked += self._bcast(control, step)
+        if self._control_buf is None:
+            self._control_buf = torch.empty(CONTROL_BYTES + self._slack, dtype=torch.uint8)
+        control = self._control_buf[:CONTROL_BYTES]
+        self._complete(rx, self._post(control, step))
         header, meta, rest = decode_control(control, self.refit_id, self.source)
+        limits = self.limits
+        if header.kind is FrameKind.BUCKET:
+            limits.check_header(header, self.source, rx.next_index, rx.after_last)
+        elif header.kind is FrameKind.ABORT:
+            limits.check_abort(header, self.source)
+        meta = meta.clone()
         if rest:
-            more = torch.empty(rest, dtype=torch.uint8)
-            rx.blocked += self._bcast(more, f"{step} (metadata)")
+            more = torch.empty(rest + self._slack, dtype=torch.uint8)[:rest]
+            self._complete(rx, self._post(more, f"{step} (metadata)"))
             meta = torch.cat([meta, more])
         return header, meta
 
@@ -267,32 +366,31 @@ class TorchDistTransport:
         while True:
             header, meta = self._receive_control(rx, f"bucket {rx.n} header")
             if header.kind is FrameKind.END:
+                self._finish(rx, None)
+                self.limits.check_end(header, self.source, rx.n)
                 break
             if header.kind is FrameKind.ABORT:
-                self._finish(rx, None)
-                raise TransportAborted(
-                    f"rank {self.source} aborted the bucket stream of refit {self.refit_id} after "
-                    f"{header.index} buckets: {decode_text(meta)}"
-                )
+                raise self._aborted(rx, header.index, decode_text(meta))
+            metas = decode_metas(meta)
+            self.limits.check_metas(header, metas, self.source)
+            rx.next_index, rx.after_last = header.index + 1, header.is_last
             if self.window < 2:  # one buffer: consume the previous bucket before reusing it
                 self._finish(rx, None)
-            metas = decode_metas(meta)
             buf = self._take(rx, header.nbytes)
-            works = [self._bcast_async(buf)] if header.nbytes else []
-            self._finish(rx, (Bucket(header.index, buf, metas, header.is_last), works))  # overlaps this transfer
+            posted = [self._post(buf, f"bucket {header.index} data", rx.n)] if header.nbytes else []
+            self._finish(rx, (Bucket(header.index, buf, metas, header.is_last), posted))  # overlaps this transfer
             learned.append((header.nbytes, metas))
-        self._finish(rx, None)
         self._layout = StreamLayout(tuple(learned))
 
     def _receive_known(self, rx: _Receive, layout: StreamLayout) -> None:
         """A stream of a known layout: post bucket k+1's receive as soon as bucket k is in, then
         consume bucket k while k+1 is on the wire."""
-        pending = self._post(rx, layout, 0) if len(layout) else None
+        pending = rx.pending = self._post_known(rx, layout, 0) if len(layout) else None
         for k in range(len(layout)):
             assert pending is not None
-            buf, lead, works = pending
-            for work, what in works:
-                rx.blocked += wait_work(work, self.rank, what, self.timeout_s, self.peers)
+            buf, lead, posted = pending
+            for p in posted:
+                self._complete(rx, p)
             header, text = decode_lead(lead, self.refit_id, self.source)
             if header.layout != layout.digest:
                 raise WireProtocolError(
@@ -300,45 +398,58 @@ class TorchDistTransport:
                     f"({header.layout:08x}, this rank knows {layout.digest:08x}); restart the refit world"
                 )
             if header.kind is FrameKind.ABORT:
-                self._finish(rx, None)
-                raise TransportAborted(
-                    f"rank {self.source} aborted the bucket stream of refit {self.refit_id} after {k} buckets: {text}"
-                )
+                raise self._aborted(rx, k, text)
+            self._check_lead(rx, header, layout, k)
             bucket = Bucket(header.index, buf, layout.buckets[k][1], header.is_last)
             self._count(rx, bucket)
             if self.window < 2:  # one buffer: consume bucket k before bucket k+1 lands in it
                 self._consume(rx, bucket)
-            pending = self._post(rx, layout, k + 1) if k + 1 < len(layout) else None
+            pending = rx.pending = self._post_known(rx, layout, k + 1) if k + 1 < len(layout) else None
             if self.window >= 2:
                 self._consume(rx, bucket)  # overlaps bucket k+1's transfer
-        self._end(rx, "end of stream")
+        self._end(rx, "end of stream", len(layout))
 
-    def _post(self, rx: _Receive, layout: StreamLayout, k: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Any, str]]]:
-        """Post every receive of bucket k of a known layout; returns (buffer, lead record, works)."""
+    def _check_lead(self, rx: _Receive, h: Header, layout: StreamLayout, k: int) -> None:
+        """A lead record must be bucket k of the layout: its size, the next index, last only at the end."""
+        if h.kind is not FrameKind.BUCKET:
+            raise WireProtocolError(f"rank {self.source} sent a {h.kind.name} lead record for bucket {k}")
+        self.limits.check_header(attrs.evolve(h, meta_len=0), self.source, rx.next_index, rx.after_last)
+        if h.nbytes != layout.buckets[k][0]:
+            raise WireProtocolError(f"rank {self.source} announced {h.nbytes} bytes for bucket {h.index}; its stream "
+                                    f"layout has {layout.buckets[k][0]}")
+        if h.is_last and k + 1 < len(layout):
+            raise WireProtocolError(f"rank {self.source} marked bucket {h.index} last, {len(layout) - k - 1} buckets "
+                                    "before the end of its stream layout")
+        rx.next_index, rx.after_last = h.index + 1, h.is_last
+
+    def _post_known(self, rx: _Receive, layout: StreamLayout, k: int) -> tuple[torch.Tensor, torch.Tensor, list[_Posted]]:
+        """Post every receive of bucket k of a known layout; returns (buffer, lead record, receives)."""
         nbytes, metas = layout.buckets[k]
         buf = self._take(rx, nbytes, k)
         step = f"bucket {k}"
         if StreamLayout.has_lead_room(metas):
-            return buf, buf[:LEAD_BYTES], [(self._bcast_async(buf), step)]
-        lead = torch.empty(LEAD_BYTES, dtype=torch.uint8, device=self.device)
-        works = [(self._bcast_async(lead), f"{step} lead")]
+            return buf, buf[:LEAD_BYTES], [self._post(buf, step, k)]
+        lead = torch.empty(LEAD_BYTES + self._slack, dtype=torch.uint8, device=self.device)[:LEAD_BYTES]
+        posted = [self._post(lead, f"{step} lead")]
         if nbytes:
-            works.append((self._bcast_async(buf), f"{step} data"))
-        return buf, lead, works
+            posted.append(self._post(buf, f"{step} data", k))
+        return buf, lead, posted
 
     def _take(self, rx: _Receive, nbytes: int, k: int | None = None) -> torch.Tensor:
-        return rx.allocate(nbytes) if rx.allocate is not None else self._buffer(rx.n if k is None else k, nbytes)
+        if rx.allocate is not None:  # the consumer's own buffer, with the slack after it: received in place
+            return rx.allocate(nbytes + self._slack)[:nbytes]
+        return self._buffer(rx.n if k is None else k, nbytes)
 
-    def _finish(self, rx: _Receive, nxt: tuple[Bucket, list[Any]] | None) -> None:
+    def _finish(self, rx: _Receive, nxt: tuple[Bucket, list[_Posted]] | None) -> None:
         """Wait for and consume the bucket in hand, then hold `nxt` (whose receive is posted)."""
         prev, rx.held = rx.held, nxt
         if nxt is not None:
             self._count(rx, nxt[0])
         if prev is None:
             return
-        bucket, works = prev
-        for work in works:
-            rx.blocked += wait_work(work, self.rank, f"bucket {bucket.index} data", self.timeout_s, self.peers)
+        bucket, posted = prev
+        for p in posted:
+            self._complete(rx, p)
         self._consume(rx, bucket)
 
     @staticmethod
@@ -358,6 +469,17 @@ class TorchDistTransport:
             rx.consumed += time.perf_counter() - t1
 
 
+@attrs.frozen
+class _Posted:
+    """One posted receive: where it lands (announced bytes, then the slack), and where the bytes go."""
+
+    work: Any
+    landing: torch.Tensor
+    dest: torch.Tensor
+    step: str
+    staged: bool
+
+
 @attrs.define
 class _Receive:
     """One receive call's state."""
@@ -371,7 +493,10 @@ class _Receive:
     blocked: float = 0.0
     consumed: float = 0.0
     errors: list[BaseException] = attrs.field(factory=list)
-    held: tuple[Bucket, list[Any]] | None = None
+    held: tuple[Bucket, list[_Posted]] | None = None
+    next_index: int | None = None  # the index the next bucket must have (None: any, the first)
+    after_last: bool = False  # a bucket marked last has arrived
+    pending: Any = None  # a known-layout bucket's posted receives
 
 
 @attrs.define

@@ -89,6 +89,10 @@ class Header:
 
 
 CONTROL_BYTES = 64 << 10  # one control message: the header words, then as much metadata as fits
+# Over gloo a receiver posts every receive this much larger than announced (TorchDistTransport's
+# receivers): a source that sends more than it announced is then reported, not fatal. A receive
+# buffer handed to the transport (`allocate`) with this much room after it is received in place.
+RECEIVE_SLACK = 64 << 10
 _INLINE = CONTROL_BYTES - HEADER_WORDS * 8
 
 
@@ -115,8 +119,12 @@ def decode_control(control: torch.Tensor, refit_id: int, source: int) -> tuple[H
 
     Returns:
         (the checked header, the inline part of its body, bytes of body still to receive).
+        Raises WireProtocolError for a negative body length.
     """
     header = Header.from_tensor(control[: HEADER_WORDS * 8].view(torch.int64), refit_id, source)
+    if header.meta_len < 0:
+        raise WireProtocolError(f"rank {source} (refit {refit_id}) announced a negative metadata size "
+                                f"({header.meta_len})")
     n = min(header.meta_len, _INLINE)
     return header, control[HEADER_WORDS * 8 : HEADER_WORDS * 8 + n], header.meta_len - n
 
@@ -131,9 +139,92 @@ def decode_metas(data: torch.Tensor) -> tuple[TensorMeta, ...]:
     """Inverse of `encode_metas`. Raises WireProtocolError on bytes that do not decode."""
     try:
         rows = json.loads(decode_text(data))
-        return tuple(TensorMeta(n, tuple(s), getattr(torch, d), o, b) for n, s, d, o, b in rows)
-    except (ValueError, TypeError, AttributeError) as err:
+        if not isinstance(rows, list):
+            raise TypeError(f"expected a list of tensors, got {type(rows).__name__}")
+        metas = []
+        for n, s, d, o, b in rows:
+            dtype = getattr(torch, d) if isinstance(d, str) else None
+            if not isinstance(n, str) or not isinstance(dtype, torch.dtype) or not all(isinstance(x, int) for x in (*s, o, b)):
+                raise TypeError(f"malformed entry {[n, s, d, o, b]!r}"[:200])
+            metas.append(TensorMeta(n, tuple(s), dtype, o, b))
+        return tuple(metas)
+    except (ValueError, TypeError, AttributeError, RecursionError) as err:
         raise WireProtocolError(f"corrupt bucket metadata: {err}") from None
+
+
+@attrs.frozen
+class StreamLimits:
+    """What a receiver accepts from its source, checked before it allocates or receives anything.
+
+    Both ends of a stream use the same bucket size (the refit's begin agreement checks it), so a
+    bucket above it can only be a lone tensor, and the metadata of a bucket is small.
+
+    Attributes:
+        bucket_bytes: the agreed bucket capacity.
+        max_tensor_bytes: the largest lone tensor (a bucket above bucket_bytes) accepted.
+    """
+
+    bucket_bytes: int
+    max_tensor_bytes: int = 64 << 30
+
+    @property
+    def max_meta_bytes(self) -> int:
+        """Metadata of one bucket: a few dozen bytes per tensor, far below this."""
+        return max(CONTROL_BYTES, self.bucket_bytes // 4)
+
+    def check_header(self, h: Header, source: int, expected: int | None, after_last: bool) -> None:
+        """A BUCKET header against the limits and the order of the stream.
+
+        Args:
+            h: the decoded header.
+            source: the sender, for errors.
+            expected: the index this bucket must have (None: the stream's first bucket).
+            after_last: a bucket marked last was already received.
+
+        Returns:
+            None. Raises WireProtocolError naming what is wrong.
+        """
+        who = f"rank {source} (refit {h.refit_id})"
+        if after_last:
+            raise WireProtocolError(f"{who} sent bucket {h.index} after the bucket it marked last")
+        if h.index < 0 or (expected is not None and h.index != expected):
+            due = f"bucket {expected} was due" if expected is not None else "indices start at 0 or above"
+            raise WireProtocolError(f"{who} sent bucket {h.index} out of order ({due})")
+        if h.nbytes < 0 or h.meta_len < 0:
+            raise WireProtocolError(f"{who} announced a negative size for bucket {h.index} "
+                                    f"({h.nbytes} data bytes, {h.meta_len} metadata bytes)")
+        if h.nbytes > max(self.bucket_bytes, self.max_tensor_bytes):
+            raise WireProtocolError(f"{who} announced {h.nbytes} bytes for bucket {h.index}, above the "
+                                    f"{max(self.bucket_bytes, self.max_tensor_bytes)}-byte limit of one tensor")
+        if h.meta_len > self.max_meta_bytes:
+            raise WireProtocolError(f"{who} announced {h.meta_len} bytes of metadata for bucket {h.index}, above "
+                                    f"the {self.max_meta_bytes}-byte limit")
+
+    def check_metas(self, h: Header, metas: Sequence[TensorMeta], source: int) -> None:
+        """A bucket's tensors against its header: they fill exactly its bytes, each name once, and
+        only a bucket of one tensor exceeds the bucket size."""
+        who = f"rank {source} (refit {h.refit_id})"
+        end = metas[-1].end if metas else 0
+        if end != h.nbytes:
+            raise WireProtocolError(f"{who} announced {h.nbytes} bytes for bucket {h.index} but its tensors "
+                                    f"occupy {end}")
+        if h.nbytes > self.bucket_bytes and len(metas) != 1:
+            raise WireProtocolError(f"{who} sent a {h.nbytes}-byte bucket {h.index} of {len(metas)} tensors; only "
+                                    f"a lone tensor may exceed the {self.bucket_bytes}-byte bucket size")
+        names = [m.name for m in metas]
+        if len(set(names)) != len(names):
+            raise WireProtocolError(f"{who} sent bucket {h.index} with a tensor named twice")
+
+    @staticmethod
+    def check_end(h: Header, source: int, count: int) -> None:
+        """END closes a stream of `count` buckets and says so."""
+        if h.index != count:
+            raise WireProtocolError(f"rank {source} (refit {h.refit_id}) ended its stream after {h.index} buckets, "
+                                    f"but {count} arrived")
+
+    def check_abort(self, h: Header, source: int) -> None:
+        if not 0 <= h.meta_len <= self.max_meta_bytes:
+            raise WireProtocolError(f"rank {source} (refit {h.refit_id}) announced {h.meta_len} bytes of abort text")
 
 
 # The lead record: the first bytes of a bucket's first message once the stream layout is known.
@@ -188,7 +279,7 @@ def encode_lead(header: Header, text: str = "") -> torch.Tensor:
 def decode_lead(lead: torch.Tensor, refit_id: int, source: int) -> tuple[Header, str]:
     """Inverse of `encode_lead` (checks magic and refit id like `Header.from_tensor`)."""
     header = Header.from_tensor(lead[: HEADER_WORDS * 8].clone().view(torch.int64), refit_id, source)
-    text = decode_text(lead[HEADER_WORDS * 8 : HEADER_WORDS * 8 + min(header.meta_len, _LEAD_TEXT)])
+    text = decode_text(lead[HEADER_WORDS * 8 : HEADER_WORDS * 8 + max(0, min(header.meta_len, _LEAD_TEXT))])
     return header, text
 
 

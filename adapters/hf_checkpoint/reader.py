@@ -1,32 +1,41 @@
 """Read a Hugging Face safetensors checkpoint directory one tensor at a time.
 
-Implements the WeightExporter port. Only headers are read up front; each tensor is read with
+Implements the WeightExporter port. Only headers are read up front (and checked: a truncated or
+corrupt file, an index that names files outside the directory or tensors that are not there, a
+tensor in two files, all end in CheckpointError naming the file); each tensor is read with
 `safetensors.safe_open` when the stream reaches it, from a handle that is reopened regularly so
 that the memory-mapped pages already consumed are released.
+
+Modules the checkpoint already stores quantized (a re-export of an export) are shown in the
+*logical* view as the dense weight they decode to (`domain.quant.stored`), so that a plan
+decides them like any weight; the *raw* view is the files' tensors as they are.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
 try:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 except ModuleNotFoundError as err:  # pragma: no cover
     raise ModuleNotFoundError("HfCheckpoint needs the safetensors package", name="safetensors") from err
 
-from domain.errors import CheckpointError
+from domain.errors import CheckpointError, QuantizedSource
 from domain.quant import naming
 from domain.quant.plan import QuantizationPlan
+from domain.quant.stored import StoredModule, decode, find_stored
 from domain.quant.stream import quantize_stream
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 _REOPEN_BYTES = 64 * 2**20  # reopen a file's handle after this many bytes were read from it
+_FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _order_key(name: str) -> tuple[int, int, tuple[object, ...]]:
@@ -35,6 +44,19 @@ def _order_key(name: str) -> tuple[int, int, tuple[object, ...]]:
         return (1, layer, naming.natural_key(name))
     before = "embed" in name or "wte" in name
     return (0 if before else 2, 0, naming.natural_key(name))
+
+
+def _read_json(file: Path, what: str) -> Any:
+    try:
+        return json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{file}: {what} is not UTF-8 text (byte {err.start}); repair or remove it") from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: {what} is nested too deeply; repair or remove it") from None
+    except ValueError as err:
+        raise CheckpointError(f"{file}: {what} is not valid JSON ({str(err).split(';')[0]}); repair or remove it") from None
+    except OSError as err:
+        raise CheckpointError(f"{file}: {what} cannot be read ({err.strerror or err})") from None
 
 
 class HfCheckpoint:
@@ -48,26 +70,31 @@ class HfCheckpoint:
     def __init__(self, path: str | Path, on_read: Callable[[int], None] | None = None) -> None:
         self.path = Path(path)
         self.on_read = on_read
-        if not self.path.is_dir():
+        if not self.path.exists():
             raise CheckpointError(f"model directory {str(self.path)!r} does not exist; pass --model DIR")
+        if not self.path.is_dir():
+            raise CheckpointError(f"--model {str(self.path)!r} is not a directory; pass the checkpoint directory")
         self._files = self._weight_files()
         self._entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]] = {}
         for file in self._files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                    sl = f.get_slice(name)
-                    self._entries[name] = (file, _dtype(sl.get_dtype(), name), tuple(sl.get_shape()))
+            self._read_header(file)
+        self._check_index()
         self._order = sorted(self._entries, key=_order_key)
+        self.stored: dict[str, StoredModule] = find_stored(self.tensor_specs(raw=True))
+        self._stored_by_weight = {s.weight: s for s in self.stored.values() if s.format is not None}
+        hidden = {t for s in self._stored_by_weight.values() for t in s.tensors}
+        logical = [n for n in self._order if n not in hidden] + list(self._stored_by_weight)
+        self._logical = sorted(logical, key=_order_key)
+
+    # --- headers -----------------------------------------------------------------------------
 
     def _weight_files(self) -> list[Path]:
         index = self.path / INDEX_NAME
+        self._weight_map: dict[str, str] | None = None
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as err:
-                raise CheckpointError(f"{index}: not a safetensors index ({err}); repair or remove it") from None
-            return sorted({self.path / f for f in weight_map.values()})
-        files = sorted(self.path.glob("*.safetensors"))
+            self._weight_map = self._read_index(index)
+            return sorted({self.path / f for f in self._weight_map.values()})
+        files = sorted(f for f in self.path.glob("*.safetensors") if f.is_file())
         if not files:
             raise CheckpointError(
                 f"no .safetensors files in {str(self.path)!r}; export needs a safetensors checkpoint "
@@ -75,56 +102,177 @@ class HfCheckpoint:
             )
         return files
 
+    def _read_index(self, index: Path) -> dict[str, str]:
+        data = _read_json(index, "the safetensors index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: not a safetensors index (no 'weight_map' object of tensor -> file); "
+                                  "repair or remove it")
+        for name, file in weight_map.items():
+            parts = PurePosixPath(file).parts if isinstance(file, str) else ()
+            if not parts or parts[0] == "/" or ".." in parts or "\\" in file or not file.endswith(".safetensors"):
+                raise CheckpointError(
+                    f"{index}: tensor {name!r} maps to {file!r}, which is not a .safetensors file inside the "
+                    "model directory; an index names files by their path relative to it"
+                )
+            if not (self.path / file).is_file():
+                raise CheckpointError(f"{index}: tensor {name!r} is in {file!r}, which is not in {str(self.path)!r}")
+        return weight_map
+
+    def _read_header(self, file: Path) -> None:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                    sl = f.get_slice(name)
+                    entry = (file, _dtype(sl.get_dtype(), name), tuple(sl.get_shape()))
+                    if name in self._entries:
+                        raise CheckpointError(
+                            f"tensor {name!r} is in both {self._entries[name][0].name} and {file.name}; "
+                            "a checkpoint holds each tensor once"
+                        )
+                    self._entries[name] = entry
+        except (SafetensorError, OSError) as err:
+            reason = str(err).removeprefix("Error while deserializing header: ") or type(err).__name__
+            raise CheckpointError(f"{file}: not a readable safetensors file ({reason}); re-download or "
+                                  "re-save it") from None
+
+    def _check_index(self) -> None:
+        if self._weight_map is None:
+            return
+        missing = sorted(n for n, f in self._weight_map.items()
+                         if n not in self._entries or self._entries[n][0] != self.path / f)
+        if missing:
+            raise CheckpointError(f"{self.path / INDEX_NAME}: {len(missing)} tensor(s) are not in the file the "
+                                  f"index names, e.g. {missing[:3]}; repair or remove the index")
+
     @property
     def config(self) -> dict[str, Any]:
         """The parsed config.json (an empty dict when the directory has none)."""
         file = self.path / CONFIG_NAME
         if not file.is_file():
             return {}
-        try:
-            return json.loads(file.read_text())
-        except ValueError as err:
-            raise CheckpointError(f"{file}: not valid JSON ({err})") from None
+        data = _read_json(file, CONFIG_NAME)
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{file}: holds a JSON {type(data).__name__}; config.json must be an object")
+        return data
+
+    @property
+    def has_config(self) -> bool:
+        return (self.path / CONFIG_NAME).is_file()
+
+    @functools.cached_property
+    def logical_dtype(self) -> torch.dtype:
+        """The dtype decoded weights take when the plan keeps them: the config's `torch_dtype`
+        (bfloat16 when it names none)."""
+        config = self.config
+        text = config.get("torch_dtype") or config.get("dtype")
+        if text is None and isinstance(config.get("text_config"), dict):
+            text = config["text_config"].get("torch_dtype") or config["text_config"].get("dtype")
+        return _FLOAT_DTYPES.get(str(text).removeprefix("torch."), torch.bfloat16)
 
     @property
     def total_bytes(self) -> int:
         """Bytes of every tensor in the checkpoint."""
         return sum(torch.Size(s).numel() * d.itemsize for _, d, s in self._entries.values())
 
-    def tensor_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """Every tensor's name, shape and dtype, in layer order (headers only)."""
-        return [(n, self._entries[n][2], self._entries[n][1]) for n in self._order]
+    def source_files(self) -> list[Path]:
+        """The weight files the checkpoint reads (and its index)."""
+        index = [self.path / INDEX_NAME] if self._weight_map is not None else []
+        return [*self._files, *index]
 
-    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every tensor's name and shape, in layer order (headers only)."""
-        return [(n, self._entries[n][2]) for n in self._order]
+    def decoded_formats(self) -> dict[str, int]:
+        """Preset -> number of modules stored in it that the logical view decodes."""
+        counts: dict[str, int] = {}
+        for s in self._stored_by_weight.values():
+            counts[s.format.name] = counts.get(s.format.name, 0) + 1  # type: ignore[union-attr]
+        return counts
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) in layer order, reading one tensor at a time."""
-        handles: dict[Path, tuple[Any, Any, int]] = {}
+    def check_decodable(self) -> None:
+        """Raise QuantizedSource when a stored-quantized module matches no preset's layout."""
+        bad = [s for s in self.stored.values() if s.format is None]
+        if bad:
+            more = f" (and {len(bad) - 1} more modules)" if len(bad) > 1 else ""
+            raise QuantizedSource(
+                f"module {bad[0].module!r} is stored quantized as {bad[0].found}{more}, which is no FP8_BLOCK, "
+                "MXFP8, MXFP4 or NVFP4 layout that rl-refit decodes; export from the BF16 checkpoint (only a "
+                "configuration that passes this checkpoint through untouched can keep these tensors)"
+            )
+
+    def tensor_specs(self, raw: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """Every tensor's name, shape and dtype, in layer order (headers only).
+
+        Args:
+            raw: the files' tensors as stored; False: stored-quantized modules as the dense
+                weight they decode to (in `logical_dtype`).
+        """
+        specs = []
+        for n in self._order if raw else self._logical:
+            stored = None if raw else self._stored_by_weight.get(n)
+            specs.append((n, stored.shape, self.logical_dtype) if stored else (n, self._entries[n][2], self._entries[n][1]))
+        return specs
+
+    def tensor_shapes(self, raw: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+        """Every tensor's name and shape, in layer order (headers only); `raw` as in tensor_specs."""
+        return [(n, s) for n, s, _ in self.tensor_specs(raw)]
+
+    # --- tensors -----------------------------------------------------------------------------
+
+    def iter_tensors(self, raw: bool = False, plan: QuantizationPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) in layer order, reading one tensor at a time.
+
+        Args:
+            raw: the files' tensors; False: the logical view (stored-quantized modules decoded).
+            plan: the plan the tensors are for: a decoded weight it quantizes is yielded in
+                float32 (the exact decoded values), one it keeps in `logical_dtype`.
+        """
+        reader = _Handles(self._entries, self.on_read)
         try:
-            for name in self._order:
-                file = self._entries[name][0]
-                ctx, handle, consumed = handles.get(file, (None, None, _REOPEN_BYTES))
-                if consumed >= _REOPEN_BYTES:
-                    if ctx is not None:
-                        ctx.__exit__(None, None, None)
-                    ctx = safe_open(str(file), framework="pt")
-                    handle, consumed = ctx.__enter__(), 0
-                tensor = handle.get_tensor(name)
-                nbytes = tensor.numel() * tensor.element_size()
-                handles[file] = (ctx, handle, consumed + nbytes)
-                if self.on_read is not None:
-                    self.on_read(nbytes)
-                yield name, tensor
-                del tensor
+            for name in self._order if raw else self._logical:
+                stored = None if raw else self._stored_by_weight.get(name)
+                if stored is None:
+                    yield name, reader.read(name)
+                    continue
+                quantized = plan is not None and plan.decide(name, stored.shape).is_quantized
+                tensors = {t: reader.read(t) for t in stored.tensors}
+                yield name, decode(stored, tensors, torch.float32 if quantized else self.logical_dtype)
         finally:
-            for ctx, _, _ in handles.values():
-                ctx.__exit__(None, None, None)
+            reader.close()
 
     def export(self, plan: QuantizationPlan) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the quantized checkpoint tensors in layer order (the WeightExporter port)."""
-        return quantize_stream(plan, self.iter_tensors())
+        return quantize_stream(plan, self.iter_tensors(plan=plan))
+
+
+class _Handles:
+    """safe_open handles per file, reopened after _REOPEN_BYTES (mapped pages are then released)."""
+
+    def __init__(self, entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]],
+                 on_read: Callable[[int], None] | None) -> None:
+        self.entries, self.on_read = entries, on_read
+        self.handles: dict[Path, tuple[Any, Any, int]] = {}
+
+    def read(self, name: str) -> torch.Tensor:
+        file = self.entries[name][0]
+        ctx, handle, consumed = self.handles.get(file, (None, None, _REOPEN_BYTES))
+        try:
+            if consumed >= _REOPEN_BYTES:
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
+                ctx = safe_open(str(file), framework="pt")
+                handle, consumed = ctx.__enter__(), 0
+            tensor = handle.get_tensor(name)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({err}); the file changed or is damaged") from None
+        nbytes = tensor.numel() * tensor.element_size()
+        self.handles[file] = (ctx, handle, consumed + nbytes)
+        if self.on_read is not None:
+            self.on_read(nbytes)
+        return tensor
+
+    def close(self) -> None:
+        for ctx, _, _ in self.handles.values():
+            ctx.__exit__(None, None, None)
+        self.handles.clear()
 
 
 _DTYPES = {

@@ -4,20 +4,24 @@ Every output tensor's name, dtype and shape is known before any is computed
 (`domain.quant.stream.checkpoint_specs`), so each shard's header is written first and each tensor's
 bytes go straight to their offset as they arrive: memory holds one tensor, never a shard.
 The files are standard safetensors (8-byte header length, JSON header padded to 8 bytes,
-contiguous data) plus a `model.safetensors.index.json`.
+contiguous data) plus a `model.safetensors.index.json`. Until `close` has checked that every
+declared tensor arrived, a shard's header length reads 0, so a shard cut short by a crash never
+parses as a checkpoint (its tensors would be zeros); `close` writes the length and fsyncs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
-from domain.errors import CheckpointError
+from domain.errors import CheckpointError, OutputNotWritable, RefitError
 from domain.quant.stream import TensorSpec
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -28,6 +32,44 @@ _CODES = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8", torch.int8: "I8",
     torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
 }
+
+
+_FIXES = {28: "free some space or choose another --out", 30: "the file system is read-only; choose another --out",
+          13: "no permission; choose another --out", 1: "no permission; choose another --out",
+          122: "the disk quota is exceeded; free some space or choose another --out"}
+
+
+@contextlib.contextmanager
+def writing(what: str | Path) -> Iterator[None]:
+    """Turn an OSError while writing `what` into OutputNotWritable, with the fix for its errno.
+
+    Args:
+        what: the file or directory being written, for the message.
+    """
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, RefitError):  # already explained (OutputBusy, OutputNotWritable, ...)
+            raise
+        fix = _FIXES.get(err.errno or 0, "check the destination and try again")
+        raise OutputNotWritable(f"cannot write {str(what)!r}: {err.strerror or err}; {fix}") from err
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a written file's data to the device (a rename publishes only what is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write a small file and fsync it."""
+    with writing(path), open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _shards(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
@@ -54,7 +96,7 @@ def _header(specs: Sequence[TensorSpec]) -> tuple[bytes, dict[str, int]]:
         pos += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, offsets
+    return raw, offsets
 
 
 class CheckpointWriter:
@@ -78,16 +120,23 @@ class CheckpointWriter:
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise CheckpointError(f"tensor names {dup[:5]} appear twice in the checkpoint being written")
-        for i, shard in enumerate(shards):
-            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            head, offsets = _header(shard)
-            f = open(self.directory / fname, "wb")  # noqa: SIM115 - closed in close()
-            f.write(head)
-            f.truncate(len(head) + sum(s.nbytes for s in shard))
-            self._files.append(f)
-            for spec in shard:
-                self._where[spec.name] = (i, len(head) + offsets[spec.name], spec)
-                self.weight_map[spec.name] = fname
+        self._header_bytes: list[int] = []
+        try:
+            for i, shard in enumerate(shards):
+                fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                head, offsets = _header(shard)
+                with writing(self.directory / fname):
+                    f = open(self.directory / fname, "wb")  # noqa: SIM115 - closed in close()
+                    self._files.append(f)
+                    f.write(struct.pack("<Q", 0) + head)  # length 0 until close: not a checkpoint yet
+                    f.truncate(8 + len(head) + sum(s.nbytes for s in shard))
+                self._header_bytes.append(len(head))
+                for spec in shard:
+                    self._where[spec.name] = (i, 8 + len(head) + offsets[spec.name], spec)
+                    self.weight_map[spec.name] = fname
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one declared tensor's bytes at its offset.
@@ -107,19 +156,27 @@ class CheckpointWriter:
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         f = self._files[i]
-        f.seek(offset)
-        f.write(data.data)
+        with writing(f.name):
+            f.seek(offset)
+            f.write(data.data)
         self._written.add(name)
 
     def close(self) -> None:
-        """Check every declared tensor arrived, close the shards and write the index."""
-        for f in self._files:
-            f.close()
+        """Check every declared tensor arrived, write the shard headers' lengths, fsync and close
+        the shards, and write the index."""
         missing = sorted(set(self._where) - self._written)
         if missing:
+            self.abort()
             raise CheckpointError(f"{len(missing)} declared tensor(s) never arrived, e.g. {missing[:5]}")
+        for f, head in zip(self._files, self._header_bytes, strict=True):
+            with writing(f.name):
+                f.seek(0)
+                f.write(struct.pack("<Q", head))
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map.items()))}
-        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        write_durably(self.directory / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
 
     def abort(self) -> None:
         """Close the shard files without checking (the caller removes the directory)."""

@@ -1,1 +1,1 @@
-"""Adapters that look at the machine itself (installed packages, GPUs)."""
+"""Adapters to the machine itself: installed packages and GPUs (probe), atomic directory publishing (atomic_dir)."""

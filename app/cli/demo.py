@@ -20,6 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from app.cli import options
 from app.cli.demo_settings import arm_factory, settings_from_args
 from app.services.demo import DemoResult, StepRecord, run_demo
 from app.services.lifecycle import describe_plan
@@ -30,19 +31,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--linear", default="FP8_BLOCK", help="preset for dense Linear layers, or BF16 (default FP8_BLOCK)")
     p.add_argument("--moe", default="NVFP4", help="preset for routed experts, or BF16 (default NVFP4)")
     p.add_argument("--moe-activation", default=None, help="experts' activation scheme (e.g. mxfp8); default: the preset's")
-    p.add_argument("--steps", type=int, default=3, help="training-like steps after the initial sync (default 3)")
+    p.add_argument("--steps", type=options.steps, default=3, help="training-like steps after the initial sync (default 3)")
     p.add_argument("--model", default="tiny-moe", choices=("tiny-moe", "tiny-dense", "micro-moe"),
                    help="embedded model (default tiny-moe)")
     p.add_argument("--commit-mode", default="transactional", choices=("transactional", "per-layer"))
-    p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket capacity in MiB (default 1)")
+    p.add_argument("--bucket-mb", type=options.mebibytes(), default=1.0, help="bucket capacity in MiB (default 1)")
     p.add_argument("--inject-fault", metavar="FAULT", default=None,
                    help="[hang:]POINT: bucket:K, begin, finalize, verify or storage (with --procs also "
                         "export:K): make the plan's refit fail there once")
-    p.add_argument("--fault-step", type=int, default=1, help="the step whose refit the fault hits (default 1)")
+    p.add_argument("--fault-step", type=options.steps, default=1, help="the step whose refit the fault hits (default 1)")
     p.add_argument("--presets", action="store_true", help="add one arm per low-precision preset")
-    p.add_argument("--plot", metavar="PNG", default=None, help="draw the mismatch per step for every preset")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--plot", metavar="PNG", type=options.plot_file, default=None,
+                   help="draw the mismatch per step for every preset (.png, .pdf or .svg)")
+    p.add_argument("--seed", type=options.seed, default=0, help=f"seed of the random weights, 0 to {options.MAX_SEED}")
+    p.add_argument("--threads", type=options.threads, default=1,
                    help="torch intra-op threads (default 1: the embedded model's ops are too small to gain from more)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--verbose", action="store_true", help="log the canonical line of every refit (stderr)")

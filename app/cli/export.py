@@ -7,10 +7,12 @@ import json
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from app.cli.plan import add_config_arguments, services_from_args
+from app.cli import options
+from app.cli.plan import add_config_arguments, decoded_note, services_from_args
 from app.services.checkpoint_export import ExportResult, export_checkpoint
 
 
@@ -20,14 +22,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="DIR", help="source checkpoint directory (default: model.path)")
     p.add_argument("--out", metavar="DIR", required=True, help="destination directory (must be empty or absent)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
-    p.add_argument("--shard-size-mb", type=int, default=5 * 1024, metavar="MB", help="safetensors shard size bound")
+    p.add_argument("--shard-size-mb", type=options.mebibytes(), default=5 * 1024, metavar="MB",
+                   help="safetensors shard size bound in MiB, above 0 (default 5120)")
 
 
 def _render(result: ExportResult, console: Console) -> None:
-    table = Table(title=f"refit export -> {result.out_dir}")
+    table = Table(title=escape(f"refit export -> {result.out_dir}"))
     table.add_column("")
     table.add_column("value", justify="right")
-    for label, value in (
+    rows = [
         ("layout", result.layout),
         ("tensors in / out", f"{result.tensors_in} / {result.tensors_out}"),
         ("MiB in / out", f"{result.bytes_in / 2**20:.1f} / {result.bytes_out / 2**20:.1f}"),
@@ -35,9 +38,13 @@ def _render(result: ExportResult, console: Console) -> None:
         ("shards", str(result.shards)),
         ("copied files", ", ".join(result.copied_files) or "-"),
         ("time", f"{result.seconds:.2f} s ({result.throughput_mb_s:.1f} MiB/s read)"),
-    ):
-        table.add_row(label, value)
+    ]
+    if result.decoded:
+        rows.insert(1, ("re-quantized", decoded_note(result.decoded)))
+    for label, value in rows:
+        table.add_row(label, escape(value))
     console.print(table)
+
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         task = progress.add_task("exporting", total=checkpoint.total_bytes)
         checkpoint.on_read = lambda n: progress.advance(task, n)
         result = export_checkpoint(checkpoint, args.out, report, force=args.force,
-                                   shard_bytes=args.shard_size_mb * 2**20)
+                                   shard_bytes=max(1, int(args.shard_size_mb * 2**20)))
     if args.json:
         sys.stdout.write(json.dumps({**result.to_dict(), "engine_config": report.engine_config}, indent=2) + "\n")
     else:

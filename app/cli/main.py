@@ -1,11 +1,27 @@
-"""Entry point of the `refit` command: one sub-module per sub-command, listed here explicitly."""
+"""Entry point of the `refit` command: one sub-module per sub-command, listed here explicitly.
+
+Exit status (docs/errors.md lists every error with its code):
+
+| code | meaning |
+|---|---|
+| 0 | success |
+| 1 | the command ran and reports a failure of its own (documented per command) |
+| 2 | a typed rl-refit error, a missing optional package, or a bad command line: one line on stderr |
+| 3 | an internal error (a bug): one line on stderr; `--debug` shows the traceback |
+| 128 + N | stopped by signal N (130 for Ctrl-C, 143 for SIGTERM), after cleaning up |
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 from domain.errors import RefitError
 
@@ -20,27 +36,101 @@ COMMANDS: dict[str, str] = {
     "doctor": "app.cli.doctor",
 }
 
+EXIT_OK, EXIT_FAILED, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
+_SIGNALS = ("SIGTERM", "SIGHUP")  # besides SIGINT, which Python already raises as KeyboardInterrupt
+
+
+class Terminated(BaseException):
+    """A termination signal, raised in the main thread so that every `finally` (an export's
+    cleanup of its temporary directory) runs before the process exits."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line (like every other error) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="refit",
         description="rl-refit: low-precision rollout export, transactional refit, fused log-probs.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    debug_help = "on an error, also print its traceback"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
+    for command in sub.choices.values():  # `refit export ... --debug` as well as `refit --debug export`
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     return parser
+
+
+def one_line(text: str) -> str:
+    """A message on one line: its lines joined with '; '."""
+    return "; ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+@contextlib.contextmanager
+def _termination_raises() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Terminated in the main thread while the command runs."""
+    def handler(signum: int, _frame: object) -> None:
+        raise Terminated(signum)
+
+    saved = {}
+    with contextlib.suppress(ValueError):  # not the main thread: leave the handlers alone
+        for name in _SIGNALS:
+            if hasattr(signal, name):
+                signum = getattr(signal, name)
+                saved[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, previous in saved.items():
+            signal.signal(signum, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return int(importlib.import_module(COMMANDS[args.command]).run(args))
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help (0) or a bad command line (2, its line already printed)
+        return done.code if isinstance(done.code, int) else EXIT_ERROR
+    where = f"refit {args.command}"
+    try:
+        with _termination_raises():
+            return int(importlib.import_module(COMMANDS[args.command]).run(args))
     except RefitError as err:
-        # A typed, explained error: print it plainly (no traceback) and exit 2.
-        print(f"refit {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
+        # A typed, explained error: print it plainly and exit 2.
+        return _report(args, f"{where}: {type(err).__name__}: {one_line(str(err))}", EXIT_ERROR)
+    except ModuleNotFoundError as err:  # an optional package is missing; the message names it
+        return _report(args, f"{where}: ModuleNotFoundError: {one_line(str(err))}", EXIT_ERROR)
+    except KeyboardInterrupt:
+        return _report(args, f"{where}: interrupted", 128 + signal.SIGINT)
+    except Terminated as err:
+        return _report(args, f"{where}: stopped by {err}", 128 + err.signum)
+    except BrokenPipeError:  # `refit ... --json | head`: the reader left; say nothing more
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except Exception as err:
+        hint = "" if args.debug else "; rerun with --debug for the traceback"
+        line = (f"{where}: internal error: {type(err).__name__}: {one_line(str(err)) or '(no message)'}"
+                f" (a bug in rl-refit: please report it{hint})")
+        return _report(args, line, EXIT_INTERNAL)
+
+
+def _report(args: argparse.Namespace, line: str, code: int) -> int:
+    if args.debug:
+        traceback.print_exc()
+    # what the user typed is echoed; a lone surrogate in it must not fail the report itself
+    print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from app.config import Section, load_config
 from app.services.planning import PlanReport
 from domain.errors import RefitError
+from domain.quant import naming
 from domain.quant.numerics import numerics_decisions
 
 if TYPE_CHECKING:
@@ -78,6 +80,7 @@ def _plan_dict(report: PlanReport) -> dict[str, Any]:
         "layout": res.layout,
         "quantized": res.is_quantized,
         "config_as_written": res.as_written,
+        "decoded": dict(report.decoded),
     }
 
 
@@ -109,24 +112,34 @@ def to_json(report: PlanReport) -> dict[str, Any]:
     }
 
 
+def decoded_note(decoded: dict[str, int]) -> str:
+    """What happens to the modules a source stores quantized, in words."""
+    found = ", ".join(f"{n} module{'s' if n != 1 else ''} stored as {fmt}" for fmt, n in sorted(decoded.items()))
+    return f"{found}: decoded to dense weights, then quantized (or kept) as the plan says"
+
+
 def render(report: PlanReport, console: Console, *, every_tensor: bool = False) -> None:
-    """Print a PlanReport as rich tables."""
+    """Print a PlanReport as rich tables (every value escaped: `[...]` in an ignore list or a
+    regex is text, not rich markup)."""
     p = _plan_dict(report)
-    console.print(f"[bold]refit plan[/bold]: engine {report.engine}, layout [bold]{p['layout']}[/bold] "
-                  f"(from {p['source']}), quantized: {p['quantized']}")
+    console.print(f"[bold]refit plan[/bold]: engine {escape(report.engine)}, layout [bold]{p['layout']}[/bold] "
+                  f"(from {escape(p['source'])}), quantized: {p['quantized']}")
+    if report.decoded:
+        console.print(escape(f"source: {decoded_note(report.decoded)}"))
     summary = Table(title="rollout quantization")
     for col in ("tensor class", "preset", "activations"):
         summary.add_column(col)
     summary.add_row("dense Linear", p["linear"], p["linear_activation"])
     summary.add_row("routed experts", p["moe"], p["moe_activation"])
     console.print(summary)
-    console.print(f"ignore (besides the defaults): {p['ignore'] or 'none'}; block scale name {p['scale_name']}")
+    ignore = naming.yaml_list(p["ignore"]) if p["ignore"] else "none"
+    console.print(escape(f"ignore (besides the defaults): {ignore}; block scale name {p['scale_name']}"))
     _render_numerics(report, console)
     rules = Table(title="dispatch rules")
     for col in ("rule", "check", "outcome"):
         rules.add_column(col)
     for o in report.resolution.outcomes:
-        rules.add_row(str(o.rule or "-"), o.name, o.outcome)
+        rules.add_row(str(o.rule or "-"), escape(o.name), escape(o.outcome))
     console.print(rules)
     if report.decisions:
         table = Table(title="tensors" if every_tensor else "tensor classes")
@@ -135,7 +148,7 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False) 
         rows = ([{"tensors": d.name, "count": 1, "kind": d.kind, "format": d.format.name, "group": d.group,
                   "reason": d.reason} for d in report.decisions] if every_tensor else _classes(report))
         for r in rows:
-            table.add_row(*(str(r[k] or "-") for k in ("tensors", "count", "kind", "format", "group", "reason")))
+            table.add_row(*(escape(str(r[k] or "-")) for k in ("tensors", "count", "kind", "format", "group", "reason")))
         console.print(table)
     else:
         console.print("[dim]no model given (--model DIR or model.path): per-tensor decisions and rules 8-9 skipped[/dim]")

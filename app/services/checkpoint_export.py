@@ -1,7 +1,12 @@
 """Export service: HF checkpoint directory -> quantized checkpoint directory, atomically.
 
-Everything is written to a hidden temporary directory next to the destination and renamed into
-place only once complete, so a failure never leaves a partial checkpoint behind.
+Everything is written to a private hidden directory `.NAME.partial-PID` beside the destination
+and fsynced; it is published with an atomic rename that replaces only what was checked when the
+export started (`adapters.system.atomic_dir.publish`), under a per-destination lock, so that two
+exports to one destination never both write it and a killed export never leaves a half-written
+checkpoint where a complete one is expected. The destination may not overlap the model (itself,
+inside or above it, through symlinks too). Partial directories of dead exports are removed by the
+next export to the same destination.
 """
 
 from __future__ import annotations
@@ -10,27 +15,41 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 import structlog
+import torch
 
 from adapters.hf_checkpoint.reader import CONFIG_NAME, INDEX_NAME, HfCheckpoint
-from adapters.hf_checkpoint.writer import DEFAULT_SHARD_BYTES, CheckpointWriter
+from adapters.hf_checkpoint.writer import (
+    DEFAULT_SHARD_BYTES,
+    CheckpointWriter,
+    fsync_file,
+    write_durably,
+    writing,
+)
+from adapters.system.atomic_dir import DestinationLock, DirState, fsync_dir, publish, remove
 from app.services.planning import PlanReport
-from domain.errors import CheckpointError, OutputNotEmpty
+from domain.errors import CheckpointError, NonFiniteTensor, OutputNotEmpty, OutputOverlapsModel
 from domain.quant.stream import checkpoint_specs, quantize_stream
 
 # Files never copied from the source directory: weights and what is rewritten.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _SKIP_NAMES = (CONFIG_NAME, INDEX_NAME, "pytorch_model.bin.index.json")
+_CHECKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 @attrs.frozen
 class ExportResult:
-    """What an export wrote."""
+    """What an export wrote.
+
+    Attributes:
+        decoded: preset -> modules the source stored quantized in it, decoded to dense weights
+            before the plan quantized (or kept) them again; empty for a BF16 source.
+    """
 
     out_dir: str
     layout: str
@@ -41,6 +60,7 @@ class ExportResult:
     shards: int
     copied_files: tuple[str, ...]
     seconds: float
+    decoded: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def throughput_mb_s(self) -> float:
@@ -52,25 +72,73 @@ class ExportResult:
         return d
 
 
-def check_destination(out: Path, source: Path, *, force: bool) -> None:
-    """Refuse an output that is the source, a file, or a non-empty directory (without force).
+def destination(out: str | Path) -> Path:
+    """The destination as an absolute path whose parent is resolved (the last component is kept,
+    so that a symlink named as --out is seen as one).
 
     Args:
-        out: the destination directory.
-        source: the model directory.
+        out: --out as given.
+
+    Returns:
+        The path. Raises CheckpointError for the file-system root.
+    """
+    path = Path(os.path.abspath(out))
+    if not path.name:
+        raise CheckpointError(f"--out {str(out)!r} is the file-system root; choose a directory to create")
+    return path.parent.resolve() / path.name
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_overlap(out: Path, checkpoint: HfCheckpoint) -> None:
+    """Refuse a destination that is the model directory, inside it or above it, or that holds
+    (through symlinks) a file the model reads.
+
+    Args:
+        out: the destination (from `destination`).
+        checkpoint: the source.
+
+    Returns:
+        None. Raises OutputOverlapsModel.
+    """
+    model = checkpoint.path.resolve()
+    real = out.resolve()  # follows a symlinked --out
+    if _inside(real, model) or _inside(model, real):
+        where = "is" if real == model else "is inside" if _inside(real, model) else "contains"
+        raise OutputOverlapsModel(
+            f"--out {str(out)!r} {where} the model directory {str(model)!r}; replacing it would destroy the "
+            "source: choose a directory outside the model"
+        )
+    for f in [*checkpoint.source_files(), *checkpoint.path.iterdir()]:
+        if _inside(f.resolve(), real):
+            raise OutputOverlapsModel(
+                f"the model's file {f.name!r} resolves to {str(f.resolve())!r}, inside --out {str(out)!r}; "
+                "replacing --out would destroy the source: choose another directory"
+            )
+
+
+def check_destination(out: Path, *, force: bool) -> DirState:
+    """Refuse an output that is a symlink, a file, or a non-empty directory (without force).
+
+    Args:
+        out: the destination (from `destination`).
         force: replace a non-empty destination.
 
     Returns:
-        None. Raises OutputNotEmpty or CheckpointError.
+        What the destination is now (publish replaces only exactly that). Raises OutputNotEmpty.
     """
-    if out.resolve() == source.resolve():
-        raise CheckpointError(f"--out {str(out)!r} is the model directory itself; choose another directory")
+    if out.is_symlink():
+        raise OutputNotEmpty(f"--out {str(out)!r} is a symlink; pass the directory it points to, or another path")
     if out.exists() and not out.is_dir():
         raise OutputNotEmpty(f"--out {str(out)!r} is a file; remove it or choose a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    state = DirState.of(out)
+    if state.exists and not state.empty and not force:
         raise OutputNotEmpty(
             f"--out {str(out)!r} is not empty; choose an empty directory or pass --force to replace it"
         )
+    return state
 
 
 def output_config(source_config: dict[str, Any], report: PlanReport) -> dict[str, Any]:
@@ -94,13 +162,24 @@ def output_config(source_config: dict[str, Any], report: PlanReport) -> dict[str
     return config
 
 
+def _finite(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every floating tensor written must be finite: a kept `lm_head` or norm with NaN/Inf is no
+    more a valid checkpoint than a quantized one (the codecs check theirs)."""
+    for name, tensor in stream:
+        if tensor.dtype in _CHECKED_DTYPES and not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteTensor(name, "holds NaN or Inf values",
+                                  "the source checkpoint is damaged or diverged; nothing was exported")
+        yield name, tensor
+
+
 def _write(checkpoint: HfCheckpoint, tmp: Path, report: PlanReport, shard_bytes: int) -> tuple[int, int, int]:
     plan = report.plan
-    specs = [s for n, shape, dtype in checkpoint.tensor_specs() for s in checkpoint_specs(plan, n, shape, dtype)]
+    raw = report.resolution.layout == "native-passthrough"
+    specs = [s for n, shape, dtype in checkpoint.tensor_specs(raw=raw) for s in checkpoint_specs(plan, n, shape, dtype)]
     writer = CheckpointWriter(tmp, specs, shard_bytes)
     count = 0
     try:
-        for name, tensor in quantize_stream(plan, checkpoint.iter_tensors()):
+        for name, tensor in _finite(quantize_stream(plan, checkpoint.iter_tensors(raw=raw, plan=plan))):
             writer.write(name, tensor)
             count += 1
         writer.close()
@@ -108,6 +187,26 @@ def _write(checkpoint: HfCheckpoint, tmp: Path, report: PlanReport, shard_bytes:
         writer.abort()
         raise
     return count, writer.total_bytes, len(set(writer.weight_map.values()))
+
+
+def _copy_extras(checkpoint: HfCheckpoint, tmp: Path) -> list[str]:
+    copied = []
+    for f in sorted(checkpoint.path.iterdir()):
+        if f.is_file() and f.name not in _SKIP_NAMES and not f.name.endswith(_SKIP_SUFFIXES):
+            with writing(tmp / f.name):
+                shutil.copy2(f, tmp / f.name)
+                fsync_file(tmp / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def _remove_stale(out: Path, own: Path) -> None:
+    """Partial directories of earlier exports to `out` that died (SIGKILL, power loss): with the
+    destination's lock held, no other export to `out` can be writing them."""
+    prefix = f".{out.name}.partial-"  # compared as text: a name may hold glob characters
+    for stale in out.parent.iterdir():
+        if stale.name.startswith(prefix) and stale != own:
+            remove(stale)
 
 
 def export_checkpoint(
@@ -126,41 +225,49 @@ def export_checkpoint(
         out: the destination directory (created; replaced only with force).
         report: the resolved plan (make_plan with the same checkpoint).
         force: replace a non-empty destination.
-        shard_bytes: safetensors shard size bound.
+        shard_bytes: safetensors shard size bound (positive).
         clock: time source (tests).
 
     Returns:
-        The ExportResult.
+        The ExportResult. Raises OutputOverlapsModel, OutputNotEmpty, OutputBusy (another
+        export to `out` runs), OutputChanged (`out` changed meanwhile), OutputNotWritable, and
+        the plan's and codecs' errors; on any of them `out` is as it was.
     """
-    out = Path(out)
-    bound = structlog.get_logger().bind(model=str(checkpoint.path), out=str(out), layout=report.resolution.layout)
-    check_destination(out, checkpoint.path, force=force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    start = clock()
+    if shard_bytes <= 0:
+        raise CheckpointError(f"the shard size must be positive, got {shard_bytes} bytes")
+    if not checkpoint.has_config:
+        raise CheckpointError(f"{str(checkpoint.path)!r} has no {CONFIG_NAME}; engines need the model's config to load "
+                              "the export: add the config.json of the model")
+    dest = destination(out)
+    check_overlap(dest, checkpoint)
+    bound = structlog.get_logger().bind(model=str(checkpoint.path), out=str(dest), layout=report.resolution.layout)
+    with writing(dest.parent):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+    lock = DestinationLock(dest)
+    with writing(lock.path):
+        lock.acquire()
     try:
+        _remove_stale(dest, tmp)
+        checked = check_destination(dest, force=force)
+        start = clock()
+        with writing(tmp):
+            tmp.mkdir()
         count, bytes_out, shards = _write(checkpoint, tmp, report, shard_bytes)
         config = output_config(checkpoint.config, report)
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        copied = []
-        for f in sorted(checkpoint.path.iterdir()):
-            if f.is_file() and f.name not in _SKIP_NAMES and not f.name.endswith(_SKIP_SUFFIXES):
-                shutil.copy2(f, tmp / f.name)
-                copied.append(f.name)
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_durably(tmp / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+        copied = _copy_extras(checkpoint, tmp)
+        with writing(dest):
+            fsync_dir(tmp)
+            publish(tmp, dest, checked)
+    finally:
+        remove(tmp)  # ours, on every way out (after publish it holds what was replaced, or nothing)
+        lock.release()
     seconds = clock() - start
+    decoded = checkpoint.decoded_formats() if report.resolution.layout != "native-passthrough" else {}
     result = ExportResult(
-        str(out), report.resolution.layout, len(checkpoint.tensor_shapes()), count,
-        checkpoint.total_bytes, bytes_out, shards, tuple(copied), seconds,
+        str(out), report.resolution.layout, len(checkpoint.tensor_shapes(raw=True)), count,
+        checkpoint.total_bytes, bytes_out, shards, tuple(copied), seconds, decoded,
     )
-    bound.info("export finished", tensors_out=count, bytes_out=bytes_out, seconds=round(seconds, 3))
+    bound.info("export finished", tensors_out=count, bytes_out=bytes_out, seconds=round(seconds, 3), decoded=decoded)
     return result

@@ -20,7 +20,11 @@ class _Checkpoint(Protocol):
     @property
     def config(self) -> dict[str, Any]: ...
 
-    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]: ...
+    def tensor_shapes(self, raw: bool = False) -> list[tuple[str, tuple[int, ...]]]: ...
+
+    def decoded_formats(self) -> dict[str, int]: ...
+
+    def check_decodable(self) -> None: ...
 
 
 @attrs.frozen
@@ -34,6 +38,9 @@ class PlanReport:
         shapes: the model's (name, shape) pairs (empty without a model).
         engine_config: the quantization_config the engine is sent (None for BF16).
         unused_keys: keys of a verl configuration file that rl-refit does not read.
+        decoded: preset -> modules the checkpoint stores quantized in it, which the plan sees
+            (and an export writes) as the dense weights they decode to; empty when none, and
+            for layouts that pass the checkpoint through untouched.
     """
 
     engine: str
@@ -42,6 +49,7 @@ class PlanReport:
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     engine_config: dict[str, Any] | None
     unused_keys: tuple[str, ...] = ()
+    decoded: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def plan(self) -> QuantizationPlan:
@@ -59,12 +67,19 @@ def read_config_file(path: str) -> dict[str, Any]:
     """
     key = "rollout.quantization.config_file"
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(key, f"{path!r} is a directory; give the quantization_config JSON file")
     if not file.is_file():
         raise ConfigError(key, f"file {path!r} does not exist")
     try:
-        data = json.loads(file.read_text())
-    except ValueError as err:
-        raise ConfigError(key, f"{path}: not valid JSON ({err})") from None
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(key, f"{path}: not UTF-8 text (byte {err.start})") from None
+    except (ValueError, RecursionError) as err:
+        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
+        raise ConfigError(key, f"{path}: not valid JSON ({reason})") from None
+    except OSError as err:
+        raise ConfigError(key, f"{path}: cannot be read ({err.strerror or err})") from None
     if not isinstance(data, dict):
         raise ConfigError(key, f"{path}: expected a JSON object")
     return data.get("quantization_config", data) if isinstance(data.get("quantization_config"), dict) else data
@@ -182,7 +197,45 @@ def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: s
         res = attrs.evolve(res, plan=plan)
     from adapters.compressed_tensors.quantization_config import engine_quantization_config
 
+    decoded: dict[str, int] = {}
+    if checkpoint is not None and res.layout == "native-passthrough":
+        shapes = tuple(checkpoint.tensor_shapes(raw=True))  # passed through as stored
+    elif checkpoint is not None:
+        checkpoint.check_decodable()
+        decoded = checkpoint.decoded_formats()
     kept = bf16_linear_modules(res.plan, shapes) if shapes is not None else None
     decisions = tuple(res.plan.decide(n, s) for n, s in shapes or ())
+    if shapes and res.layout != "native-passthrough":
+        check_quantizes_something(cfg, res, decisions)
     engine_config = engine_quantization_config(res, kept, extra_ignore=cfg.rollout.quantization.ignore)
-    return PlanReport(cfg.rollout.name, res, decisions, tuple(shapes or ()), engine_config, cfg.unused)
+    return PlanReport(cfg.rollout.name, res, decisions, tuple(shapes or ()), engine_config, cfg.unused, decoded)
+
+
+def check_quantizes_something(cfg: Section, res: Resolution, decisions: Sequence[TensorDecision]) -> None:
+    """A quantized plan must quantize some tensor of the model: otherwise the engine would be told
+    to serve a format that no tensor is in (e.g. `moe: NVFP4` on a dense model).
+
+    Args:
+        cfg: the configuration (to name the keys).
+        res: the resolution.
+        decisions: the plan's decision for every tensor of the model.
+
+    Returns:
+        None. Raises ConfigError naming the key that asked for quantization.
+    """
+    plan = res.plan
+    if not plan.is_quantized or any(d.is_quantized for d in decisions):
+        return
+    q = cfg.rollout.quantization
+    if res.source == "rollout.quantization":
+        asked = [f"rollout.quantization.{k}={v}" for k, v in (("linear", q.linear), ("moe", q.moe)) if v is not None]
+        key = asked[0].split("=")[0] if len(asked) == 1 else "rollout.quantization"
+        only = "routed experts" if q.linear is None else "dense Linear layers" if q.moe is None else "Linear layers"
+        what = f"{' and '.join(asked)} asks to quantize {only}"
+    else:
+        key = {"config_file": "rollout.quantization.config_file", "checkpoint": "model.path"}.get(
+            res.source, f"rollout.engine_kwargs.{cfg.rollout.name}.hf_overrides")
+        what = f"the quantization_config from {res.source} asks for quantization"
+    raise ConfigError(key, f"{what}, but no tensor of this model is one (every tensor stays BF16, yet the engine "
+                           "would be told to serve quantized weights); set a preset for the layers the model has, or "
+                           "null for a BF16 rollout")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
+
 from domain.errors import BoundaryLayersMismatch, FusedGroupSplit, NonDivisibleTensors, QatModeMismatch
 from domain.quant import naming
 from domain.quant.plan import QuantizationPlan, TensorDecision
@@ -131,7 +133,7 @@ def check_divisible(decision: TensorDecision, shape: tuple[int, ...]) -> None:
     pattern = misaligned_pattern(module)
     raise NonDivisibleTensors(
         f"tensor {decision.name!r} has K={shape[-1]}, not a multiple of {fmt.k_multiple} "
-        f"({fmt.name} blocks along K); keep it in BF16 with rollout.quantization.ignore: [{pattern!r}]",
+        f"({fmt.name} blocks along K); keep it in BF16 with rollout.quantization.ignore: {naming.yaml_list([pattern])}",
         tensors=(decision.name,),
         patterns=(pattern,),
     )
@@ -154,15 +156,34 @@ def check_block_divisible(plan: QuantizationPlan, shapes: Shapes) -> None:
             bad.append((name, shape[-1], d.format.k_multiple))
     if bad:
         tensors = tuple(n for n, _, _ in bad)
-        patterns = tuple(dict.fromkeys(misaligned_pattern(naming.module_name(n)) for n in tensors))
+        patterns = _divisibility_fix(plan, shapes, tensors)
         listing = "; ".join(f"{n} (K={k}, block {b})" for n, k, b in bad[:8])
         more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
         raise NonDivisibleTensors(
             f"{len(bad)} tensor(s) cannot be quantized because K is not a multiple of the block: {listing}{more}; "
-            f"keep them in BF16 with rollout.quantization.ignore: {list(patterns)}",
+            f"keep them in BF16 with rollout.quantization.ignore: {naming.yaml_list(patterns)}",
             tensors=tensors,
             patterns=patterns,
         )
+
+
+def _divisibility_fix(plan: QuantizationPlan, shapes: Shapes, tensors: Sequence[str]) -> tuple[str, ...]:
+    """Ignore entries that keep the misaligned tensors in BF16 and that the fused-group rule
+    then accepts: an entry that catches one member of a q/k/v or gate/up group in some layer is
+    joined by entries for the group's other members."""
+    patterns = list(dict.fromkeys(misaligned_pattern(naming.module_name(n)) for n in tensors))
+    for _ in range(len(naming.QKV_MEMBERS) + 1):  # each round adds the members of split groups
+        trial = attrs.evolve(plan, ignore=(*plan.ignore, *patterns))
+        groups: dict[str, dict[str, bool]] = {}
+        for name, shape in shapes:
+            cls = naming.classify(name, tuple(shape))
+            if cls.group is not None:
+                groups.setdefault(cls.group, {})[cls.module] = trial.decide(name, tuple(shape)).is_quantized
+        split = [m for members in groups.values() if len(set(members.values())) > 1 for m, q in members.items() if q]
+        if not split:
+            break
+        patterns += [p for p in dict.fromkeys(misaligned_pattern(m) for m in split) if p not in patterns]
+    return tuple(patterns)
 
 
 def layer_ignore_entry(layers: Sequence[int]) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal, get_args
 
 import attrs
@@ -253,8 +253,9 @@ def validate_ignore_entry(entry: str) -> str | None:
     if entry.startswith("re:"):
         try:
             re.compile(entry[3:])
-        except re.error as err:
-            return f"invalid regular expression {entry[3:]!r}: {err}"
+        except (re.error, RecursionError, OverflowError) as err:  # deep nesting, huge repeat counts
+            reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+            return f"invalid regular expression {entry[3:]!r}: {reason}"
     return None
 
 
@@ -317,6 +318,19 @@ def experts_layer(module: str) -> str | None:
     """
     m = _EXPERTS_LAYER.match(module)
     return m["layer"] if m else None
+
+
+def yaml_list(entries: Sequence[str]) -> str:
+    """Ignore entries as a YAML flow list in single quotes, which keep backslashes as written:
+    what a user can paste into a YAML file or a `KEY=VALUE` override.
+
+    Args:
+        entries: ignore entries.
+
+    Returns:
+        e.g. `['lm_head', 're:.*\\.down_proj$']` (one backslash each when printed).
+    """
+    return "[" + ", ".join("'" + e.replace("'", "''") + "'" for e in entries) + "]"
 
 
 def to_engine_pattern(entry: str) -> str:

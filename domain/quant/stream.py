@@ -64,15 +64,31 @@ _SCALE_DTYPE = {
 }
 
 
-def _format_specs(plan: QuantizationPlan, fmt: PrecisionFormat, module: str, shape: tuple[int, ...]) -> list[TensorSpec]:
+def format_specs(fmt: PrecisionFormat, module: str, shape: tuple[int, int], scale_name: str = "weight_scale") -> list[TensorSpec]:
+    """The checkpoint tensors one [N, K] weight of module `module` becomes in `fmt`.
+
+    Args:
+        fmt: a quantized preset.
+        module: the module name (`model.layers.0.self_attn.q_proj`).
+        shape: the weight's logical shape [N, K].
+        scale_name: `weight_scale` (compressed-tensors) or `weight_scale_inv` (native layouts).
+
+    Returns:
+        The specs: elements, block scale and, for NVFP4, the global scale.
+    """
     n, k = shape
     specs = [
         TensorSpec(f"{module}.{fmt.weight_name}", _ELEMENT_DTYPE[fmt.element], (n, k // 2) if fmt.packed else (n, k)),
-        TensorSpec(f"{module}.{plan.scale_name}", _SCALE_DTYPE[fmt.scale_encoding], fmt.scale_shape((n, k))),
+        TensorSpec(f"{module}.{scale_name}", _SCALE_DTYPE[fmt.scale_encoding], fmt.scale_shape((n, k))),
     ]
     if fmt.has_global_scale:
         specs.append(TensorSpec(f"{module}.weight_global_scale", torch.float32, (1,)))
     return specs
+
+
+def _format_specs(plan: QuantizationPlan, fmt: PrecisionFormat, module: str, shape: tuple[int, ...]) -> list[TensorSpec]:
+    n, k = shape
+    return format_specs(fmt, module, (n, k), plan.scale_name)
 
 
 def checkpoint_specs(

@@ -14,6 +14,31 @@ TOKENIZER_FILES = {
 }
 
 
+def tiny_checkpoint(directory: Path, layers: int = 2, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A tiny Qwen3-MoE-like safetensors checkpoint written directly (no transformers): q/k/v/o,
+    a router, two experts per layer, embeddings, a norm and lm_head; a config.json and a
+    tokenizer file."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {"model.embed_tokens.weight": torch.randn(64, 64, generator=g),
+               "lm_head.weight": torch.randn(64, 64, generator=g), "model.norm.weight": torch.ones(64)}
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        for proj, rows in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32), ("o_proj", 64)):
+            tensors[f"{p}.self_attn.{proj}.weight"] = torch.randn(rows, 64, generator=g)
+        tensors[f"{p}.mlp.gate.weight"] = torch.randn(2, 64, generator=g)
+        for e in range(2):
+            for proj, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
+                tensors[f"{p}.mlp.experts.{e}.{proj}.weight"] = torch.randn(*shape, generator=g)
+    directory.mkdir(parents=True)
+    save_file({k: v.to(dtype) for k, v in tensors.items()}, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": layers,
+                                                       "torch_dtype": str(dtype).removeprefix("torch.")}))
+    (directory / "tokenizer_config.json").write_text("{}")
+    return directory
+
+
 def save_tiny_model(directory: Path, *, moe: bool, layers: int = 2, seed: int = 0) -> Path:
     """A randomly initialised Qwen3 (dense) or Qwen3-MoE model, saved with save_pretrained in BF16."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM

@@ -299,6 +299,19 @@ def test_rule9_non_divisible_tensors_are_listed_with_the_ignore_entry() -> None:
     assert resolve(DispatchInput(requested=plan(linear="FP8_BLOCK")), shapes).plan.is_quantized  # edge blocks allowed
 
 
+def test_rule9_fix_keeps_fused_groups_whole() -> None:
+    # Only q_proj is misaligned; keeping just q_proj in BF16 would split q/k/v (FusedGroupSplit).
+    shapes = [("model.layers.0.self_attn.q_proj.weight", (64, 48)), ("model.layers.0.self_attn.k_proj.weight", (32, 64)),
+              ("model.layers.0.self_attn.v_proj.weight", (32, 64)), ("model.layers.0.self_attn.o_proj.weight", (64, 64))]
+    with pytest.raises(NonDivisibleTensors) as err:
+        resolve(DispatchInput(requested=plan(linear="MXFP4")), shapes)
+    assert err.value.tensors == ("model.layers.0.self_attn.q_proj.weight",)
+    assert set(err.value.patterns) == {"re:.*\\.q_proj$", "re:.*\\.k_proj$", "re:.*\\.v_proj$"}
+    assert "['re:.*\\.q_proj$', 're:.*\\.k_proj$', 're:.*\\.v_proj$']" in str(err.value)  # paste-able YAML
+    res = resolve(DispatchInput(requested=plan(linear="MXFP4", ignore=list(err.value.patterns))), shapes)
+    assert res.plan.decide("model.layers.0.self_attn.o_proj.weight", (64, 64)).is_quantized
+
+
 def test_fused_group_split_by_ignore_is_rejected() -> None:
     with pytest.raises(FusedGroupSplit, match=r"q_proj.*self_attn.qkv"):
         resolve(DispatchInput(requested=plan(linear="MXFP8", ignore=["model.layers.0.self_attn.q_proj"])), dense_shapes())

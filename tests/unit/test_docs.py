@@ -10,8 +10,10 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 import domain.errors as errors
-from app.cli.main import COMMANDS, build_parser
+from app.cli.main import COMMANDS, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -90,3 +92,64 @@ def test_the_check_finds_what_is_missing(tmp_path: Path) -> None:
     parser.add_argument("--out", "-o")
     assert _documented_options(parser) == ["codecs", "refit", "--quick", "--out"]
     assert re.search(r"(?<![\w-])--out(?![\w-])", "`--output DIR`") is None
+
+
+def _exit_table() -> dict[str, int]:
+    """docs/errors.md's table of error classes: name -> exit status."""
+    rows = re.findall(r"^\| \[`(\w+)`\]\(#\w+\) \| [^|]+ \| (\d+) \|$", ERRORS_PAGE.read_text(), flags=re.MULTILINE)
+    return {name: int(code) for name, code in rows}
+
+
+def _outcome_table() -> dict[str, int]:
+    """docs/errors.md's table of outcomes: first words of the row -> exit status."""
+    section = ERRORS_PAGE.read_text().split("## Exit status", 1)[1].split("| error | derives from", 1)[0]
+    rows = re.findall(r"^\| ([^|]+) \| ([\d /]+) \|", section, flags=re.MULTILINE)
+    return {label.strip(): int(code.split("/")[0]) for label, code in rows}
+
+
+def _raising(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
+    import app.cli.plan
+
+    def run(_args: object) -> int:
+        raise exc
+
+    monkeypatch.setattr(app.cli.plan, "run", run)
+
+
+def test_every_error_is_listed_with_the_exit_status_refit_gives_it(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    table = _exit_table()
+    names = _error_classes()
+    assert sorted(table) == sorted(names), (f"docs/errors.md's exit-status table lacks {sorted(set(names) - set(table))} "
+                                            f"and lists unknown {sorted(set(table) - set(names))}")
+    for name, code in table.items():
+        cls = getattr(errors, name)
+        err = cls.__new__(cls)  # constructors differ; the CLI needs only the type and the text
+        Exception.__init__(err, f"a {name}")
+        _raising(monkeypatch, err)
+        assert main(["plan"]) == code, name
+        line = capsys.readouterr().err
+        assert line == f"refit plan: {name}: a {name}\n", line
+
+
+def test_the_outcome_table_matches_what_refit_does(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import signal
+
+    from app.cli.main import Terminated
+
+    table = _outcome_table()
+
+    def documented(words: str) -> int:
+        (code,) = [c for label, c in table.items() if words in label]
+        return code
+
+    cases = {"`ModuleNotFoundError`": ModuleNotFoundError("X needs y", name="y"), "internal error": KeyError("bug"),
+             "interrupted": KeyboardInterrupt()}
+    for words, exc in cases.items():
+        _raising(monkeypatch, exc)
+        assert main(["plan"]) == documented(words), words
+    _raising(monkeypatch, Terminated(signal.SIGTERM))
+    assert main(["plan"]) == 128 + signal.SIGTERM
+    assert main(["plan", "--no-such-option"]) == documented("bad command line")
+    assert documented("success") == 0 and documented("any error in the table below") == 2
+    capsys.readouterr()

@@ -22,6 +22,11 @@ def check_weight(w: torch.Tensor, name: str, *, k_multiple: int, fmt_name: str) 
             "or 3-D [E, N, K] expert weights",
             "keep this tensor in BF16 (add it to rollout.quantization.ignore)",
         )
+    if w.numel() == 0:
+        raise UnsupportedShape(
+            name, f"has no elements (shape {tuple(w.shape)}); {fmt_name} has no blocks to scale",
+            "keep this tensor in BF16 (add it to rollout.quantization.ignore)",
+        )
     check_last_dim(w, name, k_multiple=k_multiple, fmt_name=fmt_name)
 
 

@@ -1,0 +1,60 @@
+"""YAML text as configuration reads it: strictly (no aliases, no Python tags, bounded nesting),
+with errors that say where, and the quoted form that fixes an override that does not parse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load without aliases: `*anchor` references can expand a few bytes into gigabytes
+    once a value is copied (a "billion laughs" document), and configurations never need them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text strictly: no aliases, no Python tags (safe_load), bounded nesting.
+
+    Args:
+        text: the document.
+
+    Returns:
+        The value. Raises ValueError with the reason: YAML errors, integers too long to convert,
+        nesting too deep for the parser.
+    """
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{err.problem or err.context}{where}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(" ".join(str(err).split())) from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except ValueError as err:  # e.g. an integer of more than sys.get_int_max_str_digits() digits
+        raise ValueError(str(err).split(";")[0]) from None
+
+
+def quote_hint(key: str, raw: str) -> str:
+    """A corrected override for a value that is not valid YAML: quote it so that it reads as a
+    string (or, for a list of regexes, single-quote the items: YAML single quotes keep
+    backslashes)."""
+    candidates = []
+    if '"' in raw and "'" not in raw:
+        candidates.append(raw.replace('"', "'"))
+    candidates.append("'" + raw.replace("'", "''") + "'")
+    for fixed in candidates:
+        try:
+            read_yaml(fixed)
+        except ValueError:
+            continue
+        return f"{key}={fixed}"
+    return f"{key}='...'"  # pragma: no cover - a single-quoted scalar always parses

@@ -1,0 +1,64 @@
+"""`refit export` in a child process, for the kill and race tests of test_export_crash.py.
+
+Children come from a forkserver started with the project's Python (torch and the CLI preloaded,
+so each child starts in milliseconds). A child can be SIGKILLed at its k-th executed line of the
+export code (the service, the atomic publish, the checkpoint writer): the kill test draws k with
+a seeded RNG, after a dry run counted the lines.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACED = {str(ROOT / p) for p in ("app/services/checkpoint_export.py", "adapters/system/atomic_dir.py",
+                                  "adapters/hf_checkpoint/writer.py")}
+PRELOAD = ["torch", "safetensors", "app.cli.main", "app.cli.export", "app.services.checkpoint_export",
+           "app.bootstrap", "app.services.planning", "adapters.compressed_tensors.quantization_config"]
+
+
+def context() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def run_export(argv: list[str], kill_at: int, count_file: str | None, err_file: str, start: Any = None,
+               sig: int = signal.SIGKILL) -> None:
+    """The child: `refit export ARGV`; sends itself `sig` (SIGKILL by default) at its `kill_at`-th
+    traced line (0: never).
+
+    Writes the number of traced lines it ran to `count_file` (dry runs), its stderr to
+    `err_file`, and exits with main's code.
+    """
+    from app.cli.main import main
+
+    count = 0
+
+    def tracer(frame: Any, event: str, _arg: Any) -> Any:
+        nonlocal count
+        if frame.f_code.co_filename not in TRACED:
+            return None
+        if event == "line":
+            count += 1
+            if count == kill_at:
+                os.kill(os.getpid(), sig)
+        return tracer
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the result table
+    os.dup2(os.open(err_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    if start is not None:
+        start.wait()
+    sys.settrace(tracer)
+    try:
+        rc = main(["export", *argv])
+    finally:
+        sys.settrace(None)
+    if count_file is not None:
+        Path(count_file).write_text(str(count))
+    os._exit(rc)
