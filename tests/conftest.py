@@ -9,3 +9,16 @@ import torch
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():  # type: ignore[no-untyped-def]
+    """Every test starts with structlog unconfigured: a command run by an earlier test (e.g.
+    `refit demo`, which logs at CRITICAL only) must not filter the events a later test captures."""
+    import structlog
+
+    import app.logging
+
+    yield
+    structlog.reset_defaults()
+    app.logging._configured = False

@@ -69,8 +69,10 @@ def read_config_file(path: str) -> dict[str, Any]:
     file = Path(path)
     if file.is_dir():
         raise ConfigError(key, f"{path!r} is a directory; give the quantization_config JSON file")
-    if not file.is_file():
+    if not file.exists():
         raise ConfigError(key, f"file {path!r} does not exist")
+    if not file.is_file():
+        raise ConfigError(key, f"{path!r} is not a regular file; give the quantization_config JSON file")
     try:
         data = json.loads(file.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:

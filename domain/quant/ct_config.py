@@ -200,7 +200,10 @@ def read_compressed_tensors(qc: Mapping[str, Any], ignore: tuple[str, ...] = ())
             return CtReading(None, f"config group {gname!r} is not a dict")
         fmt = weight_format(_args(group, "weights"))
         act = activation_scheme(_args(group, "input_activations"))
-        targets = tuple(str(t) for t in group.get("targets") or ())
+        targets = naming.name_list(group.get("targets"))
+        if targets is None:
+            return CtReading(None, f"config group {gname!r}: targets must be a list of module names, `re:` "
+                                   f"patterns or module classes, got {type(group.get('targets')).__name__}")
         if fmt is None or act is None:
             differences.append(f"config_groups.{gname} is not one of the presets {PRESETS} (weights and "
                                "input_activations); the trainer cannot export it")
@@ -211,7 +214,11 @@ def read_compressed_tensors(qc: Mapping[str, Any], ignore: tuple[str, ...] = ())
         return CtReading(None, f"no config group is one of the presets {PRESETS}", tuple(differences))
     chosen, conflicts = _choose_roles(groups)
     differences += conflicts
-    entries = [str(e) for e in qc.get("ignore") or ()]
+    listed = naming.name_list(qc.get("ignore"))
+    if listed is None:
+        return CtReading(None, f"the config's ignore is not a list of module names or `re:` patterns, got "
+                               f"{type(qc.get('ignore')).__name__}", tuple(differences))
+    entries = list(listed)
     if any(naming.target_matches(e, n) for e in entries for n in EXPERT_PROBES):
         chosen.pop("moe", None)  # "Linear" with the experts ignored: a dense-only plan
     if not chosen:
@@ -275,7 +282,7 @@ def model_differences(qc: Mapping[str, Any], plan: QuantizationPlan,
         One sentence per kind of difference, with examples and the fix.
     """
     groups = preset_groups(qc)
-    ignore = [str(e) for e in qc.get("ignore") or ()] + list(extra_ignore)
+    ignore = [*(naming.name_list(qc.get("ignore")) or ()), *extra_ignore]
     found: dict[tuple[str, str, str], list[str]] = {}
     for name, shape in shapes:
         candidate = _engine_candidate(name, shape)

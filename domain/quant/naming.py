@@ -347,3 +347,23 @@ def to_engine_pattern(entry: str) -> str:
     if any(c in entry for c in "*?["):
         return "re:" + fnmatch.translate(entry)
     return f"re:(.*\\.)?{re.escape(entry)}$"
+
+
+def name_list(value: object) -> tuple[str, ...] | None:
+    """A config's list of module names or patterns (`ignore`, `targets`, `ignored_layers`) as a
+    tuple; a single string is a list of one, nothing (None, empty) is empty. None when the value is
+    neither: the caller says which field is malformed.
+
+    Args:
+        value: the field's value as the config holds it.
+
+    Returns:
+        The entries, or None for a value of another type.
+    """
+    if not value:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return None

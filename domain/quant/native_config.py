@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from domain.errors import ConfigError
+from domain.quant import naming
 from domain.quant.ct_config import read_compressed_tensors
 from domain.quant.formats import FP8_BLOCK, MXFP8
 from domain.quant.plan import QuantizationPlan
@@ -120,9 +121,13 @@ def parse_quantization_config(qc: Mapping[str, Any], *, ignore: tuple[str, ...] 
     if method == "compressed-tensors":
         reading = read_compressed_tensors(qc, ignore)
         return NativeConfig(qc, method, reading.plan, reading.problem, reading.differences)
-    skipped = tuple(str(e) for e in (qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
+    field = "ignored_layers" if qc.get("ignored_layers") else "modules_to_not_convert"
+    skipped = naming.name_list(qc.get(field))
+    if skipped is None:
+        return NativeConfig(qc, method, None, f"{method} config's {field} is not a list of module names")
     if method == "fp8":
-        block = list(qc.get("weight_block_size") or [])
+        block = qc.get("weight_block_size") or []
+        block = list(block) if isinstance(block, list | tuple) else block
         if block != [128, 128]:
             return NativeConfig(qc, method, None, f"fp8 with weight_block_size {block or None} (only [128, 128] is exported)")
         plan = QuantizationPlan(linear=FP8_BLOCK, moe=FP8_BLOCK, ignore=skipped + ignore, scale_name="weight_scale_inv")
