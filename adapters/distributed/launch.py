@@ -227,10 +227,31 @@ def _run(ctx: Any, fn: Callable[..., Any], size: int, args: tuple[Any, ...], tim
         except queue.Empty:
             if all(not p.is_alive() for p in procs) and results.empty():
                 break
+    killed_at_deadline = set()
     for p in procs:
         p.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
-    late = f"no result within {timeout_s:g} s (killed, or it exited without reporting)"
-    return [got.get(r, RankResult(r, False, None, late)) for r in range(size)]
+            killed_at_deadline.add(p)
+    return [got.get(r, RankResult(r, False, None, _silence(procs[r], p in killed_at_deadline, timeout_s)))
+            for r, p in enumerate(procs)]
+
+
+def _silence(proc: Any, killed_at_deadline: bool, timeout_s: float) -> str:
+    """Why a rank returned nothing: still running at the deadline, or it died on its own."""
+    if killed_at_deadline:
+        return f"no result within {timeout_s:g} s: still running at the deadline, killed"
+    code = proc.exitcode
+    if code is not None and code < 0:
+        return f"it died from signal {-code} ({_signal_name(-code)}) before reporting a result"
+    return f"it exited with status {code} before reporting a result"
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from app.cli.main import main
 from app.config import SCHEMA
 
-_settings = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_settings = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 PATHS = [k.path for k in SCHEMA]
 SECTIONS = sorted({p.rsplit(".", i)[0] for p in PATHS for i in (1, 2, 3) if p.count(".") >= i})
 
