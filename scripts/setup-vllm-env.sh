@@ -26,14 +26,15 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # `from vllm import LLM` dies in transformers' image utils ("operator torchvision::nms does not
 # exist"). Nothing rl-refit uses needs them. pip check then lists them as missing; that is expected.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec
-# rl-refit itself, without its dependencies (compressed-tensors>=0.20 would fight vLLM's 0.17.0 pin).
-"${pip[@]}" install --no-deps -e .
-# structlog: the one runtime dependency of rl-refit that vLLM does not already bring.
-"${pip[@]}" install pytest "structlog>=24.1" "torch==${TORCH_VERSION}"
+# rl-refit from its own metadata, dependencies included: they must resolve beside vLLM's pins
+# (torch, compressed-tensors 0.17.0) without moving them. pytest runs tests/vllm.
+"${pip[@]}" install -e . pytest "torch==${TORCH_VERSION}"
 "$VENV/bin/python" - <<'EOF'
 import torch, vllm
 from vllm import LLM  # noqa: F401  (imports vllm.config, transformers, and would import torchvision)
+import compressed_tensors
 assert torch.__version__.startswith("2.13.0"), torch.__version__
+assert compressed_tensors.__version__.startswith("0.17."), compressed_tensors.__version__
 print(f"vllm {vllm.__version__} on torch {torch.__version__}")
 EOF
 echo "$want" > "$stamp"

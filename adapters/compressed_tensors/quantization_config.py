@@ -13,13 +13,12 @@ config.json; a rewritten config keeps its `kv_cache_scheme`. Native layouts: SGL
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 try:
-    import compressed_tensors
     from compressed_tensors.base import (
-        COMPRESSION_VERSION_NAME,
         QUANTIZATION_METHOD,
         QUANTIZATION_METHOD_NAME,
         SPARSITY_CONFIG_NAME,
@@ -30,6 +29,7 @@ try:
         QuantizationConfig,
         QuantizationScheme,
         QuantizationStatus,
+        apply_quantization_config,
     )
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 except ModuleNotFoundError as err:  # pragma: no cover - exercised only without the package
@@ -103,8 +103,30 @@ def compressed_tensors_config(plan: QuantizationPlan) -> QuantizationConfig:
     )
 
 
+# QuantizationArgs fields that only calibration reads (how to observe a range): a compressed
+# checkpoint has its scales, and each compressed-tensors release fills these with other defaults.
+_CALIBRATION_FIELDS = frozenset({"observer", "observer_kwargs"})
+# QuantizationConfig fields a release adds with a neutral value (0.17 `run_compressed: true`,
+# 0.20 `moe_sparsity_config: null`) and engines load the same without.
+_RELEASE_FIELDS = frozenset({"run_compressed", "moe_sparsity_config", "global_compression_ratio"})
+
+
+def _canonical(value: Any) -> Any:
+    """`value` with None members and calibration fields left out, at every depth."""
+    if isinstance(value, Mapping):
+        return {k: _canonical(v) for k, v in value.items() if v is not None and k not in _CALIBRATION_FIELDS}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
 def to_config_json(qc: QuantizationConfig) -> dict[str, Any]:
-    """Serialize a QuantizationConfig as ModelCompressor.update_config writes it into config.json.
+    """Serialize a QuantizationConfig for config.json, the same under every compressed-tensors release.
+
+    The keys are those ModelCompressor.update_config writes, less what differs between releases
+    and no loader reads: the `version` stamp, fields left None, calibration observers, and the
+    release-specific neutral fields. compressed-tensors 0.17 and 0.20 parse the result back to
+    the configuration they were given.
 
     Args:
         qc: the config.
@@ -112,13 +134,28 @@ def to_config_json(qc: QuantizationConfig) -> dict[str, Any]:
     Returns:
         The `quantization_config` dict.
     """
+    dumped = qc.model_dump(mode="json", exclude={"quant_method", *_RELEASE_FIELDS})
     return {
-        COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
         QUANTIZATION_METHOD_NAME: QUANTIZATION_METHOD,
         SPARSITY_CONFIG_NAME: {},
         TRANSFORM_CONFIG_NAME: {},
-        **qc.model_dump(mode="json", exclude={"quant_method"}),
+        **_canonical(dumped),
     }
+
+
+def attach_schemes(model: Any, qc: QuantizationConfig) -> None:
+    """compressed-tensors' apply_quantization_config, quiet under every supported release.
+
+    0.20 draws a progress bar unless told `show_progress=False`; 0.17 has no such argument.
+
+    Args:
+        model: the torch module to attach the schemes (and their scale parameters) to.
+        qc: the config.
+    """
+    if "show_progress" in inspect.signature(apply_quantization_config).parameters:
+        apply_quantization_config(model, qc, show_progress=False)
+    else:
+        apply_quantization_config(model, qc)
 
 
 def sglang_mxfp8_config(bf16_modules: Iterable[str]) -> dict[str, Any]:

@@ -113,16 +113,16 @@ def _compressed_tensors(src: str, out: str) -> None:
     schemes, compute each module's scales (min/max observer, calculate_qparams), compress with
     ModelCompressor, save_pretrained, write the config."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
     from transformers import AutoModelForCausalLM
 
-    from adapters.compressed_tensors.quantization_config import compressed_tensors_config
+    from adapters.compressed_tensors.quantization_config import attach_schemes, compressed_tensors_config
     from domain.quant.plan import QuantizationPlan
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     qc: QuantizationConfig = compressed_tensors_config(QuantizationPlan.from_presets(linear=PRESET))
-    apply_quantization_config(model, qc, show_progress=False)
+    attach_schemes(model, qc)
     with torch.no_grad():
         for _, module in model.named_modules():
             scheme = getattr(module, "quantization_scheme", None)

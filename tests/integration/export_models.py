@@ -68,7 +68,9 @@ def decompress_with_model_compressor(quantization_config: dict, state_dict: dict
         module name -> decompressed weight, for every module compressed-tensors quantized.
     """
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from adapters.compressed_tensors.quantization_config import attach_schemes
 
     qc = QuantizationConfig.model_validate(quantization_config)
     root = nn.Module()
@@ -94,7 +96,7 @@ def decompress_with_model_compressor(quantization_config: dict, state_dict: dict
         mod, _, local = name.rpartition(".")
         if mod not in linears:
             module_at(mod).register_parameter(local, nn.Parameter(torch.empty_like(t), requires_grad=False))
-    apply_quantization_config(root, qc, show_progress=False)
+    attach_schemes(root, qc)
     compressor = ModelCompressor(quantization_config=qc)
     compressor.compress_model(root)
     expected = root.state_dict()
