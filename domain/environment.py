@@ -35,6 +35,10 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
 # (tests/integration/test_engine_conformance.py reads the pinned wheels).
 PINNED_VLLM = "0.33.0"
 PINNED_SGLANG = "0.5.23"
+# The vLLM releases the adapter supports: 0.32 (run for real on the CPU build, tests/vllm) and
+# 0.33 (its reload code is byte-identical; checked statically against the wheel).
+SUPPORTED_VLLM = ("0.32", "0.33")
+VLLM_RANGE = ">=0.32,<0.34"
 PINNED_ENGINES: dict[str, str] = {"vllm": PINNED_VLLM, "sglang": PINNED_SGLANG}
 
 _RELEASE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)")

@@ -205,6 +205,43 @@ class RefitVerificationFailed(RefitError, RuntimeError):
     """The engine's check of the staged weights failed before (or while) committing them."""
 
 
+class EngineRefitUnsupported(RefitError, NotImplementedError):
+    """The engine cannot take this refit in place without serving wrong weights (e.g. vLLM's CPU
+    BF16 experts with a padded intermediate size); refused before anything was written."""
+
+
+class RefitIncomplete(RefitError, RuntimeError):
+    """A refit finished but left engine parameters it should have written untouched (they hold
+    older weights). Carries their names."""
+
+    def __init__(self, refit_id: int, unwritten: Sequence[str]) -> None:
+        self.unwritten = tuple(unwritten)
+        shown = ", ".join(self.unwritten[:5]) + (", ..." if len(self.unwritten) > 5 else "")
+        super().__init__(
+            f"refit {refit_id}: {len(self.unwritten)} engine parameters were never written ({shown}); the "
+            "refit stream lacks tensors the engine's model has: export from the model the engine serves"
+        )
+
+
+class ProbeMismatch(RefitVerificationFailed):
+    """The post-refit probe: the engine's log-probs on the probe batch differ from the reference
+    by more than the plan's bound. The engine is marked stale."""
+
+    def __init__(self, refit_id: int, max_abs_diff: float, bound: float, reference: str) -> None:
+        self.max_abs_diff = max_abs_diff
+        self.bound = bound
+        super().__init__(
+            f"refit {refit_id}: the engine's log-probs on the probe batch differ from the {reference} "
+            f"by up to {max_abs_diff:.6g} (bound {bound:.6g}); the engine serves other weights than "
+            "the trainer sent and refuses to serve until a refit passes the probe"
+        )
+
+
+class EngineProcessError(RefitError, RuntimeError):
+    """The engine's process failed to start, died, or broke its control protocol; carries the
+    end of its log."""
+
+
 class InjectedFault(RefitError, RuntimeError):
     """A failure injected on purpose by a fault script (tests, `refit demo --inject-fault`)."""
 

@@ -27,6 +27,7 @@ except ImportError as err:  # pragma: no cover - torch built without distributed
 if not dist.is_available():  # pragma: no cover
     raise ModuleNotFoundError("TorchDistTransport needs torch.distributed (this torch build lacks it)", name="torch.distributed")
 
+from adapters.distributed.side_group import SideGroup
 from adapters.distributed.wire import (
     CONTROL_BYTES,
     LEAD_BYTES,
@@ -83,7 +84,8 @@ class TorchDistTransport:
     """A BucketTransport over one process group: `source` broadcasts, every other member receives.
 
     Attributes:
-        group: the process group ({source} + receivers).
+        group: the process group ({source} + receivers): a group of the default world, or a
+            SideGroup (then `source` and `rank` are ranks of that group).
         source: the source's global rank.
         rank: this process's global rank.
         peers: every rank in the group (for errors).
@@ -114,10 +116,11 @@ class TorchDistTransport:
     _orphans: list[Any] = attrs.field(init=False, factory=list)
 
     def _bcast(self, t: torch.Tensor, step: str) -> float:
-        work = dist.broadcast(t, self.source, group=self.group, async_op=True)
-        return wait_work(work, self.rank, step, self.timeout_s, self.peers)
+        return wait_work(self._bcast_async(t), self.rank, step, self.timeout_s, self.peers)
 
     def _bcast_async(self, t: torch.Tensor) -> Any:
+        if isinstance(self.group, SideGroup):  # a group outside the default world: its own methods
+            return self.group.broadcast_async(t, self.source)
         return dist.broadcast(t, self.source, group=self.group, async_op=True)
 
     # --- source ------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Every vLLM name the adapter relies on, checked against the pinned vLLM's source by
-tests/integration/test_engine_conformance.py (static analysis of the downloaded wheel).
+"""Every vLLM name the adapter relies on, checked against the source of each supported vLLM release
+(VERSIONS) by tests/integration/test_engine_conformance.py (static analysis of the downloaded
+wheels).
 
 Entries: (kind, "module:qualname", details). Kinds:
 - symbol: the name is bound in the module; details = keyword arguments its def/class accepts.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from domain.environment import PINNED_VLLM
 
 PACKAGE, VERSION = "vllm", PINNED_VLLM
+VERSIONS = ("0.32.0", PINNED_VLLM)  # 0.32 also runs for real in tests/vllm (the CPU build)
 
 USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # layerwise reload (hooks.py)
@@ -35,9 +37,34 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("layer._k_scale.fill_(1.0)", "layer._prob_scale.fill_(1.0)")),
     ("member", "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
                "CompressedTensorsConfig.kv_cache_scheme", ()),
+    # the worker extension (extension.py, server.py): injected into the worker class by name,
+    # methods called by name through collective_rpc
+    ("symbol", "vllm.engine.arg_utils:EngineArgs", ("worker_extension_cls",)),
+    ("member", "vllm.config.parallel:ParallelConfig.worker_extension_cls", ()),
+    ("contains", "vllm.v1.worker.worker_base:WorkerWrapperBase.init_worker",
+     ("worker_extension_cls", "__bases__")),
+    ("member", "vllm.v1.worker.worker_base:WorkerBase.rank", ()),
+    ("member", "vllm.v1.worker.gpu_worker:Worker.model_runner", ()),
+    ("member", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model", ()),
+    ("contains", "vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc", ("getattr(self.worker, method)",)),
+    ("contains", "vllm.v1.serial_utils:run_method", ("getattr(obj, method)",)),
+    # experts whose post-processing the reload skips (experts.py)
+    ("symbol", "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEExperts", ()),
+    ("member", "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEExperts.process_weights_after_loading", ()),
+    ("member", "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernel.fused_experts", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod", ()),
+    ("contains", "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:"
+                 "UnquantizedFusedMoEMethod._setup_kernel",
+     ("is_weight_update = self.moe_kernel is not None", "fused_experts.process_weights_after_loading(layer)")),
+    ("member", "vllm.model_executor.layers.fused_moe.fused_moe_method_base:FusedMoEMethodBase.moe_kernel", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts", ()),
+    ("member", "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts._padded_intermediate_size", ()),
+    ("member", "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.isa", ()),
+    ("contains", "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.process_weights_after_loading",
+     ("self._use_zentorch", "self._pad_moe_intermediate(layer)", "cpu_prepack_moe_weight(layer.w13_weight, self.isa)")),
+    ("contains", "vllm._custom_ops:cpu_prepack_moe_weight", ("torch.ops._C.prepack_moe_weight(weight, output, isa)",)),
     # workers (worker.py) and the engine (engine.py, client.py)
     ("symbol", "vllm.config:set_current_vllm_config", ()),
-    ("member", "vllm.v1.worker.gpu_worker:Worker.get_model", ()),
     ("member", "vllm.v1.worker.worker_base:WorkerBase.vllm_config", ()),
     ("member", "vllm.entrypoints.llm:LLM.collective_rpc", ("args",)),
     ("member", "vllm.entrypoints.llm:LLM.generate", ("use_tqdm",)),
@@ -63,6 +90,5 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("env", "vllm.envs:VLLM_USE_DEEP_GEMM", ()),
     ("env", "vllm.envs:VLLM_MOE_USE_DEEP_GEMM", ()),
     ("env", "vllm.envs:VLLM_USE_DEEP_GEMM_E8M0", ()),
-    ("env", "vllm.envs:VLLM_ALLOW_INSECURE_SERIALIZATION", ()),
     ("env", "vllm.envs:VLLM_ENABLE_V1_MULTIPROCESSING", ()),
 )

@@ -1,5 +1,5 @@
-"""A real `vllm.LLM` behind the adapter's seams: its workers' refit steps (`LlmWorkers`), prompt
-log-probs for the mismatch probe and the GPU check.
+"""A real in-process `vllm.LLM` behind the adapter's seams: its workers' refit steps through rl-refit's
+worker extension (`ExtensionWorkers`), prompt log-probs and greedy tokens.
 
 vllm is imported only inside these functions.
 """
@@ -7,15 +7,15 @@ vllm is imported only inside these functions.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
-from adapters.vllm import worker
+from adapters.vllm.engine_args import EXTENSION
 from adapters.vllm.worker import FinalizeStats
-from domain.environment import PINNED_VLLM
+from domain.environment import VLLM_RANGE
+from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.storage import StorageFingerprint
 
 
@@ -55,48 +55,66 @@ def greedy_tokens(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[l
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@attrs.define
-class LlmWorkers:
-    """The refit steps inside every worker of a `vllm.LLM`, through `LLM.collective_rpc`.
+def start_llm(**engine_kwargs: Any) -> Any:
+    """`vllm.LLM(**engine_kwargs)` (see engine_args.vllm_engine_kwargs; apply
+    engine_args.vllm_environment first). Raises ModuleNotFoundError naming the adapter when vllm
+    is not installed."""
+    try:
+        from vllm import LLM
+    except ModuleNotFoundError as err:
+        if err.name is None or not err.name.startswith("vllm"):
+            raise
+        raise ModuleNotFoundError(
+            f"adapters.vllm (VllmRolloutEngine) needs vllm {VLLM_RANGE} (pip install 'rl-refit[vllm]')",
+            name="vllm") from err
+    return LLM(**engine_kwargs)
 
-    Out-of-process workers receive callables by serialization: start the engine with
-    `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (engine_args.vllm_environment sets it).
+
+@attrs.define
+class ExtensionWorkers:
+    """The refit steps inside the workers of an in-process `vllm.LLM` started with rl-refit's
+    worker extension (engine_args.EXTENSION), through `LLM.collective_rpc` by method name.
+
+    Colocated: with `VLLM_ENABLE_V1_MULTIPROCESSING=0` and one worker the bucket's tensors reach
+    the worker by reference (the worker copies them before the call returns). With the
+    multiprocess engine, tensors do not survive collective_rpc: use remote.RemoteWorkers.
     """
 
     llm: Any
 
     @classmethod
-    def launch(cls, **engine_kwargs: Any) -> LlmWorkers:
-        """Start `vllm.LLM(**engine_kwargs)` (see engine_args.vllm_engine_kwargs; apply
-        engine_args.vllm_environment first). Raises ModuleNotFoundError naming the adapter
-        when vllm is not installed."""
-        try:
-            from vllm import LLM
-        except ModuleNotFoundError as err:
-            if err.name is None or not err.name.startswith("vllm"):
-                raise
-            raise ModuleNotFoundError(
-                f"adapters.vllm (VllmRolloutEngine) needs vllm=={PINNED_VLLM} (pip install 'vllm=={PINNED_VLLM}')",
-                name="vllm") from err
-        return cls(LLM(**engine_kwargs))
+    def launch(cls, **engine_kwargs: Any) -> ExtensionWorkers:
+        """Start `vllm.LLM(**engine_kwargs)` with the extension (apply
+        engine_args.vllm_environment(colocated=True) first)."""
+        return cls(start_llm(**{**engine_kwargs, "worker_extension_cls": EXTENSION}))
 
-    def _rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self.llm.collective_rpc(fn, args=args)[0]
+    def _rpc(self, method: str, *args: Any) -> Any:
+        return self.llm.collective_rpc(method, args=args)[0]
 
     def begin(self) -> None:
-        self._rpc(worker.rpc_begin)
+        self._rpc("rl_refit_begin")
 
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        return int(self._rpc(worker.rpc_load, named_tensors))
+    def load(self, bucket: Bucket) -> int:
+        return int(self._rpc("rl_refit_load", list(unpack_bucket(bucket))))
 
     def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
-        return FinalizeStats(*self._rpc(worker.rpc_finalize, reset_kv_scales))
+        return FinalizeStats.from_plain(self._rpc("rl_refit_finalize", reset_kv_scales))
 
     def abort(self) -> None:
-        self._rpc(worker.rpc_abort)
+        self._rpc("rl_refit_abort")
 
     def fingerprint(self) -> StorageFingerprint:
-        return self._rpc(worker.rpc_fingerprint)
+        return StorageFingerprint.from_plain(self._rpc("rl_refit_fingerprint"))
 
     def live_weights(self) -> dict[str, torch.Tensor]:
-        return self._rpc(worker.rpc_live_weights)
+        from adapters.vllm.extension import tensors_from_plain
+
+        return tensors_from_plain(self._rpc("rl_refit_live_weights"))
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every parameter and buffer."""
+        return dict(self._rpc("rl_refit_digests"))
+
+    def kv_scales(self) -> dict[str, list[float]]:
+        """Each attention layer's q/k/v/prob scales."""
+        return dict(self._rpc("rl_refit_kv_scales"))

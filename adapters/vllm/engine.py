@@ -1,8 +1,11 @@
 """VllmRolloutEngine: the RolloutEngine port over vLLM's layerwise reload.
 
 The adapter talks to the workers through `VllmWorkers`, one typed method per refit step:
-`LocalWorkers` runs a WorkerRefit in this process (fakes, tests, an in-process engine),
-`adapters.vllm.client.LlmWorkers` runs it inside every vLLM worker through `LLM.collective_rpc`.
+- `LocalWorkers` runs a WorkerRefit in this process (fakes, tests);
+- `adapters.vllm.client.ExtensionWorkers` runs it inside the workers of an in-process `vllm.LLM`
+  started with rl-refit's worker extension (colocated: buckets by reference);
+- `adapters.vllm.remote.RemoteWorkers` drives an engine in another process and streams the
+  buckets to its workers over a side process group (disaggregated).
 
 Commit mode PER_LAYER: vLLM processes and commits each layer as soon as its tensors are in and
 keeps no copy of the old weights, so a failure cannot be rolled back: the engine is marked
@@ -40,8 +43,9 @@ class VllmWorkers(Protocol):
         """Start vLLM's layerwise reload."""
         ...
 
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Load one bucket's tensors by checkpoint name (copied before this returns)."""
+    def load(self, bucket: Bucket) -> int:
+        """Load one bucket's tensors by checkpoint name; the bucket's buffer may be reused as soon
+        as this returns."""
         ...
 
     def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
@@ -70,8 +74,8 @@ class LocalWorkers:
     def begin(self) -> None:
         self.refit.begin()
 
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        return self.refit.load(named_tensors)
+    def load(self, bucket: Bucket) -> int:
+        return self.refit.load(list(unpack_bucket(bucket)))
 
     def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
         self.refit.reset_kv_scales = reset_kv_scales
@@ -144,8 +148,7 @@ class VllmRolloutEngine:
         try:
             if self.expected_layout is not None:
                 check_bucket(bucket, self.expected_layout, self._seen)
-            # views of the bucket's buffer: the worker copies them before this returns
-            self.workers.load(list(unpack_bucket(bucket)))
+            self.workers.load(bucket)
         except Exception as err:
             self._fail(f"loading bucket {bucket.index}: {type(err).__name__}: {err}")
             raise

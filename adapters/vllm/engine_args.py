@@ -15,6 +15,8 @@ from adapters.engine_overrides import check_request, with_quantization_config
 from domain.quant.backend_policy import DEEP_GEMM, BackendDecision
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# rl-refit's worker extension (`worker_extension_cls`): the receiving end of a refit in each worker.
+EXTENSION = "adapters.vllm.extension.RefitWorkerExtension"
 
 
 def vllm_engine_kwargs(
@@ -53,18 +55,20 @@ def vllm_engine_kwargs(
     return kwargs
 
 
-def vllm_environment(decision: BackendDecision) -> dict[str, str]:
-    """Environment variables vLLM must start with for this decision.
+def vllm_environment(decision: BackendDecision, *, colocated: bool) -> dict[str, str]:
+    """Environment variables vLLM must start with for this decision and deployment shape.
 
     Args:
         decision: the backend policy's decision for vLLM.
+        colocated: the engine runs in the trainer's process (its engine core and worker too:
+            `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so buckets reach the worker by reference), or in
+            processes of its own (`=1`, vLLM's default; buckets go over a side group).
 
     Returns:
-        Name -> value: DeepGEMM switches when DeepGEMM is requested, `VLLM_USE_DEEP_GEMM_E8M0=0`
-        when E8M0 packing must be off, and `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (the refit steps
-        reach out-of-process workers as serialized callables).
+        Name -> value: the multiprocessing switch, DeepGEMM switches when DeepGEMM is requested,
+        and `VLLM_USE_DEEP_GEMM_E8M0=0` when E8M0 packing must be off.
     """
-    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if colocated else "1"}
     if decision.linear.backend == DEEP_GEMM or decision.moe.backend == DEEP_GEMM:
         env["VLLM_USE_DEEP_GEMM"] = "1"
     if decision.moe.backend == DEEP_GEMM:

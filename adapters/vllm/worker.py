@@ -4,14 +4,13 @@
 `model.load_weights` per bucket with checkpoint-format names (each tensor cloned first: vLLM
 buffers a layer's tensors *by reference* until the layer is complete, and the sender reuses its
 bucket buffer as soon as a bucket is acknowledged), finalize once after the last bucket, then the
-KV-cache scale reset. The `rpc_*` functions are what `LLM.collective_rpc` runs in each worker.
+KV-cache scale reset. adapters.vllm.extension runs it inside vLLM's workers.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import attrs
@@ -27,12 +26,38 @@ log = structlog.get_logger()
 KV_SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 
 
+def _expected(model: torch.nn.Module) -> set[str]:
+    """The parameters a full refit writes: every checkpoint-format parameter the reload restored,
+    less the attention layers' KV-cache scale placeholders (a checkpoint without a
+    kv_cache_scheme has none; finalize resets them)."""
+    return {n for n, _ in model.named_parameters() if n.rpartition(".")[2] not in KV_SCALE_NAMES}
+
+
 class FinalizeStats(NamedTuple):
-    """What one worker's finalize did (a tuple: it crosses process boundaries as one)."""
+    """What one worker's finalize did (a tuple of plain values: it crosses process boundaries as one).
+
+    Attributes:
+        kv_scales_reset: attention layers whose q/k/v/prob scales were reset to 1.0.
+        seconds: post-processing time.
+        tensors_loaded: checkpoint tensors handed to `load_weights`.
+        parameters_written: engine parameters the loads reported writing (-1: the model's
+            `load_weights` does not report them).
+        unwritten: engine parameters the refit should have written and did not (sorted).
+        experts_redone: MoE layers whose skipped expert post-processing was redone.
+    """
 
     kv_scales_reset: int
     seconds: float
     tensors_loaded: int
+    parameters_written: int = -1
+    unwritten: tuple[str, ...] = ()
+    experts_redone: int = 0
+
+    @classmethod
+    def from_plain(cls, value: Sequence[object]) -> FinalizeStats:
+        """From the list a process boundary turns the tuple into."""
+        kv, seconds, loaded, written, unwritten, redone = value
+        return cls(int(kv), float(seconds), int(loaded), int(written), tuple(unwritten), int(redone))  # type: ignore[call-overload,arg-type]
 
 
 @attrs.define
@@ -54,6 +79,8 @@ class WorkerRefit:
     reset_kv_scales: bool = True
     loading: bool = attrs.field(init=False, default=False)
     tensors_loaded: int = attrs.field(init=False, default=0)
+    expected: set[str] = attrs.field(init=False, factory=set)
+    written: set[str] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.device is None:
@@ -64,9 +91,12 @@ class WorkerRefit:
         """Initialize the layerwise reload (kernel tensors kept, loaders deferred)."""
         if self.loading:
             raise RefitLifecycleError("a vLLM refit is already loading on this worker; finalize or abort it first")
+        self.hooks.check_experts(self.model)  # refuses before anything is touched
         self.hooks.initialize_reload(self.model)
         self.loading = True
         self.tensors_loaded = 0
+        self.expected = _expected(self.model)  # checkpoint-format parameters, restored on meta
+        self.written = set()
 
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Load one bucket's tensors by checkpoint name; returns how many were loaded.
@@ -78,8 +108,12 @@ class WorkerRefit:
         owned = [(name, t.to(self.device, copy=True)) for name, t in named_tensors]
         load_weights = self.model.load_weights  # every vLLM model class defines it
         with self.hooks.load_context():
-            load_weights(owned)  # type: ignore[operator]
+            loaded = load_weights(owned)  # type: ignore[operator]
         self.tensors_loaded += len(owned)
+        if isinstance(loaded, set) and self.written is not None:
+            self.written |= loaded  # the engine parameters these tensors were loaded into
+        else:
+            self.written = None  # this model's load_weights does not say what it wrote
         return len(owned)
 
     def finalize(self) -> FinalizeStats:
@@ -96,9 +130,14 @@ class WorkerRefit:
             self.hooks.finalize_reload(self.model, self.model_config)
         finally:
             self.loading = False
+        written = self.written
+        redone = self.hooks.redo_experts(self.model, written if written is not None else ())
         seconds = time.perf_counter() - t0
         reset = self.reset_uncalibrated_kv_scales() if self.reset_kv_scales else 0
-        return FinalizeStats(reset, seconds, self.tensors_loaded)
+        if written is None:
+            return FinalizeStats(reset, seconds, self.tensors_loaded, experts_redone=redone)
+        unwritten = tuple(sorted(self.expected - written))
+        return FinalizeStats(reset, seconds, self.tensors_loaded, len(written & self.expected), unwritten, redone)
 
     def abort(self) -> None:
         """Put the model back together after a failure (no-op when not loading).
@@ -147,54 +186,3 @@ class WorkerRefit:
         tensors: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         tensors.update(self.model.named_buffers())
         return tensors
-
-
-# --- what LLM.collective_rpc runs inside each worker (`worker` is vLLM's Worker) ---------------
-
-
-def _refit(worker: object) -> WorkerRefit:
-    refit = getattr(worker, "rl_refit", None)
-    if refit is None:
-        refit = WorkerRefit(
-            model=worker.get_model(),  # type: ignore[attr-defined]
-            model_config=worker.vllm_config.model_config,  # type: ignore[attr-defined]
-            hooks=VllmHooks.from_vllm(),
-        )
-        worker.rl_refit = refit  # type: ignore[attr-defined]
-    return refit
-
-
-def _in_config(worker: object) -> AbstractContextManager[object]:
-    from vllm.config import set_current_vllm_config
-
-    return set_current_vllm_config(worker.vllm_config)  # type: ignore[attr-defined]
-
-
-def rpc_begin(worker: object) -> None:
-    with _in_config(worker):
-        _refit(worker).begin()
-
-
-def rpc_load(worker: object, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-    with _in_config(worker):
-        return _refit(worker).load(named_tensors)
-
-
-def rpc_finalize(worker: object, reset_kv_scales: bool) -> FinalizeStats:
-    with _in_config(worker):
-        refit = _refit(worker)
-        refit.reset_kv_scales = reset_kv_scales
-        return refit.finalize()
-
-
-def rpc_abort(worker: object) -> None:
-    with _in_config(worker):
-        _refit(worker).abort()
-
-
-def rpc_fingerprint(worker: object) -> StorageFingerprint:
-    return _refit(worker).fingerprint()
-
-
-def rpc_live_weights(worker: object) -> dict[str, torch.Tensor]:
-    return {n: t.detach().cpu() for n, t in _refit(worker).live_weights().items()}

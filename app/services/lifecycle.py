@@ -45,12 +45,14 @@ def commit_engine(engine: RolloutEngine, run: RefitRun, before: StorageFingerpri
     Raises:
         Exception: whatever the engine's finalize raised (it then kept its weights or went stale
             itself).
+        RefitIncomplete: the engine left parameters unwritten (committed: settle it likewise).
         StorageRebound: a captured tensor was rebound (the engine had committed: the caller's
             settle_engine restores it or marks it stale).
     """
     with run.phase("finalize"):
         result = engine.finalize_refit()
     run.committed(result)
+    run.check_written()
     with run.phase("verify", where="storage check"):
         run.check_storage(before, engine.storage_fingerprint())
 

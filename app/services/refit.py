@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from app.services.lifecycle import begin_engine, commit_engine, describe_plan, settle_engine
+from app.services.verification import PostRefitProbe, require
 from domain.errors import RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
@@ -47,6 +48,8 @@ class RefitService:
             tensors; others copy in `load_bucket`. False: pack each bucket into a buffer.
         progress: called after every bucket with (source bytes so far, total), e.g. a progress
             bar the CLI draws; None: nothing is reported.
+        probe: the post-refit probe (the engine's log-probs against a reference after each
+            commit; a mismatch fails the refit and leaves the engine stale); None: not run.
         reports: every refit's report, oldest first.
     """
 
@@ -58,6 +61,7 @@ class RefitService:
     reuse_buffer: bool = True
     by_reference: bool = True
     progress: Progress | None = None
+    probe: PostRefitProbe | None = None
     reports: list[RefitReport] = attrs.field(factory=list)
     _next_id: int = attrs.field(init=False, default=1)
 
@@ -83,6 +87,10 @@ class RefitService:
             self._stream(run, clock)
             run.finalizing()
             commit_engine(self.engine, run, before)
+            if self.probe is not None:
+                with run.phase("verify", where="probe"):
+                    run.probe = self.probe.measure(self.engine, self.plan)
+                require(run.probe, refit_id)
             run.live()
         except Exception as err:
             run.add_times(clock.exclusive(("export", "quantize", "pack")))

@@ -6,6 +6,7 @@ import enum
 
 import attrs
 
+from domain.refit.probe import ProbeCheck
 from domain.refit.storage import StorageCheck
 
 
@@ -18,12 +19,16 @@ class EngineFinalizeResult:
         postprocess_seconds: time spent post-processing (run once per refit).
         tensors_committed: live tensors written by in-place copy.
         peak_staging_bytes: the most bytes the engine held staged at once during this refit.
+        parameters_written: engine parameters the refit wrote (None: the engine does not count).
+        unwritten: engine parameters it should have written and did not (they hold older weights).
     """
 
     kv_scales_reset: int = 0
     postprocess_seconds: float = 0.0
     tensors_committed: int = 0
     peak_staging_bytes: int = 0
+    parameters_written: int | None = None
+    unwritten: tuple[str, ...] = ()
 
 
 class RefitOutcome(enum.Enum):
@@ -53,6 +58,9 @@ class RefitReport:
         storage: the captured-storage check.
         kv_scales_reset: attention layers whose KV-cache scales were reset to 1.0.
         error: the failure, in words (None when LIVE).
+        parameters_written: engine parameters the refit wrote (None: the engine does not count).
+        unwritten: engine parameters it left unwritten (a refit with any fails: RefitIncomplete).
+        probe: the post-refit verification (None when not run).
     """
 
     refit_id: int
@@ -69,6 +77,9 @@ class RefitReport:
     storage: StorageCheck
     kv_scales_reset: int = 0
     error: str | None = None
+    parameters_written: int | None = None
+    unwritten: tuple[str, ...] = ()
+    probe: ProbeCheck | None = None
 
     @property
     def ok(self) -> bool:
@@ -88,6 +99,8 @@ class RefitReport:
             "mb_source": round(self.source_bytes / 2**20, 3), "seconds": round(self.timings.get("total", 0.0), 4),
             "gbps": round(self.throughput_gbps, 4), "peak_staging_mb": round(self.peak_staging_bytes / 2**20, 3),
             "storage": str(self.storage), "kv_scales_reset": self.kv_scales_reset, "error": self.error,
+            "parameters_written": self.parameters_written, "unwritten": len(self.unwritten),
+            "probe": str(self.probe) if self.probe is not None else None,
         }
 
     def to_dict(self) -> dict[str, object]:
@@ -95,5 +108,7 @@ class RefitReport:
         d = attrs.asdict(self, recurse=False)
         d["outcome"] = self.outcome.value
         d["storage"] = {"checked": self.storage.checked, "ok": self.storage.ok, "changed": list(self.storage.changed)}
+        d["unwritten"] = list(self.unwritten)
+        d["probe"] = self.probe.to_dict() if self.probe is not None else None
         d["throughput_gbps"] = self.throughput_gbps
         return d

@@ -16,8 +16,9 @@ from typing import TypeVar
 
 import attrs
 
-from domain.errors import StorageRebound
+from domain.errors import RefitIncomplete, StorageRebound
 from domain.refit.buckets import Bucket
+from domain.refit.probe import ProbeCheck
 from domain.refit.report import EngineFinalizeResult, RefitOutcome, RefitReport
 from domain.refit.session import RefitEvent, RefitState, move
 from domain.refit.status import EngineState, RankStatus
@@ -83,6 +84,9 @@ class RefitRun:
         storage: the captured-storage check.
         peak_staging_bytes: most bytes the engine held staged at once.
         kv_scales_reset: attention layers whose KV-cache scales the engine reset.
+        parameters_written: engine parameters the engine reported writing (None: not counted).
+        unwritten: engine parameters it reported leaving unwritten.
+        probe: the post-refit probe's result (None when not run).
         error: the first failure, in words.
     """
 
@@ -103,6 +107,9 @@ class RefitRun:
     storage: StorageCheck = attrs.field(factory=lambda: StorageCheck(checked=False))
     peak_staging_bytes: int = 0
     kv_scales_reset: int = 0
+    parameters_written: int | None = None
+    unwritten: tuple[str, ...] = ()
+    probe: ProbeCheck | None = None
     error: str | None = None
     _t0: float = attrs.field(init=False, factory=time.perf_counter)
 
@@ -170,6 +177,13 @@ class RefitRun:
         self.engine = EngineState.COMMITTED
         self.peak_staging_bytes = result.peak_staging_bytes
         self.kv_scales_reset = result.kv_scales_reset
+        self.parameters_written = result.parameters_written
+        self.unwritten = tuple(result.unwritten)
+
+    def check_written(self) -> None:
+        """After commit: RefitIncomplete when the engine left parameters unwritten."""
+        if self.unwritten:
+            raise RefitIncomplete(self.refit_id, self.unwritten)
 
     def check_storage(self, before: StorageFingerprint, after: StorageFingerprint) -> None:
         """The captured-storage check after commit: StorageRebound when a tensor was rebound."""
@@ -205,5 +219,6 @@ class RefitRun:
             source_bytes=self.source_bytes, bytes_sent=self.bytes_sent, buckets=self.buckets, tensors=self.tensors,
             timings=dict(self.timings), peak_staging_bytes=self.peak_staging_bytes, bucket_bytes=self.bucket_bytes,
             storage=self.storage, kv_scales_reset=self.kv_scales_reset,
-            error=error if error is not None else self.error,
+            error=error if error is not None else self.error, parameters_written=self.parameters_written,
+            unwritten=self.unwritten, probe=self.probe,
         )

@@ -37,7 +37,18 @@ class StorageFingerprint:
         names = sorted(set(self.records) | set(after.records))
         return [n for n in names if self.records.get(n) != after.records.get(n)]
 
+    def to_plain(self) -> list[list[object]]:
+        """Lists of ints and strings, for a boundary that carries no Python objects (msgpack, JSON)."""
+        return [[n, r.data_ptr, list(r.shape), list(r.stride), str(r.dtype).removeprefix("torch.")]
+                for n, r in self.records.items()]
 
+    @classmethod
+    def from_plain(cls, rows: list[list[object]]) -> StorageFingerprint:
+        """The inverse of `to_plain`."""
+        return cls({
+            str(n): StorageRecord(int(p), tuple(shape), tuple(stride), getattr(torch, str(dtype)))  # type: ignore[arg-type,call-overload]
+            for n, p, shape, stride, dtype in rows
+        })
 
 
 @attrs.frozen

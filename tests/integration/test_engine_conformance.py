@@ -27,13 +27,18 @@ CACHE = pathlib.Path(
 APIS = {"vllm": vllm_api, "sglang": sglang_api}
 
 
-@pytest.fixture(scope="module", params=sorted(APIS))
+# Every supported release of each engine (an adapter's VERSIONS, else its one pin).
+RELEASES = [(name, v) for name, api in sorted(APIS.items()) for v in getattr(api, "VERSIONS", (api.VERSION,))]
+
+
+@pytest.fixture(scope="module", params=RELEASES, ids=[f"{n}-{v}" for n, v in RELEASES])
 def engine(request: pytest.FixtureRequest) -> tuple[ModuleType, pathlib.Path]:
-    api = APIS[request.param]
+    name, version = request.param
+    api = APIS[name]
     try:
-        wheel = fetch_wheel(api.PACKAGE, api.VERSION, CACHE)
+        wheel = fetch_wheel(api.PACKAGE, version, CACHE)
     except RuntimeError as err:
-        pytest.skip(f"cannot download {api.PACKAGE}=={api.VERSION} (package registry unreachable?): {err}")
+        pytest.skip(f"cannot download {api.PACKAGE}=={version} (package registry unreachable?): {err}")
     return api, wheel
 
 
@@ -95,6 +100,12 @@ def test_a_mutated_copy_fails_when_used_symbols_disappear(engine) -> None:  # ty
 
 
 def test_the_pins_match_the_packaging_extras() -> None:
+    from domain.environment import VLLM_RANGE
+
     text = (ROOT / "pyproject.toml").read_text()
-    for api in APIS.values():
-        assert re.search(rf'"{api.PACKAGE}=={re.escape(api.VERSION)}"', text), f"pyproject pins {api.PACKAGE}?"
+    assert f'vllm = ["vllm{VLLM_RANGE}"]' in text
+    lowest, upper = VLLM_RANGE.split(",")
+    assert lowest == f">={vllm_api.VERSIONS[0].rsplit('.', 1)[0]}" and vllm_api.VERSION.startswith(vllm_api.VERSIONS[-1])
+    assert upper.startswith("<") and vllm_api.VERSIONS[-1] < upper[1:]
+    api = sglang_api
+    assert re.search(rf'"{api.PACKAGE}=={re.escape(api.VERSION)}"', text), f"pyproject pins {api.PACKAGE}?"

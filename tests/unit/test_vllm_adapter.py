@@ -241,8 +241,9 @@ def test_engine_kwargs_carry_the_config_and_backends() -> None:
     assert kw["hf_overrides"] == {"max_position_embeddings": 64, "quantization_config": qc}
     assert (kw["quantization"], kw["linear_backend"], kw["moe_backend"]) == ("compressed-tensors", "deep_gemm", "auto")
     assert kw["kv_cache_dtype"] == "fp8" and kw["model"] == "/m"
-    env = vllm_environment(decision)
+    env = vllm_environment(decision, colocated=False)
     assert env["VLLM_USE_DEEP_GEMM"] == "1" and env["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert "VLLM_MOE_USE_DEEP_GEMM" not in env
 
 
@@ -250,7 +251,7 @@ def test_bf16_engine_kwargs_drop_the_quantization_config() -> None:
     decision = decide_backends("vllm", fp8_plan(False), None, opt_out=True)
     kw = vllm_engine_kwargs(None, decision, base={"hf_overrides": {"quantization_config": {"x": 1}}})
     assert "hf_overrides" not in kw and "quantization" not in kw
-    assert vllm_environment(decision) == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    assert vllm_environment(decision, colocated=True) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def test_engine_kwargs_reject_bad_inputs() -> None:
@@ -269,7 +270,7 @@ def test_missing_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_vllm)
-    with pytest.raises(ModuleNotFoundError, match=r"adapters\.vllm .*needs vllm==") as info:
+    with pytest.raises(ModuleNotFoundError, match=r"adapters\.vllm .*needs vllm >=0\.32,<0\.34") as info:
         VllmHooks.from_vllm()
     assert info.value.name == "vllm"
 
@@ -294,7 +295,7 @@ def test_expected_layout_rejects_a_repeated_tensor_before_vllm_sees_it() -> None
 
 
 def test_launch_without_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
-    from adapters.vllm.client import LlmWorkers
+    from adapters.vllm.client import start_llm
 
     real_import = builtins.__import__
 
@@ -304,5 +305,5 @@ def test_launch_without_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) 
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_vllm)
-    with pytest.raises(ModuleNotFoundError, match=r"adapters\.vllm .*needs vllm==0\.33\.0"):
-        LlmWorkers.launch(model="/m")
+    with pytest.raises(ModuleNotFoundError, match=r"adapters\.vllm .*needs vllm >=0\.32,<0\.34"):
+        start_llm(model="/m")

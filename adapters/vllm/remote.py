@@ -1,0 +1,371 @@
+"""A vLLM engine in processes of its own, driven from the trainer's process (disaggregated shape).
+
+`EngineProcess` starts the engine host (adapters.vllm.server) with another Python (the one vLLM is
+installed in), waits until it has started its engine and connected back, and sends it requests.
+`RemoteWorkers` is the VllmWorkers port over it: control through the host's `collective_rpc`,
+bucket data over a side process group (adapters.distributed.side_group: gloo on CPU, NCCL on GPU)
+that the workers join once; each refit's buckets are one TorchDistTransport stream, which the
+workers receive and load themselves (adapters.vllm.extension).
+
+The trainer's `load_bucket` hands its bucket to a sender thread and returns once the bucket is
+on the wire (the bucket's buffer is then free to reuse); a failure on either side ends the
+stream with an ABORT the workers see, and the engine is marked stale by VllmRolloutEngine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from adapters.distributed.launch import listen_socket
+from adapters.vllm.control import Channel
+from adapters.vllm.worker import FinalizeStats
+from domain import errors
+from domain.errors import EngineProcessError, EngineUpdateFailed
+from domain.refit.buckets import Bucket
+from domain.refit.storage import StorageFingerprint
+
+log = structlog.get_logger()
+
+# Errors a worker may raise whose type the trainer re-raises (the message crosses as text).
+_TYPED = {cls.__name__: cls for cls in (errors.EngineRefitUnsupported, errors.RefitLifecycleError,
+                                        errors.TransportAborted, errors.WireProtocolError)}
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:]
+    except OSError:
+        return ""
+
+
+@attrs.define
+class EngineProcess:
+    """The engine host process and its control connection.
+
+    Attributes:
+        proc: the host process.
+        channel: the control connection.
+        log_path: where the host's (and vLLM's) output goes.
+        workers: what each worker reported when it started (rank, device, pid).
+        timeout_s: bound on each request's reply (a refit stream's receive included).
+    """
+
+    proc: subprocess.Popen[bytes]
+    channel: Channel
+    log_path: Path
+    workers: list[dict[str, Any]]
+    timeout_s: float = 600.0
+    _pending: int = attrs.field(init=False, default=0)
+
+    @classmethod
+    def start(cls, python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str] | None = None,
+              host: str = "127.0.0.1", start_timeout_s: float = 600.0, timeout_s: float = 600.0,
+              log_path: str | Path | None = None) -> EngineProcess:
+        """Start the host and wait until its engine serves.
+
+        Args:
+            python: the interpreter to run the host with (vLLM and rl-refit installed).
+            engine_kwargs: `vllm.LLM(**engine_kwargs)` (plain JSON values).
+            env: the host's environment (default: this process's).
+            host: the address the trainer listens on for the host's connection.
+            start_timeout_s: bound on the engine's start.
+            timeout_s: bound on each later request.
+            log_path: the host's output (default: a file in the temporary directory).
+
+        Returns:
+            The running EngineProcess. Raises EngineProcessError (with the end of the host's log)
+            when the host exits, fails to start its engine or does not connect in time.
+        """
+        listener = listen_socket(host)
+        token = secrets.token_hex(16)
+        spec = {"engine_kwargs": dict(engine_kwargs), "trainer_host": host,
+                "trainer_port": listener.getsockname()[1], "token": token}
+        fd, spec_path = tempfile.mkstemp(prefix="rl-refit-engine-", suffix=".json")
+        with os.fdopen(fd, "w") as f:  # mode 0600: the token stays private
+            json.dump(spec, f)
+        out = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(prefix="rl-refit-engine-", suffix=".log")[1])
+        with out.open("wb") as logf:
+            proc = subprocess.Popen([python, "-m", "adapters.vllm.server", spec_path], stdout=logf,
+                                    stderr=subprocess.STDOUT, env=dict(env) if env is not None else None,
+                                    start_new_session=True)
+        try:
+            channel = cls._accept(listener, proc, out, start_timeout_s)
+            hello = channel.receive(start_timeout_s)
+        except BaseException:
+            _stop(proc)
+            raise
+        finally:
+            listener.close()
+            Path(spec_path).unlink(missing_ok=True)
+        if hello.get("token") != token:
+            _stop(proc)
+            raise EngineProcessError("a process that is not the engine host connected to the trainer's control port")
+        if not hello.get("ok"):
+            _stop(proc)
+            raise EngineProcessError(f"the vLLM engine failed to start: {hello.get('error')}: {hello.get('message')}\n"
+                                     f"--- {out} ---\n{_tail(out)}")
+        result = hello["result"]
+        log.info("vllm engine host started", pid=result["pid"], workers=len(result["workers"]), log=str(out))
+        return cls(proc, channel, out, list(result["workers"]), timeout_s)
+
+    @staticmethod
+    def _accept(listener: Any, proc: subprocess.Popen[bytes], out: Path, timeout_s: float) -> Channel:
+        deadline = time.monotonic() + timeout_s
+        listener.settimeout(1.0)
+        while True:
+            try:
+                sock, _ = listener.accept()
+                return Channel(sock, f"the vLLM engine host (pid {proc.pid})")
+            except TimeoutError:
+                pass
+            if proc.poll() is not None:
+                raise EngineProcessError(f"the vLLM engine host exited with status {proc.returncode} before it "
+                                         f"connected\n--- {out} ---\n{_tail(out)}")
+            if time.monotonic() > deadline:
+                raise EngineProcessError(f"the vLLM engine host did not start within {timeout_s:g} s\n--- {out} ---\n{_tail(out)}")
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def send(self, op: str, **fields: Any) -> None:
+        """Send a request whose reply `reply()` reads later."""
+        if self.proc.poll() is not None:
+            raise EngineProcessError(f"the vLLM engine host exited with status {self.proc.returncode}\n"
+                                     f"--- {self.log_path} ---\n{_tail(self.log_path)}")
+        self.channel.send({"op": op, **fields})
+        self._pending += 1
+
+    def reply(self, timeout_s: float | None = None) -> Any:
+        """The reply to the oldest request sent; raises what the host reported."""
+        try:
+            message = self.channel.receive(self.timeout_s if timeout_s is None else timeout_s)
+        except EngineProcessError as err:
+            raise EngineProcessError(f"{err}\n--- {self.log_path} ---\n{_tail(self.log_path)}") from None
+        finally:
+            self._pending -= 1
+        if message.get("ok"):
+            return message.get("result")
+        kind, text = str(message.get("error")), str(message.get("message"))
+        for name, cls in _TYPED.items():  # collective_rpc wraps the worker's error in its own text
+            if name in kind or f"{name}:" in text or f"'{name}" in text:
+                raise cls(text)
+        raise EngineUpdateFailed(f"{kind}: {text}")
+
+    def call(self, op: str, **fields: Any) -> Any:
+        self.send(op, **fields)
+        return self.reply()
+
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Every worker's result of `method(*args)` (plain values)."""
+        return list(self.call("rpc", method=method, args=list(args)))
+
+    def drain(self) -> None:
+        """Read and drop the replies still owed (after a failure)."""
+        while self._pending > 0:
+            try:
+                self.reply()
+            except errors.RefitError as err:
+                log.debug("dropped a failed reply", error=str(err)[:200])
+                if isinstance(err, EngineProcessError):
+                    self._pending = 0
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Shut the engine down and wait for the host to exit (killed past `timeout_s`)."""
+        if self.proc.poll() is None:
+            try:
+                self.drain()
+                self.call("shutdown")
+            except errors.RefitError:
+                pass
+        self.channel.close()
+        _stop(self.proc, timeout_s)
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, 9)  # the host and vLLM's engine-core and worker processes
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+_END = object()
+
+
+@attrs.define
+class _Stream:
+    """One refit's bucket stream: a sender thread runs the transport, fed one bucket at a time."""
+
+    transport: Any
+    _inbox: queue.Queue[Any] = attrs.field(init=False, factory=lambda: queue.Queue(maxsize=1))
+    _acks: queue.Queue[int] = attrs.field(init=False, factory=queue.Queue)
+    _error: BaseException | None = attrs.field(init=False, default=None)
+    _thread: threading.Thread = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="rl-refit-bucket-sender", daemon=True)
+        self._thread.start()
+
+    def _buckets(self) -> Iterator[Bucket]:
+        while True:
+            item = self._inbox.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            self._acks.put(item.index)  # with one bucket in flight, resuming means it is on the wire
+
+    def _run(self) -> None:
+        try:
+            self.transport.send(self._buckets())
+        except BaseException as err:
+            self._error = err
+        finally:
+            self._acks.put(-1)  # wakes a waiting put()
+
+    def put(self, bucket: Bucket) -> None:
+        """Send one bucket; returns when it is on the wire (its buffer may then be reused)."""
+        self._raise()
+        self._inbox.put(bucket)
+        self._acks.get()
+        self._raise()
+
+    def close(self, failure: BaseException | None = None) -> None:
+        """End the stream (END, or ABORT with `failure`) and wait for the sender."""
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._inbox.put(_END if failure is None else failure, timeout=self.transport.timeout_s)
+            self._thread.join(self.transport.timeout_s + 5.0)
+        if failure is None:
+            self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+@attrs.define
+class RemoteWorkers:
+    """The refit steps on the workers of an engine host (VllmWorkers).
+
+    Attributes:
+        process: the engine host.
+        bucket_bytes: the bucket capacity (the workers' receive buffers).
+        host: the address the side group's store listens on.
+        backend: "gloo" (CPU) or "nccl" (GPU).
+        timeout_s: bound on joining and on every wait of a stream.
+    """
+
+    process: EngineProcess
+    bucket_bytes: int
+    host: str = "127.0.0.1"
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+    _transport: Any = attrs.field(init=False, default=None)
+    _group: Any = attrs.field(init=False, default=None)
+    _stream: _Stream | None = attrs.field(init=False, default=None)
+    _refits: int = attrs.field(init=False, default=0)
+
+    def _join(self) -> None:
+        from adapters.distributed.side_group import SideGroup
+        from adapters.distributed.torch_dist import TorchDistTransport
+
+        rv, store = SideGroup.serve(self.host, 1 + len(self.process.workers), backend=self.backend,
+                                    timeout_s=self.timeout_s)
+        self.process.send("rpc", method="rl_refit_join", args=[rv.to_dict(), self.bucket_bytes, self.timeout_s])
+        group = SideGroup.join(rv, 0, store)  # blocks until every worker has joined
+        self.process.reply()
+        self._group = group
+        self._transport = TorchDistTransport(group, source=0, rank=0, peers=group.ranks, bucket_bytes=self.bucket_bytes,
+                                             timeout_s=self.timeout_s, window=1, device=group.device)
+
+    def begin(self) -> None:
+        self.process.rpc("rl_refit_begin")
+        if self._transport is None:
+            self._join()
+        self._refits += 1
+        self._transport.refit_id = self._refits
+        self.process.send("rpc", method="rl_refit_receive", args=[self._refits])  # answered at the stream's end
+        self._stream = _Stream(self._transport)
+
+    def load(self, bucket: Bucket) -> int:
+        if self._stream is None:
+            raise errors.RefitLifecycleError("load before begin: call begin() first")
+        self._stream.put(bucket)
+        return len(bucket.metas)
+
+    def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
+        stream, self._stream = self._stream, None
+        if stream is None:
+            raise errors.RefitLifecycleError("finalize before begin: call begin() first")
+        try:
+            stream.close()
+        finally:
+            self.process.reply()  # the workers' receive: raises what a worker raised
+        return FinalizeStats.from_plain(self.process.rpc("rl_refit_finalize", reset_kv_scales)[0])
+
+    def abort(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close(errors.TransportAborted("the trainer aborted the refit"))
+        self.process.drain()  # the workers' receive ends with the ABORT
+        self.process.rpc("rl_refit_abort")
+
+    def fingerprint(self) -> StorageFingerprint:
+        return StorageFingerprint.from_plain(self.process.rpc("rl_refit_fingerprint")[0])
+
+    def live_weights(self) -> dict[str, torch.Tensor]:
+        from adapters.vllm.extension import tensors_from_plain
+
+        return tensors_from_plain(self.process.rpc("rl_refit_live_weights")[0])
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every parameter and buffer of the first worker."""
+        return dict(self.process.rpc("rl_refit_digests")[0])
+
+    def kv_scales(self) -> dict[str, list[float]]:
+        """Each attention layer's q/k/v/prob scales on the first worker."""
+        return dict(self.process.rpc("rl_refit_kv_scales")[0])
+
+    def close(self) -> None:
+        """Leave the side group and shut the engine down."""
+        if self._group is not None:
+            with contextlib.suppress(errors.RefitError):
+                self.process.rpc("rl_refit_leave")
+            self._group.close()
+            self._group = self._transport = None
+        self.process.close()
+
+
+@attrs.define
+class RemoteLogProbs:
+    """The engine host's prompt log-probs (VllmRolloutEngine's log_prob_fn); entropy is NaN."""
+
+    process: EngineProcess
+
+    def __call__(self, input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.tensor(self.process.call("log_probs", input_ids=input_ids.tolist(), temperature=temperature),
+                            dtype=torch.float32)
+        return logp, torch.full_like(logp, float("nan"))

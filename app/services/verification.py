@@ -1,0 +1,47 @@
+"""The post-refit probe as a service step: after a refit committed, the engine's log-probs on a
+small fixed batch against a reference (domain.refit.probe says which bound applies)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from domain.errors import ProbeMismatch
+from domain.quant.plan import QuantizationPlan
+from domain.refit.probe import ProbeCheck, probe_bound
+from ports.probe_reference import ProbeReference
+from ports.rollout_engine import RolloutEngine
+
+
+def probe_batch(vocab_size: int, batch: int = 2, seq_len: int = 16, seed: int = 0) -> torch.Tensor:
+    """A fixed token batch [batch, seq_len] (the same for every refit of a run)."""
+    g = torch.Generator().manual_seed(0x9B0BE + seed)
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=g)
+
+
+@attrs.frozen
+class PostRefitProbe:
+    """Compare the engine with a reference after each refit.
+
+    Attributes:
+        reference: the reference log-probs.
+        input_ids: the probe batch [B, T].
+        bound: the max abs log-prob difference allowed; None = the plan's (probe_bound).
+    """
+
+    reference: ProbeReference
+    input_ids: torch.Tensor
+    bound: float | None = None
+
+    def measure(self, engine: RolloutEngine, plan: QuantizationPlan) -> ProbeCheck:
+        """The engine's log-probs on the probe batch against the reference's."""
+        bound = self.bound if self.bound is not None else probe_bound(plan, engine_way=self.reference.engine_way)
+        served, _ = engine.log_probs(self.input_ids)
+        return ProbeCheck.compare(served.float(), self.reference.log_probs(self.input_ids).float(),
+                                  bound=bound, name=self.reference.name)
+
+
+def require(check: ProbeCheck, refit_id: int) -> None:
+    """ProbeMismatch unless the probe passed (the caller marks the engine stale)."""
+    if not check.passed:
+        raise ProbeMismatch(refit_id, check.max_abs_diff, check.bound, check.reference)
