@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from app.services.planning import PlanReport
     from app.services.qat_setup import QatSession
     from app.services.refit import Progress, RefitService
+    from app.services.verification import PostRefitProbe
     from domain.quant.backend_policy import BackendDecision
     from domain.refit.sharding import RefitWorld
     from ports.environment_probe import EnvironmentProbe
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from ports.trainer_model import TrainerModel
 
 # The environment variables rl-refit honours (read once, here, and passed down as values).
-ENV_VARS = ("VERL_FUSED_USE_OP_HOOK", "VERL_ROLLOUT_USE_DEEP_GEMM")
+ENV_VARS = ("VERL_FUSED_USE_OP_HOOK", "VERL_ROLLOUT_USE_DEEP_GEMM", "RL_REFIT_VLLM_PYTHON")
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -66,12 +67,15 @@ class AdapterEntry:
         build: the factory, called with the Services and the build's options.
         package: the import name of the optional package it needs (None: nothing optional).
         extra: the rl-refit extra that installs that package.
+        remote: the engine can run in processes of its own (`rollout.deployment: disaggregated`),
+            where its package is needed there, not here.
     """
 
     adapter: str
     build: Callable[..., Any]
     package: str | None = None
     extra: str | None = None
+    remote: bool = False
 
     def require(self, key: str, name: str) -> None:
         """Raise ModuleNotFoundError naming the adapter and the extra when its package is missing."""
@@ -97,29 +101,61 @@ def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any
                            kv_cache_scheme=options.get("kv_cache_scheme"))
 
 
+# Keys of rollout.engine_kwargs.<engine> that are rl-refit's, not the engine's arguments.
+_OWN_ENGINE_KEYS = ("use_deep_gemm", "kv_cache_dtype", "engine_args", "environment", "python", "start_timeout_s")
+
+
 def _engine_start(services: Services, engine: str) -> tuple[dict[str, Any] | None, Any, dict[str, Any]]:
     """The quantization_config, backend decision and user engine arguments of a real engine."""
     report = services.plan_report(services.checkpoint())
     decision = services.backend_decision(engine, report.plan)
     section = services.config.rollout.engine_kwargs.to_dict().get(engine) or {}
-    base = {k: v for k, v in section.items() if k not in ("use_deep_gemm", "kv_cache_dtype") and v is not None}
+    base = dict(section.get("engine_args") or {})
+    base.update({k: v for k, v in section.items() if k not in _OWN_ENGINE_KEYS and v is not None})
     if services.config.model.path:
         base.setdefault("model", services.config.model.path)
     return report.engine_config, decision, base
 
 
+def _vllm_python(services: Services) -> str:
+    """The interpreter of a disaggregated vLLM engine host."""
+    import sys
+
+    configured = services.config.rollout.engine_kwargs.vllm.python or services.environ.get("RL_REFIT_VLLM_PYTHON")
+    if configured:
+        return str(configured)
+    # ./.venv-vllm, or the one beside this checkout (scripts/setup-vllm-env.sh makes it)
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        local = root / ".venv-vllm" / "bin" / "python"
+        if local.exists():
+            return str(local)
+    return sys.executable
+
+
 def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.vllm.client import LlmLogProbs, LlmWorkers
     from adapters.vllm.engine import VllmRolloutEngine
     from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
 
     _check_commit_mode(options.get("commit_mode"), CommitMode.PER_LAYER, "vllm")
     qc, decision, base = _engine_start(services, "vllm")
-    kv_dtype = services.config.rollout.engine_kwargs.vllm.kv_cache_dtype
-    kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=kv_dtype, base=base)
-    os.environ.update(vllm_environment(decision))  # vLLM reads these when it starts
-    workers = LlmWorkers.launch(**kwargs)
-    return VllmRolloutEngine(workers, log_prob_fn=LlmLogProbs(workers.llm))
+    section = services.config.rollout.engine_kwargs.vllm
+    kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
+    if "model" not in kwargs:  # the embedded model: its config.json, weights from the first refit
+        kwargs["model"] = str(services.embedded_model_dir())
+        kwargs.setdefault("load_format", "dummy")
+    colocated = services.config.rollout.deployment == "colocated"
+    env = {**vllm_environment(decision, colocated=colocated), **{k: str(v) for k, v in section.environment.to_dict().items()}}
+    if colocated:
+        from adapters.vllm.client import ExtensionWorkers, LlmLogProbs
+
+        os.environ.update(env)  # vLLM reads these when it starts, in this process
+        local = ExtensionWorkers.launch(**kwargs)
+        return VllmRolloutEngine(local, log_prob_fn=LlmLogProbs(local.llm))
+    from adapters.vllm.remote import EngineProcess, RemoteLogProbs, RemoteWorkers
+
+    process = EngineProcess.start(_vllm_python(services), kwargs, env={**os.environ, **env},
+                                  start_timeout_s=float(section.start_timeout_s))
+    return VllmRolloutEngine(RemoteWorkers(process, services.bucket_bytes), log_prob_fn=RemoteLogProbs(process))
 
 
 def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
@@ -170,7 +206,7 @@ def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
 # rollout.name -> the engine adapter; actor.strategy -> the trainer adapter.
 ENGINES: dict[str, AdapterEntry] = {
     "reference": AdapterEntry("adapters.reference.engine.ReferenceEngine", _reference_engine),
-    "vllm": AdapterEntry("adapters.vllm.engine.VllmRolloutEngine", _vllm_engine, "vllm", "vllm"),
+    "vllm": AdapterEntry("adapters.vllm.engine.VllmRolloutEngine", _vllm_engine, "vllm", "vllm", remote=True),
     "sglang": AdapterEntry("adapters.sglang.engine.SglangRolloutEngine", _sglang_engine, "sglang", "sglang"),
 }
 TRAINERS: dict[str, AdapterEntry] = {
@@ -274,7 +310,11 @@ class Services:
         entry = ENGINES.get(name)
         if entry is None:
             raise ConfigError("rollout.name", f"{name!r} has no engine adapter; use one of {', '.join(ENGINES)}")
-        entry.require("rollout.name", name)
+        if self.config.rollout.deployment == "colocated":
+            entry.require("rollout.name", name)
+        elif not entry.remote:
+            raise ConfigError("rollout.deployment", f"{name} runs colocated only (in this process); set "
+                              "rollout.deployment=colocated")
         return entry.build(self, plan or self.plan, commit_mode=commit_mode or self.commit_mode,
                            kv_cache_scheme=kv_cache_scheme)
 
@@ -315,8 +355,9 @@ class Services:
             except ValueError as err:
                 raise ConfigError("--inject-fault", str(err)) from None
             engine = ScriptedFaultyEngine(engine, script)
-        return RefitService(trainer or self.trainer_model(), engine, plan, bucket_bytes=self.bucket_bytes,
-                            progress=self.progress)
+        trainer = trainer or self.trainer_model()
+        return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
+                            probe=self.post_refit_probe(trainer))
 
     def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
         """A MismatchProbe over a refit service's trainer and engine."""
@@ -398,6 +439,34 @@ class Services:
         from adapters.reference.config import preset
 
         return preset(self.config.reference.model)
+
+    def embedded_model_dir(self) -> Path:
+        """A directory holding the embedded model's `config.json` (Qwen3 / Qwen3-MoE), for an
+        engine that starts with dummy weights and receives the real ones by refit."""
+        import tempfile
+
+        from adapters.reference.hf import write_config
+
+        return write_config(self.reference_config(), tempfile.mkdtemp(prefix=f"rl-refit-{self.config.reference.model}-"))
+
+    def write_checkpoint(self, trainer: TrainerModel, directory: str | Path) -> Path:
+        """The embedded trainer's current weights as a BF16 Hugging Face checkpoint (the source
+        `export` quantizes, e.g. for an engine's cold start)."""
+        from adapters.reference.hf import write_checkpoint
+
+        return write_checkpoint(self.reference_config(), trainer.named_weights(), directory)
+
+    def post_refit_probe(self, trainer: TrainerModel) -> PostRefitProbe | None:
+        """The post-refit probe of rollout.verify (None when off): the trainer's log-probs as the
+        reference, the plan's per-format bound unless max_abs_logp_diff is set."""
+        verify = self.config.rollout.verify
+        if not verify.enabled:
+            return None
+        from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
+
+        vocab = int(trainer.config.vocab_size)  # type: ignore[attr-defined]
+        return PostRefitProbe(TrainerReference(trainer), probe_batch(vocab, verify.batch, verify.seq_len),
+                              bound=verify.max_abs_logp_diff)
 
     def rank_fault(self, text: str, rank: int, refit: int) -> Any:
         """An adapters.memory.faults.RankFault from its spelling; ConfigError names --inject-fault."""

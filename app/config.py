@@ -142,6 +142,25 @@ def _bucket_mib(key: str, value: Any) -> Any:
     return value
 
 
+def _positive_seconds(key: str, value: Any) -> Any:
+    if not value > 0:
+        raise ConfigError(key, f"must be a positive number of seconds, got {_short(value)}")
+    return value
+
+
+def _at_least(minimum: int) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> Any:
+        if value < minimum:
+            raise ConfigError(key, f"must be {minimum} or more, got {_short(value)}")
+        return value
+
+    return check
+
+
+def _optional_non_negative(key: str, value: Any) -> Any:
+    return value if value is None else _non_negative(key, value)
+
+
 def _non_negative(key: str, value: Any) -> Any:
     if value < 0:
         raise ConfigError(key, f"must be 0 or more, got {_short(value)}")
@@ -199,6 +218,29 @@ SCHEMA: tuple[Key, ...] = (
         "false restores SGLang's automatic kernel selection; null = policy"),
     Key("rollout.engine_kwargs.vllm.kv_cache_dtype", (str,), "auto",
         "vLLM's KV-cache dtype (auto, fp8, fp8_e4m3, fp8_e5m2)", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
+    Key("rollout.deployment", (str,), "colocated",
+        "where the engine runs: colocated (in the trainer's process, verl's hybrid engine: buckets by "
+        "reference) or disaggregated (its own processes: buckets over a side process group)",
+        choices=("colocated", "disaggregated")),
+    Key("rollout.engine_kwargs.vllm.engine_args", (dict,), {},
+        "other vllm.LLM arguments, as given (model, dtype, max_model_len, enforce_eager, tensor_parallel_size, ...)",
+        free=True),
+    Key("rollout.engine_kwargs.vllm.environment", (dict,), {},
+        "environment variables the vLLM engine starts with (e.g. VLLM_CPU_KVCACHE_SPACE)", free=True),
+    Key("rollout.engine_kwargs.vllm.python", (str, NoneType), None,
+        "disaggregated: the Python that runs the engine host (vLLM and rl-refit installed); null = "
+        "$RL_REFIT_VLLM_PYTHON, else .venv-vllm/bin/python in the working directory or beside the "
+        "rl-refit checkout, else this Python"),
+    Key("rollout.engine_kwargs.vllm.start_timeout_s", (int, float), 600,
+        "disaggregated: seconds the engine host may take to start", check=_positive_seconds),
+    Key("rollout.verify.enabled", (bool,), False,
+        "after each refit, compare the engine's log-probs on a small fixed batch with the trainer's; "
+        "a mismatch beyond the bound fails the refit and leaves the engine stale"),
+    Key("rollout.verify.max_abs_logp_diff", (int, float, NoneType), None,
+        "the probe's bound; null = the plan's per-format bound (docs/verification.md)",
+        check=_optional_non_negative),
+    Key("rollout.verify.batch", (int,), 2, "sequences in the probe batch", check=_at_least(1)),
+    Key("rollout.verify.seq_len", (int,), 16, "tokens per probe sequence", check=_at_least(2)),
     Key("rollout.engine_kwargs.sglang.kv_cache_dtype", (str,), "auto",
         "SGLang's KV-cache dtype (auto, fp8_e4m3, fp8_e5m2)", choices=("auto", "fp8_e4m3", "fp8_e5m2")),
     Key("rollout.checkpoint_engine.backend", (str,), "naive", "weight-sync backend", choices=SYNC_BACKENDS),

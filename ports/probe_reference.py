@@ -17,8 +17,11 @@ class ProbeReference(Protocol):
             trainer's): the probe then allows no difference at all.
     """
 
-    name: str
-    engine_way: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def engine_way(self) -> bool: ...
 
     def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T-1] float32 log-probs of `input_ids` [B, T] at temperature 1."""

@@ -121,7 +121,7 @@ class SideGroup:
             # gloo's pairs listen on the rendezvous address only (not the hostname's address)
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=rv.host)]
             options._threads = 2
-            pg = dist.ProcessGroupGloo(prefixed, rank, rv.world_size, options)
+            pg: Any = dist.ProcessGroupGloo(prefixed, rank, rv.world_size, options)
         else:  # pragma: no cover - needs CUDA
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout

@@ -118,3 +118,14 @@ class ExtensionWorkers:
     def kv_scales(self) -> dict[str, list[float]]:
         """Each attention layer's q/k/v/prob scales."""
         return dict(self._rpc("rl_refit_kv_scales"))
+
+    def close(self) -> None:
+        """Shut the in-process engine down."""
+        shutdown_llm(self.llm)
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Stop an `LLM`'s engine core (and its worker processes, with the multiprocess engine)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()

@@ -163,9 +163,14 @@ class VllmRolloutEngine:
             raise
         self._guard.commit()
         log.info("vllm refit finalized", refit_id=self._guard.refit_id, kv_scales_reset=stats.kv_scales_reset,
-                 tensors=stats.tensors_loaded)
-        return EngineFinalizeResult(kv_scales_reset=stats.kv_scales_reset, postprocess_seconds=stats.seconds,
-                                    tensors_committed=stats.tensors_loaded)
+                 tensors=stats.tensors_loaded, parameters_written=stats.parameters_written,
+                 unwritten=len(stats.unwritten), experts_redone=stats.experts_redone)
+        return EngineFinalizeResult(
+            kv_scales_reset=stats.kv_scales_reset, postprocess_seconds=stats.seconds,
+            tensors_committed=stats.tensors_loaded,
+            parameters_written=stats.parameters_written if stats.parameters_written >= 0 else None,
+            unwritten=stats.unwritten,
+        )
 
     def abort_refit(self, reason: str) -> None:
         self._guard.abort(reason)
@@ -184,6 +189,12 @@ class VllmRolloutEngine:
         why = f"refit {self._guard.refit_id} failed ({reason}); vLLM's layerwise reload cannot roll back"
         self._guard.fail(stale_reason=why)
         log.warning("vllm refit failed; engine is stale", refit_id=self._guard.refit_id, reason=reason)
+
+    def close(self) -> None:
+        """Shut the engine down (its workers' `close`, when they have one)."""
+        close = getattr(self.workers, "close", None)
+        if close is not None:
+            close()
 
     # --- queries and serving ----------------------------------------------------------------
 

@@ -71,8 +71,8 @@ def check_experts(model: torch.nn.Module) -> int:
             )
         if getattr(experts, "_use_zentorch", False):
             continue  # the zentorch path keeps plain weights: the reload's copy is right as it is
-        config = experts.moe_config  # type: ignore[attr-defined]
-        padded = experts._padded_intermediate_size(config)  # type: ignore[attr-defined]
+        config = experts.moe_config
+        padded = experts._padded_intermediate_size(config)
         if padded != config.intermediate_size_per_partition:
             raise EngineRefitUnsupported(
                 f"{name}: vLLM's CPU experts padded the intermediate size "
@@ -109,6 +109,6 @@ def redo_experts(model: torch.nn.Module, written: Iterable[str]) -> int:
         for w in _EXPERT_WEIGHTS:
             param = getattr(module, w)
             plain = param.detach().clone()  # the prepack reads a separate source
-            torch.ops._C.prepack_moe_weight(plain, param.data, experts.isa)  # type: ignore[attr-defined]
+            torch.ops._C.prepack_moe_weight(plain, param.data, experts.isa)
         count += 1
     return count

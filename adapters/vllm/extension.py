@@ -134,8 +134,8 @@ class RefitWorkerExtension:
         self.rl_refit_leave()
         rank = 1 + int(getattr(self, "rank", 0))
         group = SideGroup.join(Rendezvous.from_dict(rendezvous), rank)
-        self._rl_refit_side = group
-        self._rl_refit_transport = TorchDistTransport(
+        self._rl_refit_side: SideGroup | None = group
+        self._rl_refit_transport: TorchDistTransport | None = TorchDistTransport(
             group, source=0, rank=rank, peers=group.ranks, bucket_bytes=int(bucket_bytes),
             timeout_s=float(timeout_s), device=group.device,
         )

@@ -24,6 +24,7 @@ import sys
 import traceback
 from typing import Any
 
+from adapters.vllm.client import shutdown_llm
 from adapters.vllm.control import Channel
 from adapters.vllm.engine_args import EXTENSION
 
@@ -97,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(llm, channel)
     finally:
         channel.close()
-        shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if shutdown is not None and hasattr(shutdown, "shutdown"):
-            shutdown.shutdown()
+        shutdown_llm(llm)
     return 0
 
 

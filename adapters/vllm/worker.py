@@ -26,11 +26,17 @@ log = structlog.get_logger()
 KV_SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 
 
-def _expected(model: torch.nn.Module) -> set[str]:
+def _expected(model: torch.nn.Module, hooks: VllmHooks) -> set[str]:
     """The parameters a full refit writes: every checkpoint-format parameter the reload restored,
-    less the attention layers' KV-cache scale placeholders (a checkpoint without a
-    kv_cache_scheme has none; finalize resets them)."""
-    return {n for n, _ in model.named_parameters() if n.rpartition(".")[2] not in KV_SCALE_NAMES}
+    less the KV-cache quantization placeholders of attention layers (q/k/v/prob scales and zero
+    points: a checkpoint without a calibrated kv_cache_scheme has none; finalize resets them)."""
+    skip = set()
+    for name, module in model.named_modules():
+        qm = getattr(module, "quant_method", None)
+        if qm is not None and hooks.is_kv_cache_method(qm):
+            skip.add(f"{name}." if name else "")
+    return {n for n, _ in model.named_parameters()
+            if n.rpartition(".")[2] not in KV_SCALE_NAMES and not any(n.startswith(p) for p in skip if p)}
 
 
 class FinalizeStats(NamedTuple):
@@ -95,7 +101,7 @@ class WorkerRefit:
         self.hooks.initialize_reload(self.model)
         self.loading = True
         self.tensors_loaded = 0
-        self.expected = _expected(self.model)  # checkpoint-format parameters, restored on meta
+        self.expected = _expected(self.model, self.hooks)  # checkpoint-format parameters, restored on meta
         self.written = set()
 
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:

@@ -11,6 +11,7 @@ from domain.quant.plan import QuantizationPlan
 from domain.refit.probe import ProbeCheck, probe_bound
 from ports.probe_reference import ProbeReference
 from ports.rollout_engine import RolloutEngine
+from ports.trainer_model import TrainerModel
 
 
 def probe_batch(vocab_size: int, batch: int = 2, seq_len: int = 16, seed: int = 0) -> torch.Tensor:
@@ -45,3 +46,28 @@ def require(check: ProbeCheck, refit_id: int) -> None:
     """ProbeMismatch unless the probe passed (the caller marks the engine stale)."""
     if not check.passed:
         raise ProbeMismatch(refit_id, check.max_abs_diff, check.bound, check.reference)
+
+
+@attrs.frozen
+class TrainerReference:
+    """The trainer's own log-probs (its BF16 forward) as the probe's reference."""
+
+    trainer: TrainerModel
+    name: str = "the trainer's BF16 forward"
+    engine_way: bool = False
+
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.trainer.log_probs(input_ids)[0]
+
+
+@attrs.frozen
+class EngineReference:
+    """Another engine's log-probs as the reference: one started cold from the exported checkpoint
+    computes the refitted engine's way, so the probe allows no difference."""
+
+    engine: RolloutEngine
+    name: str = "a cold start of the exported checkpoint"
+    engine_way: bool = True
+
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.engine.log_probs(input_ids)[0]
