@@ -146,16 +146,34 @@ def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> 
     colocated = services.config.rollout.deployment == "colocated"
     env = {**vllm_environment(decision, colocated=colocated), **{k: str(v) for k, v in section.environment.to_dict().items()}}
     if colocated:
-        from adapters.vllm.client import ExtensionWorkers, LlmLogProbs
+        from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
 
         os.environ.update(env)  # vLLM reads these when it starts, in this process
         local = ExtensionWorkers.launch(**kwargs)
-        return VllmRolloutEngine(local, log_prob_fn=LlmLogProbs(local.llm))
-    from adapters.vllm.remote import EngineProcess, RemoteLogProbs, RemoteWorkers
+        return VllmRolloutEngine(local, log_prob_fn=LlmLogProbs(local.llm), greedy_fn=LlmGreedy(local.llm))
+    from adapters.vllm.remote import EngineProcess, RemoteGreedy, RemoteLogProbs, RemoteWorkers
 
     process = EngineProcess.start(_vllm_python(services), kwargs, env={**os.environ, **env},
                                   start_timeout_s=float(section.start_timeout_s))
-    return VllmRolloutEngine(RemoteWorkers(process, services.bucket_bytes), log_prob_fn=RemoteLogProbs(process))
+    return VllmRolloutEngine(RemoteWorkers(process, services.bucket_bytes), log_prob_fn=RemoteLogProbs(process),
+                             greedy_fn=RemoteGreedy(process))
+
+
+def _vllm_cold_start(services: Services, directory: str) -> Any:
+    """A vLLM engine host started from a checkpoint directory (its own process, whatever the
+    deployment), with the configuration's engine arguments."""
+    from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
+    from adapters.vllm.remote import ColdEngine, EngineProcess
+
+    qc, decision, base = _engine_start(services, "vllm")
+    section = services.config.rollout.engine_kwargs.vllm
+    base = {**base, "model": str(directory)}
+    base.pop("load_format", None)
+    kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
+    env = {**os.environ, **vllm_environment(decision, colocated=False),
+           **{k: str(v) for k, v in section.environment.to_dict().items()}}
+    return ColdEngine(EngineProcess.start(_vllm_python(services), kwargs, env=env,
+                                          start_timeout_s=float(section.start_timeout_s)))
 
 
 def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
@@ -455,6 +473,27 @@ class Services:
         from adapters.reference.hf import write_checkpoint
 
         return write_checkpoint(self.reference_config(), trainer.named_weights(), directory)
+
+    def export_trainer(self, trainer: TrainerModel, out: str | Path) -> Path:
+        """Export the embedded trainer's current weights with the configuration's plan into
+        `out` (replaced): what an engine started cold from it serves."""
+        import tempfile
+
+        from app.services.checkpoint_export import export_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="rl-refit-bf16-") as src:
+            checkpoint = self.checkpoint(str(self.write_checkpoint(trainer, src)))
+            assert checkpoint is not None
+            export_checkpoint(checkpoint, out, self.plan_report(checkpoint, purpose="export"), force=True)
+        return Path(out)
+
+    def cold_start(self, directory: str | Path) -> Any:
+        """An engine of rollout.name started from a checkpoint directory in its own process, for
+        comparisons (log_probs, greedy, digests, kv_scales, close); vllm only."""
+        name = self.config.rollout.name
+        if name != "vllm":
+            raise ConfigError("rollout.name", f"cold starts for comparison are built for vllm only, not {name!r}")
+        return _vllm_cold_start(self, str(directory))
 
     def post_refit_probe(self, trainer: TrainerModel) -> PostRefitProbe | None:
         """The post-refit probe of rollout.verify (None when off): the trainer's log-probs as the

@@ -276,7 +276,7 @@ SCHEMA: tuple[Key, ...] = (
         "the trainer adapter: reference (the embedded model) or megatron; verl's fsdp and fsdp2 have none",
         choices=("reference", "megatron", "fsdp", "fsdp2")),
     Key("reference.model", (str,), "tiny-moe", "the embedded reference model",
-        choices=("tiny-moe", "tiny-dense", "micro-moe", "bench-moe", "bench-quick")),
+        choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense", "bench-moe", "bench-quick")),
     Key("reference.seed", (int,), 0, "seed of the embedded reference model's random weights"),
 )
 KEYS: dict[str, Key] = {k.path: k for k in SCHEMA}

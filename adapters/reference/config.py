@@ -185,6 +185,8 @@ MICRO_MOE = ReferenceModelConfig(
     mlp_only_layers=(0,),
 )
 
+MICRO_DENSE = attrs.evolve(MICRO_MOE, num_experts=0, moe_intermediate_size=0, mlp_only_layers=())
+
 # 48M parameters with wide layers: `refit bench transport --quick` (the full run uses bench-moe).
 BENCH_QUICK = ReferenceModelConfig(
     vocab_size=8192, hidden_size=1024, num_layers=2, num_heads=16, num_kv_heads=8, head_dim=64,
@@ -195,6 +197,7 @@ PRESETS: dict[str, ReferenceModelConfig] = {
     "tiny-moe": TINY_MOE,
     "tiny-dense": TINY_DENSE,
     "micro-moe": MICRO_MOE,
+    "micro-dense": MICRO_DENSE,
     "bench-moe": BENCH_MOE,
     "bench-quick": BENCH_QUICK,
 }

@@ -83,6 +83,16 @@ class ReferenceTrainer:
         logits = forward_logits(self.config, self.weights, input_ids)
         return log_probs_from_logits(logits, input_ids, temperature)
 
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of every weight (`restore_` puts it back)."""
+        return {k: t.clone() for k, t in self.weights.items()}
+
+    @torch.no_grad()
+    def restore_(self, snapshot: dict[str, torch.Tensor]) -> None:
+        """Copy a `snapshot()` back into the weights, in place."""
+        for k, t in self.weights.items():
+            t.copy_(snapshot[k])
+
     @torch.no_grad()
     def perturb_(self, seed: int, scale: float = 0.01) -> None:
         """A training-like step: every weight w += scale * rms(w) * noise, in place.

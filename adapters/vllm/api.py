@@ -91,4 +91,5 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("env", "vllm.envs:VLLM_MOE_USE_DEEP_GEMM", ()),
     ("env", "vllm.envs:VLLM_USE_DEEP_GEMM_E8M0", ()),
     ("env", "vllm.envs:VLLM_ENABLE_V1_MULTIPROCESSING", ()),
+    ("env", "vllm.envs:VLLM_LOGGING_STREAM", ()),
 )

@@ -45,6 +45,16 @@ class LlmLogProbs:
         return logp, torch.full_like(logp, math.nan)
 
 
+@attrs.define
+class LlmGreedy:
+    """Greedy continuations from an in-process `LLM` (VllmRolloutEngine's greedy_fn)."""
+
+    llm: Any
+
+    def __call__(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return greedy_tokens(self.llm, prompts, max_tokens)
+
+
 def greedy_tokens(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy continuations (temperature 0) of token-id prompts."""
     from vllm import SamplingParams
@@ -86,7 +96,7 @@ class ExtensionWorkers:
     def launch(cls, **engine_kwargs: Any) -> ExtensionWorkers:
         """Start `vllm.LLM(**engine_kwargs)` with the extension (apply
         engine_args.vllm_environment(colocated=True) first)."""
-        return cls(start_llm(**{**engine_kwargs, "worker_extension_cls": EXTENSION}))
+        return cls(start_llm(**{"worker_extension_cls": EXTENSION, **engine_kwargs}))
 
     def _rpc(self, method: str, *args: Any) -> Any:
         return self.llm.collective_rpc(method, args=args)[0]

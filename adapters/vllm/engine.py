@@ -24,6 +24,7 @@ import torch
 
 from adapters.vllm.hooks import VllmHooks
 from adapters.vllm.worker import FinalizeStats, WorkerRefit
+from domain.errors import EngineRefitUnsupported
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.engine_layout import Layout, check_bucket
 from domain.refit.guard import EngineGuard
@@ -34,6 +35,7 @@ from domain.refit.storage import StorageFingerprint
 log = structlog.get_logger()
 
 LogProbFn = Callable[[torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+GreedyFn = Callable[[list[list[int]], int], list[list[int]]]
 
 
 class VllmWorkers(Protocol):
@@ -99,6 +101,7 @@ class VllmRolloutEngine:
         workers: where the refit steps run.
         log_prob_fn: serves `log_probs(input_ids, temperature)` (client.LlmLogProbs on a real
             engine); None = this engine does not serve log-probs.
+        greedy_fn: serves `greedy(prompts, max_tokens)`; None = not served.
         reset_kv_scales: reset uncalibrated KV-cache scales after each refit.
         expected_layout: checkpoint name -> (shape, dtype) of every tensor a refit sends; when
             given, a bucket with an unknown, mis-shaped, mis-typed or repeated tensor is rejected
@@ -110,6 +113,7 @@ class VllmRolloutEngine:
 
     workers: VllmWorkers
     log_prob_fn: LogProbFn | None = None
+    greedy_fn: GreedyFn | None = None
     reset_kv_scales: bool = True
     expected_layout: Layout | None = None
     # vLLM processes and commits each layer as soon as it is loaded, keeping no old copy.
@@ -139,6 +143,9 @@ class VllmRolloutEngine:
         try:
             self.workers.begin()
             self._started = True
+        except EngineRefitUnsupported:
+            self._guard.fail()  # refused before anything was written: the live weights are as they were
+            raise
         except Exception as err:
             self._fail(f"begin: {type(err).__name__}: {err}")
             raise
@@ -209,3 +216,18 @@ class VllmRolloutEngine:
         if self.log_prob_fn is None:
             raise NotImplementedError("this VllmRolloutEngine was built without log_prob_fn; pass client.LlmLogProbs(llm)")
         return self.log_prob_fn(input_ids, temperature)
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy continuations of token-id prompts (refused while stale or mid-refit)."""
+        self._guard.check_serving()
+        if self.greedy_fn is None:
+            raise NotImplementedError("this VllmRolloutEngine was built without greedy_fn")
+        return self.greedy_fn(prompts, max_tokens)
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every parameter and buffer of the (first) worker, to compare engines bit for bit."""
+        return dict(self.workers.digests())  # type: ignore[attr-defined]
+
+    def kv_scales(self) -> dict[str, list[float]]:
+        """Each attention layer's q/k/v/prob scales on the (first) worker."""
+        return dict(self.workers.kv_scales())  # type: ignore[attr-defined]

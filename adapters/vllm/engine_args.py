@@ -65,10 +65,12 @@ def vllm_environment(decision: BackendDecision, *, colocated: bool) -> dict[str,
             processes of its own (`=1`, vLLM's default; buckets go over a side group).
 
     Returns:
-        Name -> value: the multiprocessing switch, DeepGEMM switches when DeepGEMM is requested,
+        Name -> value: the multiprocessing switch, vLLM's log stream (stderr), DeepGEMM switches
+        when DeepGEMM is requested,
         and `VLLM_USE_DEEP_GEMM_E8M0=0` when E8M0 packing must be off.
     """
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if colocated else "1"}
+    # vLLM logs to stdout by default; stdout belongs to the trainer's program (e.g. --json)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if colocated else "1", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
     if decision.linear.backend == DEEP_GEMM or decision.moe.backend == DEEP_GEMM:
         env["VLLM_USE_DEEP_GEMM"] = "1"
     if decision.moe.backend == DEEP_GEMM:

@@ -46,11 +46,20 @@ _TYPED = {cls.__name__: cls for cls in (errors.EngineRefitUnsupported, errors.Re
                                         errors.TransportAborted, errors.WireProtocolError)}
 
 
-def _tail(path: Path, limit: int = 4000) -> str:
+_WRAPPERS = ("initialization failed", "See root cause", "See stack trace", "Worker failed with error")
+
+
+def _tail(path: Path, limit: int = 3000) -> str:
+    """The end of the host's log, led by its root cause: the last `...Error: ...` line that is not
+    one of vLLM's wrappers (the engine core and the workers print the cause before the wrappers)."""
     try:
-        return path.read_text(errors="replace")[-limit:]
+        text = path.read_text(errors="replace")
     except OSError:
         return ""
+    causes = [line.strip() for line in text.splitlines()
+              if ("Error: " in line or "Exception: " in line) and not any(w in line for w in _WRAPPERS)]
+    lead = f"root cause: {causes[-1]}\n" if causes else ""
+    return lead + text[-limit:]
 
 
 @attrs.define
@@ -369,3 +378,36 @@ class RemoteLogProbs:
         logp = torch.tensor(self.process.call("log_probs", input_ids=input_ids.tolist(), temperature=temperature),
                             dtype=torch.float32)
         return logp, torch.full_like(logp, float("nan"))
+
+
+@attrs.define
+class RemoteGreedy:
+    """The engine host's greedy continuations (VllmRolloutEngine's greedy_fn)."""
+
+    process: EngineProcess
+
+    def __call__(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return [list(map(int, p)) for p in self.process.call("greedy", prompts=prompts, max_tokens=max_tokens)]
+
+
+@attrs.define
+class ColdEngine:
+    """An engine host started from a checkpoint directory, queried as it loaded it (no refit, no
+    guard): the reference a refitted engine is compared with."""
+
+    process: EngineProcess
+
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return RemoteLogProbs(self.process)(input_ids)[0]
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return RemoteGreedy(self.process)(prompts, max_tokens)
+
+    def digests(self) -> dict[str, str]:
+        return dict(self.process.rpc("rl_refit_digests")[0])
+
+    def kv_scales(self) -> dict[str, list[float]]:
+        return dict(self.process.rpc("rl_refit_kv_scales")[0])
+
+    def close(self) -> None:
+        self.process.close()

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from adapters.vllm.client import start_llm
 
-        llm = start_llm(**{**spec["engine_kwargs"], "worker_extension_cls": EXTENSION})
+        llm = start_llm(**{"worker_extension_cls": EXTENSION, **spec["engine_kwargs"]})
         workers = llm.collective_rpc("rl_refit_ready")
     except BaseException as err:
         traceback.print_exc(file=sys.stderr)

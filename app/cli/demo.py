@@ -28,12 +28,20 @@ from app.services.lifecycle import describe_plan
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: refit round trips on the embedded default model")
-    p.add_argument("--linear", default="FP8_BLOCK", help="preset for dense Linear layers, or BF16 (default FP8_BLOCK)")
-    p.add_argument("--moe", default="NVFP4", help="preset for routed experts, or BF16 (default NVFP4)")
+    p.add_argument("--engine", default="reference", choices=("reference", "vllm"),
+                   help="reference (embedded, default) or vllm: a real vLLM engine, each refit compared with a "
+                        "cold start of the exported checkpoint")
+    p.add_argument("--colocated", action="store_true",
+                   help="with --engine vllm: the engine in this process (verl's hybrid engine) instead of its own")
+    p.add_argument("--linear", default=None,
+                   help="preset for dense Linear layers, or BF16 (default FP8_BLOCK)")
+    p.add_argument("--moe", default=None,
+                   help="preset for routed experts, or BF16 (default NVFP4; FP8_BLOCK with --engine vllm)")
     p.add_argument("--moe-activation", default=None, help="experts' activation scheme (e.g. mxfp8); default: the preset's")
-    p.add_argument("--steps", type=options.steps, default=3, help="training-like steps after the initial sync (default 3)")
-    p.add_argument("--model", default="tiny-moe", choices=("tiny-moe", "tiny-dense", "micro-moe"),
-                   help="embedded model (default tiny-moe)")
+    p.add_argument("--steps", type=options.steps, default=None,
+                   help="training-like steps after the initial sync (default 3; 2 with --engine vllm)")
+    p.add_argument("--model", default=None, choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense"),
+                   help="embedded model (default tiny-moe; micro-moe with --engine vllm)")
     p.add_argument("--commit-mode", default="transactional", choices=("transactional", "per-layer"))
     p.add_argument("--bucket-mb", type=options.mebibytes(), default=1.0, help="bucket capacity in MiB (default 1)")
     p.add_argument("--inject-fault", metavar="FAULT", default=None,
@@ -170,6 +178,16 @@ def _plot(result: DemoResult, path: str) -> None:
     plt.close(fig)
 
 
+def _check_engine_options(args: argparse.Namespace) -> None:
+    from domain.errors import ConfigError
+
+    for flag, given in (("--procs", args.procs is not None), ("--qat", args.qat is not None), ("--presets", args.presets),
+                        ("--plot", args.plot is not None), ("--commit-mode", args.commit_mode != "transactional")):
+        if given:
+            raise ConfigError(flag, f"does not go with --engine {args.engine} (a real engine runs one plan, "
+                              "committing per layer)")
+
+
 def run(args: argparse.Namespace) -> int:
     from app.logging import configure_logging
 
@@ -179,11 +197,24 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError("--threads", f"must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
+    from domain.errors import ConfigError, RefitError
+
+    if args.engine != "reference":  # a real engine (app.services.engine_demo)
+        _check_engine_options(args)
+        from app.cli.demo_engine import run_engine
+
+        try:
+            return run_engine(args)
+        except RefitError:
+            raise
+        except ValueError as err:
+            raise ConfigError("refit demo", str(err)) from None
+    if args.colocated:
+        raise ConfigError("--colocated", "goes with --engine vllm (the reference engine always runs in this process)")
     if args.qat:  # training with and without QAT (app.services.qat_demo)
         from app.cli.demo_qat import run_cli
 
         return run_cli(args)
-    from domain.errors import ConfigError, RefitError
 
     try:
         settings = settings_from_args(args)

@@ -58,9 +58,11 @@ def render_qat_demo(result: dict[str, Any], console: Console) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     """Run the QAT comparison and print it (a table, or JSON); returns the exit status."""
     console = Console(stderr=bool(args.json))
-    services = qat_demo_services(args.qat, args.model, args.seed)
-    with console.status(f"training with and without QAT ({args.qat}), {args.steps} steps"):
-        result = run_qat_demo(services, mode=args.qat, model=args.model, steps=args.steps, seed=args.seed)
+    model = args.model or "tiny-moe"
+    steps = 3 if args.steps is None else args.steps
+    services = qat_demo_services(args.qat, model, args.seed)
+    with console.status(f"training with and without QAT ({args.qat}), {steps} steps"):
+        result = run_qat_demo(services, mode=args.qat, model=model, steps=steps, seed=args.seed)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:

@@ -20,10 +20,12 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     """DemoSettings from the command line; bad values raise ConfigError / ValueError naming them."""
     from domain.quant.plan import QuantizationPlan
 
-    plan = QuantizationPlan.from_presets(linear=_none(args.linear), moe=_none(args.moe),
-                                         moe_activation=args.moe_activation)
+    linear = "FP8_BLOCK" if args.linear is None else args.linear
+    moe = "NVFP4" if args.moe is None else args.moe
+    plan = QuantizationPlan.from_presets(linear=_none(linear), moe=_none(moe), moe_activation=args.moe_activation)
     return DemoSettings(
-        plan=plan, model=args.model, seed=args.seed, steps=args.steps, commit_mode=args.commit_mode,
+        plan=plan, model=args.model or "tiny-moe", seed=args.seed, steps=3 if args.steps is None else args.steps,
+        commit_mode=args.commit_mode,
         bucket_megabytes=args.bucket_mb, inject_fault=args.inject_fault, fault_step=args.fault_step,
         presets=args.presets or bool(args.plot),
     )

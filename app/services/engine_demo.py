@@ -1,0 +1,262 @@
+"""`refit demo --engine vllm`: the demo's refit loop against a real engine, each refit checked
+against a cold start of the same exported checkpoint.
+
+The engine starts with dummy weights and refuses to serve; step 0 is the first refit, steps
+1..N first perturb the trainer's weights, and with `back` a last refit returns to step 0's weights.
+After each refit that went live the trainer's weights are exported with the plan, an engine is
+started cold from that directory (in a process of its own), and the two engines are compared:
+prompt log-probs and greedy tokens on a fixed batch, and every parameter and buffer's bytes.
+`equals_cold_start` is all three, bit for bit. Cold starts of identical exports are made once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from app.services.mismatch_probe import token_batch
+from app.services.refit import RefitService
+from domain.errors import EngineBusy, EngineStale, RefitFailed
+from domain.quant.plan import QuantizationPlan
+from domain.refit.report import RefitReport
+
+BACK = -1  # the step number of the refit back to step 0's weights
+
+
+class InspectableEngine(Protocol):
+    """What the demo reads from an engine (the refitted one and its cold starts)."""
+
+    def log_probs(self, input_ids: torch.Tensor) -> Any: ...
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]: ...
+
+    def digests(self) -> dict[str, str]: ...
+
+    def kv_scales(self) -> dict[str, list[float]]: ...
+
+    def close(self) -> None: ...
+
+
+class EngineDemoServices(Protocol):
+    """The composition root's part of the demo."""
+
+    def refit_service(self, *, inject_fault: str | None = None, fault_after: int = 0) -> RefitService: ...
+
+    def export_trainer(self, trainer: Any, out: str | Path) -> Path: ...
+
+    def cold_start(self, directory: str | Path) -> InspectableEngine: ...
+
+
+@attrs.frozen
+class EngineDemoSettings:
+    """What `refit demo --engine ...` runs.
+
+    Attributes:
+        engine: the engine's name (vllm).
+        deployment: colocated or disaggregated.
+        plan: the rollout quantization plan.
+        model: the embedded model preset.
+        seed: seed of the weights and the batch.
+        steps: training-like steps after the first refit.
+        back: a last refit back to step 0's weights.
+        inject_fault: a refit fault (`bucket:K`, `begin`, `finalize`, `verify`, `storage`) or None.
+        fault_step: the step whose refit the fault hits.
+        step_scale: size of each training-like step.
+        batch: sequences in the comparison batch.
+        seq_len: tokens per sequence (prompt log-probs).
+        new_tokens: greedy tokens generated per sequence.
+    """
+
+    engine: str = "vllm"
+    deployment: str = "disaggregated"
+    plan: QuantizationPlan = attrs.field(factory=lambda: QuantizationPlan.from_presets("FP8_BLOCK", "FP8_BLOCK"))
+    model: str = "micro-moe"
+    seed: int = 0
+    steps: int = 2
+    back: bool = True
+    inject_fault: str | None = None
+    fault_step: int = 1
+    step_scale: float = 0.02
+    batch: int = 3
+    seq_len: int = 16
+    new_tokens: int = 8
+
+    def __attrs_post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"--steps must be >= 0, got {self.steps}")
+        if self.inject_fault and not 0 <= self.fault_step <= self.steps:
+            raise ValueError(f"--fault-step must be in [0, {self.steps}] (the steps run), got {self.fault_step}")
+
+
+@attrs.frozen
+class ColdReference:
+    """What an engine started cold from one export serves."""
+
+    log_probs: torch.Tensor
+    tokens: list[list[int]]
+    digests: dict[str, str]
+
+
+@attrs.frozen
+class EngineStep:
+    """One refit of the demo and its comparison.
+
+    Attributes:
+        step: 0 = first refit, BACK = the refit back to step 0's weights.
+        report: the refit's report.
+        serving: "yes", or "no (stale)" / "no (busy)" when the engine refused to serve.
+        equals_cold_start: log-probs, tokens and weights all equal a cold start (None: not
+            compared, the refit did not go live).
+        logprobs_equal: prompt log-probs equal bit for bit.
+        tokens_equal: greedy tokens equal.
+        weights_equal: every parameter and buffer equal bit for bit.
+        max_abs_logp_diff: the largest log-prob difference from the cold start.
+        differing_weights: names of the tensors that differ (at most 10).
+        kv_scales: attention layers' q/k/v/prob scales after the refit, by layer.
+    """
+
+    step: int
+    report: RefitReport
+    serving: str
+    equals_cold_start: bool | None = None
+    logprobs_equal: bool | None = None
+    tokens_equal: bool | None = None
+    weights_equal: bool | None = None
+    max_abs_logp_diff: float | None = None
+    differing_weights: tuple[str, ...] = ()
+    kv_scales: dict[str, list[float]] = attrs.field(factory=dict)
+
+    @property
+    def label(self) -> str:
+        return "back" if self.step == BACK else str(self.step)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "step": self.label, "refit": self.report.to_dict(), "serving": self.serving,
+            "equals_cold_start": self.equals_cold_start, "logprobs_equal": self.logprobs_equal,
+            "tokens_equal": self.tokens_equal, "weights_equal": self.weights_equal,
+            "max_abs_logp_diff": self.max_abs_logp_diff, "differing_weights": list(self.differing_weights),
+            "kv_scales_reset": self.report.kv_scales_reset, "kv_scales": self.kv_scales,
+        }
+
+
+@attrs.frozen
+class EngineDemoResult:
+    settings: EngineDemoSettings
+    refused_before_first_refit: bool
+    steps: tuple[EngineStep, ...]
+    fault_fired: bool | None
+
+    @property
+    def ok(self) -> bool:
+        """Every live refit equals its cold start, the engine refused before its first refit, and
+        a failed refit left the engine refusing to serve."""
+        live = [s for s in self.steps if s.report.ok]
+        failed_closed = all(s.serving != "yes" for s in self.steps if not s.report.ok)
+        return self.refused_before_first_refit and bool(live) and all(s.equals_cold_start for s in live) \
+            and failed_closed
+
+
+def _export_digest(directory: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            h.update(path.relative_to(directory).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def run_engine_demo(settings: EngineDemoSettings, services: EngineDemoServices,
+                    on_step: Callable[[EngineStep], None] | None = None, workdir: str | Path | None = None) -> EngineDemoResult:
+    """Run the demo.
+
+    Args:
+        settings: what to run.
+        services: the composition root's (refit service, export, cold starts).
+        on_step: called with each EngineStep as soon as it exists.
+        workdir: where exports go (default: a temporary directory, removed afterwards).
+
+    Returns:
+        The EngineDemoResult.
+    """
+    svc = services.refit_service(inject_fault=settings.inject_fault, fault_after=settings.fault_step)
+    engine: Any = svc.engine
+    try:
+        with tempfile.TemporaryDirectory(prefix="rl-refit-engine-demo-") as tmp:
+            return _run(settings, services, svc, engine, Path(workdir) if workdir else Path(tmp), on_step)
+    finally:
+        inner = getattr(engine, "inner", engine)  # a ScriptedFaultyEngine wraps the real one
+        inner.close()
+
+
+def _run(settings: EngineDemoSettings, services: EngineDemoServices, svc: RefitService, engine: Any,
+         workdir: Path, on_step: Callable[[EngineStep], None] | None) -> EngineDemoResult:
+    trainer: Any = svc.trainer
+    ids = token_batch(trainer.config.vocab_size, settings.batch, settings.seq_len, settings.seed + 20_000)
+    prompts = [row[: max(5, settings.seq_len // 2)] for row in ids.tolist()]  # >= 5 tokens: see docs/engines.md
+    refused = _refuses(engine, ids)
+    start = trainer.snapshot()
+    cold: dict[str, ColdReference] = {}
+    schedule = list(range(settings.steps + 1)) + ([BACK] if settings.back else [])
+    steps: list[EngineStep] = []
+    for n, step in enumerate(schedule):
+        if step == BACK:
+            trainer.restore_(start)
+        elif step:
+            trainer.perturb_(settings.seed * 1_000 + step, settings.step_scale)
+        try:
+            report = svc.refit()
+        except RefitFailed as err:
+            report = err.report
+        record = _compare(settings, services, engine, trainer, report, step, ids, prompts, cold, workdir / f"step-{n}")
+        steps.append(record)
+        if on_step is not None:
+            on_step(record)
+    fired = getattr(engine, "fired", 0) > 0 if settings.inject_fault else None
+    return EngineDemoResult(settings, refused, tuple(steps), fired)
+
+
+def _refuses(engine: Any, ids: torch.Tensor) -> bool:
+    try:
+        engine.log_probs(ids)
+    except EngineStale:
+        return True
+    return False
+
+
+def _compare(settings: EngineDemoSettings, services: EngineDemoServices, engine: Any, trainer: Any,
+             report: RefitReport, step: int, ids: torch.Tensor, prompts: list[list[int]],
+             cold: dict[str, ColdReference], out: Path) -> EngineStep:
+    try:
+        served = engine.log_probs(ids)[0]
+    except EngineStale:
+        return EngineStep(step, report, "no (stale)")
+    except EngineBusy:
+        return EngineStep(step, report, "no (busy)")
+    real = getattr(engine, "inner", engine)  # past a ScriptedFaultyEngine: the engine's own queries
+    tokens = real.greedy(prompts, settings.new_tokens)
+    digests, scales = real.digests(), real.kv_scales()
+    if not report.ok:  # served although the refit failed: report it, compare nothing
+        return EngineStep(step, report, "yes", kv_scales=scales)
+    services.export_trainer(trainer, out)
+    key = _export_digest(out)
+    if key not in cold:
+        reference = services.cold_start(out)
+        try:
+            cold[key] = ColdReference(reference.log_probs(ids), reference.greedy(prompts, settings.new_tokens),
+                                      reference.digests())
+        finally:
+            reference.close()
+    ref = cold[key]
+    logprobs_equal = served.shape == ref.log_probs.shape and torch.equal(served, ref.log_probs)
+    diff = float((served.double() - ref.log_probs.double()).abs().max()) if served.shape == ref.log_probs.shape else float("inf")
+    differing = tuple(sorted(n for n in set(digests) | set(ref.digests) if digests.get(n) != ref.digests.get(n)))
+    tokens_equal = tokens == ref.tokens
+    return EngineStep(step, report, "yes", logprobs_equal and tokens_equal and not differing, logprobs_equal,
+                      tokens_equal, not differing, diff, differing[:10], scales)
