@@ -89,9 +89,10 @@ class RefitWorkerExtension:
 
         return set_current_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
 
-    def _rl_refit_consume(self, bucket: Bucket) -> int:
-        """Load one received bucket (tests override this to fail inside the receiver)."""
-        return self._rl_refit_state().load(list(unpack_bucket(bucket)))
+    def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket's tensors, however they arrived (tests override this to fail or corrupt
+        inside the receiver)."""
+        return self._rl_refit_state().load(named_tensors)
 
     # --- refit steps ----------------------------------------------------------------------------
 
@@ -107,7 +108,7 @@ class RefitWorkerExtension:
     def rl_refit_load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Colocated: one bucket's tensors, by reference (copied before this returns)."""
         with self._rl_refit_context():
-            return self._rl_refit_state().load(named_tensors)
+            return self._rl_refit_load_named(named_tensors)
 
     def rl_refit_finalize(self, reset_kv_scales: bool) -> list[Any]:
         with self._rl_refit_context():
@@ -156,7 +157,7 @@ class RefitWorkerExtension:
 
         def consume(bucket: Bucket) -> None:
             nonlocal loaded
-            loaded += self._rl_refit_consume(bucket)
+            loaded += self._rl_refit_load_named(list(unpack_bucket(bucket)))
 
         with self._rl_refit_context():
             transport.receive(consume)

@@ -198,14 +198,12 @@ def run_engine_demo(settings: EngineDemoSettings, services: EngineDemoServices,
 def _run(settings: EngineDemoSettings, services: EngineDemoServices, svc: RefitService, engine: Any,
          workdir: Path, on_step: Callable[[EngineStep], None] | None) -> EngineDemoResult:
     trainer: Any = svc.trainer
-    ids = token_batch(trainer.config.vocab_size, settings.batch, settings.seq_len, settings.seed + 20_000)
-    prompts = [row[: max(5, settings.seq_len // 2)] for row in ids.tolist()]  # >= 5 tokens: see docs/engines.md
-    refused = _refuses(engine, ids)
+    comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir)
+    refused = comparer.refuses(engine)
     start = trainer.snapshot()
-    cold: dict[str, ColdReference] = {}
     schedule = list(range(settings.steps + 1)) + ([BACK] if settings.back else [])
     steps: list[EngineStep] = []
-    for n, step in enumerate(schedule):
+    for step in schedule:
         if step == BACK:
             trainer.restore_(start)
         elif step:
@@ -214,7 +212,7 @@ def _run(settings: EngineDemoSettings, services: EngineDemoServices, svc: RefitS
             report = svc.refit()
         except RefitFailed as err:
             report = err.report
-        record = _compare(settings, services, engine, trainer, report, step, ids, prompts, cold, workdir / f"step-{n}")
+        record = comparer.compare(engine, trainer, report, step)
         steps.append(record)
         if on_step is not None:
             on_step(record)
@@ -222,41 +220,74 @@ def _run(settings: EngineDemoSettings, services: EngineDemoServices, svc: RefitS
     return EngineDemoResult(settings, refused, tuple(steps), fired)
 
 
-def _refuses(engine: Any, ids: torch.Tensor) -> bool:
-    try:
-        engine.log_probs(ids)
-    except EngineStale:
-        return True
-    return False
+@attrs.define
+class ColdStartComparer:
+    """Compares a refitted engine with cold starts of the trainer's exports (each distinct export
+    started once).
 
+    Attributes:
+        services: exports and cold starts.
+        vocab_size: the model's vocabulary (for the fixed batch).
+        settings: the batch's shape and seed, the greedy length.
+        workdir: where exports go.
+    """
 
-def _compare(settings: EngineDemoSettings, services: EngineDemoServices, engine: Any, trainer: Any,
-             report: RefitReport, step: int, ids: torch.Tensor, prompts: list[list[int]],
-             cold: dict[str, ColdReference], out: Path) -> EngineStep:
-    try:
-        served = engine.log_probs(ids)[0]
-    except EngineStale:
-        return EngineStep(step, report, "no (stale)")
-    except EngineBusy:
-        return EngineStep(step, report, "no (busy)")
-    real = getattr(engine, "inner", engine)  # past a ScriptedFaultyEngine: the engine's own queries
-    tokens = real.greedy(prompts, settings.new_tokens)
-    digests, scales = real.digests(), real.kv_scales()
-    if not report.ok:  # served although the refit failed: report it, compare nothing
-        return EngineStep(step, report, "yes", kv_scales=scales)
-    services.export_trainer(trainer, out)
-    key = _export_digest(out)
-    if key not in cold:
-        reference = services.cold_start(out)
+    services: EngineDemoServices
+    vocab_size: int
+    settings: EngineDemoSettings
+    workdir: Path
+    ids: torch.Tensor = attrs.field(init=False)
+    prompts: list[list[int]] = attrs.field(init=False)
+    _cold: dict[str, ColdReference] = attrs.field(init=False, factory=dict)
+    _exports: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        s = self.settings
+        self.ids = token_batch(self.vocab_size, s.batch, s.seq_len, s.seed + 20_000)
+        # prompts of >= 5 tokens: vLLM's CPU build needs them on its first request (docs/engines.md)
+        self.prompts = [row[: max(5, s.seq_len // 2)] for row in self.ids.tolist()]
+
+    def refuses(self, engine: Any) -> bool:
+        """The engine refuses to serve (EngineStale)."""
         try:
-            cold[key] = ColdReference(reference.log_probs(ids), reference.greedy(prompts, settings.new_tokens),
-                                      reference.digests())
-        finally:
-            reference.close()
-    ref = cold[key]
-    logprobs_equal = served.shape == ref.log_probs.shape and torch.equal(served, ref.log_probs)
-    diff = float((served.double() - ref.log_probs.double()).abs().max()) if served.shape == ref.log_probs.shape else float("inf")
-    differing = tuple(sorted(n for n in set(digests) | set(ref.digests) if digests.get(n) != ref.digests.get(n)))
-    tokens_equal = tokens == ref.tokens
-    return EngineStep(step, report, "yes", logprobs_equal and tokens_equal and not differing, logprobs_equal,
-                      tokens_equal, not differing, diff, differing[:10], scales)
+            engine.log_probs(self.ids)
+        except EngineStale:
+            return True
+        return False
+
+    def reference(self, trainer: Any) -> ColdReference:
+        """What a cold start of the trainer's current export serves."""
+        out = self.workdir / f"export-{self._exports}"
+        self._exports += 1
+        self.services.export_trainer(trainer, out)
+        key = _export_digest(out)
+        if key not in self._cold:
+            cold = self.services.cold_start(out)
+            try:
+                self._cold[key] = ColdReference(cold.log_probs(self.ids), cold.greedy(self.prompts, self.settings.new_tokens),
+                                                cold.digests())
+            finally:
+                cold.close()
+        return self._cold[key]
+
+    def compare(self, engine: Any, trainer: Any, report: RefitReport, step: int) -> EngineStep:
+        """The engine (after `report`'s refit) against a cold start of the trainer's weights."""
+        try:
+            served = engine.log_probs(self.ids)[0]
+        except EngineStale:
+            return EngineStep(step, report, "no (stale)")
+        except EngineBusy:
+            return EngineStep(step, report, "no (busy)")
+        real = getattr(engine, "inner", engine)  # past a ScriptedFaultyEngine: the engine's own queries
+        tokens = real.greedy(self.prompts, self.settings.new_tokens)
+        digests, scales = real.digests(), real.kv_scales()
+        if not report.ok:  # served although the refit failed: report it, compare nothing
+            return EngineStep(step, report, "yes", kv_scales=scales)
+        ref = self.reference(trainer)
+        same_shape = served.shape == ref.log_probs.shape
+        logprobs_equal = same_shape and torch.equal(served, ref.log_probs)
+        diff = float((served.double() - ref.log_probs.double()).abs().max()) if same_shape else float("inf")
+        differing = tuple(sorted(n for n in set(digests) | set(ref.digests) if digests.get(n) != ref.digests.get(n)))
+        tokens_equal = tokens == ref.tokens
+        return EngineStep(step, report, "yes", logprobs_equal and tokens_equal and not differing, logprobs_equal,
+                          tokens_equal, not differing, diff, differing[:10], scales)

@@ -1,0 +1,149 @@
+"""Real-engine scenarios, run in a process of their own by tests/vllm/test_real_engine.py:
+`python -m tests.vllm.scenarios '{"scenario": ..., "deployment": ..., "linear": ..., "moe": ..., "model": ...}'`.
+
+Each builds the engine through the composition root exactly as `refit demo --engine vllm` does
+(with tests.vllm.extensions.TestExtension as the worker extension), runs its refits, compares
+each live one with a cold start of the same export, and prints one JSON line (the last line of
+stdout; vLLM logs to stderr).
+
+- matrix: refit, perturb and refit, back to the first weights and refit; no tensor rebound.
+- faults: a fault at a bucket (trainer side), at finalize, and in the receiver (worker side),
+  each followed by a full refit that must recover.
+- guards: the KV-cache scales poisoned then reset by a refit; a silently corrupted refit
+  caught by the post-refit probe; the BF16 expert redo switched off (what vLLM alone does).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from adapters.memory.faults import FaultScript
+from adapters.memory.faulty import ScriptedFaultyEngine
+from app.bootstrap import bootstrap
+from app.cli.demo_engine import engine_overrides
+from app.services.engine_demo import ColdStartComparer, EngineDemoSettings, EngineStep
+from app.services.refit import RefitService
+from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
+from domain.errors import RefitError, RefitFailed
+from domain.quant.plan import QuantizationPlan
+
+EXTENSION = "tests.vllm.extensions.TestExtension"
+
+
+def _preset(name: str | None) -> str | None:
+    return None if name in (None, "BF16") else name
+
+
+def _step(record: EngineStep, **extra: Any) -> dict[str, Any]:
+    rep = record.report
+    return {
+        "step": record.label, "outcome": rep.outcome.value, "ok": rep.ok, "error": rep.error,
+        "serving": record.serving, "equals_cold_start": record.equals_cold_start,
+        "logprobs_equal": record.logprobs_equal, "tokens_equal": record.tokens_equal,
+        "weights_equal": record.weights_equal, "differing": list(record.differing_weights),
+        "storage_ok": rep.storage.ok, "storage_changed": list(rep.storage.changed),
+        "kv_scales_reset": rep.kv_scales_reset, "kv_scales": record.kv_scales,
+        "parameters_written": rep.parameters_written, "unwritten": list(rep.unwritten),
+        "probe": rep.probe.to_dict() if rep.probe is not None else None, **extra,
+    }
+
+
+def _refit(svc: RefitService) -> Any:
+    try:
+        return svc.refit()
+    except RefitFailed as err:
+        return err.report
+
+
+def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    plan = QuantizationPlan.from_presets(_preset(spec.get("linear")), _preset(spec.get("moe")))
+    settings = EngineDemoSettings(deployment=spec["deployment"], plan=plan, model=spec.get("model", "micro-moe"))
+    overrides = engine_overrides(settings, 0.25) + [
+        f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}",
+        "rollout.engine_kwargs.vllm.use_deep_gemm=false",
+    ]
+    services = bootstrap(overrides=overrides)
+    engine: Any = services.rollout_engine()
+    trainer: Any = services.trainer_model()
+    svc = services.refit_service(engine=engine, trainer=trainer)
+    comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir)  # type: ignore[arg-type]
+    workers = engine.workers
+    out: dict[str, Any] = {"spec": spec, "refused_before_first_refit": comparer.refuses(engine), "steps": []}
+    steps = out["steps"]
+    fingerprint = engine.storage_fingerprint()
+
+    def rpc(method: str, *args: Any) -> Any:
+        if hasattr(workers, "process"):  # disaggregated
+            return workers.process.rpc(method, *args)[0]
+        return workers.llm.collective_rpc(method, args=args)[0]
+
+    def refit_and_compare(label: str, service: RefitService | None = None, **extra: Any) -> None:
+        report = _refit(service or svc)
+        record = comparer.compare(engine, trainer, report, 0)
+        steps.append(_step(record, name=label, **extra))
+
+    try:
+        scenario = spec["scenario"]
+        refit_and_compare("first")
+        start = trainer.snapshot()
+        if scenario == "matrix":
+            trainer.perturb_(1, 0.02)
+            refit_and_compare("second")
+            trainer.restore_(start)
+            refit_and_compare("back")
+        elif scenario == "faults":
+            for point in ("bucket:1", "finalize"):
+                trainer.perturb_(len(steps), 0.02)
+                faulty = services.refit_service(engine=ScriptedFaultyEngine(engine, FaultScript.parse(point)),
+                                                trainer=trainer)
+                refit_and_compare(f"fault {point}", faulty)
+                refit_and_compare(f"after {point}")
+            trainer.perturb_(len(steps), 0.02)
+            rpc("rl_refit_test_fail_receiver", 1)
+            refit_and_compare("fault receiver")
+            refit_and_compare("after receiver")
+        elif scenario == "guards":
+            poisoned = rpc("rl_refit_test_poison_kv", 7.0)
+            before = engine.kv_scales()
+            trainer.perturb_(1, 0.02)
+            refit_and_compare("after kv poison", poisoned_layers=poisoned, scales_before=before)
+            probe = PostRefitProbe(TrainerReference(trainer),
+                                   probe_batch(trainer.config.vocab_size, 2, 16, 0))
+            probed = attrs.evolve(svc, probe=probe, reports=[])
+            refit_and_compare("probe, clean", probed)
+            rpc("rl_refit_test_corrupt", "post_attention_layernorm")
+            refit_and_compare("probe, corrupted", probed)
+            rpc("rl_refit_test_corrupt", "\x00")  # matches no name: stop corrupting
+            refit_and_compare("probe, clean again", probed)
+            if plan.moe.name == "BF16" and trainer.config.num_experts:
+                rpc("rl_refit_test_disable_redo")
+                trainer.perturb_(len(steps), 0.02)
+                refit_and_compare("without the expert redo")
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+        out["rebound"] = fingerprint.differences(engine.storage_fingerprint())
+    finally:
+        engine.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = json.loads(args[0])
+    with tempfile.TemporaryDirectory(prefix="rl-refit-scenario-") as tmp:
+        try:
+            result = run(spec, Path(tmp))
+        except RefitError as err:
+            result = {"spec": spec, "error": f"{type(err).__name__}: {err}"}
+    sys.stdout.write("\n" + json.dumps(result, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
