@@ -105,12 +105,16 @@ class ParallelLayout:
         pp: pipeline stages (`pipeline_model_parallel_size`).
         ep: expert-parallel ranks per stage (`expert_model_parallel_size`).
         etp: tensor-parallel ranks of each expert (`expert_tensor_parallel_size`): 1, or tp.
+        dp: data-parallel replicas of the dense layers (Megatron's data-parallel size); None =
+            the fewest that hold every expert, lcm(tp, ep * etp) / tp. Ranks of further replicas
+            hold copies: they take part in every agreement and export nothing.
     """
 
     tp: int = attrs.field(default=1, validator=_at_least_one)
     pp: int = attrs.field(default=1, validator=_at_least_one)
     ep: int = attrs.field(default=1, validator=_at_least_one)
     etp: int = attrs.field(default=1, validator=_at_least_one)
+    dp: int | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.tp > 1 and self.etp > 1 and self.etp != self.tp:
@@ -119,11 +123,18 @@ class ParallelLayout:
                 f"etp={self.etp} with tp={self.tp}: a source would export dense and expert shards over two "
                 "different groups; use etp=1 or etp=tp",
             )
+        if self.dp is not None and (self.dp < 1 or (self.tp * self.dp) % (self.ep * self.etp)):
+            raise ShardingError(
+                "data_parallel_size",
+                f"dp={self.dp}: tp * dp ({self.tp * self.dp}) must be a multiple of ep * etp ({self.ep * self.etp}), "
+                "as Megatron-Core requires",
+            )
 
     @property
     def per_stage(self) -> int:
-        """Ranks of one pipeline stage: the smallest that holds every dense shard and every expert."""
-        return math.lcm(self.tp, self.ep * self.etp)
+        """Ranks of one pipeline stage: tp * dp (by default the fewest that hold every dense shard
+        and every expert)."""
+        return self.tp * self.dp if self.dp is not None else math.lcm(self.tp, self.ep * self.etp)
 
     @property
     def size(self) -> int:
@@ -161,7 +172,8 @@ class ParallelLayout:
 
     def describe(self) -> str:
         text = f"tp={self.tp} pp={self.pp} ep={self.ep}"
-        return text + (f" etp={self.etp}" if self.etp > 1 else "")
+        text += f" etp={self.etp}" if self.etp > 1 else ""
+        return text + (f" dp={self.dp}" if self.dp is not None and self.per_stage != math.lcm(self.tp, self.ep * self.etp) else "")
 
 
 @attrs.frozen

@@ -53,6 +53,12 @@ def test_layout_follows_megatron_rank_order() -> None:
     assert carved.tp_ranks(0, 0) == (0, 1) and carved.tp_ranks(0, 1) == (1,) and carved.expert_ranks(1, 1) == (3,)
     # ep = 2 alone: the second rank is a data-parallel replica of the dense layers that owns half the experts.
     assert ParallelLayout(ep=2).coords(1) == ParallelLayout(ep=2).coords(1).__class__(0, 1, 0, 0, 1)
+    # More data-parallel replicas than the experts need: their ranks hold copies and export nothing.
+    wide = ParallelLayout(tp=2, ep=2, dp=4)
+    assert wide.size == 8 and wide.describe() == "tp=2 pp=1 ep=2 dp=4" and wide.coords(6).dp_rank == 3
+    assert wide.dense_ranks(0) == (0, 1) and wide.expert_ranks(0, 1) == (1,)
+    with pytest.raises(ShardingError, match="must be a multiple of ep"):
+        ParallelLayout(tp=1, ep=2, dp=3)
     with pytest.raises(ShardingError, match="outside"):
         layout.coords(8)
     with pytest.raises(ShardingError, match="tp: must be >= 1"):
