@@ -54,7 +54,7 @@ def gpt_config(cfg: ReferenceModelConfig, layout: ParallelLayout, **overrides: A
 
 
 def build_reference_gpt(cfg: ReferenceModelConfig, layout: ParallelLayout, *, seed: int = 0,
-                        max_sequence_length: int = 256, **overrides: Any) -> torch.nn.Module:
+                        max_sequence_length: int = 256, tied: bool = False, **overrides: Any) -> torch.nn.Module:
     """This rank's GPTModel of the reference architecture (inside `megatron_on_cpu()` on CPU).
 
     Args:
@@ -62,6 +62,8 @@ def build_reference_gpt(cfg: ReferenceModelConfig, layout: ParallelLayout, *, se
         layout: the parallel layout parallel_state was initialized with.
         seed: torch seed for the initialization.
         max_sequence_length: the longest sequence it scores.
+        tied: share the embedding and the output layer (the reference engine's model is untied:
+            a tied model refits into engines of its own layout).
         overrides: extra TransformerConfig fields.
 
     Returns:
@@ -77,6 +79,6 @@ def build_reference_gpt(cfg: ReferenceModelConfig, layout: ParallelLayout, *, se
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
         max_sequence_length=max_sequence_length, position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
-        share_embeddings_and_output_weights=False, pre_process=parallel_state.is_pipeline_first_stage(),
+        share_embeddings_and_output_weights=tied, pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )

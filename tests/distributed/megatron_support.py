@@ -1,0 +1,183 @@
+"""Real Megatron-Core models in a world of gloo processes, captured once for the sharded-refit tests.
+
+`capture_rank` runs in each process of a 4-process world: for every case it initializes Megatron's
+parallel_state over the case's ranks (`local_world_size`), builds the model, and records what the
+sharded trainer adapter gives (the full tensor list, every shard) together with Megatron's own
+description of every local tensor (`sharded_state_dict`: global key, shape and offset). In the test
+process, `reference_weights` rebuilds the global tensors from that description alone, loads them
+into a tp = pp = ep = 1 model and exports it: the unsharded export of the same global weights, the
+reference every sharded refit is compared with. `RecordedShards` replays a rank's captured shards
+as a ShardedTrainerModel, so the refits themselves run densely in threads (adapters.memory).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from domain.refit.sharding import ParallelLayout
+
+MODELS = ("moe", "dense-tied", "hybrid")
+
+
+@attrs.frozen
+class Case:
+    """One captured world: a model and Megatron parallel sizes (at most 4 ranks)."""
+
+    model: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def ranks(self) -> int:
+        import math
+
+        return self.pp * math.lcm(self.tp, self.ep * self.etp)
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-tp{self.tp}-pp{self.pp}-ep{self.ep}" + (f"-etp{self.etp}" if self.etp > 1 else "")
+
+
+def pack(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t.detach().contiguous().clone(), buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> torch.Tensor:
+    return torch.load(io.BytesIO(data))
+
+
+def _config(model: str) -> Any:
+    from adapters.reference.config import MICRO_MOE
+
+    return attrs.evolve(MICRO_MOE, num_experts=0, moe_intermediate_size=0, mlp_only_layers=()) if model == "dense-tied" \
+        else MICRO_MOE
+
+
+def build_model(case: Case, seed: int = 0) -> torch.nn.Module:
+    """This rank's model of `case` (inside megatron_on_cpu, parallel_state initialized)."""
+    if case.model == "hybrid":
+        from tests.megatron_cpu import tiny_hybrid_model
+
+        return tiny_hybrid_model(case.tp, case.pp, case.ep, case.etp, seed=seed)
+    from adapters.megatron.reference_gpt import build_reference_gpt
+
+    layout = ParallelLayout(case.tp, case.pp, case.ep, case.etp)
+    return build_reference_gpt(_config(case.model), layout, seed=seed, tied=case.model == "dense-tied").eval()
+
+
+def megatron_pieces(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int, bytes]]:
+    """Megatron's own description of the rank's tensors: (global key, global shape, offset,
+    prepended axes, data) of every main replica in its sharded_state_dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = []
+    for value in model.sharded_state_dict().values():
+        built = value.build() if isinstance(value, ShardedTensorFactory) else value
+        items = built.values() if isinstance(built, dict) else built if isinstance(built, list | tuple) else [built]
+        for sh in items:
+            if isinstance(sh, ShardedTensor) and not any(sh.replica_id):
+                out.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), sh.prepend_axis_num, pack(sh.data)))
+    return out
+
+
+def capture_rank(rank: int, cases: Sequence[Case]) -> list[dict[str, Any]]:
+    """Every case's shards on this rank (an empty record where the case has fewer ranks)."""
+    from megatron.core import parallel_state
+
+    from adapters.megatron.cpu import megatron_on_cpu
+    from adapters.megatron.sharded_model import MegatronShardedModel, megatron_layout
+    from domain.refit.sharding import place_tensors
+
+    out = []
+    with megatron_on_cpu(), torch.compiler.set_stance("force_eager"):
+        for case in cases:
+            parallel_state.initialize_model_parallel(
+                case.tp, case.pp, expert_model_parallel_size=case.ep, expert_tensor_parallel_size=case.etp,
+                local_world_size=case.ranks,
+            )
+            record: dict[str, Any] = {}
+            if rank < case.ranks:
+                layout = megatron_layout()
+                model = build_model(case)
+                trainer = MegatronShardedModel.build(model, layout, rank, dtype=torch.bfloat16)
+                shapes = trainer.weight_shapes()
+                trainer.check(place_tensors(layout, shapes))  # raises on any difference
+                record = {
+                    "layout": attrs.asdict(layout), "shapes": shapes,
+                    "shards": {s.name: pack(trainer.local_weight(s.name)) for s in trainer.shards()},
+                    "declared": [attrs.asdict(s) for s in trainer.shards()],
+                    "pieces": megatron_pieces(model),
+                }
+            parallel_state.destroy_model_parallel()
+            out.append(record)
+    return out
+
+
+def _index(offset: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+
+
+def global_tensors(pieces: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], int, bytes]]) -> dict[str, torch.Tensor]:
+    """The global tensors of Megatron's checkpoint format, from every rank's pieces."""
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, torch.Tensor] = {}
+    for key, shape, offset, prepend, data in pieces:
+        t = unpack(data)
+        whole = out.setdefault(key, torch.zeros(shape, dtype=t.dtype))
+        mask = filled.setdefault(key, torch.zeros(shape, dtype=torch.bool))
+        local = (1,) * prepend + tuple(t.shape)
+        whole[_index(offset, local)] = t.reshape(local)
+        mask[_index(offset, local)] = True
+    holes = [k for k, m in filled.items() if not bool(m.all())]
+    assert not holes, f"Megatron's pieces do not cover {holes[:3]}"
+    return out
+
+
+def reference_weights(case: Case, records: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The tp = pp = ep = 1 export (HF name -> BF16 tensor) of the global weights the case's ranks
+    hold, rebuilt from Megatron's sharded_state_dict alone (call inside megatron_cpu())."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from adapters.megatron.hf_names import hf_named_weights
+
+    whole = global_tensors([p for r in records for p in r["pieces"]])
+    model = build_model(Case(case.model), seed=1234)  # other values: only the load can make them equal
+    loaded = set()
+    with torch.no_grad():
+        for value in model.sharded_state_dict().values():
+            built = value.build() if isinstance(value, ShardedTensorFactory) else value
+            items = built.values() if isinstance(built, dict) else built if isinstance(built, list | tuple) else [built]
+            for sh in items:
+                if isinstance(sh, ShardedTensor):
+                    local = (1,) * sh.prepend_axis_num + tuple(sh.data.shape)
+                    sh.data.copy_(whole[sh.key][_index(sh.global_offset, local)].reshape(sh.data.shape))
+                    loaded.add(sh.key)
+    assert loaded == set(whole), set(whole) ^ loaded
+    return {n: t.detach().to(torch.bfloat16).clone() for n, t in hf_named_weights(model)}
+
+
+@attrs.define
+class RecordedShards:
+    """A ShardedTrainerModel replaying one rank's captured shards."""
+
+    shapes: list[tuple[str, tuple[int, ...]]]
+    shards: dict[str, torch.Tensor]
+
+    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(n, tuple(s)) for n, s in self.shapes]
+
+    def local_weight(self, name: str) -> torch.Tensor:
+        return self.shards[name]
+
+
+def layout_of(record: dict[str, Any]) -> ParallelLayout:
+    return ParallelLayout(**record["layout"])

@@ -1,0 +1,186 @@
+"""Refit from real sharded Megatron-Core trainers: tp, pp and ep in {1, 2} (at most 4 ranks),
+dense, MoE and hybrid (GatedDeltaNet, gated attention, shared experts, MTP) models.
+
+One world of 4 gloo processes builds every case's model with megatron-core and captures what the
+sharded trainer adapter gives each rank (tests/distributed/megatron_support.py). The reference is
+independent of the adapter: the global tensors are rebuilt from Megatron's own sharded_state_dict
+(global keys, shapes and offsets), loaded into a tp = pp = ep = 1 model and exported by the
+single-process path (`hf_named_weights`, `quantize_stream`; that export is checked against
+compressed-tensors elsewhere). The refits run the production DistributedRefitService with the
+in-memory collectives (every rank a thread) over the captured shards, for every plan: the engine
+must receive tensors byte-identical to the unsharded export (elements, block scales, global
+scales). A failure on any trainer rank must abort the refit everywhere with the engine kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (the `megatron` extra)")
+pytest.importorskip("fla", reason="megatron-core's GatedDeltaNet needs flash-linear-attention")
+
+from adapters.distributed.launch import launch_world
+from adapters.memory.collectives import InMemoryWorld
+from adapters.memory.faults import RankFault
+from adapters.memory.faulty import RankPorts, wrap_rank
+from adapters.memory.recording import RecordingEngine
+from app.services.distributed_refit import DistributedRefitService
+from domain.errors import DistributedRefitFailed
+from domain.quant.plan import QuantizationPlan
+from domain.quant.stream import quantize_stream
+from domain.refit.sharding import RefitWorld, ShardMap, place_tensors
+from tests.distributed.megatron_support import Case, RecordedShards, capture_rank, layout_of, reference_weights, unpack
+from tests.megatron_cpu import megatron_cpu
+
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
+CASES = [
+    Case("moe", tp=2), Case("moe", pp=2), Case("moe", ep=2), Case("moe", tp=2, pp=2), Case("moe", tp=2, ep=2),
+    Case("moe", tp=2, ep=2, etp=2), Case("moe", pp=2, ep=2), Case("moe", tp=2, pp=2, ep=2),
+    Case("dense-tied", tp=2, pp=2),
+    Case("hybrid", tp=2), Case("hybrid", tp=2, pp=2), Case("hybrid", tp=2, ep=2),
+]
+PLANS = {"BF16": (None, None), "FP8_BLOCK": ("FP8_BLOCK", "FP8_BLOCK"), "MXFP8": ("MXFP8", "MXFP8"),
+         "MXFP4": ("MXFP4", "MXFP4"), "NVFP4": ("NVFP4", "NVFP4")}
+
+
+@pytest.fixture(scope="module")
+def captured() -> dict[str, dict[str, Any]]:
+    import megatron.core  # noqa: F401  (imported once here, before the processes fork)
+
+    results = launch_world(capture_rank, 4, (CASES,), timeout_s=240)
+    failed = [f"rank {r.rank}: {r.error}\n{r.traceback or ''}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    out = {}
+    with megatron_cpu(), torch.compiler.set_stance("force_eager"):
+        for i, case in enumerate(CASES):
+            records = [r.value[i] for r in results][: case.ranks]
+            out[case.id] = {"case": case, "records": records, "reference": reference_weights(case, records)}
+    return out
+
+
+def _plan(name: str) -> QuantizationPlan:
+    linear, moe = PLANS[name]
+    return QuantizationPlan.from_presets(linear=linear, moe=moe)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_every_rank_lists_the_unsharded_models_tensors_and_holds_their_slices(case: Case, captured) -> None:
+    data = captured[case.id]
+    reference, records = data["reference"], data["records"]
+    shapes = records[0]["shapes"]
+    assert all(r["shapes"] == shapes for r in records), "ranks disagree on the model's tensor list"
+    assert [(n, tuple(s)) for n, s in shapes] == [(n, tuple(t.shape)) for n, t in reference.items()]
+    placements = place_tensors(layout_of(records[0]), shapes)
+    held = 0
+    for rank, record in enumerate(records):
+        for name, data_ in record["shards"].items():
+            p = placements[name]
+            if rank in p.holders:
+                assert torch.equal(unpack(data_), p.shard_of(reference[name], rank)), (rank, name)
+                held += 1
+    assert held >= len(shapes)  # every tensor is held by its placement's holders
+
+
+def _run(case_data: dict[str, Any], plan: QuantizationPlan, weights: list[dict[str, torch.Tensor]],
+         fault: RankFault | None = None, steps: int = 1) -> list[dict[str, Any]]:
+    """`steps` refits in a world of threads: the trainer ranks replay the captured shards (scaled by
+    2 ** step, an exact change), one RecordingEngine receives. Returns per rank its outcomes and,
+    on the engine, its live tensors after each refit."""
+    records = case_data["records"]
+    layout = layout_of(records[0])
+    world = RefitWorld(layout, 1)
+    shared = InMemoryWorld(world, step_timeout_s=20, phase_timeout_s=40)
+    shapes = [(n, tuple(s)) for n, s in records[0]["shapes"]]
+    engine_layout = {n: (tuple(t.shape), t.dtype) for n, t in quantize_stream(plan, weights[0].items())}
+    results: dict[int, Any] = {}
+
+    def rank_main(rank: int) -> None:
+        try:
+            shards = None
+            engine = None
+            if rank < layout.size:
+                shards = {n: unpack(b) for n, b in records[rank]["shards"].items()}
+                trainer: Any = RecordedShards(shapes, shards)
+            else:
+                trainer, engine = None, RecordingEngine(engine_layout)
+            ports = wrap_rank(fault, RankPorts(shared.collectives(rank), trainer, engine), world.role(rank),
+                              ShardMap.build(layout, shapes, plan), hang_s=0.1)
+            svc = DistributedRefitService(world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
+                                          bucket_bytes=64 << 10)
+            out: dict[str, Any] = {"outcomes": [], "errors": [], "live": []}
+            for step in range(steps):
+                if step and shards is not None:
+                    for t in shards.values():
+                        t.mul_(2)
+                try:
+                    out["outcomes"].append(svc.refit().outcome.value)
+                    out["errors"].append(None)
+                except DistributedRefitFailed as err:
+                    out["outcomes"].append(err.report.outcome.value)
+                    out["errors"].append(str(err))
+                if engine is not None:
+                    out["live"].append({n: t.clone() for n, t in engine.live_weights().items()})
+            results[rank] = out
+        except BaseException as err:  # reported below
+            results[rank] = err
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    errors = {r: v for r, v in results.items() if isinstance(v, BaseException)}
+    assert not errors and len(results) == world.size, errors
+    return [results[r] for r in range(world.size)]
+
+
+def _assert_receives(live: dict[str, torch.Tensor], plan: QuantizationPlan, weights: dict[str, torch.Tensor]) -> None:
+    want = dict(quantize_stream(plan, weights.items()))
+    assert live.keys() == want.keys()
+    differ = [n for n, t in want.items() if live[n].dtype != t.dtype or not torch.equal(_bytes(live[n]), _bytes(t))]
+    assert not differ, f"{len(differ)} tensors differ from the unsharded export, e.g. {differ[:4]}"
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_sharded_refit_is_byte_identical_to_the_unsharded_export(case: Case, plan_name: str, captured) -> None:
+    plan, data = _plan(plan_name), captured[case.id]
+    results = _run(data, plan, [data["reference"]])
+    assert all(r["outcomes"] == ["live"] for r in results), [r["errors"] for r in results]
+    live = results[-1]["live"][0]
+    _assert_receives(live, plan, data["reference"])
+    if plan_name == "NVFP4":  # the global scales of fused groups split across TP ranks, named
+        group = [n for n in live if n.endswith("self_attn.q_proj.weight_global_scale")]
+        assert group and all(torch.equal(live[n], live[n.replace("q_proj", "k_proj")]) for n in group)
+
+
+FAULTS = [
+    ("export:0 on a TP peer that is an expert source", Case("moe", tp=2, pp=2, ep=2), RankFault(1, "export", 0, refit=1)),
+    # Buckets are numbered across the refit: rank 0 sends 0-2 (64 KiB buckets, NVFP4), rank 2 then 3-5.
+    ("bucket:4 on the last stage's source", Case("moe", tp=2, pp=2, ep=2), RankFault(2, "bucket", 4, refit=1)),
+    ("begin on a data-parallel replica", Case("moe", ep=2), RankFault(1, "begin", refit=1)),
+    ("export:3 on a GDN TP peer", Case("hybrid", tp=2), RankFault(1, "export", 3, refit=1)),
+]
+
+
+@pytest.mark.parametrize(("what", "case", "fault"), FAULTS, ids=[f[0] for f in FAULTS])
+def test_a_trainer_rank_failure_aborts_the_refit_everywhere_and_keeps_the_engine(what, case: Case, fault, captured) -> None:
+    """Refit 0 succeeds; refit 1 (weights doubled) fails on one trainer rank; refit 2 succeeds."""
+    plan, data = _plan("NVFP4"), captured[case.id]
+    doubled = {n: t * 2 for n, t in data["reference"].items()}
+    results = _run(data, plan, [data["reference"]], fault=fault, steps=3)
+    assert all(r["outcomes"][0] == "live" and r["outcomes"][2] == "live" for r in results)
+    assert {r["outcomes"][1] for r in results} == {"rolled-back"}
+    assert len({r["errors"][1] for r in results}) == 1 and f"rank {fault.rank} (trainer)" in results[0]["errors"][1]
+    live = results[-1]["live"]
+    _assert_receives(live[1], plan, data["reference"])  # kept: bit for bit the refit-0 weights
+    _assert_receives(live[2], plan, {n: t * 2 for n, t in doubled.items()})
