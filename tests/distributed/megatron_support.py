@@ -3,9 +3,9 @@
 `capture_rank` runs in each process of a 4-process world: for every case it initializes Megatron's
 parallel_state over the case's ranks (`local_world_size`), builds the model, and records what the
 sharded trainer adapter gives (the full tensor list, every shard) together with Megatron's own
-description of every local tensor (`sharded_state_dict`: global key, shape and offset). In the test
-process, `reference_weights` rebuilds the global tensors from that description alone, loads them
-into a tp = pp = ep = 1 model and exports it: the unsharded export of the same global weights, the
+description of every local tensor (`sharded_state_dict`: global key, shape and offset, through
+adapters.megatron.global_weights). In the test process, `reference_weights` rebuilds the global
+tensors from that description alone, loads them into a tp = pp = ep = 1 model and exports it: the unsharded export of the same global weights, the
 reference every sharded refit is compared with. `RecordedShards` replays a rank's captured shards
 as a ShardedTrainerModel, so the refits themselves run densely in threads (adapters.memory).
 """
@@ -74,26 +74,12 @@ def build_model(case: Case, seed: int = 0) -> torch.nn.Module:
     return build_reference_gpt(_config(case.model), layout, seed=seed, tied=case.model == "dense-tied").eval()
 
 
-def megatron_pieces(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int, bytes]]:
-    """Megatron's own description of the rank's tensors: (global key, global shape, offset,
-    prepended axes, data) of every main replica in its sharded_state_dict."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    out = []
-    for value in model.sharded_state_dict().values():
-        built = value.build() if isinstance(value, ShardedTensorFactory) else value
-        items = built.values() if isinstance(built, dict) else built if isinstance(built, list | tuple) else [built]
-        for sh in items:
-            if isinstance(sh, ShardedTensor) and not any(sh.replica_id):
-                out.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), sh.prepend_axis_num, pack(sh.data)))
-    return out
-
-
 def capture_rank(rank: int, cases: Sequence[Case]) -> list[dict[str, Any]]:
     """Every case's shards on this rank (an empty record where the case has fewer ranks)."""
     from megatron.core import parallel_state
 
     from adapters.megatron.cpu import megatron_on_cpu
+    from adapters.megatron.global_weights import megatron_pieces
     from adapters.megatron.sharded_model import MegatronShardedModel, megatron_layout
     from domain.refit.sharding import place_tensors
 
@@ -122,46 +108,14 @@ def capture_rank(rank: int, cases: Sequence[Case]) -> list[dict[str, Any]]:
     return out
 
 
-def _index(offset: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-
-
-def global_tensors(pieces: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], int, bytes]]) -> dict[str, torch.Tensor]:
-    """The global tensors of Megatron's checkpoint format, from every rank's pieces."""
-    out: dict[str, torch.Tensor] = {}
-    filled: dict[str, torch.Tensor] = {}
-    for key, shape, offset, prepend, data in pieces:
-        t = unpack(data)
-        whole = out.setdefault(key, torch.zeros(shape, dtype=t.dtype))
-        mask = filled.setdefault(key, torch.zeros(shape, dtype=torch.bool))
-        local = (1,) * prepend + tuple(t.shape)
-        whole[_index(offset, local)] = t.reshape(local)
-        mask[_index(offset, local)] = True
-    holes = [k for k, m in filled.items() if not bool(m.all())]
-    assert not holes, f"Megatron's pieces do not cover {holes[:3]}"
-    return out
-
-
 def reference_weights(case: Case, records: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """The tp = pp = ep = 1 export (HF name -> BF16 tensor) of the global weights the case's ranks
     hold, rebuilt from Megatron's sharded_state_dict alone (call inside megatron_cpu())."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
+    from adapters.megatron.global_weights import load_global
     from adapters.megatron.hf_names import hf_named_weights
 
-    whole = global_tensors([p for r in records for p in r["pieces"]])
     model = build_model(Case(case.model), seed=1234)  # other values: only the load can make them equal
-    loaded = set()
-    with torch.no_grad():
-        for value in model.sharded_state_dict().values():
-            built = value.build() if isinstance(value, ShardedTensorFactory) else value
-            items = built.values() if isinstance(built, dict) else built if isinstance(built, list | tuple) else [built]
-            for sh in items:
-                if isinstance(sh, ShardedTensor):
-                    local = (1,) * sh.prepend_axis_num + tuple(sh.data.shape)
-                    sh.data.copy_(whole[sh.key][_index(sh.global_offset, local)].reshape(sh.data.shape))
-                    loaded.add(sh.key)
-    assert loaded == set(whole), set(whole) ^ loaded
+    load_global(model, [p for r in records for p in r["pieces"]])
     return {n: t.detach().to(torch.bfloat16).clone() for n, t in hf_named_weights(model)}
 
 

@@ -33,7 +33,14 @@ from domain.errors import DistributedRefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
 from domain.refit.sharding import RefitWorld, ShardMap, place_tensors
-from tests.distributed.megatron_support import Case, RecordedShards, capture_rank, layout_of, reference_weights, unpack
+from tests.distributed.megatron_support import (
+    Case,
+    RecordedShards,
+    capture_rank,
+    layout_of,
+    reference_weights,
+    unpack,
+)
 from tests.megatron_cpu import megatron_cpu
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]

@@ -32,10 +32,11 @@ def _moe(p: str) -> list[tuple[str, tuple[int, ...]]]:
     for e in range(E):
         out += [(f"{p}.mlp.experts.{e}.gate_proj.weight", (MOE_I, H)), (f"{p}.mlp.experts.{e}.up_proj.weight", (MOE_I, H)),
                 (f"{p}.mlp.experts.{e}.down_proj.weight", (H, MOE_I))]
-    return out + [
+    out += [
         (f"{p}.mlp.shared_expert.gate_proj.weight", (SHARED_I, H)), (f"{p}.mlp.shared_expert.up_proj.weight", (SHARED_I, H)),
         (f"{p}.mlp.shared_expert.down_proj.weight", (H, SHARED_I)), (f"{p}.mlp.shared_expert_gate.weight", (1, H)),
     ]
+    return out
 
 
 def _attention(p: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -60,7 +61,8 @@ def hybrid_shapes() -> list[tuple[str, tuple[int, ...]]]:
             (f"{p}.linear_attn.conv1d.weight", (2 * KD + VD, 1, 4)),
             (f"{p}.linear_attn.dt_bias", (NV,)), (f"{p}.linear_attn.A_log", (NV,)),
             (f"{p}.linear_attn.norm.weight", (DV,)), (f"{p}.linear_attn.out_proj.weight", (H, VD)),
-        ] + _moe(p)
+        ]
+        out += _moe(p)
     out += _attention("model.layers.2") + _moe("model.layers.2") + [("model.norm.weight", (H,))]
     out += [("mtp.fc.weight", (H, 2 * H)), ("mtp.pre_fc_norm_embedding.weight", (H,)),
             ("mtp.pre_fc_norm_hidden.weight", (H,))]
