@@ -171,7 +171,10 @@ def tiny_hybrid_model(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = N
     from megatron.core import parallel_state
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec_for_backend
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec_for_backend,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec

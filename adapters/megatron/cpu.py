@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -29,14 +30,16 @@ def megatron_on_cpu() -> Iterator[None]:
     except ImportError as err:  # pragma: no cover - depends on the install
         raise ModuleNotFoundError("adapters.megatron.cpu needs megatron-core (the `megatron` extra)",
                                   name="megatron.core") from err
-    device, fork, cuda = torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork, torch.Tensor.cuda
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    mrandom.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    cuda_module: Any = torch.cuda
+    tensor: Any = torch.Tensor
+    device, fork, to_cuda = cuda_module.current_device, mrandom.CudaRNGStatesTracker.fork, tensor.cuda
+    cuda_module.current_device = lambda: torch.device("cpu")
+    mrandom.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
     if not torch.cuda.is_available():
-        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        tensor.cuda = lambda self, *a, **k: self
     try:
         yield
     finally:
-        torch.cuda.current_device = device  # type: ignore[assignment]
-        mrandom.CudaRNGStatesTracker.fork = fork  # type: ignore[method-assign]
-        torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+        cuda_module.current_device = device
+        mrandom.CudaRNGStatesTracker.fork = fork
+        tensor.cuda = to_cuda

@@ -30,7 +30,7 @@ def _unpack(data: bytes) -> torch.Tensor:
     return torch.load(io.BytesIO(data))
 
 
-def _sharded_tensors(model: torch.nn.Module) -> Iterator[Any]:
+def _sharded_tensors(model: Any) -> Iterator[Any]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     for value in model.sharded_state_dict().values():
@@ -43,7 +43,7 @@ def _index(offset: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
 
 
-def megatron_pieces(model: torch.nn.Module) -> list[Piece]:
+def megatron_pieces(model: Any) -> list[Piece]:
     """This rank's main-replica pieces, as plain data (picklable across processes).
 
     Args:
@@ -77,7 +77,7 @@ def global_tensors(pieces: Iterable[Piece]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_global(model: torch.nn.Module, pieces: Iterable[Piece]) -> None:
+def load_global(model: Any, pieces: Iterable[Piece]) -> None:
     """Write the global weights into `model` (any layout: each tensor takes its own piece).
 
     Raises:

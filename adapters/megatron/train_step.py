@@ -17,6 +17,8 @@ machine does not have. Eval mode only turns dropout off; the demo's models have 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -25,7 +27,7 @@ def causal_mask(seq_len: int) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
 
 
-def train_step(model: torch.nn.Module, tokens: torch.Tensor, lr: float) -> float | None:
+def train_step(model: Any, tokens: torch.Tensor, lr: float) -> float | None:
     """Forward, backward and an SGD step on `tokens` (the same batch on every rank).
 
     Args:
@@ -63,6 +65,7 @@ def train_step(model: torch.nn.Module, tokens: torch.Tensor, lr: float) -> float
         dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
         out.backward(grad)
     if received is not None:
+        assert received.grad is not None  # the first layer reads it
         dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -63,7 +63,7 @@ def test_layout_follows_megatron_rank_order() -> None:
         layout.coords(8)
     with pytest.raises(ShardingError, match="tp: must be >= 1"):
         ParallelLayout(tp=0)
-    with pytest.raises(ShardingError, match="expert_tensor_parallel_size.*etp=2 with tp=4"):
+    with pytest.raises(ShardingError, match=r"expert_tensor_parallel_size.*etp=2 with tp=4"):
         ParallelLayout(tp=4, ep=2, etp=2)
 
 
