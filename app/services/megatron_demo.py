@@ -3,7 +3,7 @@ processes, trains a few steps and refits the engine after every step.
 
 The world: trainer ranks 0..N-1 run Megatron (its parallel_state over exactly those ranks), engine
 ranks N.. run the reference engine of the same architecture. Each step, every trainer rank does one
-SGD step on the same batch (`MegatronDemoKit.train_step`), then the world runs two distributed
+SGD step on the same batch (one batch for every step: the loss falls as the model learns it) (`MegatronDemoKit.train_step`), then the world runs two distributed
 refits, the plan's arm and a BF16 arm (each its own DistributedRefitService, built by the
 composition root from this rank's model), and every engine scores a probe batch. The trainer ranks
 also hand back their weights as Megatron's own checkpoint metadata describes them.
@@ -91,6 +91,8 @@ def demo_rank(rank: int, services: Services, settings: MegatronDemoSettings, wor
     kit = services.megatron_demo_kit()
     vocab = services.reference_config().vocab_size
     probe = token_batch(vocab, settings.batch, settings.seq_len, settings.seed + 7)
+    # One batch, trained on at every step: the loss falls as the model learns it.
+    tokens = token_batch(vocab, settings.batch, settings.seq_len + 1, settings.seed * 1_000 + 1)
     records = []
     with kit.parallel(world.layout, rank) as model:
         refits = {
@@ -101,7 +103,6 @@ def demo_rank(rank: int, services: Services, settings: MegatronDemoSettings, wor
         for step in range(settings.steps + 1):
             loss = None
             if step and model is not None:
-                tokens = token_batch(vocab, settings.batch, settings.seq_len + 1, settings.seed * 1_000 + step)
                 loss = kit.train_step(model, tokens, settings.lr)
             record: dict[str, Any] = {"step": step, "rank": rank, "role": world.role(rank).value, "loss": loss, "arms": {}}
             for name, svc in refits.items():
@@ -142,6 +143,19 @@ class _Unsharded:
         yield from self.weights.items()
 
 
+def unsharded_rank(rank: int, services: Services, pieces: Mapping[int, list[Any]],
+                   probe: torch.Tensor) -> dict[int, tuple[dict[str, bytes], bytes]]:
+    """A world of one process: each step's unsharded model from every trainer rank's pieces, its
+    BF16 export and Megatron's own log-probs of `probe` (a process of its own: this one never
+    initializes torch.distributed, so that later worlds fork from a clean process)."""
+    kit = services.megatron_demo_kit()
+    out = {}
+    for step, step_pieces in pieces.items():
+        weights, logp = kit.unsharded(step_pieces, probe)
+        out[step] = ({n: _pack(t) for n, t in weights.items()}, _pack(logp))
+    return out
+
+
 def judge(services: Services, settings: MegatronDemoSettings, world: RefitWorld,
           records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every step's verdict, against the unsharded model of the same global weights.
@@ -157,19 +171,23 @@ def judge(services: Services, settings: MegatronDemoSettings, world: RefitWorld,
         mismatch metrics (`k3_kl`, `mean_abs_logp_diff`, ...) against the trainer's weights, and
         Megatron's own forward against the same engine (`megatron_k3_kl`).
     """
-    kit = services.megatron_demo_kit()
     vocab = services.reference_config().vocab_size
     probe = token_batch(vocab, settings.batch, settings.seq_len, settings.seed + 7)
     mask = response_mask(settings.batch, settings.seq_len, settings.prompt_len)
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         by_step.setdefault(r["step"], []).append(r)
+    pieces = {step: [p for r in recs if r["role"] == "trainer" for p in r["pieces"]] for step, recs in by_step.items()}
+    [result] = services.launch_world(unsharded_rank, 1, (services, pieces, probe), timeout_s=120 + 20 * len(pieces))
+    if not result.ok:
+        raise RuntimeError(f"the unsharded reference failed: {result.error}\n{result.traceback or ''}")
     rows = []
     for step in sorted(by_step):
         recs = sorted(by_step[step], key=lambda r: r["rank"])
         trainers = [r for r in recs if r["role"] == "trainer"]
         engines = [r for r in recs if r["role"] == "engine"]
-        weights, megatron_logp = kit.unsharded([p for r in trainers for p in r["pieces"]], probe)
+        packed, packed_logp = result.value[step]
+        weights, megatron_logp = {n: _unpack(b) for n, b in packed.items()}, _unpack(packed_logp)
         references = {}
         for name, plan in settings.arms().items():
             svc = services.refit_service(plan=plan, trainer=_Unsharded(weights))  # type: ignore[arg-type]
