@@ -98,13 +98,15 @@ def test_every_rank_lists_the_unsharded_models_tensors_and_holds_their_slices(ca
 
 
 def _run(case_data: dict[str, Any], plan: QuantizationPlan, weights: list[dict[str, torch.Tensor]],
-         fault: RankFault | None = None, steps: int = 1) -> list[dict[str, Any]]:
+         fault: RankFault | None = None, steps: int = 1, engines: Any = None) -> list[dict[str, Any]]:
     """`steps` refits in a world of threads: the trainer ranks replay the captured shards (scaled by
-    2 ** step, an exact change), one RecordingEngine receives. Returns per rank its outcomes and,
-    on the engine, its live tensors after each refit."""
+    2 ** step, an exact change), one RecordingEngine receives (or the engines `engines(n)` makes
+    for the n-th engine rank, as many as it has). Returns per rank its outcomes and, on engines,
+    the engine and its live tensors after each refit."""
     records = case_data["records"]
     layout = layout_of(records[0])
-    world = RefitWorld(layout, 1)
+    count = getattr(engines, "count", 1)
+    world = RefitWorld(layout, count)
     shared = InMemoryWorld(world, step_timeout_s=20, phase_timeout_s=40)
     shapes = [(n, tuple(s)) for n, s in records[0]["shapes"]]
     engine_layout = {n: (tuple(t.shape), t.dtype) for n, t in quantize_stream(plan, weights[0].items())}
@@ -118,12 +120,13 @@ def _run(case_data: dict[str, Any], plan: QuantizationPlan, weights: list[dict[s
                 shards = {n: unpack(b) for n, b in records[rank]["shards"].items()}
                 trainer: Any = RecordedShards(shapes, shards)
             else:
-                trainer, engine = None, RecordingEngine(engine_layout)
+                n = rank - layout.size
+                trainer, engine = None, engines(n) if engines is not None else RecordingEngine(engine_layout)
             ports = wrap_rank(fault, RankPorts(shared.collectives(rank), trainer, engine), world.role(rank),
                               ShardMap.build(layout, shapes, plan), hang_s=0.1)
             svc = DistributedRefitService(world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
                                           bucket_bytes=64 << 10)
-            out: dict[str, Any] = {"outcomes": [], "errors": [], "live": []}
+            out: dict[str, Any] = {"outcomes": [], "errors": [], "live": [], "engine": engine}
             for step in range(steps):
                 if step and shards is not None:
                     for t in shards.values():
@@ -191,3 +194,70 @@ def test_a_trainer_rank_failure_aborts_the_refit_everywhere_and_keeps_the_engine
     live = results[-1]["live"]
     _assert_receives(live[1], plan, data["reference"])  # kept: bit for bit the refit-0 weights
     _assert_receives(live[2], plan, {n: t * 2 for n, t in doubled.items()})
+
+
+class _EngineGroup:
+    """Two TensorParallelEngine ranks (threads) and the collective they serve with."""
+
+    count = 2
+
+    def __init__(self, plan: QuantizationPlan) -> None:
+        from adapters.reference.config import MICRO_MOE
+
+        self.plan, self.config = plan, MICRO_MOE
+        self._barrier = threading.Barrier(2)
+        self._box: dict[int, Any] = {}
+
+    def gather(self, rank: int) -> Any:
+        def everyone(mine: Any) -> list[Any]:
+            self._box[rank] = dict(mine)
+            self._barrier.wait(30)
+            out = [self._box[r] for r in range(2)]
+            self._barrier.wait(30)
+            return out
+
+        return everyone
+
+    def __call__(self, n: int) -> Any:
+        from adapters.reference.tp_engine import TensorParallelEngine
+
+        return TensorParallelEngine(self.config, self.plan, 2, n, gather=self.gather(n))
+
+
+@pytest.mark.parametrize("plan_name", ["BF16", "NVFP4", "MXFP8"])
+@pytest.mark.parametrize("case", [Case("moe", tp=2, pp=2, ep=2), Case("moe", tp=2)], ids=lambda c: c.id)
+def test_an_engine_with_its_own_tensor_parallelism_takes_its_shares_of_the_same_stream(case: Case, plan_name: str,
+                                                                                      captured) -> None:
+    """Two engine ranks (the reference engine's tensor-parallel mode, tp=2) receive the same
+    stream from a sharded Megatron trainer: each keeps its shares, which put together are the
+    tp=1 engine's weights bit for bit, and the two ranks serve the tp=1 engine's log-probs."""
+    from adapters.reference.config import MICRO_MOE
+    from adapters.reference.engine import ReferenceEngine
+    from adapters.reference.tp_engine import unshard
+    from domain.refit.buckets import pack_buckets
+
+    plan, data = _plan(plan_name), captured[case.id]
+    group = _EngineGroup(plan)
+    results = _run(data, plan, [data["reference"]], engines=group)
+    assert all(r["outcomes"] == ["live"] for r in results), [r["errors"] for r in results]
+    single = ReferenceEngine(MICRO_MOE, plan)  # the tp=1 engine, refit in one process from the unsharded export
+    single.begin_refit(1)
+    for bucket in pack_buckets(quantize_stream(plan, data["reference"].items()), 1 << 20):
+        single.load_bucket(bucket)
+    single.finalize_refit()
+    engines = [r["engine"] for r in results[-2:]]
+    shares = [e.shares() for e in engines]
+    rebuilt = unshard(MICRO_MOE, plan, shares).live_weights()
+    for name, t in single.live_weights().items():
+        assert torch.equal(_bytes(rebuilt[name]), _bytes(t)), name
+    q = next(n for n in single.layout.targets if ".layers.0.self_attn.q_proj." in n and "global" not in n)
+    assert all(2 * s[q].shape[0] == single.layout.targets[q].shape[0] for s in shares)  # each rank: half the rows
+    ids = torch.randint(0, MICRO_MOE.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    served: dict[int, torch.Tensor] = {}
+    threads = [threading.Thread(target=lambda i=i: served.__setitem__(i, engines[i].log_probs(ids)[0])) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    want = single.log_probs(ids)[0]
+    assert torch.equal(served[0], want) and torch.equal(served[1], want)
