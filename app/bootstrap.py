@@ -442,7 +442,7 @@ class Services:
         entry.require("actor.strategy", name)
         if model is None:
             raise ConfigError("actor.strategy", f"{name}: pass this rank's model, distributed_refit(world, rank, model=...)")
-        return entry.sharded(self, model, world.layout, rank)  # type: ignore[no-any-return]
+        return entry.sharded(self, model, world.layout, rank)
 
     def refit_world(self, engines: int = 1, *, trainer_ranks: int | None = None) -> RefitWorld:
         """The refit world of `actor.megatron.*_parallel_size`: the trainer's ranks first (one

@@ -49,7 +49,12 @@ def shard_config(cfg: ReferenceModelConfig, tp: int) -> ReferenceModelConfig:
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
     if bad:
         raise ShardingError("engine tensor_parallel_size", f"tp={tp} does not divide {', '.join(bad)}; use a divisor")
-    return attrs.evolve(cfg, **{k: v // tp for k, v in sizes.items()})
+    shares: dict[str, Any] = {k: v // tp for k, v in sizes.items()}
+    return attrs.evolve(cfg, **shares)
+
+
+def _commit_mode(value: str | CommitMode) -> CommitMode:
+    return CommitMode.parse(value)
 
 
 def _sources(cfg: ReferenceModelConfig, plan: QuantizationPlan) -> dict[str, tuple[str, str, tuple[int, ...]]]:
@@ -81,7 +86,7 @@ class TensorParallelEngine:
     plan: QuantizationPlan
     tp: int
     rank: int
-    commit_mode: CommitMode = attrs.field(default=CommitMode.TRANSACTIONAL, converter=CommitMode.parse)
+    commit_mode: CommitMode = attrs.field(default=CommitMode.TRANSACTIONAL, converter=_commit_mode)
     gather: Gather | None = None
     inner: ReferenceEngine = attrs.field(init=False)
     _sources: dict[str, tuple[str, str, tuple[int, ...]]] = attrs.field(init=False)

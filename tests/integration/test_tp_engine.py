@@ -59,7 +59,7 @@ def test_shares_make_up_the_tp1_engine_and_serve_its_log_probs(presets) -> None:
 
 def test_shares_that_split_a_block_are_refused_naming_the_module() -> None:
     plan = QuantizationPlan.from_presets(linear="FP8_BLOCK", moe=None)
-    with pytest.raises(EngineTensorMismatch, match="v_proj.*not a multiple of the FP8_BLOCK block"):
+    with pytest.raises(EngineTensorMismatch, match=r"v_proj.*not a multiple of the FP8_BLOCK block"):
         TensorParallelEngine(TINY_MOE, plan, 2, 0)  # 64-row v shares start inside a 128-row block
     with pytest.raises(ShardingError, match="tp=3 does not divide vocab_size=512"):
         shard_config(MICRO_MOE, 3)
