@@ -102,9 +102,43 @@ def capture_rank(rank: int, cases: Sequence[Case]) -> list[dict[str, Any]]:
                     "shards": {s.name: pack(trainer.local_weight(s.name)) for s in trainer.shards()},
                     "declared": [attrs.asdict(s) for s in trainer.shards()],
                     "pieces": megatron_pieces(model),
+                    "refused": _refusals(model, trainer, layout, rank),
                 }
             parallel_state.destroy_model_parallel()
             out.append(record)
+    return out
+
+
+def _refusals(model: torch.nn.Module, trainer: Any, layout: ParallelLayout, rank: int) -> dict[str, str]:
+    """What the adapter says when the refit's view differs from Megatron's: a layout that is not
+    parallel_state's, a layer the refit places on another stage, a shard split another way."""
+    from adapters.megatron.sharded_model import MegatronShardedModel
+    from domain.refit.sharding import place_tensors
+
+    out = {}
+    try:
+        MegatronShardedModel.build(model, attrs.evolve(layout, pp=layout.pp * 2), rank)
+    except Exception as err:
+        out["layout"] = f"{type(err).__name__}: {err}"
+    placements = place_tensors(layout, trainer.weight_shapes())
+    mine = next(s for s in trainer.shards() if s.name.startswith("model.layers.") and ".experts." not in s.name)
+    other = [p for p in placements.values() if rank not in p.holders and p.name.startswith("model.layers.")
+             and layout.coords(p.source).stage != layout.coords(rank).stage]
+    if other:  # pretend the refit put this rank's tensor on another stage (an uneven pipeline split)
+        moved = dict(placements)
+        moved[mine.name] = attrs.evolve(placements[mine.name], holders=other[0].holders, split_dim=None)
+        try:
+            trainer.check(moved)
+        except Exception as err:
+            out["stage"] = f"{type(err).__name__}: {err}"
+    split = next((p for p in placements.values() if p.is_split and rank in p.holders), None)
+    if split is not None:
+        flipped = dict(placements)
+        flipped[split.name] = attrs.evolve(split, holders=tuple(reversed(split.holders)))
+        try:
+            trainer.check(flipped)
+        except Exception as err:
+            out["position"] = f"{type(err).__name__}: {err}"
     return out
 
 

@@ -97,6 +97,15 @@ def test_every_rank_lists_the_unsharded_models_tensors_and_holds_their_slices(ca
     assert held >= len(shapes)  # every tensor is held by its placement's holders
 
 
+def test_the_adapter_names_what_differs_from_megatrons_layout(captured) -> None:
+    records = captured[Case("moe", tp=2, pp=2).id]["records"]
+    for rank, record in enumerate(records):
+        refused = record["refused"]
+        assert refused["layout"].startswith("ShardingError: actor.megatron: the refit's trainer layout is tp=2 pp=4")
+        assert "layers must be split evenly over the pipeline stages" in refused["stage"], rank
+        assert "the refit expects" in refused["position"] and f"rank {rank} holds" in refused["position"]
+
+
 def _run(case_data: dict[str, Any], plan: QuantizationPlan, weights: list[dict[str, torch.Tensor]],
          fault: RankFault | None = None, steps: int = 1, engines: Any = None) -> list[dict[str, Any]]:
     """`steps` refits in a world of threads: the trainer ranks replay the captured shards (scaled by
