@@ -192,10 +192,11 @@ def run(args: argparse.Namespace) -> int:
         raise
     except ValueError as err:  # DemoSettings' own checks name the option
         raise ConfigError("refit demo", str(err)) from None
-    if args.trainer == "megatron":  # a real Megatron-Core trainer, sharded over processes
-        from app.cli.demo_megatron import run_megatron
+    from app.cli.demo_megatron import check_reference_args, run_megatron
 
+    if args.trainer == "megatron":  # a real Megatron-Core trainer, sharded over processes
         return run_megatron(args, settings)
+    check_reference_args(args)
     if args.procs is not None:  # trainer and engine ranks in separate processes
         from app.cli.demo_procs import run_procs
 

@@ -41,6 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=0.1, help="with --trainer megatron: the SGD learning rate (default 0.1)")
 
 
+def check_reference_args(args: argparse.Namespace) -> None:
+    """The Megatron options need `--trainer megatron`; a ConfigError names them otherwise."""
+    given = [f"--{k}" for k, default in (("tp", 1), ("pp", 1), ("ep", 1), ("etp", 1), ("lr", 0.1))
+             if getattr(args, k) != default]
+    if args.trainer != "megatron" and given:
+        raise ConfigError(given[0], "needs --trainer megatron (the embedded trainer is not sharded that way; "
+                          "see --procs for its distributed refit)")
+
+
 def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     """Run the Megatron demo world, judge every refit, print; the exit status."""
     if args.procs is not None or args.inject_fault or args.qat:

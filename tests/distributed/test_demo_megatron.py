@@ -40,7 +40,8 @@ def test_tp2_pp2_refits_every_step_exactly(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_expert_parallelism_carved_out_of_the_tensor_parallel_ranks(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out = _demo(capsys, "--tp", "2", "--ep", "2", "--model", "micro-moe", "--steps", "1", "--linear", "NVFP4")
+    rc, out = _demo(capsys, "--tp", "2", "--ep", "2", "--model", "micro-moe", "--steps", "1", "--linear", "MXFP8",
+                    "--moe", "MXFP4")
     assert rc == 0 and out["world"]["layout"] == "tp=2 pp=1 ep=2" and out["world"]["trainer_ranks"] == 2
     assert out["sharded_equals_unsharded"] and out["bf16_k3_kl_exactly_zero"]
 
@@ -48,3 +49,5 @@ def test_expert_parallelism_carved_out_of_the_tensor_parallel_ranks(capsys: pyte
 def test_a_layout_beyond_this_machine_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--trainer", "megatron", "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "2"]) == 2
     assert "needs 8 trainer processes" in capsys.readouterr().err
+    assert main(["demo", "--tp", "2"]) == 2  # the embedded trainer is not sharded by --tp
+    assert "--tp: needs --trainer megatron" in capsys.readouterr().err
