@@ -492,12 +492,14 @@ class Services:
             raise ConfigError("--inject-fault", str(err)) from None
 
     def launch_world(self, fn: Callable[..., Any], size: int, args: Sequence[Any] = (), *,
-                     timeout_s: float = 120.0) -> list[Any]:
+                     timeout_s: float = 120.0, start_method: str = "fork") -> list[Any]:
         """Run `fn(rank, *args)` in `size` local processes joined over gloo on 127.0.0.1
-        (adapters.distributed.launch); returns one RankResult per rank."""
+        (adapters.distributed.launch); returns one RankResult per rank. `start_method`
+        `forkserver` starts them from a clean process (fn and args then travel pickled): what a
+        world of Megatron-Core ranks needs once this process has run Megatron itself."""
         from adapters.distributed.launch import launch_world
 
-        return launch_world(fn, size, args, timeout_s=timeout_s)
+        return launch_world(fn, size, args, timeout_s=timeout_s, start_method=start_method)
 
     # --- the trainer's side --------------------------------------------------------------------
 

@@ -104,7 +104,8 @@ def run(quick: bool = False) -> BenchReport:
         layout = ParallelLayout(tp, pp, ep)
         run_ = _Run(model, bucket_mb, repeats, layout)
         world = RefitWorld(layout, 1)
-        results = services.launch_world(bench_rank, world.size, (run_,), timeout_s=600 if quick else 3600)
+        results = services.launch_world(bench_rank, world.size, (run_,), timeout_s=600 if quick else 3600,
+                                        start_method="forkserver")
         bad = [f"rank {r.rank}: {r.error}\n{r.traceback or ''}{r.output[-1500:]}" for r in results if not r.ok]
         if bad:
             raise RuntimeError("refit bench sharded: a rank failed:\n" + "\n".join(bad))

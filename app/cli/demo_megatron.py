@@ -23,7 +23,15 @@ from rich.table import Table
 from app.bootstrap import bootstrap
 from app.services.demo import DemoSettings
 from app.services.lifecycle import describe_plan
-from app.services.megatron_demo import BF16, MegatronDemoSettings, demo_rank, judge
+from app.services.megatron_demo import (
+    BF16,
+    MegatronDemoSettings,
+    demo_rank,
+    judge,
+    probe_batch,
+    step_pieces,
+    unsharded_rank,
+)
 from domain.errors import ConfigError
 
 MAX_TRAINER_RANKS = 4  # this machine: 2 cores
@@ -55,26 +63,33 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     if args.procs is not None or args.inject_fault or args.qat:
         raise ConfigError("--trainer", "megatron takes its processes from --tp/--pp/--ep (no --procs), and no "
                           "--inject-fault or --qat")
-    services = bootstrap(overrides=[
+    overrides = [
         f"reference.model={settings.model}", f"reference.seed={settings.seed}", "actor.strategy=megatron",
         f"actor.megatron.tensor_model_parallel_size={args.tp}", f"actor.megatron.pipeline_model_parallel_size={args.pp}",
         f"actor.megatron.expert_model_parallel_size={args.ep}", f"actor.megatron.expert_tensor_parallel_size={args.etp}",
         f"rollout.commit_mode={settings.commit_mode}",
         f"rollout.checkpoint_engine.update_weights_bucket_megabytes={settings.bucket_megabytes!r}",
-    ])
+    ]
+    services = bootstrap(overrides=overrides)
     world = services.refit_world(engines=1)
     if world.layout.size > MAX_TRAINER_RANKS:
         raise ConfigError("--tp/--pp/--ep", f"{world.layout.describe()} needs {world.layout.size} trainer processes; "
                           f"this machine runs at most {MAX_TRAINER_RANKS} (use --etp 1 to carve --ep out of --tp)")
     demo = MegatronDemoSettings(settings.plan, describe_plan(settings.plan), steps=settings.steps, lr=args.lr,
                                 seed=settings.seed)
-    results = services.launch_world(demo_rank, world.size, (services, demo, world), timeout_s=180 + 30 * settings.steps)
-    crashed = [r for r in results if not r.ok]
-    if crashed:
-        text = "\n".join(f"rank {r.rank}: {r.error}\n{r.traceback or ''}{r.output[-1500:]}" for r in crashed)
-        sys.stderr.write(f"refit demo --trainer megatron: a rank did not finish:\n{text}\n")
+    # Every world starts from a clean process (forkserver): Megatron worlds must not inherit the
+    # state of a process that ran Megatron itself (a caller's, or a test's).
+    results = services.launch_world(_demo_rank, world.size, (overrides, demo, world), timeout_s=180 + 30 * settings.steps,
+                                    start_method="forkserver")
+    if _crashed(results):
         return 1
-    rows = judge(services, demo, world, [rec for r in results for rec in r.value])
+    records = [rec for r in results for rec in r.value]
+    pieces = step_pieces(records)
+    reference = services.launch_world(_unsharded_rank, 1, (overrides, pieces, probe_batch(services, demo)),
+                                      timeout_s=120 + 20 * len(pieces), start_method="forkserver")
+    if _crashed(reference):
+        return 1
+    rows = judge(services, demo, world, records, reference[0].value)
     verdict = _verdict(rows)
     header = (f"refit demo --trainer megatron: {settings.model} as a Megatron-Core GPTModel, trainer "
               f"{world.layout.describe()} on ranks {list(world.trainer_ranks)}, reference engine on rank "
@@ -86,6 +101,22 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     else:
         _render(header, rows, verdict)
     return 0 if all(verdict.values()) else 1
+
+
+def _demo_rank(rank: int, overrides: list[str], demo: MegatronDemoSettings, world: Any) -> list[dict[str, Any]]:
+    return demo_rank(rank, bootstrap(overrides=overrides), demo, world)
+
+
+def _unsharded_rank(rank: int, overrides: list[str], pieces: Any, probe: Any) -> Any:
+    return unsharded_rank(rank, bootstrap(overrides=overrides), pieces, probe)
+
+
+def _crashed(results: list[Any]) -> bool:
+    crashed = [r for r in results if not r.ok]
+    if crashed:
+        text = "\n".join(f"rank {r.rank}: {r.error}\n{r.traceback or ''}{r.output[-1500:]}" for r in crashed)
+        sys.stderr.write(f"refit demo --trainer megatron: a rank did not finish:\n{text}\n")
+    return bool(crashed)
 
 
 def _verdict(rows: list[dict[str, Any]]) -> dict[str, bool]:

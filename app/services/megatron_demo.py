@@ -90,7 +90,7 @@ def demo_rank(rank: int, services: Services, settings: MegatronDemoSettings, wor
     """
     kit = services.megatron_demo_kit()
     vocab = services.reference_config().vocab_size
-    probe = token_batch(vocab, settings.batch, settings.seq_len, settings.seed + 7)
+    probe = probe_batch(services, settings)
     # One batch, trained on at every step: the loss falls as the model learns it.
     tokens = token_batch(vocab, settings.batch, settings.seq_len + 1, settings.seed * 1_000 + 1)
     records = []
@@ -143,21 +143,35 @@ class _Unsharded:
         yield from self.weights.items()
 
 
+def probe_batch(services: Services, settings: MegatronDemoSettings) -> torch.Tensor:
+    """The tokens every engine, and Megatron's own forward, score."""
+    return token_batch(services.reference_config().vocab_size, settings.batch, settings.seq_len, settings.seed + 7)
+
+
+def step_pieces(records: Sequence[dict[str, Any]]) -> dict[int, list[Any]]:
+    """Every trainer rank's Megatron pieces, by step."""
+    out: dict[int, list[Any]] = {}
+    for r in sorted(records, key=lambda r: (r["step"], r["rank"])):
+        if r["role"] == "trainer":
+            out.setdefault(r["step"], []).extend(r["pieces"])
+    return out
+
+
 def unsharded_rank(rank: int, services: Services, pieces: Mapping[int, list[Any]],
                    probe: torch.Tensor) -> dict[int, tuple[dict[str, bytes], bytes]]:
     """A world of one process: each step's unsharded model from every trainer rank's pieces, its
-    BF16 export and Megatron's own log-probs of `probe` (a process of its own: this one never
-    initializes torch.distributed, so that later worlds fork from a clean process)."""
+    BF16 export and Megatron's own log-probs of `probe` (a process of its own: the command's
+    process never initializes torch.distributed or Megatron, so later worlds start clean)."""
     kit = services.megatron_demo_kit()
     out = {}
-    for step, step_pieces in pieces.items():
-        weights, logp = kit.unsharded(step_pieces, probe)
+    for step, parts in pieces.items():
+        weights, logp = kit.unsharded(parts, probe)
         out[step] = ({n: _pack(t) for n, t in weights.items()}, _pack(logp))
     return out
 
 
 def judge(services: Services, settings: MegatronDemoSettings, world: RefitWorld,
-          records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+          records: Sequence[dict[str, Any]], unsharded: Mapping[int, tuple[dict[str, bytes], bytes]]) -> list[dict[str, Any]]:
     """Every step's verdict, against the unsharded model of the same global weights.
 
     Args:
@@ -165,28 +179,24 @@ def judge(services: Services, settings: MegatronDemoSettings, world: RefitWorld,
         settings: the demo's settings.
         world: the refit world the records come from.
         records: every rank's records.
+        unsharded: `unsharded_rank`'s result for `step_pieces(records)`.
 
     Returns:
         One row per step and arm: outcome, `sharded_equals_unsharded` for every engine, the
         mismatch metrics (`k3_kl`, `mean_abs_logp_diff`, ...) against the trainer's weights, and
         Megatron's own forward against the same engine (`megatron_k3_kl`).
     """
-    vocab = services.reference_config().vocab_size
-    probe = token_batch(vocab, settings.batch, settings.seq_len, settings.seed + 7)
+    probe = probe_batch(services, settings)
     mask = response_mask(settings.batch, settings.seq_len, settings.prompt_len)
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         by_step.setdefault(r["step"], []).append(r)
-    pieces = {step: [p for r in recs if r["role"] == "trainer" for p in r["pieces"]] for step, recs in by_step.items()}
-    [result] = services.launch_world(unsharded_rank, 1, (services, pieces, probe), timeout_s=120 + 20 * len(pieces))
-    if not result.ok:
-        raise RuntimeError(f"the unsharded reference failed: {result.error}\n{result.traceback or ''}")
     rows = []
     for step in sorted(by_step):
         recs = sorted(by_step[step], key=lambda r: r["rank"])
         trainers = [r for r in recs if r["role"] == "trainer"]
         engines = [r for r in recs if r["role"] == "engine"]
-        packed, packed_logp = result.value[step]
+        packed, packed_logp = unsharded[step]
         weights, megatron_logp = {n: _unpack(b) for n, b in packed.items()}, _unpack(packed_logp)
         references = {}
         for name, plan in settings.arms().items():

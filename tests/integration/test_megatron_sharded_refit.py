@@ -57,9 +57,8 @@ PLANS = {"BF16": (None, None), "FP8_BLOCK": ("FP8_BLOCK", "FP8_BLOCK"), "MXFP8":
 
 @pytest.fixture(scope="module")
 def captured() -> dict[str, dict[str, Any]]:
-    import megatron.core  # noqa: F401  (imported once here, before the processes fork)
-
-    results = launch_world(capture_rank, 4, (CASES,), timeout_s=240)
+    # forkserver: the processes start clean, whatever Megatron this test process ran before.
+    results = launch_world(capture_rank, 4, (CASES,), timeout_s=240, start_method="forkserver")
     failed = [f"rank {r.rank}: {r.error}\n{r.traceback or ''}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     out = {}
