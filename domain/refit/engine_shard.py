@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from domain.errors import ShardingError
-from domain.refit.sharding import _split_dim
+from domain.refit.sharding import split_dimension
 
 GLOBAL_SCALE = "weight_global_scale"
 
@@ -30,7 +30,7 @@ def engine_split_dim(hf_name: str, shape: tuple[int, ...]) -> int | None:
     Returns:
         0 (rows), 1 (columns) or None (kept whole on every rank).
     """
-    return _split_dim(hf_name, tuple(shape))
+    return split_dimension(hf_name, tuple(shape))
 
 
 def engine_shard(local: str, tensor: torch.Tensor, hf_name: str, hf_shape: tuple[int, ...], tp: int,

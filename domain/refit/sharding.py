@@ -337,8 +337,9 @@ class ExportUnit:
 # --- placing a model ---------------------------------------------------------------------------
 
 
-def _split_dim(name: str, shape: tuple[int, ...]) -> int | None:
-    """The dimension tensor parallelism splits (Megatron's `partition_dim`), or None.
+def split_dimension(name: str, shape: tuple[int, ...]) -> int | None:
+    """The dimension tensor parallelism splits a (Hugging Face) tensor along (Megatron's
+    `partition_dim`, vLLM's split), or None.
 
     Experts are judged like dense modules (their holders are the expert group); routers, norms,
     shared-expert gates and row-parallel biases are replicated.
@@ -489,7 +490,7 @@ def place_tensors(layout: ParallelLayout, shapes: Sequence[tuple[str, tuple[int,
         else:
             group = layout.dense_ranks(stage)
             key, size = "actor.megatron.tensor_model_parallel_size", f"tp={layout.tp}"
-        dim = _split_dim(name, shape) if len(group) > 1 else None
+        dim = split_dimension(name, shape) if len(group) > 1 else None
         sections = _gdn_sections(name, shape, by_name) if dim is not None else ()
         for extent in sections or ((shape[dim],) if dim is not None else ()):
             if extent % len(group):

@@ -30,6 +30,7 @@ from adapters.memory.faulty import RankPorts, wrap_rank
 from adapters.memory.recording import RecordingEngine
 from app.services.distributed_refit import DistributedRefitService
 from domain.errors import DistributedRefitFailed
+from domain.quant import naming
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
 from domain.refit.sharding import RefitWorld, ShardMap, place_tensors
@@ -88,9 +89,12 @@ def test_every_rank_lists_the_unsharded_models_tensors_and_holds_their_slices(ca
     placements = place_tensors(layout_of(records[0]), shapes)
     held = 0
     for rank, record in enumerate(records):
+        declared = {d["name"]: d for d in record["declared"]}  # what the adapter says of each shard
         for name, data_ in record["shards"].items():
-            p = placements[name]
+            p, d = placements[name], declared[name]
+            assert d["group"] == naming.classify(name, p.shape).group and tuple(d["shape"]) == p.shape, name
             if rank in p.holders:
+                assert (d["split_dim"], d["index"], d["group_size"]) == (p.split_dim, p.holders.index(rank), len(p.holders))
                 assert torch.equal(unpack(data_), p.shard_of(reference[name], rank)), (rank, name)
                 held += 1
     assert held >= len(shapes)  # every tensor is held by its placement's holders
