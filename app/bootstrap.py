@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ports.environment_probe import EnvironmentProbe
     from ports.refit_collectives import RefitCollectives
     from ports.rollout_engine import RolloutEngine
+    from ports.sharded_trainer import ShardedTrainerModel
     from ports.trainer_model import TrainerModel
 
 # The environment variables rl-refit honours (read once, here, and passed down as values).
@@ -69,6 +70,8 @@ class AdapterEntry:
         extra: the rl-refit extra that installs that package.
         remote: the engine can run in processes of its own (`rollout.deployment: disaggregated`),
             where its package is needed there, not here.
+        sharded: trainers only: the factory of one rank's ShardedTrainerModel, called with the
+            Services, the rank's model, the parallel layout and the rank (None: no sharded form).
     """
 
     adapter: str
@@ -76,6 +79,7 @@ class AdapterEntry:
     package: str | None = None
     extra: str | None = None
     remote: bool = False
+    sharded: Callable[..., Any] | None = None
 
     def require(self, key: str, name: str) -> None:
         """Raise ModuleNotFoundError naming the adapter and the extra when its package is missing."""
@@ -221,6 +225,15 @@ def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
     return MegatronTrainerModel.build(model, request.mode)  # type: ignore[arg-type]
 
 
+def _megatron_sharded(services: Services, model: object, layout: Any, rank: int) -> ShardedTrainerModel:
+    import torch
+
+    from adapters.megatron.sharded_model import MegatronShardedModel
+
+    # The rollout serves BF16 weights: float32 master weights are read as BF16, tensor by tensor.
+    return MegatronShardedModel.build(model, layout, rank, dtype=torch.bfloat16)  # type: ignore[arg-type]
+
+
 # rollout.name -> the engine adapter; actor.strategy -> the trainer adapter.
 ENGINES: dict[str, AdapterEntry] = {
     "reference": AdapterEntry("adapters.reference.engine.ReferenceEngine", _reference_engine),
@@ -230,7 +243,7 @@ ENGINES: dict[str, AdapterEntry] = {
 TRAINERS: dict[str, AdapterEntry] = {
     "reference": AdapterEntry("adapters.reference.trainer.ReferenceTrainer", _reference_trainer),
     "megatron": AdapterEntry("adapters.megatron.trainer_model.MegatronTrainerModel", _megatron_trainer,
-                             "megatron.core", "megatron"),
+                             "megatron.core", "megatron", sharded=_megatron_sharded),
 }
 
 
@@ -396,15 +409,22 @@ class Services:
         fault: object | None = None,
         restore: str | None = None,
         hang_s: float = 60.0,
+        model: object | None = None,
+        shapes: Sequence[tuple[str, tuple[int, ...]]] | None = None,
+        engine: RolloutEngine | None = None,
     ) -> DistributedRefitService:
-        """This rank's DistributedRefitService on the embedded reference model.
+        """This rank's DistributedRefitService: the call every rank of a refit world makes.
 
         Every rank calls it, in the same order (the torch.distributed collectives create process
-        groups). Trainer ranks build the reference model from `reference.seed` and keep their
-        slices; engine ranks build a reference engine.
+        groups). On the embedded reference model (`actor.strategy: reference`), trainer ranks
+        build the reference model from `reference.seed` and keep their slices. With a trainer of
+        your own (`actor.strategy: megatron`), each trainer rank passes its model: the rank's
+        shards come from TRAINERS[actor.strategy]'s sharded adapter, checked against where the
+        refit places every tensor, and the engine ranks learn the model's tensor list from trainer
+        rank 0. Engine ranks build an engine from ENGINES[rollout.name] (or use `engine`).
 
         Args:
-            world: the refit world (trainer layout, engine count).
+            world: the refit world (trainer layout, engine count), e.g. `refit_world(engines)`.
             rank: this process's rank.
             plan: the rollout plan (default: the configuration's).
             comm: the collectives (default: torch.distributed, in an initialized process group).
@@ -415,11 +435,15 @@ class Services:
                 hits are wrapped to fail there.
             restore: `replay` or `stale` (None: by commit mode).
             hang_s: how long an injected hang sleeps.
+            model: trainer ranks of `actor.strategy: megatron`: this rank's built model (wrappers
+                allowed; its parameters are read in place at every refit).
+            shapes: the model's (name, full shape) list, for engine ranks that do not receive it
+                over torch.distributed (a `comm` of your own).
+            engine: engine ranks: the engine to refit (default: a new one from ENGINES).
 
         Returns:
             The DistributedRefitService.
         """
-        from adapters.distributed.sliced_trainer import SlicedTrainer
         from adapters.memory.faulty import RankPorts, wrap_rank
         from adapters.reference.config import hf_weight_shapes, preset
         from app.services.distributed_refit import DistributedRefitService
@@ -428,29 +452,88 @@ class Services:
         plan = plan or self.plan
         cfg = preset(self.config.reference.model)
         bucket_bytes = self.bucket_bytes
-        if comm is None:
-            from adapters.distributed.torch_dist import TorchDistCollectives
-
-            comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)
         role = world.role(rank)
-        trainer = engine = None
-        if role is Role.TRAINER:
+        own_model = model is not None or self.config.actor.strategy != "reference"
+        trainer: Any = None
+        if role is Role.TRAINER and own_model:
+            trainer = self._sharded_trainer(model, world, rank)
+            shapes = trainer.weight_shapes()
+        elif role is Role.TRAINER:
+            from adapters.distributed.sliced_trainer import SlicedTrainer
             from adapters.reference.trainer import ReferenceTrainer
 
             full = self.trainer or ReferenceTrainer.from_seed(cfg, self.config.reference.seed)
             trainer = SlicedTrainer(full, world.layout, rank)
         else:
-            engine = self.rollout_engine(plan)
-        shapes = hf_weight_shapes(cfg)
+            engine = engine or self.rollout_engine(plan)
+        if own_model and comm is None:  # engine ranks learn the tensor list from trainer rank 0
+            from adapters.distributed.objects import broadcast_object
+
+            shapes = broadcast_object(shapes if rank == 0 else None, src=0)
+        if shapes is None and own_model:
+            raise ConfigError("distributed refit", f"rank {rank} is an engine rank of an actor.strategy="
+                              f"{self.config.actor.strategy} world with collectives of your own: pass shapes=")
+        shapes = shapes if shapes is not None else hf_weight_shapes(cfg)
+        shard_map = ShardMap.build(world.layout, shapes, plan)
+        if own_model and trainer is not None:
+            trainer.check(shard_map.placements)  # what the rank holds = where the refit places it
+        if comm is None:
+            from adapters.distributed.torch_dist import TorchDistCollectives
+
+            comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)
         try:
             ports = wrap_rank(fault, RankPorts(comm, trainer, engine), role,  # type: ignore[arg-type]
-                              ShardMap.build(world.layout, shapes, plan), hang_s)
+                              shard_map, hang_s)
         except ValueError as err:
             raise ConfigError("--fault-rank", str(err)) from None
         return DistributedRefitService(
             world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
             bucket_bytes=bucket_bytes, window=window, restore=restore,
         )
+
+    def _sharded_trainer(self, model: object | None, world: RefitWorld, rank: int) -> ShardedTrainerModel:
+        """This trainer rank's ShardedTrainerModel from TRAINERS[actor.strategy]."""
+        name = self.config.actor.strategy
+        entry = TRAINERS.get(name)
+        if entry is None or entry.sharded is None:
+            raise ConfigError("actor.strategy", f"{name!r} has no sharded trainer adapter; set actor.strategy: megatron "
+                              "to refit a model of your own, or leave model unset to refit the embedded one")
+        entry.require("actor.strategy", name)
+        if model is None:
+            raise ConfigError("actor.strategy", f"{name}: pass this rank's model, distributed_refit(world, rank, model=...)")
+        return entry.sharded(self, model, world.layout, rank)
+
+    def refit_world(self, engines: int = 1, *, trainer_ranks: int | None = None) -> RefitWorld:
+        """The refit world of `actor.megatron.*_parallel_size`: the trainer's ranks first (one
+        model replica, or `trainer_ranks` with more data-parallel replicas), then `engines`.
+
+        Every rank builds the same world from the same configuration; a Megatron trainer rank's
+        adapter checks it against Megatron's parallel_state.
+
+        Raises:
+            ShardingError: sizes that do not form a layout (naming the key).
+        """
+        from domain.refit.sharding import ParallelLayout, RefitWorld
+
+        m = self.config.actor.megatron
+        tp = m.tensor_model_parallel_size
+        etp = m.expert_tensor_parallel_size if m.expert_tensor_parallel_size is not None else tp
+        layout = ParallelLayout(tp, m.pipeline_model_parallel_size, m.expert_model_parallel_size, etp)
+        if trainer_ranks is not None and trainer_ranks != layout.size:
+            per_replica = layout.tp * layout.pp
+            if trainer_ranks % per_replica:
+                raise ConfigError("trainer_ranks", f"{trainer_ranks} trainer ranks are not a multiple of tp * pp ({per_replica})")
+            layout = attrs.evolve(layout, dp=trainer_ranks // per_replica)
+        return RefitWorld(layout, engines)
+
+    def megatron_demo_kit(self) -> Any:
+        """What `refit demo --trainer megatron` needs from Megatron-Core on CPU, for the
+        `reference.model` architecture and `reference.seed` (adapters.megatron.demo_kit)."""
+        TRAINERS["megatron"].require("actor.strategy", "megatron")
+        from adapters.megatron.demo_kit import MegatronDemoKit
+        from adapters.reference.config import preset
+
+        return MegatronDemoKit(preset(self.config.reference.model), self.config.reference.seed)
 
     def reference_config(self) -> Any:
         """The embedded reference model's shapes (adapters.reference.config.ReferenceModelConfig)."""
@@ -517,12 +600,14 @@ class Services:
             raise ConfigError("--inject-fault", str(err)) from None
 
     def launch_world(self, fn: Callable[..., Any], size: int, args: Sequence[Any] = (), *,
-                     timeout_s: float = 120.0) -> list[Any]:
+                     timeout_s: float = 120.0, start_method: str = "fork") -> list[Any]:
         """Run `fn(rank, *args)` in `size` local processes joined over gloo on 127.0.0.1
-        (adapters.distributed.launch); returns one RankResult per rank."""
+        (adapters.distributed.launch); returns one RankResult per rank. `start_method`
+        `forkserver` starts them from a clean process (fn and args then travel pickled): what a
+        world of Megatron-Core ranks needs once this process has run Megatron itself."""
         from adapters.distributed.launch import launch_world
 
-        return launch_world(fn, size, args, timeout_s=timeout_s)
+        return launch_world(fn, size, args, timeout_s=timeout_s, start_method=start_method)
 
     # --- the trainer's side --------------------------------------------------------------------
 

@@ -161,6 +161,10 @@ def _optional_non_negative(key: str, value: Any) -> Any:
     return value if value is None else _non_negative(key, value)
 
 
+def _positive_or_none(key: str, value: Any) -> Any:
+    return value if value is None else _positive(key, value)
+
+
 def _non_negative(key: str, value: Any) -> Any:
     if value < 0:
         raise ConfigError(key, f"must be 0 or more, got {_short(value)}")
@@ -267,6 +271,15 @@ SCHEMA: tuple[Key, ...] = (
         "BF16 layers at the start (with first_last_layers_bf16)", check=_non_negative),
     Key("actor.megatron.override_transformer_config.num_layers_at_end_in_bf16", (int,), 1,
         "BF16 layers at the end (with first_last_layers_bf16)", check=_non_negative),
+    Key("actor.megatron.tensor_model_parallel_size", (int,), 1,
+        "the Megatron trainer's tensor-parallel size (the sharded refit's layout)", check=_positive),
+    Key("actor.megatron.pipeline_model_parallel_size", (int,), 1,
+        "the Megatron trainer's pipeline-parallel size", check=_positive),
+    Key("actor.megatron.expert_model_parallel_size", (int,), 1,
+        "the Megatron trainer's expert-parallel size", check=_positive),
+    Key("actor.megatron.expert_tensor_parallel_size", (int, NoneType), None,
+        "the Megatron trainer's expert tensor-parallel size; null = Megatron's default (the tensor-parallel size)",
+        check=_positive_or_none),
     Key("actor.megatron.gdn_kernels", (str,), "auto",
         "GatedDeltaNet packed kernels", choices=("auto", "reference", "fla", "causal_conv1d")),
     Key("actor.fused_forward", (str, bool, int, NoneType), None,

@@ -44,11 +44,12 @@ class SlicedTrainer:
         return [(n, tuple(t.shape)) for n, t in self._weights.items()]
 
     def local_weight(self, name: str) -> torch.Tensor:
-        """This rank's slice of `name` (a view); ShardingError when the rank holds none of it."""
+        """This rank's slice of `name` (a view unless split section by section); ShardingError
+        when the rank holds none of it."""
         p = self._placements.get(name)
         if p is None:
             raise ShardingError(name, "is not a tensor of this model")
-        return self._weights[name][p.shard_slices(self.rank)]
+        return p.shard_of(self._weights[name], self.rank)
 
     def held(self) -> list[str]:
         """Names of the tensors this rank holds a piece of, in layer order."""

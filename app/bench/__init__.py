@@ -8,5 +8,6 @@ SUITES: dict[str, str] = {
     "export": "app.bench.export",
     "logprobs": "app.bench.logprobs",
     "refit": "app.bench.refit",
+    "sharded": "app.bench.sharded",
     "transport": "app.bench.transport",
 }

@@ -62,6 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run trainer and engine ranks in N processes (2-4) over gloo on 127.0.0.1")
     p.add_argument("--fault-rank", type=int, default=None, metavar="R",
                    help="with --procs: the rank --inject-fault hits (default: the last engine; rank 0 for export:K)")
+    from app.cli.demo_megatron import add_arguments
+
+    add_arguments(p)
 
 
 def _row(r: StepRecord) -> list[str]:
@@ -222,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
         raise
     except ValueError as err:  # DemoSettings' own checks name the option
         raise ConfigError("refit demo", str(err)) from None
+    from app.cli.demo_megatron import check_reference_args, run_megatron
+
+    if args.trainer == "megatron":  # a real Megatron-Core trainer, sharded over processes
+        return run_megatron(args, settings)
+    check_reference_args(args)
     if args.procs is not None:  # trainer and engine ranks in separate processes
         from app.cli.demo_procs import run_procs
 

@@ -214,7 +214,7 @@ class ShardExporter:
                 off += n
             per_rank.append(parts)
         for j, (p, d, mode) in enumerate(zip(u.members, u.decisions, u.modes, strict=True)):
-            full = concat_shards([parts[j] for parts in per_rank], p.split_dim or 0, p.name)
+            full = concat_shards([parts[j] for parts in per_rank], p.split_dim or 0, p.name, p.sections)
             if mode == "gather" and d.is_quantized:
                 full = quantize_shard(self.plan, d, full["weight"], gs)
             yield from checkpoint_items(self.plan, d, full)

@@ -80,13 +80,16 @@ def quantize_shard(
     return dict(q.tensors)
 
 
-def concat_shards(pieces: Sequence[Mapping[str, torch.Tensor]], dim: int, name: str) -> dict[str, torch.Tensor]:
+def concat_shards(pieces: Sequence[Mapping[str, torch.Tensor]], dim: int, name: str,
+                  sections: Sequence[int] = ()) -> dict[str, torch.Tensor]:
     """Join the TP ranks' pieces of one tensor (in TP-rank order) into the full checkpoint tensors.
 
     Args:
         pieces: each rank's `quantize_shard` output; all have the same keys.
         dim: the split dimension (weights and block scales are split along the same one).
         name: the tensor's name, for errors.
+        sections: the placement's sections (`Placement.sections`): each piece holds its share of
+            every section in turn, and the full tensor is section after section; () = one.
 
     Returns:
         Local checkpoint name -> full tensor. A global scale is the same on every piece (it came
@@ -99,6 +102,9 @@ def concat_shards(pieces: Sequence[Mapping[str, torch.Tensor]], dim: int, name: 
             if any(not torch.equal(parts[0], p) for p in parts[1:]):
                 raise ShardingError(name, "TP ranks quantized with different global scales; their amax all-reduce diverged")
             out[key] = parts[0]
+        elif sections:
+            chunks = [p.split([s // len(parts) for s in sections], dim=dim) for p in parts]
+            out[key] = torch.cat([c[i] for i in range(len(sections)) for c in chunks], dim=dim)
         else:
             out[key] = torch.cat(parts, dim=dim)
     return out

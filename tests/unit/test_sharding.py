@@ -36,17 +36,35 @@ def weights() -> dict[str, torch.Tensor]:
     return dict(ReferenceTrainer.from_seed(MICRO_MOE, 3).named_weights())
 
 
-def test_layout_rank_coordinates_round_trip() -> None:
-    layout = ParallelLayout(tp=2, pp=2, ep=2)
-    assert layout.size == 8
+def test_layout_follows_megatron_rank_order() -> None:
+    # etp = tp: expert groups are the dense TP groups of each data-parallel replica (8 ranks).
+    layout = ParallelLayout(tp=2, pp=2, ep=2, etp=2)
+    assert layout.size == 8 and layout.per_stage == 4
     for rank in range(8):
         c = layout.coords(rank)
+        assert (c.stage, c.ep_rank, c.tp_rank, c.etp_rank) == (rank // 4, (rank // 2) % 2, rank % 2, rank % 2)
         assert layout.rank_of(c.stage, c.ep_rank, c.tp_rank) == rank
-    assert layout.tp_ranks(1, 1) == (6, 7)
+    assert layout.tp_ranks(1, 1) == (6, 7) and layout.dense_ranks(1) == (4, 5)
+    # etp = 1: expert parallelism is carved out of the TP ranks (4 ranks hold tp=2 pp=2 ep=2).
+    carved = ParallelLayout(tp=2, pp=2, ep=2)
+    assert carved.size == 4 and carved.describe() == "tp=2 pp=2 ep=2"
+    assert [(c.stage, c.tp_rank, c.ep_rank) for c in map(carved.coords, range(4))] == [
+        (0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
+    assert carved.tp_ranks(0, 0) == (0, 1) and carved.tp_ranks(0, 1) == (1,) and carved.expert_ranks(1, 1) == (3,)
+    # ep = 2 alone: the second rank is a data-parallel replica of the dense layers that owns half the experts.
+    assert ParallelLayout(ep=2).coords(1) == ParallelLayout(ep=2).coords(1).__class__(0, 1, 0, 0, 1)
+    # More data-parallel replicas than the experts need: their ranks hold copies and export nothing.
+    wide = ParallelLayout(tp=2, ep=2, dp=4)
+    assert wide.size == 8 and wide.describe() == "tp=2 pp=1 ep=2 dp=4" and wide.coords(6).dp_rank == 3
+    assert wide.dense_ranks(0) == (0, 1) and wide.expert_ranks(0, 1) == (1,)
+    with pytest.raises(ShardingError, match="must be a multiple of ep"):
+        ParallelLayout(tp=1, ep=2, dp=3)
     with pytest.raises(ShardingError, match="outside"):
         layout.coords(8)
     with pytest.raises(ShardingError, match="tp: must be >= 1"):
         ParallelLayout(tp=0)
+    with pytest.raises(ShardingError, match=r"expert_tensor_parallel_size.*etp=2 with tp=4"):
+        ParallelLayout(tp=4, ep=2, etp=2)
 
 
 def test_world_roles_and_default_shapes() -> None:
@@ -119,7 +137,10 @@ def test_units_follow_the_single_process_emission_order(presets: tuple, weights:
              for n in checkpoint_names(plan, d, p.shape)]
     assert names == [n for n, _ in quantize_stream(plan, weights.items())]
     sources = [s for s, _ in shard_map.segments()]
-    assert sources == sorted(sources) and all(s % 2 == 0 for s in sources)  # tp_rank 0 sends
+    layout = shard_map.layout
+    # Each stage's dense source (its first rank) and each expert-parallel rank's first rank send;
+    # stage 0 holds the dense layer 0 only, so rank 1 (ep_rank 1 of stage 0) has nothing to send.
+    assert sources == [0, 2, 3] and [layout.coords(s).ep_rank for s in sources] == [0, 0, 1]
 
 
 def test_modes_gather_when_shards_straddle_blocks() -> None:

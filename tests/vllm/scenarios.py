@@ -64,9 +64,9 @@ def _refit(svc: RefitService) -> Any:
 def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     plan = QuantizationPlan.from_presets(_preset(spec.get("linear")), _preset(spec.get("moe")))
     settings = EngineDemoSettings(deployment=spec["deployment"], plan=plan, model=spec.get("model", "micro-moe"))
-    overrides = engine_overrides(settings, 0.25) + [
+    overrides = [
+        *engine_overrides(settings, 0.25),
         f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}",
-        "rollout.engine_kwargs.vllm.use_deep_gemm=false",
     ]
     services = bootstrap(overrides=overrides)
     engine: Any = services.rollout_engine()

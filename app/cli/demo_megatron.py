@@ -1,0 +1,147 @@
+"""`refit demo --trainer megatron --tp T --pp P [--ep E]`: a real, sharded Megatron-Core trainer
+trains the demo model a few steps on CPU and refits the engine after every step.
+
+The processes join one gloo world on 127.0.0.1: the trainer's T x P (x E, carved out of the
+stages' ranks with --etp 1) ranks run Megatron-Core, one more runs the reference engine
+(app.services.megatron_demo). Every refit is judged against the unsharded model of the same global
+weights, rebuilt in this process from Megatron's own checkpoint metadata: the engine must hold
+exactly what a single-process refit of that model gives it, and the BF16 arm's k3 KL must be 0.
+The exit status is 0 when every refit of every step holds, 1 otherwise (text and JSON alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from app.bootstrap import bootstrap
+from app.services.demo import DemoSettings
+from app.services.lifecycle import describe_plan
+from app.services.megatron_demo import (
+    BF16,
+    MegatronDemoSettings,
+    demo_rank,
+    judge,
+    probe_batch,
+    step_pieces,
+    unsharded_rank,
+)
+from domain.errors import ConfigError
+
+MAX_TRAINER_RANKS = 4  # this machine: 2 cores
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `refit demo` options of the Megatron trainer."""
+    p.add_argument("--trainer", default="reference", choices=("reference", "megatron"),
+                   help="reference: the embedded model; megatron: a real Megatron-Core trainer, sharded over processes")
+    p.add_argument("--tp", type=int, default=1, help="with --trainer megatron: tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="with --trainer megatron: pipeline-parallel size (default 1)")
+    p.add_argument("--ep", type=int, default=1, help="with --trainer megatron: expert-parallel size (default 1)")
+    p.add_argument("--etp", type=int, default=1,
+                   help="with --trainer megatron: expert tensor-parallel size, 1 or --tp (default 1: whole experts)")
+    p.add_argument("--lr", type=float, default=0.1, help="with --trainer megatron: the SGD learning rate (default 0.1)")
+
+
+def check_reference_args(args: argparse.Namespace) -> None:
+    """The Megatron options need `--trainer megatron`; a ConfigError names them otherwise."""
+    given = [f"--{k}" for k, default in (("tp", 1), ("pp", 1), ("ep", 1), ("etp", 1), ("lr", 0.1))
+             if getattr(args, k) != default]
+    if args.trainer != "megatron" and given:
+        raise ConfigError(given[0], "needs --trainer megatron (the embedded trainer is not sharded that way; "
+                          "see --procs for its distributed refit)")
+
+
+def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
+    """Run the Megatron demo world, judge every refit, print; the exit status."""
+    if args.procs is not None or args.inject_fault or args.qat:
+        raise ConfigError("--trainer", "megatron takes its processes from --tp/--pp/--ep (no --procs), and no "
+                          "--inject-fault or --qat")
+    overrides = [
+        f"reference.model={settings.model}", f"reference.seed={settings.seed}", "actor.strategy=megatron",
+        f"actor.megatron.tensor_model_parallel_size={args.tp}", f"actor.megatron.pipeline_model_parallel_size={args.pp}",
+        f"actor.megatron.expert_model_parallel_size={args.ep}", f"actor.megatron.expert_tensor_parallel_size={args.etp}",
+        f"rollout.commit_mode={settings.commit_mode}",
+        f"rollout.checkpoint_engine.update_weights_bucket_megabytes={settings.bucket_megabytes!r}",
+    ]
+    services = bootstrap(overrides=overrides)
+    world = services.refit_world(engines=1)
+    if world.layout.size > MAX_TRAINER_RANKS:
+        raise ConfigError("--tp/--pp/--ep", f"{world.layout.describe()} needs {world.layout.size} trainer processes; "
+                          f"this machine runs at most {MAX_TRAINER_RANKS} (use --etp 1 to carve --ep out of --tp)")
+    demo = MegatronDemoSettings(settings.plan, describe_plan(settings.plan), steps=settings.steps, lr=args.lr,
+                                seed=settings.seed)
+    # Every world starts from a clean process (forkserver): Megatron worlds must not inherit the
+    # state of a process that ran Megatron itself (a caller's, or a test's).
+    results = services.launch_world(_demo_rank, world.size, (overrides, demo, world), timeout_s=180 + 30 * settings.steps,
+                                    start_method="forkserver")
+    if _crashed(results):
+        return 1
+    records = [rec for r in results for rec in r.value]
+    pieces = step_pieces(records)
+    reference = services.launch_world(_unsharded_rank, 1, (overrides, pieces, probe_batch(services, demo)),
+                                      timeout_s=120 + 20 * len(pieces), start_method="forkserver")
+    if _crashed(reference):
+        return 1
+    rows = judge(services, demo, world, records, reference[0].value)
+    verdict = _verdict(rows)
+    header = (f"refit demo --trainer megatron: {settings.model} as a Megatron-Core GPTModel, trainer "
+              f"{world.layout.describe()} on ranks {list(world.trainer_ranks)}, reference engine on rank "
+              f"{list(world.engine_ranks)}, gloo on 127.0.0.1; plan {demo.plan_name} and BF16, {settings.steps} steps")
+    if args.json:
+        payload = {"header": header, "world": {"layout": world.layout.describe(), "trainer_ranks": world.layout.size,
+                                               "engines": world.engines}, "refits": rows, **verdict}
+        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+    else:
+        _render(header, rows, verdict)
+    return 0 if all(verdict.values()) else 1
+
+
+def _demo_rank(rank: int, overrides: list[str], demo: MegatronDemoSettings, world: Any) -> list[dict[str, Any]]:
+    return demo_rank(rank, bootstrap(overrides=overrides), demo, world)
+
+
+def _unsharded_rank(rank: int, overrides: list[str], pieces: Any, probe: Any) -> Any:
+    return unsharded_rank(rank, bootstrap(overrides=overrides), pieces, probe)
+
+
+def _crashed(results: list[Any]) -> bool:
+    crashed = [r for r in results if not r.ok]
+    if crashed:
+        text = "\n".join(f"rank {r.rank}: {r.error}\n{r.traceback or ''}{r.output[-1500:]}" for r in crashed)
+        sys.stderr.write(f"refit demo --trainer megatron: a rank did not finish:\n{text}\n")
+    return bool(crashed)
+
+
+def _verdict(rows: list[dict[str, Any]]) -> dict[str, bool]:
+    return {
+        "every_refit_live": all(r["outcome"] == "live" for r in rows),
+        "sharded_equals_unsharded": all(r["sharded_equals_unsharded"] for r in rows),
+        "bf16_k3_kl_exactly_zero": all(r.get("k3_kl") == 0.0 for r in rows if r["arm"] == BF16),
+    }
+
+
+def _render(header: str, rows: list[dict[str, Any]], verdict: dict[str, bool]) -> None:
+    console = Console(width=max(Console().width, 120))
+    console.print(header)
+    table = Table(title="one row per step and arm (step 0 = initial sync)")
+    for col in ("step", "arm", "loss", "outcome", "refit ms", "MB sent", "= unsharded", "k3 KL", "|dlogp|", "Megatron k3"):
+        table.add_column(col, justify="left" if col in ("arm", "outcome") else "right")
+    for r in rows:
+        loss = f"{r['loss']:.3f}" if r["loss"] is not None else "-"
+        table.add_row(str(r["step"]), r["arm"], loss, r["outcome"], f"{r['refit_ms']:.0f}", f"{r['mb_sent']:.2f}",
+                      "yes" if r["sharded_equals_unsharded"] else "NO", f"{r.get('k3_kl', float('nan')):.3e}",
+                      f"{r.get('mean_abs_logp_diff', float('nan')):.3e}", f"{r.get('megatron_k3_kl', float('nan')):.3e}")
+    console.print(table)
+    for text in dict.fromkeys(e for r in rows for e in r["errors"]):
+        console.print(f"- failure: {escape(text)}")
+    console.print(f"- every engine holds exactly the single-process refit of the unsharded model: "
+                  f"{'yes' if verdict['sharded_equals_unsharded'] else 'NO'}")
+    console.print(f"- BF16 refits: k3 KL = 0 exactly: {'yes' if verdict['bf16_k3_kl_exactly_zero'] else 'NO'} "
+                  "(\"Megatron k3\": Megatron's own forward of the same weights against the engine)")

@@ -1,0 +1,222 @@
+"""`refit demo --trainer megatron`: a real Megatron-Core trainer, sharded tp x pp x ep over
+processes, trains a few steps and refits the engine after every step.
+
+The world: trainer ranks 0..N-1 run Megatron (its parallel_state over exactly those ranks), engine
+ranks N.. run the reference engine of the same architecture. Each step, every trainer rank does one
+SGD step on the same batch (one batch for every step: the loss falls as the model learns it) (`MegatronDemoKit.train_step`), then the world runs two distributed
+refits, the plan's arm and a BF16 arm (each its own DistributedRefitService, built by the
+composition root from this rank's model), and every engine scores a probe batch. The trainer ranks
+also hand back their weights as Megatron's own checkpoint metadata describes them.
+
+In the command's process, `judge` rebuilds the unsharded (tp = pp = ep = 1) model of those
+global weights, exports it, and refits it in one process into a fresh reference engine per arm:
+the engine of the sharded refit must hold exactly that engine's weights ("sharded = unsharded").
+The mismatch metrics compare each engine's log-probs with the trainer's: the unsharded BF16
+weights scored by the same forward (so BF16's k3 KL is exactly 0 when the refit is exact), and
+Megatron's own forward of the unsharded model is reported beside them (two implementations of
+one model: close, not bit-identical).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from app.services.distributed_demo import weights_digest
+from app.services.mismatch_probe import response_mask, token_batch
+from domain.errors import CollectiveTimeout, DistributedRefitFailed, PeerLost
+from domain.mismatch import mismatch_metrics
+from domain.quant.plan import QuantizationPlan
+from domain.refit.sharding import RefitWorld
+
+if TYPE_CHECKING:
+    from app.bootstrap import Services
+
+BF16 = "BF16"
+
+
+@attrs.frozen
+class MegatronDemoSettings:
+    """What `refit demo --trainer megatron` runs.
+
+    Attributes:
+        plan: the rollout plan under test (a BF16 arm runs beside it).
+        plan_name: its label.
+        steps: training steps after the initial sync.
+        lr: the SGD learning rate.
+        seed: seed of the training and probe batches.
+        batch: sequences per batch.
+        seq_len: tokens per sequence.
+        prompt_len: probe tokens that are prompt (the rest is the scored response).
+        step_timeout_s: bound on every per-bucket and tensor-parallel wait.
+        phase_timeout_s: bound on every agreement.
+    """
+
+    plan: QuantizationPlan
+    plan_name: str
+    steps: int = 3
+    lr: float = 0.1
+    seed: int = 0
+    batch: int = 4
+    seq_len: int = 32
+    prompt_len: int = 8
+    step_timeout_s: float = 20.0
+    phase_timeout_s: float = 60.0
+
+    def arms(self) -> dict[str, QuantizationPlan]:
+        return {self.plan_name: self.plan, BF16: QuantizationPlan.bf16()}
+
+
+def _pack(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t.detach().clone(), buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> torch.Tensor:
+    return torch.load(io.BytesIO(data))
+
+
+def demo_rank(rank: int, services: Services, settings: MegatronDemoSettings, world: RefitWorld) -> list[dict[str, Any]]:
+    """One process of the world: every step's training and refits on this rank.
+
+    Returns:
+        One record per step: the loss (last stage), per arm the outcome and, on engines, the live
+        weights' digest and the probe's log-probs; on trainer ranks Megatron's pieces.
+    """
+    kit = services.megatron_demo_kit()
+    vocab = services.reference_config().vocab_size
+    probe = probe_batch(services, settings)
+    # One batch, trained on at every step: the loss falls as the model learns it.
+    tokens = token_batch(vocab, settings.batch, settings.seq_len + 1, settings.seed * 1_000 + 1)
+    records = []
+    with kit.parallel(world.layout, rank) as model:
+        refits = {
+            name: services.distributed_refit(world, rank, plan=plan, model=model, step_timeout_s=settings.step_timeout_s,
+                                             phase_timeout_s=settings.phase_timeout_s)
+            for name, plan in settings.arms().items()
+        }
+        for step in range(settings.steps + 1):
+            loss = None
+            if step and model is not None:
+                loss = kit.train_step(model, tokens, settings.lr)
+            record: dict[str, Any] = {"step": step, "rank": rank, "role": world.role(rank).value, "loss": loss, "arms": {}}
+            for name, svc in refits.items():
+                record["arms"][name] = _refit(svc, probe)
+            if model is not None:
+                record["pieces"] = kit.pieces(model)
+            records.append(record)
+            if any(svc.broken is not None for svc in refits.values()):
+                break  # a timeout broke the world: no more refits
+    return records
+
+
+def _refit(svc: Any, probe: torch.Tensor) -> dict[str, Any]:
+    try:
+        report, error = svc.refit(), None
+    except (DistributedRefitFailed, CollectiveTimeout, PeerLost) as err:
+        report, error = err.report, str(err)
+    out: dict[str, Any] = {
+        "outcome": report.outcome.value if report else "-", "error": error,
+        "ms": report.timings["total"] * 1e3 if report else 0.0, "mb": report.bytes_sent / 2**20 if report else 0.0,
+        "buckets": report.buckets if report else 0,
+    }
+    if svc.engine is not None:
+        out["digest"] = weights_digest(dict(svc.engine.live_weights()))
+        if report is not None and report.ok:
+            out["logp"] = _pack(svc.engine.log_probs(probe)[0])
+    return out
+
+
+@attrs.define
+class _Unsharded:
+    """The unsharded export of one step, as the single-process refit reads a trainer (its
+    weights; it is scored through the BF16 reference engine refit from them)."""
+
+    weights: Mapping[str, torch.Tensor]
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.weights.items()
+
+
+def probe_batch(services: Services, settings: MegatronDemoSettings) -> torch.Tensor:
+    """The tokens every engine, and Megatron's own forward, score."""
+    return token_batch(services.reference_config().vocab_size, settings.batch, settings.seq_len, settings.seed + 7)
+
+
+def step_pieces(records: Sequence[dict[str, Any]]) -> dict[int, list[Any]]:
+    """Every trainer rank's Megatron pieces, by step."""
+    out: dict[int, list[Any]] = {}
+    for r in sorted(records, key=lambda r: (r["step"], r["rank"])):
+        if r["role"] == "trainer":
+            out.setdefault(r["step"], []).extend(r["pieces"])
+    return out
+
+
+def unsharded_rank(rank: int, services: Services, pieces: Mapping[int, list[Any]],
+                   probe: torch.Tensor) -> dict[int, tuple[dict[str, bytes], bytes]]:
+    """A world of one process: each step's unsharded model from every trainer rank's pieces, its
+    BF16 export and Megatron's own log-probs of `probe` (a process of its own: the command's
+    process never initializes torch.distributed or Megatron, so later worlds start clean)."""
+    kit = services.megatron_demo_kit()
+    out = {}
+    for step, parts in pieces.items():
+        weights, logp = kit.unsharded(parts, probe)
+        out[step] = ({n: _pack(t) for n, t in weights.items()}, _pack(logp))
+    return out
+
+
+def judge(services: Services, settings: MegatronDemoSettings, world: RefitWorld,
+          records: Sequence[dict[str, Any]], unsharded: Mapping[int, tuple[dict[str, bytes], bytes]]) -> list[dict[str, Any]]:
+    """Every step's verdict, against the unsharded model of the same global weights.
+
+    Args:
+        services: the composition root's services (the demo's configuration).
+        settings: the demo's settings.
+        world: the refit world the records come from.
+        records: every rank's records.
+        unsharded: `unsharded_rank`'s result for `step_pieces(records)`.
+
+    Returns:
+        One row per step and arm: outcome, `sharded_equals_unsharded` for every engine, the
+        mismatch metrics (`k3_kl`, `mean_abs_logp_diff`, ...) against the trainer's weights, and
+        Megatron's own forward against the same engine (`megatron_k3_kl`).
+    """
+    probe = probe_batch(services, settings)
+    mask = response_mask(settings.batch, settings.seq_len, settings.prompt_len)
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        by_step.setdefault(r["step"], []).append(r)
+    rows = []
+    for step in sorted(by_step):
+        recs = sorted(by_step[step], key=lambda r: r["rank"])
+        trainers = [r for r in recs if r["role"] == "trainer"]
+        engines = [r for r in recs if r["role"] == "engine"]
+        packed, packed_logp = unsharded[step]
+        weights, megatron_logp = {n: _unpack(b) for n, b in packed.items()}, _unpack(packed_logp)
+        references = {}
+        for name, plan in settings.arms().items():
+            svc = services.refit_service(plan=plan, trainer=_Unsharded(weights))  # type: ignore[arg-type]
+            svc.refit()
+            references[name] = (weights_digest(dict(svc.engine.live_weights())), svc.engine.log_probs(probe)[0])
+        trainer_logp = references[BF16][1]  # the trainer's weights, scored by the engine's forward
+        loss = next((r["loss"] for r in trainers if r["loss"] is not None), None)
+        for name in settings.arms():
+            outcomes = {r["arms"][name]["outcome"] for r in recs}
+            row: dict[str, Any] = {
+                "step": step, "arm": name, "loss": loss, "outcome": outcomes.pop() if len(outcomes) == 1 else "mixed",
+                "errors": sorted({r["arms"][name]["error"] for r in recs if r["arms"][name]["error"]}),
+                "sharded_equals_unsharded": all(e["arms"][name]["digest"] == references[name][0] for e in engines),
+                "mb_sent": sum(r["arms"][name]["mb"] for r in trainers),
+                "refit_ms": max(r["arms"][name]["ms"] for r in recs),
+            }
+            logps = [_unpack(e["arms"][name]["logp"]) for e in engines if "logp" in e["arms"][name]]
+            if logps:
+                row.update(mismatch_metrics(trainer_logp, logps[0], mask).to_dict())
+                row["megatron_k3_kl"] = mismatch_metrics(megatron_logp, logps[0], mask).k3_kl
+            rows.append(row)
+    return rows
