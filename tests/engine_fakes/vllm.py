@@ -187,6 +187,7 @@ class FakeVllmModel(nn.Module):
             if target == "embed_tokens.weight":
                 with torch.no_grad():
                     self.embed_tokens.weight.copy_(tensor)
+                loaded.add(target)
                 continue
             for proj, (fused, sid) in self.stacked.items():
                 if f".{proj}." in target:
@@ -376,10 +377,12 @@ class StreamVllmModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
+        loaded = set()
         for name, tensor in weights:
             p = params[name]  # a KeyError for an unknown name, as vLLM's loaders raise
             p.weight_loader(p, tensor.reshape(p.shape) if tensor.dim() == 0 else tensor)
-        return set()
+            loaded.add(name)
+        return loaded  # the parameters written, as vLLM's load_weights returns them
 
 
 def stream_engine(named: list[tuple[str, torch.Tensor]], vocab_size: int):  # type: ignore[no-untyped-def]

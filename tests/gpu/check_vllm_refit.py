@@ -140,24 +140,23 @@ def stage_fp8(out: pathlib.Path, kv_cache_dtype: str) -> dict:
 
     plan = QuantizationPlan.from_presets(linear="FP8_BLOCK")
     decision = decide_backends("vllm", plan, torch.cuda.get_device_capability())
-    os.environ.update(vllm_environment(decision))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # workers in this process: views reach them
+    os.environ.update(vllm_environment(decision, colocated=True))  # the worker in this process: views reach it
     qc = json.loads(QCONFIG.read_text())
     base = {**_llm_kwargs(out), "load_format": "dummy"}
     kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=kv_cache_dtype, base=base)
 
     from safetensors.torch import load_file
-    from vllm import LLM
 
-    from adapters.vllm.client import LlmLogProbs, LlmWorkers
+    from adapters.vllm.client import ExtensionWorkers, LlmLogProbs
     from adapters.vllm.engine import VllmRolloutEngine
     from domain.errors import EngineStale
     from domain.quant.naming import natural_key
     from domain.quant.stream import quantize_stream
     from domain.refit.buckets import pack_buckets
 
-    llm = LLM(**kwargs)
-    engine = VllmRolloutEngine(LlmWorkers(llm), LlmLogProbs(llm))
+    workers = ExtensionWorkers.launch(**kwargs)
+    llm = workers.llm
+    engine = VllmRolloutEngine(workers, LlmLogProbs(llm))
     try:
         engine.log_probs(torch.tensor(PROMPTS))
         stale_before = False
