@@ -122,7 +122,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             note=_E8M0_NOTE),
     Verdict(_cell("moe", "FP8_BLOCK", A.NONE), False,
             "no weight-only FP8 expert scheme",
-            (_v(_CTC, "532-535"), _v(_CTM, "161-173")),
+            (_v(_CTC, "532-535"), _v(_CTM, "161-173")), (READ, CPU_VLLM),
             reason="vLLM has no weight-only FP8 expert scheme for compressed-tensors: get_moe_method falls through "
                    "to _is_dynamic_token_w8a8, which reads num_bits of the missing input_activations and raises "
                    "AttributeError at start-up",
@@ -137,7 +137,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
                  "then Marlin (weight-only) on older GPUs"),
     Verdict(_cell("moe", "MXFP8", A.NONE), False,
             "CompressedTensorsW8A8Mxfp8MoEMethod, chosen from the weights alone",
-            (_v(_CTM, "83-88"), _v(_ORACLE + "mxfp8.py", "81-105")),
+            (_v(_CTM, "83-88"), _v(_ORACLE + "mxfp8.py", "81-105")), (READ, CPU_VLLM),
             reason="vLLM has no weight-only MXFP8 experts: CompressedTensorsW8A8Mxfp8MoEMethod is chosen from the "
                    "weights alone and selects kernels for MXFP8 activations",
             instead="use MXFP8 activations (drop rollout.quantization.moe_activation)"),
@@ -160,7 +160,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
                  "compute FP8 1x128 activations and is not requested"),
     Verdict(_cell("moe", "MXFP4", A.NONE), False,
             "CompressedTensorsW4A4Mxfp4MoEMethod, chosen from the weights alone",
-            (_v(_CTM, "76-81"), _v(_MOE + "compressed_tensors_moe_w4a4_mxfp4.py", "63-71")),
+            (_v(_CTM, "76-81"), _v(_MOE + "compressed_tensors_moe_w4a4_mxfp4.py", "63-71")), (READ, CPU_VLLM),
             reason="vLLM has no weight-only compressed-tensors MXFP4 experts: CompressedTensorsW4A4Mxfp4MoEMethod "
                    "is chosen from the weights alone and runs MXFP4 x MXFP4 where the GPU can",
             instead="use MXFP4 or MXFP8 activations (rollout.quantization.moe_activation), or NVFP4 experts with "
@@ -170,7 +170,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             (_v(_MOE + "compressed_tensors_moe_w4a4_nvfp4.py", "170-189"),
              _v(_MOE + "compressed_tensors_moe_w4a4_nvfp4.py", "63-67"),
              _v(_MOE + "compressed_tensors_moe_w4a4_nvfp4.py", "243-256")),
-            reason="the compressed-tensors NVFP4 expert method allocates w13_input_global_scale and "
+            (READ, CPU_VLLM), reason="the compressed-tensors NVFP4 expert method allocates w13_input_global_scale and "
                    "w2_input_global_scale and selects kernels for a static activation global scale; the trainer "
                    "exports neither scale, so the engine would use the dummy load's values, or uninitialised memory "
                    "after a refit",
