@@ -185,12 +185,11 @@ def verdict(results: dict[str, dict], capability: list[int]) -> tuple[bool, list
     lines, ok = [], bool(results)
     for arm in ARMS:
         cold, refit = results.get(f"{arm}-cold"), results.get(f"{arm}-refit")
-        failed = [(s, r) for s, r in (("cold", cold), ("refit", refit)) if r is None or "error" in r]
-        if failed:
+        if cold is None or refit is None or "error" in cold or "error" in refit:
             ok = False
-            lines += [f"{arm}: FAILED to run ({s}): {None if r is None else r['error']}" for s, r in failed]
+            lines += [f"{arm}: FAILED to run ({s}): {None if r is None else r['error']}"
+                      for s, r in (("cold", cold), ("refit", refit)) if r is None or "error" in r]
             continue
-        assert cold is not None and refit is not None
         layout = refit["layout"]
         bad = {k: v for k, v in layout.items() if v}
         checks = {"layout equals what the schemes allocate": not bad,
