@@ -263,7 +263,8 @@ def support_matrix_rows(engine: str) -> list[str]:
         c = v.cell
         if c.engine != engine:
             continue
-        what = f"{v.engine_path}. " + (f"{v.note}." if v.shown and v.note else "" if v.shown else
+        note = v.note[:1].upper() + v.note[1:]
+        what = f"{v.engine_path}. " + (f"{note}." if v.shown and v.note else "" if v.shown else
                                       f"Rejected: {v.reason}. Instead: {v.instead}.")
         where = "<br>".join(f"`{w.split(' ', 2)[2]}`" for w in v.where)
         rows.append(f"| {c.role} | {c.fmt} | `{c.activation.value}` | {c.layout} | "

@@ -48,16 +48,16 @@ SGLANG_VERDICTS: tuple[Verdict, ...] = (
             note=_UE8M0_NOTE),
     Verdict(_cell("linear", "FP8_BLOCK", A.NONE), False,
             "no weight-only block-FP8 scheme",
-            (_s(_SC, "563-587"), _s(_SC, "862")),
+            (_s(_SC, "862"), _s(_SC, "563-587")),
             reason="SGLang's weight-only FP8 check admits tensor and channel scales only, so block FP8 without "
                    "input_activations matches no scheme: NotImplementedError at start-up",
             instead="use FP8 activations for FP8_BLOCK (drop rollout.quantization.linear_activation)"),
     *(Verdict(_cell("linear", "MXFP8", act), False, "no compressed-tensors MXFP8 Linear scheme",
-              (*_NOT_ACT_FORMAT, _s(_SC, "753"), _s(_SC, "862")),
+              (_s(_SC, "862"), _s(_SC, "753"), *_NOT_ACT_FORMAT),
               reason=_MX_DENSE.format(fmt="MXFP8", ct="mxfp8-quantized"), instead=_INSTEAD_MXFP8_NATIVE)
       for act in (A.MXFP8, A.NONE)),
     *(Verdict(_cell("linear", "MXFP4", act), False, "no compressed-tensors MXFP4 Linear scheme",
-              (*_NOT_ACT_FORMAT, _s(_SC, "753"), _s(_SC, "862")),
+              (_s(_SC, "862"), _s(_SC, "753"), *_NOT_ACT_FORMAT),
               reason=_MX_DENSE.format(fmt="MXFP4", ct="mxfp4-pack-quantized"), instead=_INSTEAD_MX)
       for act in (A.MXFP4, A.MXFP8, A.NONE)),
     Verdict(_cell("linear", "NVFP4", A.NVFP4_PER_TOKEN), False,

@@ -184,5 +184,5 @@ def test_docs_support_matrix_lists_every_verdict_as_the_code_has_it() -> None:
         section = text.split(f"\n### Cells: {engine}\n", 1)[1].split("\n#", 1)[0]
         documented = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| role")]
         expected = support_matrix_rows(engine)
-        assert documented == expected, "docs/support-matrix.md is out of date; its rows for " + engine + ":\n" + \
-            "\n".join(expected)
+        assert documented == expected, f"docs/support-matrix.md: the {engine} cells are out of date; run " \
+            "scripts/render_support_matrix.py"
