@@ -10,6 +10,8 @@ checked against them (tests/unit/test_support_matrix.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from domain.environment import PINNED_ENGINES
@@ -71,6 +73,10 @@ def cite(engine: str, path: str, lines: str) -> str:
     return f"{engine} {PINNED_ENGINES[engine]} {path}:{lines}"
 
 
+def _strs(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class Verdict:
     """What the pinned engine does with one cell, and how that was established.
@@ -89,8 +95,8 @@ class Verdict:
     cell: Cell
     shown: bool
     engine_path: str
-    where: tuple[str, ...] = attrs.field(converter=tuple)
-    how: tuple[str, ...] = attrs.field(default=(READ,), converter=tuple)
+    where: tuple[str, ...] = attrs.field(converter=_strs)
+    how: tuple[str, ...] = attrs.field(default=(READ,), converter=_strs)
     reason: str = ""
     instead: str = ""
     note: str = ""

@@ -110,7 +110,9 @@ def _plan(cell: Cell) -> QuantizationPlan:
 
 
 def _config(cell: Cell):  # type: ignore[no-untyped-def]
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
 
     return CompressedTensorsConfig.from_config(to_config_json(compressed_tensors_config(_plan(cell))))
 
@@ -123,7 +125,7 @@ def _dense_scheme(cell: Cell):  # type: ignore[no-untyped-def]
 
 
 def _moe_method(cell: Cell):  # type: ignore[no-untyped-def]
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe import (  # noqa: E501
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe import (
         CompressedTensorsMoEMethod,
     )
 
