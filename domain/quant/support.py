@@ -10,7 +10,9 @@ checked against them (tests/unit/test_support_matrix.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 import attrs
 
@@ -33,7 +35,6 @@ CPU_VLLM = "cpu"  # run on CPU against vLLM's own code (tests/vllm/test_support_
 GPU_SCRIPT = "gpu-script"  # in the prepared GPU check (tests/gpu/check_support_matrix.py)
 HOW = (READ, CPU_VLLM, GPU_SCRIPT)
 _ROLE_KEY = {"linear": "rollout.quantization.linear", "moe": "rollout.quantization.moe"}
-_ACT_KEY = {"linear": "rollout.quantization.linear_activation", "moe": "rollout.quantization.moe_activation"}
 
 
 @attrs.frozen
@@ -153,12 +154,13 @@ def plan_cells(engine: str, plan: QuantizationPlan, layout: str) -> list[Cell]:
     return [Cell(engine, layout, role, fmt.name, act) for role, fmt, act in pairs if fmt.is_quantized]
 
 
-def verdicts() -> dict[Cell, Verdict]:
-    """Every verdict of both engines, by cell."""
+@functools.cache
+def verdicts() -> Mapping[Cell, Verdict]:
+    """Every verdict of both engines, by cell (read-only)."""
     from domain.quant.support_sglang import SGLANG_VERDICTS
     from domain.quant.support_vllm import VLLM_VERDICTS
 
-    return {v.cell: v for v in (*VLLM_VERDICTS, *SGLANG_VERDICTS)}
+    return MappingProxyType({v.cell: v for v in (*VLLM_VERDICTS, *SGLANG_VERDICTS)})
 
 
 def verdict(cell: Cell) -> Verdict:
@@ -194,8 +196,3 @@ def check_cells(engine: str, plan: QuantizationPlan, layout: str | None = None) 
                 reason=v.reason, where=v.where[0], instead=v.instead,
             )
     return found
-
-
-def activation_key(role: str) -> str:
-    """The configuration key of a role's activation scheme (for `instead` texts)."""
-    return _ACT_KEY[role]
