@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU check of the support matrix's NVFP4 and MX cells on vLLM (one H200, < 8 min).
+"""GPU check of the support matrix's NVFP4 and MX cells on vLLM (one H200; written to finish in < 8 min).
 
     python3 tests/gpu/check_support_matrix.py [--python PY | --venv DIR [--wheelhouse DIR] [--skip-install]] [--out DIR]
 
