@@ -178,8 +178,8 @@ def _vllm_role(role: KernelRole, fmt: PrecisionFormat, act: ActivationScheme,
 
 def _sglang_role(role: KernelRole, fmt: PrecisionFormat, native: bool, cap: tuple[int, int] | None) -> BackendChoice:
     if fmt.name == NVFP4.name:
-        return BackendChoice(role, AUTO, "NVFP4 weight-only: SGLang's FP4 Marlin (the expert scheme always runs "
-                                         "the Marlin runner)")
+        return BackendChoice(role, AUTO, "NVFP4 weight-only: left to SGLang (FP4 Marlin, FlashInfer for Linear "
+                                         "layers on SM100; the expert scheme always runs the Marlin runner)")
     if fmt.name == MXFP4.name or (fmt.name == MXFP8.name and not native):
         return BackendChoice(role, AUTO, f"{fmt.name} as compressed-tensors is not served by SGLang (see the "
                                          "support matrix): nothing requested")
