@@ -18,7 +18,7 @@ import attrs
 
 from domain.environment import PINNED_ENGINES
 from domain.errors import EngineCellUnsupported
-from domain.quant.formats import FORMATS, MXFP8, ActivationScheme
+from domain.quant.formats import FORMATS, FP8_BLOCK, MXFP8, ActivationScheme
 from domain.quant.plan import ACTIVATIONS, QuantizationPlan
 
 SUPPORT_ENGINES = ("vllm", "sglang")
@@ -120,7 +120,7 @@ def layouts_for(engine: str, fmt: str) -> tuple[str, ...]:
     out = [COMPRESSED_TENSORS]
     if fmt == MXFP8.name:
         out.append(SGLANG_MXFP8)  # SGLang's own layout; a checkpoint's `quant_method: mxfp8` on vLLM
-    if fmt == "FP8_BLOCK":
+    if fmt == FP8_BLOCK.name:
         out.append(NATIVE_FP8)  # a checkpoint's DeepSeek-style `quant_method: fp8`
     return tuple(out)
 
