@@ -145,6 +145,24 @@ class EngineRejectsQuantization(UnsupportedCombination):
     """Dispatch rules 6 and 7: the rollout engine cannot serve this quantization."""
 
 
+class EngineCellUnsupported(EngineRejectsQuantization):
+    """Dispatch rule 6: one (engine, layout, role, format, activations) cell of the support matrix
+    that the pinned engine does not load and run as exported. Carries the cell and the engine's
+    reason with its code location."""
+
+    def __init__(self, message: str, *, engine: str, layout: str, role: str, fmt: str, activation: str,
+                 reason: str, where: str, instead: str) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.role = role
+        self.fmt = fmt
+        self.activation = activation
+        self.reason = reason
+        self.where = where
+        self.instead = instead
+        super().__init__(message)
+
+
 class BoundaryLayersMismatch(UnsupportedCombination):
     """Dispatch rule 8: NVFP4 training keeps first/last layers BF16 but the rollout does not."""
 

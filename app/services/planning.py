@@ -241,3 +241,33 @@ def check_quantizes_something(cfg: Section, res: Resolution, decisions: Sequence
     raise ConfigError(key, f"{what}, but no tensor of this model is one (every tensor stays BF16, yet the engine "
                            "would be told to serve quantized weights); set a preset for the layers the model has, or "
                            "null for a BF16 rollout")
+
+
+_HOW = {"read": "code read", "cpu": "CPU test", "gpu-script": "GPU script"}
+
+
+def support_matrix_rows(engine: str) -> list[str]:
+    """docs/support-matrix.md's table of cells for one engine, from domain.quant.support.
+
+    Args:
+        engine: "vllm" or "sglang".
+
+    Returns:
+        One markdown table row per cell: role, preset, activations, layout, verdict, how it was
+        shown, what the engine does (and why a rejected cell is rejected), the code locations.
+    """
+    from domain.quant.support import verdicts
+
+    rows = []
+    for v in verdicts().values():
+        c = v.cell
+        if c.engine != engine:
+            continue
+        note = v.note[:1].upper() + v.note[1:]
+        what = f"{v.engine_path}. " + (f"{note}." if v.shown and v.note else "" if v.shown else
+                                      f"Rejected: {v.reason}. Instead: {v.instead}.")
+        where = "<br>".join(f"`{w.split(' ', 2)[2]}`" for w in v.where)
+        rows.append(f"| {c.role} | {c.fmt} | `{c.activation.value}` | {c.layout} | "
+                    f"{'✓ shown' if v.shown else '✗ rejected'} | {', '.join(_HOW[h] for h in v.how)} | "
+                    f"{what.strip()} | {where} |")
+    return rows

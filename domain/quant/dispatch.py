@@ -3,7 +3,8 @@
 `resolve` applies them in order to one DispatchInput and returns the Resolution: the plan the
 trainer exports, where it came from, the checkpoint layout the engine gets, and every rule's
 outcome in words (what `refit plan` prints). Rules 1 and 3 (where the quantization comes from)
-live here; the rules on single settings (2, 4, 5, 6, 7) in domain.quant.rules, re-exported.
+live here; the rules on single settings (2, 4, 5, 7) in domain.quant.rules, re-exported; rule 6,
+the engines' support matrix, in domain.quant.support.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from domain.errors import (
 )
 from domain.quant import naming
 from domain.quant.ct_config import model_differences
-from domain.quant.formats import MXFP8
 from domain.quant.model_rules import (
     Shapes,
     bf16_training_layers,
@@ -42,11 +42,12 @@ from domain.quant.plan import QuantizationPlan
 from domain.quant.rules import (
     check_qat_mode,
     check_qat_te_recipe,
-    check_sglang,
     check_static_activations,
     check_sync_backend,
     check_trtllm,
 )
+from domain.quant.rules import check_sglang as check_sglang  # re-exported: the SGLang adapter's check
+from domain.quant.support import SUPPORT_ENGINES, Verdict, check_cells, default_layout
 
 ENGINES = ("vllm", "sglang", "trtllm", "reference")
 # Models whose own exporter emits the release quantized layout (rule 3).
@@ -295,11 +296,9 @@ def layout_for(engine: str, plan: QuantizationPlan, native: NativeConfig | None)
         return "bf16"
     if native is not None and native.method == "fp8":
         return "native-fp8"
-    if engine == "sglang" and [f.name for f in plan.formats] == [MXFP8.name]:
-        return "sglang-mxfp8"
     if native is not None and native.method == "mxfp8":
         return "sglang-mxfp8"
-    return "compressed-tensors"
+    return default_layout(engine, plan)
 
 
 def _select(inp: DispatchInput, override: object) -> tuple[str, QuantizationPlan, NativeConfig | None]:
@@ -410,6 +409,14 @@ def _honour(inp: DispatchInput, src: _Source, shapes: Shapes | None,
     return attrs.evolve(src.plan, targets=()), False
 
 
+def _support_note(engine: str, shown: list[Verdict]) -> str:
+    if engine not in SUPPORT_ENGINES or not shown:
+        return "n/a"
+    cells = ", ".join(f"{v.cell.role} {v.cell.fmt}/{v.cell.activation.value}" for v in shown)
+    notes = [f"{v.cell.role}: {v.note}" for v in shown if v.note]
+    return f"ok: {cells} shown for {engine} (docs/support-matrix.md)" + "".join(f"; {n}" for n in notes)
+
+
 def resolve(inp: DispatchInput, shapes: Shapes | None = None) -> Resolution:
     """Apply every dispatch rule and decide the rollout's quantization.
 
@@ -438,12 +445,11 @@ def resolve(inp: DispatchInput, shapes: Shapes | None = None) -> Resolution:
     outcomes.append(RuleOutcome(2, "QAT mode", "ok" if inp.qat_enable else "n/a"))
     check_sync_backend(quantized, backend=inp.sync_backend, wire_format=inp.wire_format)
     outcomes.append(RuleOutcome(4, "sync backend", "ok" if quantized else "n/a"))
-    if served is not None:
-        check_sglang(inp.engine, served)
-    outcomes.append(RuleOutcome(6, "SGLang restrictions", "ok" if inp.engine == "sglang" else "n/a"))
+    check_static_activations(plan)
+    shown = check_cells(inp.engine, served, src.layout) if served is not None else []
+    outcomes.append(RuleOutcome(6, "engine support matrix", _support_note(inp.engine, shown)))
     check_trtllm(inp.engine, quantized)
     outcomes.append(RuleOutcome(7, "TRT-LLM restrictions", "ok" if inp.engine == "trtllm" else "n/a"))
-    check_static_activations(plan)
     if shapes is not None:
         outcomes.extend(check_model(inp, plan, shapes))
     else:

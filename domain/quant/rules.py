@@ -1,6 +1,7 @@
-"""The dispatch rules on single settings (ARCHITECTURE.md section 4: rules 2, 4, 5, 6, 7 and
+"""The dispatch rules on single settings (ARCHITECTURE.md section 4: rules 2, 4, 5, 7 and
 static activations): pure functions of plain values, each raising a typed error that names the
-key. domain.quant.dispatch applies them to every resolution.
+key. domain.quant.dispatch applies them to every resolution; rule 6, the engines' support matrix,
+is domain.quant.support (check_sglang below is the part of it the SGLang adapter checks itself).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def check_qat_te_recipe(*, qat_enable: bool, te_fp8: object, te_fp4: object) -> 
 
 
 def check_sglang(engine: str, plan: QuantizationPlan) -> None:
-    """Rule 6: SGLang has no MXFP8-linear + MXFP4-MoE combination and no per-token NVFP4.
+    """The SGLang adapter's own part of rule 6: no MXFP8-linear + MXFP4-MoE combination and no
+    per-token NVFP4. `refit plan` applies the whole support matrix (domain.quant.support.check_cells).
 
     Args:
         engine: rollout.name.
@@ -136,8 +138,9 @@ def check_sglang(engine: str, plan: QuantizationPlan) -> None:
                            ("moe", plan.moe, plan.effective_moe_activation)):
         if fmt.name == NVFP4.name and act is ActivationScheme.NVFP4_PER_TOKEN:
             raise EngineRejectsQuantization(
-                f"rollout.name=sglang has no per-token NVFP4 activation path (rollout.quantization.{role}=NVFP4); "
-                "use rollout.name=vllm, or another preset (MXFP4, MXFP8, FP8_BLOCK)"
+                f"rollout.name=sglang has no per-token NVFP4 activation path (rollout.quantization.{role}=NVFP4): its "
+                "NVFP4 W4A4 schemes quantize activations with a static input_global_scale the trainer does not "
+                f"export; serve NVFP4 weight-only (rollout.quantization.{role}_activation: none) or another preset"
             )
 
 

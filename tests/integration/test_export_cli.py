@@ -55,8 +55,8 @@ def _with_config(src: Path, dst: Path, **changes: object) -> Path:
 
 
 def test_plan_json_lists_every_tensor_and_the_engine_config(moe_dir: Path, capsys: pytest.CaptureFixture) -> None:
-    rc = main(["plan", "--model", str(moe_dir), "--json", "rollout.name=vllm",
-               "rollout.quantization.linear=FP8_BLOCK", "rollout.quantization.moe=NVFP4"])
+    rc = main(["plan", "--model", str(moe_dir), "--json", "rollout.name=vllm", "rollout.quantization.linear=FP8_BLOCK",
+               "rollout.quantization.moe=NVFP4", "rollout.quantization.moe_activation=none"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["tensors"]) == len(load_file(moe_dir / "model.safetensors"))
@@ -110,8 +110,8 @@ def test_plan_rejects_with_exit_code_2_and_the_error_on_stderr(capsys: pytest.Ca
     rc = main(["plan", "--json", "rollout.name=sglang", "rollout.quantization.linear=MXFP8", "rollout.quantization.moe=MXFP4"])
     captured = capsys.readouterr()
     assert rc == 2
-    assert "EngineRejectsQuantization" in captured.err and "moe=MXFP4" in captured.err
-    assert json.loads(captured.out)["error"]["type"] == "EngineRejectsQuantization"
+    assert "EngineCellUnsupported" in captured.err and "linear=MXFP8" in captured.err
+    assert json.loads(captured.out)["error"]["type"] == "EngineCellUnsupported"
     assert main(["plan", "rollout.quantization.lienar=FP8_BLOCK"]) == 2
     assert "did you mean 'rollout.quantization.linear'" in capsys.readouterr().err
 
@@ -243,7 +243,8 @@ def test_vision_language_and_gated_deltanet_names(tmp_path: Path) -> None:
     save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, src / "model.safetensors")
     (src / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 2}}))
     out = tmp_path / "out"
-    assert main(["export", "--model", str(src), "--out", str(out), "rollout.name=vllm", "rollout.quantization.linear=NVFP4"]) == 0
+    assert main(["export", "--model", str(src), "--out", str(out), "rollout.name=vllm", "rollout.quantization.linear=NVFP4",
+                 "rollout.quantization.linear_activation=none"]) == 0
     exported = load_file(out / "model.safetensors")
     for kept in ("model.visual.blocks.0.attn.qkv.weight", f"{p}.0.linear_attn.in_proj_ba.weight",
                  f"{p}.0.linear_attn.conv1d.weight", "model.language_model.embed_tokens.weight", "lm_head.weight"):
@@ -261,13 +262,21 @@ VERL_YAML = Path(__file__).resolve().parents[1] / "data" / "verl_ppo_megatron.ya
 V4_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
 
 
+# verl's NVFP4 QAT recipe served weight-only (vLLM has no per-token NVFP4 for compressed-tensors)
+W4A16 = ["actor.megatron.qat.mode=w4a16", "rollout.quantization.linear_activation=none",
+         "rollout.quantization.moe_activation=none"]
+
+
 def test_a_verl_yaml_runs_through_plan_unchanged(moe_dir: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["plan", str(VERL_YAML), "--json"]) == 0
+    # as written it asks vLLM for per-token NVFP4, which the support matrix refuses with vLLM's reason
+    assert main(["plan", str(VERL_YAML), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["type"] == "EngineCellUnsupported"
+    assert main(["plan", str(VERL_YAML), *W4A16, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["engine"], out["plan"]["linear"], out["plan"]["moe"]) == ("vllm", "NVFP4", "NVFP4")
-    assert next(r for r in out["rules"] if r["rule"] == 2)["outcome"] == "ok"  # qat.mode nvfp4 matches
+    assert next(r for r in out["rules"] if r["rule"] == 2)["outcome"] == "ok"  # qat.mode w4a16 matches
     assert "data" in out["unused_keys"] and out["engine_config"]["config_groups"]
-    assert main(["plan", str(VERL_YAML), "--model", str(moe_dir)]) == 0  # per tensor too
+    assert main(["plan", str(VERL_YAML), *W4A16, "--model", str(moe_dir)]) == 0  # per tensor too
     assert "keys of the verl configuration are not read" in capsys.readouterr().out
 
 

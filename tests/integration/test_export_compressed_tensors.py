@@ -66,8 +66,10 @@ def _block_amax(w: torch.Tensor, fmt: PrecisionFormat) -> torch.Tensor:
 
 
 def _export(src: Path, out: Path, **overrides: str | None) -> tuple[dict, dict[str, torch.Tensor], object]:
+    # The reference engine serves every plan, per-token NVFP4 included (vLLM serves NVFP4 only weight-only,
+    # docs/support-matrix.md); the compressed-tensors export is the same for every engine.
     cfg = build_config({}, [f"rollout.quantization.{k}={'null' if v is None else v}" for k, v in overrides.items()]
-                       + ["rollout.name=vllm"])
+                       + ["rollout.name=reference"])
     checkpoint = HfCheckpoint(src)
     report = make_plan(cfg, checkpoint)
     export_checkpoint(checkpoint, out, report)

@@ -8,8 +8,6 @@ from domain.errors import ConfigError, GpuCapabilityTooLow, UnsupportedCombinati
 from domain.quant.backend_policy import (
     AUTO,
     DEEP_GEMM,
-    FLASHINFER_CUTLASS,
-    FLASHINFER_TRTLLM,
     MIN_CAPABILITY,
     check_capability,
     decide_backends,
@@ -26,9 +24,8 @@ def plan(linear=None, moe=None, **kw) -> QuantizationPlan:
 # --- vLLM --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["FP8_BLOCK", "MXFP4"])
-def test_vllm_requests_deep_gemm_for_linear_and_moe(fmt: str) -> None:
-    d = decide_backends("vllm", plan(fmt, fmt), BLACKWELL)
+def test_vllm_requests_deep_gemm_for_fp8_block_linear_and_moe() -> None:
+    d = decide_backends("vllm", plan("FP8_BLOCK", "FP8_BLOCK"), BLACKWELL)
     assert (d.linear.backend, d.moe.backend) == (DEEP_GEMM, DEEP_GEMM)
     assert d.requests_deep_gemm
 
@@ -39,21 +36,40 @@ def test_vllm_mxfp8_linear_falls_back_to_auto_but_moe_uses_deep_gemm() -> None:
     assert d.moe.backend == DEEP_GEMM
 
 
-def test_vllm_nvfp4_per_token_stays_on_flashinfer_trtllm() -> None:
-    d = decide_backends("vllm", plan("NVFP4", "NVFP4"), BLACKWELL)
-    assert (d.linear.backend, d.moe.backend) == (FLASHINFER_TRTLLM, FLASHINFER_TRTLLM)
-    assert not d.requests_deep_gemm
+def test_vllm_mxfp4_never_claims_deep_gemm() -> None:
+    # Linear: no DeepGEMM MXFP4 kernel. Experts W4A4: the compressed-tensors method ignores
+    # moe_backend. Experts W4A8: DeepGEMM would compute FP8 1x128 activations, not MXFP8.
+    w4a4 = decide_backends("vllm", plan("MXFP4", "MXFP4"), BLACKWELL)
+    w4a8 = decide_backends("vllm", plan(moe="MXFP4", moe_activation="mxfp8"), BLACKWELL)
+    assert (w4a4.linear.backend, w4a4.moe.backend, w4a8.moe.backend) == (AUTO, AUTO, AUTO)
+    assert "ignores moe_backend=deep_gemm" in w4a4.moe.reason and "FP8 1x128" in w4a8.moe.reason
+    assert not w4a4.requests_deep_gemm and not w4a8.requests_deep_gemm
 
 
-def test_vllm_nvfp4_static_activations_use_flashinfer_cutlass() -> None:
-    d = decide_backends("vllm", plan(moe="NVFP4", moe_activation="nvfp4_static"), BLACKWELL)
-    assert d.moe.backend == FLASHINFER_CUTLASS
-    assert d.linear.backend == AUTO  # BF16 dense layers: nothing to choose
+def test_vllm_nvfp4_weight_only_is_left_to_the_engine() -> None:
+    # flashinfer_trtllm has no weight-only NVFP4 kernel: asking for it fails at vLLM's start-up.
+    d = decide_backends("vllm", plan("NVFP4", "NVFP4", linear_activation="none", moe_activation="none"), BLACKWELL)
+    assert (d.linear.backend, d.moe.backend) == (AUTO, AUTO)
+    assert "weight-only" in d.moe.reason and not d.requests_deep_gemm
+
+
+def test_vllm_fp8_block_weight_only_is_left_to_the_engine() -> None:
+    d = decide_backends("vllm", plan("FP8_BLOCK", linear_activation="none"), HOPPER)
+    assert d.linear.backend == AUTO and "W8A16" in d.linear.reason
+    assert d.deep_gemm_e8m0 is None  # no DeepGEMM, no scale packing to turn off
 
 
 def test_vllm_mixed_plan_decides_each_role_by_its_format() -> None:
-    d = decide_backends("vllm", plan("FP8_BLOCK", "NVFP4"), BLACKWELL)
-    assert (d.linear.backend, d.moe.backend) == (DEEP_GEMM, FLASHINFER_TRTLLM)
+    d = decide_backends("vllm", plan("FP8_BLOCK", "NVFP4", moe_activation="none"), BLACKWELL)
+    assert (d.linear.backend, d.moe.backend) == (DEEP_GEMM, AUTO)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_no_deep_gemm_without_a_known_gpu(engine: str) -> None:
+    d = decide_backends(engine, plan("FP8_BLOCK", "MXFP8" if engine == "vllm" else None), None)
+    assert not d.requests_deep_gemm
+    assert "capability unknown" in d.linear.reason
+    assert any("E8M0 rule is not applied" in n for n in d.notes)
 
 
 def test_bf16_plan_leaves_everything_automatic() -> None:
@@ -88,6 +104,17 @@ def test_e8m0_left_to_the_engine_off_hopper_or_when_unknown(cap) -> None:
     assert decide_backends("vllm", plan("FP8_BLOCK"), cap).deep_gemm_e8m0 is None
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("cap", [BLACKWELL, (12, 0)])
+def test_blackwell_fp8_block_says_deep_gemm_requantizes_the_scales(engine: str, cap: tuple[int, int]) -> None:
+    d = decide_backends(engine, plan("FP8_BLOCK"), cap)
+    note = next(n for n in d.notes if "power-of-two" in n)
+    assert f"SM{cap[0]}{cap[1]}" in note and "served bytes are not the exported ones" in note
+    assert ("vllm 0.33.0" if engine == "vllm" else "sglang 0.5.23") in note
+    assert not any("power-of-two" in n for n in decide_backends(engine, plan("FP8_BLOCK"), HOPPER).notes
+                   if "E8M0 scale packing off" not in n)
+
+
 def test_sglang_never_sets_e8m0() -> None:
     assert decide_backends("sglang", plan("FP8_BLOCK"), HOPPER).deep_gemm_e8m0 is None
 
@@ -95,21 +122,24 @@ def test_sglang_never_sets_e8m0() -> None:
 # --- SGLang ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("linear", "moe"), [("FP8_BLOCK", "FP8_BLOCK"), ("MXFP8", "MXFP8")])
-def test_sglang_pins_deep_gemm_for_fp8_and_mxfp8(linear: str, moe: str) -> None:
-    d = decide_backends("sglang", plan(linear, moe), BLACKWELL)
-    assert (d.linear.backend, d.moe.backend) == (DEEP_GEMM, DEEP_GEMM)
+def test_sglang_pins_deep_gemm_for_fp8_block_linear_and_native_experts() -> None:
+    ct = decide_backends("sglang", plan("FP8_BLOCK", "FP8_BLOCK"), BLACKWELL)
+    native = decide_backends("sglang", plan("FP8_BLOCK", "FP8_BLOCK"), BLACKWELL, layout="native-fp8")
+    mxfp8 = decide_backends("sglang", plan("MXFP8", "MXFP8", scale_name="weight_scale_inv"), BLACKWELL)
+    assert (ct.linear.backend, native.moe.backend) == (DEEP_GEMM, DEEP_GEMM)
+    assert (mxfp8.linear.backend, mxfp8.moe.backend) == (DEEP_GEMM, DEEP_GEMM)  # layout read from the scale name
 
 
-def test_sglang_pins_deep_gemm_for_mxfp4_experts() -> None:
-    d = decide_backends("sglang", plan(moe="MXFP4"), BLACKWELL)
-    assert d.moe.backend == DEEP_GEMM
+def test_sglang_compressed_tensors_fp8_experts_are_not_pinned_to_deep_gemm() -> None:
+    # CompressedTensorsW8A8Fp8MoE builds no DeepGEMM runner: the first forward would fail.
+    d = decide_backends("sglang", plan(moe="FP8_BLOCK"), BLACKWELL)
+    assert d.moe.backend == AUTO and "no DeepGEMM runner" in d.moe.reason
 
 
-def test_sglang_leaves_nvfp4_to_the_engine() -> None:
-    d = decide_backends("sglang", plan("NVFP4", "NVFP4", moe_activation="nvfp4_static"), BLACKWELL)
-    assert d.linear.is_auto and d.moe.is_auto
-    assert "left to SGLang" in d.moe.reason
+def test_sglang_leaves_nvfp4_and_mxfp4_to_the_engine() -> None:
+    d = decide_backends("sglang", plan("NVFP4", "NVFP4", moe_activation="none"), BLACKWELL)
+    assert d.linear.is_auto and d.moe.is_auto and "Marlin" in d.moe.reason
+    assert decide_backends("sglang", plan(moe="MXFP4"), BLACKWELL).moe.is_auto
 
 
 # --- capability gates ----------------------------------------------------------------------------
@@ -144,8 +174,8 @@ def test_engine_without_policy_is_a_config_error() -> None:
 
 
 def test_reasons_list_every_role_and_note() -> None:
-    lines = decide_backends("vllm", plan("FP8_BLOCK", "NVFP4"), BLACKWELL).reasons()
-    assert lines[0].startswith("linear: deep_gemm") and lines[1].startswith("moe: flashinfer_trtllm")
+    lines = decide_backends("vllm", plan("FP8_BLOCK", "NVFP4", moe_activation="none"), BLACKWELL).reasons()
+    assert lines[0].startswith("linear: deep_gemm") and lines[1].startswith("moe: auto")
     assert any("SM100" in line for line in lines[2:])
 
 
@@ -186,31 +216,37 @@ def _matrix_rows() -> list[list[str]]:
     import pathlib
 
     text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()
-    section = text.split("### Support matrix", 1)[1].split("\n## ", 1)[0]
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+    section = text.split("### Kernel backends by cell", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip().strip("`") for c in line.strip().strip("|").split("|")] for line in section.splitlines()
             if line.startswith("| ") and not line.startswith("| linear")]
     return rows
 
 
-def test_docs_support_matrix_matches_the_policy() -> None:
-    from domain.errors import EngineRejectsQuantization
-    from domain.quant.dispatch import check_sglang
+def _role(text: str) -> tuple[str | None, str | None]:
+    """`NVFP4 none` -> ("NVFP4", "none"); `BF16` -> (None, None)."""
+    fmt, _, act = text.partition(" ")
+    return (None if fmt == "BF16" else fmt), (act or None)
+
+
+def test_docs_backend_table_matches_the_dispatch_and_the_policy() -> None:
+    from domain.errors import EngineCellUnsupported
+    from domain.quant.dispatch import DispatchInput, resolve
 
     rows = _matrix_rows()
     assert len(rows) >= 10
-    for linear, moe, act, gpu, vllm, sglang, _why in rows:
-        lin, mo = (None if linear == "BF16" else linear), (None if moe == "BF16" else moe)
-        kw = {}
-        if act != "default":
-            kw["linear_activation" if mo is None else "moe_activation"] = act
-        p = plan(lin, mo, **kw)
+    rejected = 0
+    for linear, moe, gpu, vllm, sglang, _why in rows:
+        (lin, lin_act), (mo, mo_act) = _role(linear), _role(moe)
+        p = plan(lin, mo, linear_activation=lin_act, moe_activation=mo_act)
         for engine, cell in (("vllm", vllm), ("sglang", sglang)):
             try:
-                check_sglang(engine, p)
-            except EngineRejectsQuantization:
-                assert cell == "rejected", (linear, moe, act, engine)
+                res = resolve(DispatchInput(engine=engine, requested=p))
+            except EngineCellUnsupported:
+                assert cell == "rejected", (linear, moe, engine)
+                rejected += 1
                 continue
-            d = decide_backends(engine, p, BLACKWELL)
-            assert cell == f"{d.linear.backend} / {d.moe.backend}", (linear, moe, act, engine)
+            d = decide_backends(engine, res.plan, BLACKWELL, layout=res.layout)
+            assert cell == f"{d.linear.backend} / {d.moe.backend}", (linear, moe, engine)
         need = max(MIN_CAPABILITY[f.name] for f in p.formats)
         assert gpu == f"SM{need[0]}{need[1]}+"
+    assert rejected  # the table shows rejections too, and they are checked

@@ -203,7 +203,7 @@ def test_config_needs_a_newer_gpu() -> None:
 
 
 def test_config_engine_missing_or_no_gpu() -> None:
-    conf = cfg("rollout.name=sglang", "rollout.quantization.moe=MXFP4")
+    conf = cfg("rollout.name=sglang", "rollout.quantization.moe=MXFP8")  # served natively by SGLang
     missing = diagnose(machine(sglang=None), conf)
     engine = check(missing, "rollout.name")
     assert (engine.status, engine.reason) == (Status.ERROR, Reason.PACKAGE_MISSING) and missing.config_ok is False

@@ -357,7 +357,7 @@ def test_rejects_delta_sync_for_quantized_rollouts(backend, wire) -> None:  # ty
 
 
 def test_server_kwargs() -> None:
-    decision = decide_backends("sglang", plan_for("MXFP8", "MXFP8"), (10, 0))
+    decision = decide_backends("sglang", plan_for("MXFP8", "MXFP8", True), (10, 0))  # the native MXFP8 layout
     qc = {"quant_method": "mxfp8", "weight_block_size": [1, 32]}
     kw = sglang_engine_kwargs(qc, decision, base={"model_path": "/m", "custom_weight_loader": ["x.y"],
                                                   "json_model_override_args": '{"rope_theta": 1}'})

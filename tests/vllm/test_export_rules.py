@@ -38,6 +38,9 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _export(src: Path, out: Path, linear: str, moe: str, numerics: str | None) -> tuple[dict, dict, object]:
     overrides = [f"rollout.quantization.linear={linear}", f"rollout.quantization.moe={moe}", "rollout.name=vllm"]
+    # vLLM serves NVFP4 weight-only (docs/support-matrix.md); the weights are the same either way
+    overrides += [f"rollout.quantization.{role}_activation=none" for role, fmt in (("linear", linear), ("moe", moe))
+                  if fmt == NVFP4.name]
     if numerics is not None:
         overrides.append(f"rollout.quantization.numerics={numerics}")
     checkpoint = HfCheckpoint(src)
