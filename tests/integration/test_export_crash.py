@@ -97,7 +97,7 @@ def test_a_killed_export_leaves_nothing_half_written(model: Path, reference: dic
         out.parent.mkdir()
         _prepare(out, state, previous)
         proc, _ = _start(ctx, ["--model", str(model), "--out", str(out), "--force", *ARGS], tmp_path, tag=state)
-        proc.join(60)
+        proc.join(300)
         assert proc.exitcode == 0
         lines[state] = int((tmp_path / f"count-{state}").read_text())
     rng = random.Random(19)
@@ -110,7 +110,7 @@ def test_a_killed_export_leaves_nothing_half_written(model: Path, reference: dic
         at = rng.randint(1, lines[state])
         argv = ["--model", str(model), "--out", str(out), "--force", *ARGS]
         proc, _ = _start(ctx, argv, tmp_path, kill_at=at, tag=f"run{run}")
-        proc.join(60)
+        proc.join(300)
         assert proc.exitcode in (-signal.SIGKILL, 0), (run, state, at, proc.exitcode)
         killed += proc.exitcode == -signal.SIGKILL
         after = _tree(out)
@@ -136,7 +136,7 @@ def test_two_racing_exports_never_both_write(model: Path, reference: dict[str, b
         procs = [_start(ctx, argv, tmp_path, tag=f"race{run}-{i}", start=start) for i in range(2)]
         start.set()
         for proc, _ in procs:
-            proc.join(60)
+            proc.join(300)
         codes = sorted(proc.exitcode for proc, _ in procs)
         errors = " ".join(err.read_text() for _, err in procs)
         assert codes in ([0, 0], [0, 2]), (run, codes, errors)
@@ -152,7 +152,7 @@ def test_a_terminated_export_cleans_up_after_itself(model: Path, reference: dict
     out = tmp_path / "dry" / "out"
     out.parent.mkdir()
     proc, _ = _start(ctx, ["--model", str(model), "--out", str(out), *ARGS], tmp_path, tag="dry")
-    proc.join(60)
+    proc.join(300)
     lines = int((tmp_path / "count-dry").read_text())
     rng = random.Random(143)
     for run in range(3):
@@ -161,7 +161,7 @@ def test_a_terminated_export_cleans_up_after_itself(model: Path, reference: dict
         at = rng.randint(1, lines // 2)  # inside the export, before its publish
         proc, err = _start(ctx, ["--model", str(model), "--out", str(out), *ARGS], tmp_path, kill_at=at,
                            tag=f"term{run}", sig=signal.SIGTERM)
-        proc.join(60)
+        proc.join(300)
         assert proc.exitcode == 128 + signal.SIGTERM, (at, err.read_text())
         assert "stopped by SIGTERM" in err.read_text()
         assert not out.exists() and _leftovers(out) == [], _leftovers(out)  # its own partial and lock are gone

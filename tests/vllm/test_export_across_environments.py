@@ -21,11 +21,12 @@ from tests.integration.export_models import save_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 
+# Cells the engines serve (docs/support-matrix.md): NVFP4 weight-only, MX with MX activations.
 PLANS = [
-    ("FP8_BLOCK", "NVFP4", "vllm"),
-    ("MXFP8", "MXFP4", "vllm"),
-    ("NVFP4", "FP8_BLOCK", "vllm"),
-    ("FP8_BLOCK", "FP8_BLOCK", "sglang"),
+    ("FP8_BLOCK", "NVFP4", "vllm", ["rollout.quantization.moe_activation=none"]),
+    ("MXFP8", "MXFP4", "vllm", []),
+    ("NVFP4", "FP8_BLOCK", "vllm", ["rollout.quantization.linear_activation=none"]),
+    ("FP8_BLOCK", "FP8_BLOCK", "sglang", []),
 ]
 
 
@@ -51,23 +52,24 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("qwen3moe"), moe=True, layers=1)
 
 
-def _export(python: Path | str, src: Path, out: Path, linear: str, moe: str, engine: str) -> dict[str, bytes]:
+def _export(python: Path | str, src: Path, out: Path, linear: str, moe: str, engine: str,
+            extra: list[str]) -> dict[str, bytes]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     cmd = [
         str(python), "-m", "app.cli.main", "export", "--model", str(src), "--out", str(out),
-        f"rollout.name={engine}", f"rollout.quantization.linear={linear}", f"rollout.quantization.moe={moe}",
+        f"rollout.name={engine}", f"rollout.quantization.linear={linear}", f"rollout.quantization.moe={moe}", *extra,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize(("linear", "moe", "engine"), PLANS)
+@pytest.mark.parametrize(("linear", "moe", "engine", "extra"), PLANS)
 def test_exports_are_byte_identical_across_environments(
-    main_python: Path, source: Path, tmp_path: Path, linear: str, moe: str, engine: str
+    main_python: Path, source: Path, tmp_path: Path, linear: str, moe: str, engine: str, extra: list[str]
 ) -> None:
-    here = _export(sys.executable, source, tmp_path / "here", linear, moe, engine)
-    there = _export(main_python, source, tmp_path / "there", linear, moe, engine)
+    here = _export(sys.executable, source, tmp_path / "here", linear, moe, engine, extra)
+    there = _export(main_python, source, tmp_path / "there", linear, moe, engine, extra)
     assert sorted(here) == sorted(there)
     assert "config.json" in here and any(name.endswith(".safetensors") for name in here)
     differing = [name for name in here if here[name] != there[name]]
