@@ -12,7 +12,7 @@ demo: setup
 	$(VENV)/bin/refit demo
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@VENV=$(VENV) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/test.sh
 
 lint: setup
 	$(VENV)/bin/ruff check domain ports adapters app tests
@@ -27,4 +27,4 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
+	rm -rf $(VENV) .venv-vllm .venv-vllm.log .pytest_cache .mypy_cache .ruff_cache site

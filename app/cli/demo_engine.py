@@ -47,7 +47,7 @@ def engine_overrides(settings: EngineDemoSettings, bucket_mb: float) -> list[str
         f"reference.model={settings.model}", f"reference.seed={settings.seed}",
         f"rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_mb!r}",
         "rollout.engine_kwargs.vllm.engine_args={skip_tokenizer_init: true, dtype: bfloat16, "
-        "enforce_eager: true, max_model_len: 128, seed: 0}", "rollout.engine_kwargs.vllm.use_deep_gemm=false",
+        "enforce_eager: true, max_model_len: 128, seed: 0}",
     ]
     if plan.linear.is_quantized:
         out.append(f"rollout.quantization.linear={plan.linear.name}")

@@ -12,6 +12,7 @@ prompt log-probs and greedy tokens on a fixed batch, and every parameter and buf
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -230,12 +231,16 @@ class ColdStartComparer:
         vocab_size: the model's vocabulary (for the fixed batch).
         settings: the batch's shape and seed, the greedy length.
         workdir: where exports go.
+        cache_dir: where cold-start results are kept across runs, by export digest (None: in
+            memory only). A cold start is deterministic in its export, so runs that export the
+            same weights (e.g. two deployment shapes) share one.
     """
 
     services: EngineDemoServices
     vocab_size: int
     settings: EngineDemoSettings
     workdir: Path
+    cache_dir: Path | None = None
     ids: torch.Tensor = attrs.field(init=False)
     prompts: list[list[int]] = attrs.field(init=False)
     _cold: dict[str, ColdReference] = attrs.field(init=False, factory=dict)
@@ -262,13 +267,28 @@ class ColdStartComparer:
         self.services.export_trainer(trainer, out)
         key = _export_digest(out)
         if key not in self._cold:
-            cold = self.services.cold_start(out)
-            try:
-                self._cold[key] = ColdReference(cold.log_probs(self.ids), cold.greedy(self.prompts, self.settings.new_tokens),
-                                                cold.digests())
-            finally:
-                cold.close()
+            self._cold[key] = self._load(key) or self._start_cold(out, key)
         return self._cold[key]
+
+    def _start_cold(self, out: Path, key: str) -> ColdReference:
+        cold = self.services.cold_start(out)
+        try:
+            ref = ColdReference(cold.log_probs(self.ids), cold.greedy(self.prompts, self.settings.new_tokens), cold.digests())
+        finally:
+            cold.close()
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.cache_dir / f".{key}.{os.getpid()}.pt"
+            torch.save({"log_probs": ref.log_probs, "tokens": ref.tokens, "digests": ref.digests}, tmp)
+            tmp.replace(self.cache_dir / f"{key}.pt")  # atomic: a reader sees all of it or nothing
+        return ref
+
+    def _load(self, key: str) -> ColdReference | None:
+        path = None if self.cache_dir is None else self.cache_dir / f"{key}.pt"
+        if path is None or not path.exists():
+            return None
+        data = torch.load(path, weights_only=True)
+        return ColdReference(data["log_probs"], data["tokens"], data["digests"])
 
     def compare(self, engine: Any, trainer: Any, report: RefitReport, step: int) -> EngineStep:
         """The engine (after `report`'s refit) against a cold start of the trainer's weights."""

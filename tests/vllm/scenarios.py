@@ -72,7 +72,8 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     engine: Any = services.rollout_engine()
     trainer: Any = services.trainer_model()
     svc = services.refit_service(engine=engine, trainer=trainer)
-    comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir)  # type: ignore[arg-type]
+    cache = Path(spec["cold_cache"]) if spec.get("cold_cache") else None
+    comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir, cache)  # type: ignore[arg-type]
     workers = engine.workers
     out: dict[str, Any] = {"spec": spec, "refused_before_first_refit": comparer.refuses(engine), "steps": []}
     steps = out["steps"]
