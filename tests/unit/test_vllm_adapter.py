@@ -326,7 +326,7 @@ def test_a_refit_that_misses_tensors_fails_closed_naming_them() -> None:
         def named_weights(self) -> list[tuple[str, torch.Tensor]]:
             return [(n, t) for n, t in super().named_weights() if "layers.1.mlp.down_proj" not in n]
 
-    model, _, engine = build()
+    _, _, engine = build()
     svc = RefitService(Missing(), engine, fp8_plan(), bucket_bytes=SMALL_BUCKET)
     with pytest.raises(RefitFailed, match=r"RefitIncomplete.*never written \(layers\.1\.mlp\.down_proj\.weight") as info:
         svc.refit()
@@ -342,7 +342,7 @@ def test_experts_the_reload_cannot_redo_are_refused_before_anything_is_written()
 
     from domain.errors import EngineRefitUnsupported
 
-    model, layerwise, engine = build()
+    _, layerwise, engine = build()
     refit(engine, checkpoint_stream(True), 1)
 
     def refuse(_model: torch.nn.Module) -> int:
