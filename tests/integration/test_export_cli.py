@@ -263,21 +263,20 @@ V4_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", 
 
 
 # verl's NVFP4 QAT recipe served weight-only (vLLM has no per-token NVFP4 for compressed-tensors)
-W4A16 = ["actor.megatron.qat.mode=w4a16", "rollout.quantization.linear_activation=none",
-         "rollout.quantization.moe_activation=none"]
+NVFP4_PER_TOKEN = ["actor.megatron.qat.mode=nvfp4", "rollout.quantization.linear=NVFP4", "rollout.quantization.moe=NVFP4"]
 
 
 def test_a_verl_yaml_runs_through_plan_unchanged(moe_dir: Path, capsys: pytest.CaptureFixture) -> None:
-    # as written it asks vLLM for per-token NVFP4, which the support matrix refuses with vLLM's reason
-    assert main(["plan", str(VERL_YAML), "--json"]) == 2
-    assert json.loads(capsys.readouterr().out)["error"]["type"] == "EngineCellUnsupported"
-    assert main(["plan", str(VERL_YAML), *W4A16, "--json"]) == 0
+    assert main(["plan", str(VERL_YAML), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["engine"], out["plan"]["linear"], out["plan"]["moe"]) == ("vllm", "NVFP4", "NVFP4")
-    assert next(r for r in out["rules"] if r["rule"] == 2)["outcome"] == "ok"  # qat.mode w4a16 matches
+    assert (out["engine"], out["plan"]["linear"], out["plan"]["moe"]) == ("vllm", "FP8_BLOCK", "FP8_BLOCK")
+    assert next(r for r in out["rules"] if r["rule"] == 2)["outcome"] == "ok"  # qat.mode fp8 matches the rollout
     assert "data" in out["unused_keys"] and out["engine_config"]["config_groups"]
-    assert main(["plan", str(VERL_YAML), *W4A16, "--model", str(moe_dir)]) == 0  # per tensor too
+    assert main(["plan", str(VERL_YAML), "--model", str(moe_dir)]) == 0  # per tensor too
     assert "keys of the verl configuration are not read" in capsys.readouterr().out
+    # verl's NVFP4 QAT asks vLLM for per-token NVFP4 activations, which the support matrix refuses
+    assert main(["plan", str(VERL_YAML), *NVFP4_PER_TOKEN, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["type"] == "EngineCellUnsupported"
 
 
 def test_plan_rejects_a_release_layout_fp8_model_with_delta_sync_naming_rule_4(

@@ -100,7 +100,7 @@ def test_modelopt_own_fp8_block_kernel_computes_a_third_order(numerics: str) -> 
         got = proj.weight_quantizer(proj.weight)
     assert _bits_equal(got, _modelopt_fp8_block_order(w))
     differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
-    assert 0 < differ < w.numel() // 20
+    assert differ == {"engine": 3031, "compressed-tensors": 2787}[numerics]  # the figures docs/qat.md gives
     with pytest.raises(QatNumericsMismatch) as err:
         model(torch.randn(2, 512, dtype=torch.bfloat16))
     assert err.value.layer == "model.layers.0.mlp.down_proj.weight"

@@ -118,9 +118,9 @@ def test_the_actor_rollout_ref_prefix_is_the_same_key(override: str) -> None:
 
 def test_a_verl_file_loads_unchanged_and_sets_verls_own_keys_aside() -> None:
     cfg = load_config(VERL_YAML)
-    assert (cfg.rollout.name, cfg.rollout.quantization.linear, cfg.rollout.quantization.moe) == ("vllm", "NVFP4", "NVFP4")
+    assert (cfg.rollout.name, cfg.rollout.quantization.linear, cfg.rollout.quantization.moe) == ("vllm", "FP8_BLOCK", "FP8_BLOCK")
     assert cfg.rollout.checkpoint_engine.update_weights_bucket_megabytes == 2048
-    assert (cfg.actor.megatron.qat.enable, cfg.actor.megatron.qat.mode) == (True, "nvfp4")
+    assert (cfg.actor.megatron.qat.enable, cfg.actor.megatron.qat.mode) == (True, "fp8")
     assert cfg.actor.megatron.qat.ignore_patterns == ("lm_head", "*mlp.gate")
     assert cfg.rollout.quantization.config_file is None  # verl's null quantization_config_file sets nothing
     # the highest key rl-refit does not read: a whole section (data, optim) or a single value
