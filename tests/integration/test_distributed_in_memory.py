@@ -146,10 +146,12 @@ def test_engine_faults_report_what_every_engine_did(commit_mode, point, engine_r
 
 @pytest.mark.parametrize("commit_mode", ["transactional", "per-layer"])
 @pytest.mark.parametrize("point", ["verify", "storage"])
-def test_a_hanging_engine_leaves_every_engine_truthfully_kept_restored_or_stale(commit_mode, point, references) -> None:
-    """hang:verify / hang:storage on engine 2: its peers time out at the `finalized` agreement.
-    Each engine settles on its own; what it then holds matches what it reports."""
-    fault = RankFault(2, point, hang=True, refit=1)
+@pytest.mark.parametrize("engine_rank", [2, 3])
+def test_a_hanging_engine_leaves_every_engine_truthfully_kept_restored_or_stale(commit_mode, point, engine_rank,
+                                                                                references) -> None:
+    """hang:verify / hang:storage on one engine: its peers time out at the `finalized` agreement.
+    Each engine settles on its own; what it then holds matches what it reports of itself."""
+    fault = RankFault(engine_rank, point, hang=True, refit=1)
     results = run_world(RefitWorld(ParallelLayout(tp=2), 2), commit_mode, fault, steps=2, phase_s=PHASE_S)
     for rank in (2, 3):
         rec = results[rank]
@@ -157,5 +159,7 @@ def test_a_hanging_engine_leaves_every_engine_truthfully_kept_restored_or_stale(
         assert rec["serves"][1] is not rec["stale"][1]  # a stale engine refuses to serve
         if not rec["stale"][1]:
             assert rec["digests"][1] == references[0], f"engine {rank}: serves weights of no refit"
+        if commit_mode == "transactional":  # the rank's own report: a timed-out agreement carries no peer statuses
+            assert rec["outcomes"][1] == "rolled-back" and not rec["stale"][1], (rank, rec["outcomes"][1])
     if commit_mode == "transactional":
         assert not any(results[r]["stale"][1] for r in (2, 3))  # kept or restored, never half-updated
