@@ -33,3 +33,27 @@ def test_three_processes_with_a_fault_on_the_engine(capsys: pytest.CaptureFixtur
 def test_procs_out_of_range_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--procs", "5"]) == 2
     assert "--procs: must be 2, 3 or 4" in capsys.readouterr().err
+
+
+def test_a_hang_at_verify_on_one_of_two_engines_leaves_both_as_they_say(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _demo(capsys, "--procs", "4", "--inject-fault", "hang:verify", "--fault-rank", "2")
+    assert rc == 0 and out["engines_match_single_process"] is True and out["fault_fired"] is True
+    failed = [r for r in out["records"] if r["step"] == 1 and r["role"] == "engine"]
+    assert len(failed) == 2 and all(r["weights"] == "kept step 0, bit-identical" for r in failed), failed
+
+
+def test_text_and_json_agree_on_the_exit_status(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.cli.demo_procs as demo_procs
+
+    real = demo_procs.judge
+
+    def judge(records: list, references: object) -> bool:  # as if an engine held other weights
+        real(records, references)  # it also labels each record's weights
+        return False
+
+    monkeypatch.setattr(demo_procs, "judge", judge)
+    rc, out = _demo(capsys, "--procs", "2")
+    assert rc == 1 and out["engines_match_single_process"] is False
+    assert main(["demo", "--model", "micro-moe", "--steps", "1", "--bucket-mb", "0.0625", "--procs", "2"]) == 1
+    assert "every engine holds what it should (bit-identical to the single-process refit" in capsys.readouterr().out
