@@ -1,0 +1,404 @@
+"""`refit bench engine`: refit time into a real vLLM engine against vLLM's own ways in, all in one
+engine (one start, one process), for the same weights.
+
+The engine is the one `refit demo --engine vllm` starts (the embedded model, dummy weights,
+rl-refit's worker extension, here app.bench.engine_worker.BenchExtension with the baselines),
+colocated (vLLM in this process, buckets by reference) or disaggregated (an engine host process,
+buckets over a side gloo group). After a first refit (the engine goes live) and one warm-up
+round of each path, `repeat` rounds measure, in turns (the order reversed every round, so that a
+load change on a shared machine hits every path alike), wall-clock seconds in the trainer's
+process of:
+
+- `rl-refit refit`: RefitService.refit() through the composition root: quantize, bucket,
+  stream, vLLM's layerwise reload, the expert redo, the KV-scale reset, the storage check;
+- `write checkpoint`: the same quantized tensors written as one safetensors file (what the disk
+  baseline needs on disk first; page cache, no fsync);
+- `vLLM reload_weights`: the worker calls vLLM's own `Worker.reload_weights(weights_path=DIR,
+  is_checkpoint_format=True)` on that file.
+
+Then, with the engine's processed tensors set aside (app.bench.engine_worker), `repeat` rounds of
+- `per-bucket load_weights`: the same buckets through the same transport, each handed straight
+  to `model.load_weights` with no layerwise reload and no processing. A timing floor only: on
+  CPU vLLM's dense weights are kernel handles and FP8 weights are processed, so such writes never
+  reach what the engine computes with; the engine's own tensors are put back afterwards.
+
+And the engine's start (`LLM(...)` in this process with vLLM already imported; for the
+disaggregated shape the host process's start, vLLM's import included), for scale.
+
+Rows: rl-refit's median refit time against each baseline's median (ratio = baseline / ours,
+above 1 = the refit is faster). Notes: whether the engine held the same bytes after rl-refit's
+refit as after vLLM's reload, and what each figure includes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from app.bench.report import BenchReport
+
+EXTENSION = "app.bench.engine_worker.BenchExtension"
+DEPLOYMENTS = ("auto", "colocated", "disaggregated")
+PRESETS = ("BF16", "FP8_BLOCK")  # what vLLM's CPU build serves, dense and MoE
+
+REFIT = "rl-refit refit"
+RELOAD = "vLLM reload_weights from disk (checkpoint already written)"
+WRITE_RELOAD = "write checkpoint + vLLM reload_weights"
+LOAD_WEIGHTS = "per-bucket model.load_weights, unprocessed (timing floor only: serves wrong weights)"
+RESTART = "engine start (a restart instead of a refit)"
+
+
+@attrs.frozen
+class EngineBenchSettings:
+    """What `refit bench engine` measures.
+
+    Attributes:
+        deployment: colocated, disaggregated, or auto (colocated when vLLM imports here).
+        model: the embedded model preset.
+        preset: the rollout plan, linear and MoE alike: BF16 or FP8_BLOCK.
+        repeat: measured rounds of each path (the median is reported).
+        bucket_mb: bucket size, MiB.
+    """
+
+    deployment: str = "auto"
+    model: str = "micro-moe"
+    preset: str = "FP8_BLOCK"
+    repeat: int = 3
+    bucket_mb: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.deployment not in DEPLOYMENTS:
+            raise ValueError(f"--deployment must be one of {', '.join(DEPLOYMENTS)}, got {self.deployment!r}")
+        if self.preset.upper() not in PRESETS:
+            raise ValueError(f"--preset must be one of {', '.join(PRESETS)} (what vLLM's CPU build serves), "
+                             f"got {self.preset!r}")
+        if self.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {self.repeat}")
+
+    @classmethod
+    def defaults(cls, quick: bool) -> EngineBenchSettings:
+        """`--quick`: micro-moe, 3 rounds; the full run: tiny-moe, 7 rounds, 4 MiB buckets."""
+        return cls(repeat=3) if quick else cls(model="tiny-moe", repeat=7, bucket_mb=4.0)
+
+
+@attrs.frozen
+class EngineTimings:
+    """What one engine measured (seconds, wall clock in the trainer's process).
+
+    Attributes:
+        deployment: colocated or disaggregated.
+        start: the engine's start.
+        refit: rl-refit's refits, one per round.
+        write: writing the checkpoint, one per round.
+        reload: vLLM's reload_weights, one per round (empty: it failed, see reload_error).
+        load_weights: the per-bucket load_weights rounds (empty: it failed, see load_weights_error).
+        source_bytes: the trainer's BF16 weights.
+        sent_bytes: the bytes one refit sends (quantized).
+        buckets: buckets per refit.
+        same_bytes: the engine held the same bytes after rl-refit's refit as after vLLM's reload
+            (None: not compared).
+        differing: the tensors that differed (at most 10).
+        reload_error: why vLLM's reload_weights could not be measured.
+        load_weights_error: why the load_weights baseline could not be measured.
+    """
+
+    deployment: str
+    start: float
+    refit: tuple[float, ...]
+    write: tuple[float, ...] = ()
+    reload: tuple[float, ...] = ()
+    load_weights: tuple[float, ...] = ()
+    source_bytes: int = 0
+    sent_bytes: int = 0
+    buckets: int = 0
+    same_bytes: bool | None = None
+    differing: tuple[str, ...] = ()
+    reload_error: str | None = None
+    load_weights_error: str | None = None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def resolve_deployment(deployment: str, vllm_here: bool) -> str:
+    """`auto` -> colocated when vLLM imports in this process, else disaggregated."""
+    if deployment != "auto":
+        return deployment
+    return "colocated" if vllm_here else "disaggregated"
+
+
+def skip_reason(deployment: str, *, vllm_here: bool, engine_python: str | None = None,
+                engine_python_has_vllm: bool | None = None) -> str | None:
+    """Why the bench cannot run, or None.
+
+    Args:
+        deployment: colocated or disaggregated.
+        vllm_here: vLLM imports in this process.
+        engine_python: the disaggregated engine host's interpreter.
+        engine_python_has_vllm: vLLM imports in that interpreter.
+    """
+    if deployment == "colocated" and not vllm_here:
+        return ("refit bench engine --deployment colocated needs vLLM in this process; run it with the vLLM "
+                "environment's python (.venv-vllm/bin/python -m app.cli.main bench engine), or use "
+                "--deployment disaggregated")
+    if deployment == "disaggregated" and not engine_python_has_vllm:
+        return (f"refit bench engine --deployment disaggregated starts the engine host with {engine_python}, "
+                "where vLLM does not import; set rollout.engine_kwargs.vllm.python or RL_REFIT_VLLM_PYTHON, "
+                "or create .venv-vllm (scripts/setup-vllm-env.sh)")
+    return None
+
+
+def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport:
+    """The suite's rows and notes from what the engine measured (pure).
+
+    Args:
+        settings: what was run.
+        t: the timings.
+
+    Returns:
+        The BenchReport: rl-refit's median refit against each baseline's median.
+    """
+    report = BenchReport("engine")
+    case = f"{settings.model} {settings.preset.upper()} {t.deployment} bucket {settings.bucket_mb:g} MiB"
+    ours = _median(t.refit)
+    assert ours is not None, "at least one refit is measured"
+    reload, write = _median(t.reload), _median(t.write)
+    written = _median([w + r for w, r in zip(t.write, t.reload, strict=False)]) if t.reload else None
+    load = _median(t.load_weights)
+    metric = "refit time"
+    if reload is not None:
+        report.add(case, metric, ours, "s", RELOAD, reload, figure="other", preset=settings.preset.upper())
+    if written is not None:
+        report.add(case, metric, ours, "s", WRITE_RELOAD, written, figure="other", preset=settings.preset.upper())
+    if load is not None:
+        report.add(case, metric, ours, "s", LOAD_WEIGHTS, load, figure="other", preset=settings.preset.upper())
+    report.add(case, metric, ours, "s", RESTART, t.start, figure="other", preset=settings.preset.upper())
+    if write is not None:
+        report.add(case, "write checkpoint (quantize + one safetensors file)", write, "s")
+    if t.source_bytes:
+        report.add(case, "rl-refit refit throughput (BF16 source bytes)", t.source_bytes / 1e9 / ours, "GB/s")
+    report.notes += _notes(settings, t)
+    return report
+
+
+def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
+    rounds = f"median of {settings.repeat} round{'s' if settings.repeat > 1 else ''} after a warm-up round"
+    start = ("`LLM(...)` in this process, vLLM already imported" if t.deployment == "colocated"
+             else "the engine host process until it serves: Python, vLLM's import, `LLM(...)`, the connection")
+    notes = [
+        f"one engine, {t.deployment}: every figure is wall-clock seconds in the trainer's process, {rounds}; "
+        f"{t.buckets} buckets, {t.sent_bytes / 2**20:.2f} MiB sent per refit "
+        f"({t.source_bytes / 2**20:.2f} MiB of BF16 source weights)",
+        "ratio = baseline / rl-refit (above 1: the refit is faster)",
+        f"engine start ({t.start:.1f} s): {start}",
+        "per-bucket load_weights: the same buckets and transport, each bucket straight into "
+        "model.load_weights with no layerwise reload and no processing, into checkpoint-format "
+        "parameters set up beside the engine's processed ones (put back afterwards): a timing floor, "
+        "not a refit; its writes never reach the kernels (on CPU dense weights are packed kernel "
+        "handles and FP8 weights are processed)",
+    ]
+    if t.same_bytes is True:
+        notes.append("after rl-refit's refit and after vLLM's reload_weights the engine held the same bytes "
+                     "(every parameter and buffer)")
+    elif t.same_bytes is False:
+        why = (" (expected for BF16 MoE: vLLM's reload copies plain expert weights into prepacked storage, "
+               "docs/engines.md; rl-refit redoes the expert prepack)" if settings.preset.upper() == "BF16" else "")
+        notes.append(f"after rl-refit's refit and after vLLM's reload_weights the engine held different bytes in "
+                     f"{', '.join(t.differing)}{why}")
+    if t.reload_error:
+        notes.append(f"vLLM's reload_weights could not be measured: {t.reload_error}")
+    if t.load_weights_error:
+        notes.append(f"the per-bucket load_weights baseline could not be measured: {t.load_weights_error}")
+    return notes
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+
+def _vllm_here() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _python_has_vllm(python: str) -> bool:
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _overrides(settings: EngineBenchSettings, deployment: str) -> list[str]:
+    from app.cli.demo_engine import engine_overrides
+    from app.services.engine_demo import EngineDemoSettings
+    from domain.quant.plan import QuantizationPlan
+
+    preset = None if settings.preset.upper() == "BF16" else settings.preset.upper()
+    demo = EngineDemoSettings(deployment=deployment, plan=QuantizationPlan.from_presets(preset, preset),
+                              model=settings.model)
+    return [*engine_overrides(demo, settings.bucket_mb),
+            f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}"]
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@attrs.define
+class _Bench:
+    """One engine and the three ways into it."""
+
+    services: Any
+    svc: Any  # RefitService
+    workdir: Path
+
+    @property
+    def engine(self) -> Any:
+        return self.svc.engine
+
+    def rpc(self, method: str, *args: Any) -> Any:
+        workers = self.engine.workers
+        if hasattr(workers, "process"):  # disaggregated: the engine host's collective_rpc
+            return workers.process.rpc(method, *args)[0]
+        return workers.llm.collective_rpc(method, args=args)[0]
+
+    def refit(self) -> None:
+        self.svc.refit()
+
+    def write(self) -> None:
+        from safetensors.torch import save_file
+
+        from domain.quant.stream import quantize_stream
+
+        tensors = {name: t.contiguous() for name, t in quantize_stream(self.svc.plan, self.svc.trainer.named_weights())}
+        save_file(tensors, str(self.workdir / "model.safetensors"), metadata={"format": "pt"})
+
+    def reload(self) -> None:
+        self.rpc("rl_refit_bench_reload", str(self.workdir))
+
+    def load_weights(self) -> None:
+        """The refit's buckets, through the same workers, with the worker in `load_weights` mode."""
+        from domain.quant.stream import quantize_stream
+        from domain.refit.buckets import BucketPlanner
+
+        svc, workers = self.svc, self.engine.workers
+        planner = BucketPlanner(svc.bucket_bytes, svc.alignment, svc.reuse_buffer, by_reference=svc.by_reference)
+        workers.begin()
+        for bucket in planner.pack(quantize_stream(svc.plan, svc.trainer.named_weights())):
+            workers.load(bucket)
+        workers.finalize(False)
+
+
+def _rounds(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, list[float]]:
+    """One warm-up round, then `repeat` rounds in turns (the order reversed every other round)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for i in range(repeat):
+        for name in order if i % 2 == 0 else reversed(order):
+            times[name].append(_timed(fns[name]))
+    return times
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+
+
+def measure(settings: EngineBenchSettings) -> EngineTimings:
+    """Start one engine and measure every path into it.
+
+    Raises:
+        ModuleNotFoundError: (name `vllm`) with the reason, when vLLM is not where this
+            deployment needs it.
+    """
+    from app.bootstrap import bootstrap
+
+    here = _vllm_here()
+    deployment = resolve_deployment(settings.deployment, here)
+    services = bootstrap(overrides=_overrides(settings, deployment))
+    python = services.vllm_python() if deployment == "disaggregated" else None
+    reason = skip_reason(deployment, vllm_here=here, engine_python=python,
+                         engine_python_has_vllm=_python_has_vllm(python) if python else None)
+    if reason is not None:
+        raise ModuleNotFoundError(reason, name="vllm")
+    if deployment == "colocated":
+        import vllm  # noqa: F401 - imported before the clock starts: the start is LLM(...) alone
+    trainer = services.trainer_model()
+    t0 = time.perf_counter()
+    engine = services.rollout_engine()
+    start = time.perf_counter() - t0
+    try:
+        with tempfile.TemporaryDirectory(prefix="rl-refit-bench-engine-") as tmp:
+            bench = _Bench(services, services.refit_service(engine=engine, trainer=trainer), Path(tmp))
+            return _measure(settings, deployment, start, bench)
+    finally:
+        engine.close()
+
+
+def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench: _Bench) -> EngineTimings:
+    first = bench.svc.refit()  # the engine goes live
+    after_refit = bench.rpc("rl_refit_digests")
+    reload_error = None
+    try:
+        bench.write()
+        bench.reload()
+        after_reload = bench.rpc("rl_refit_digests")
+        times = _rounds({"refit": bench.refit, "write": bench.write, "reload": bench.reload}, settings.repeat)
+    except Exception as err:  # vLLM's own path failed: report it, measure the rest
+        reload_error, after_reload = _error(err), None
+        times = {"refit": _rounds({"refit": bench.refit}, settings.repeat)["refit"], "write": [], "reload": []}
+    differing = () if after_reload is None else tuple(
+        sorted(n for n in after_refit.keys() | after_reload.keys() if after_refit.get(n) != after_reload.get(n)))
+    load_error, loads = None, []
+    bench.rpc("rl_refit_bench_mode", "load_weights")
+    try:
+        loads = _rounds({"load_weights": bench.load_weights}, settings.repeat)["load_weights"]
+    except Exception as err:
+        load_error = _error(err)
+    finally:
+        bench.rpc("rl_refit_bench_mode", "refit")
+    bench.svc.refit()  # the engine serves rl-refit's refit again (and a broken put-back would fail here)
+    return EngineTimings(
+        deployment, start, tuple(times["refit"]), tuple(times["write"]), tuple(times["reload"]), tuple(loads),
+        first.source_bytes, first.bytes_sent, first.buckets,
+        None if after_reload is None else not differing, differing[:10], reload_error, load_error,
+    )
+
+
+def run(quick: bool = False, settings: EngineBenchSettings | None = None) -> BenchReport:
+    """Run the suite.
+
+    Args:
+        quick: micro-moe, 3 rounds (well under 3 minutes with the engine's start) instead of
+            tiny-moe, 7 rounds.
+        settings: what to run (default: `EngineBenchSettings.defaults(quick)`).
+
+    Returns:
+        The BenchReport. Raises ModuleNotFoundError (name `vllm`, the reason in its message) when
+        vLLM is not where the deployment needs it: `refit bench all` reports the suite skipped.
+    """
+    from app.logging import configure_logging
+
+    settings = settings or EngineBenchSettings.defaults(quick)
+    configure_logging(level=logging.WARNING)  # the canonical refit lines would flood the table
+    threads = torch.get_num_threads()
+    try:
+        return build_report(settings, measure(settings))
+    finally:
+        torch.set_num_threads(threads)  # vLLM lowers this process's threads when it runs here
