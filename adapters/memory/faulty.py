@@ -74,6 +74,12 @@ class ScriptedFaultyEngine:
                 "(use bucket:K, finalize or storage instead)"
             )
 
+    def __getattr__(self, name: str) -> object:
+        """The inner engine's own queries and controls beyond the port (close, digests, ...)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     @property
     def commit_mode(self) -> CommitMode:
         return self.inner.commit_mode

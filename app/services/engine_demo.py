@@ -25,7 +25,7 @@ from app.services.mismatch_probe import token_batch
 from app.services.refit import RefitService
 from domain.errors import EngineBusy, EngineStale, RefitFailed
 from domain.quant.plan import QuantizationPlan
-from domain.refit.report import RefitReport
+from domain.refit.report import RefitOutcome, RefitReport
 
 BACK = -1  # the step number of the refit back to step 0's weights
 
@@ -157,9 +157,10 @@ class EngineDemoResult:
     @property
     def ok(self) -> bool:
         """Every live refit equals its cold start, the engine refused before its first refit, and
-        a failed refit left the engine refusing to serve."""
+        no failed refit left it serving a mix (a stale engine refuses; a rolled-back one serves
+        its previous weights)."""
         live = [s for s in self.steps if s.report.ok]
-        failed_closed = all(s.serving != "yes" for s in self.steps if not s.report.ok)
+        failed_closed = all(s.serving != "yes" for s in self.steps if s.report.outcome is RefitOutcome.STALE)
         return self.refused_before_first_refit and bool(live) and all(s.equals_cold_start for s in live) \
             and failed_closed
 
@@ -192,8 +193,7 @@ def run_engine_demo(settings: EngineDemoSettings, services: EngineDemoServices,
         with tempfile.TemporaryDirectory(prefix="rl-refit-engine-demo-") as tmp:
             return _run(settings, services, svc, engine, Path(workdir) if workdir else Path(tmp), on_step)
     finally:
-        inner = getattr(engine, "inner", engine)  # a ScriptedFaultyEngine wraps the real one
-        inner.close()
+        engine.close()
 
 
 def _run(settings: EngineDemoSettings, services: EngineDemoServices, svc: RefitService, engine: Any,
@@ -298,9 +298,8 @@ class ColdStartComparer:
             return EngineStep(step, report, "no (stale)")
         except EngineBusy:
             return EngineStep(step, report, "no (busy)")
-        real = getattr(engine, "inner", engine)  # past a ScriptedFaultyEngine: the engine's own queries
-        tokens = real.greedy(self.prompts, self.settings.new_tokens)
-        digests, scales = real.digests(), real.kv_scales()
+        tokens = engine.greedy(self.prompts, self.settings.new_tokens)
+        digests, scales = engine.digests(), engine.kv_scales()
         if not report.ok:  # served although the refit failed: report it, compare nothing
             return EngineStep(step, report, "yes", kv_scales=scales)
         ref = self.reference(trainer)

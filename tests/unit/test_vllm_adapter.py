@@ -308,3 +308,74 @@ def test_launch_without_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(builtins, "__import__", no_vllm)
     with pytest.raises(ModuleNotFoundError, match=r"adapters\.vllm .*needs vllm >=0\.32,<0\.34"):
         start_llm(model="/m")
+
+
+# --- what a refit wrote, experts, plain values across process boundaries -----------------------
+
+
+def test_finalize_reports_every_parameter_written_and_none_unwritten() -> None:
+    model, _, engine = build()
+    result = refit(engine, checkpoint_stream(True), 1)
+    expected = {n for n, _ in model.named_parameters()
+                if n.rpartition(".")[2] not in ("q_scale", "k_scale", "v_scale", "prob_scale")}
+    assert result.parameters_written == len(expected) and result.unwritten == ()
+
+
+def test_a_refit_that_misses_tensors_fails_closed_naming_them() -> None:
+    class Missing(FakeTrainer):
+        def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+            return [(n, t) for n, t in super().named_weights() if "layers.1.mlp.down_proj" not in n]
+
+    _, _, engine = build()
+    svc = RefitService(Missing(), engine, fp8_plan(), bucket_bytes=SMALL_BUCKET)
+    with pytest.raises(RefitFailed, match=r"RefitIncomplete.*never written \(layers\.1\.mlp\.down_proj\.weight") as info:
+        svc.refit()
+    report = info.value.report
+    assert report.outcome is RefitOutcome.STALE and engine.is_stale
+    assert "layers.1.mlp.down_proj.weight" in report.unwritten and report.parameters_written is not None
+    svc_full = RefitService(FakeTrainer(), engine, fp8_plan(), bucket_bytes=SMALL_BUCKET)
+    assert svc_full.refit().ok and not engine.is_stale  # the next full refit recovers
+
+
+def test_experts_the_reload_cannot_redo_are_refused_before_anything_is_written() -> None:
+    import attrs
+
+    from domain.errors import EngineRefitUnsupported
+
+    _, layerwise, engine = build()
+    refit(engine, checkpoint_stream(True), 1)
+
+    def refuse(_model: torch.nn.Module) -> int:
+        raise EngineRefitUnsupported("experts padded: refused")
+
+    engine.workers.refit.hooks = attrs.evolve(engine.workers.refit.hooks, check_experts=refuse)  # type: ignore[attr-defined]
+    before = {n: t.detach().clone() for n, t in engine.live_weights().items()}
+    with pytest.raises(EngineRefitUnsupported):
+        engine.begin_refit(2)
+    assert not engine.is_stale and layerwise.initialized == 1  # nothing began, the old weights serve
+    assert all(torch.equal(before[n], t) for n, t in engine.live_weights().items())
+    engine.log_probs(torch.tensor([[1, 2, 3]]))
+
+
+def test_the_expert_redo_gets_the_names_the_loads_wrote() -> None:
+    import attrs
+
+    seen: list[set[str]] = []
+    model, _, engine = build()
+    hooks = engine.workers.refit.hooks  # type: ignore[attr-defined]
+    engine.workers.refit.hooks = attrs.evolve(hooks, redo_experts=lambda m, w: seen.append(set(w)) or 3)  # type: ignore[attr-defined]
+    refit(engine, checkpoint_stream(True), 1)
+    assert seen == [{n for n, _ in model.named_parameters() if n.rpartition(".")[2] not in ("q_scale", "k_scale", "v_scale", "prob_scale")}]
+
+
+def test_finalize_stats_and_fingerprints_survive_plain_values() -> None:
+    import json
+
+    from adapters.vllm.worker import FinalizeStats
+    from domain.refit.storage import StorageFingerprint
+
+    stats = FinalizeStats(2, 0.5, 30, 28, ("a.weight",), 1)
+    assert FinalizeStats.from_plain(json.loads(json.dumps(list(stats)))) == stats
+    _, _, engine = build()
+    fp = engine.storage_fingerprint()
+    assert StorageFingerprint.from_plain(json.loads(json.dumps(fp.to_plain()))) == fp

@@ -118,7 +118,7 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                                    probe_batch(trainer.config.vocab_size, 2, 16, 0))
             probed = attrs.evolve(svc, probe=probe, reports=[])
             refit_and_compare("probe, clean", probed)
-            rpc("rl_refit_test_corrupt", "post_attention_layernorm")
+            rpc("rl_refit_test_corrupt", "lm_head")  # doubles every logit
             refit_and_compare("probe, corrupted", probed)
             rpc("rl_refit_test_corrupt", "\x00")  # matches no name: stop corrupting
             refit_and_compare("probe, clean again", probed)

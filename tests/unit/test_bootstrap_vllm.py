@@ -1,0 +1,100 @@
+"""The composition root builds a vLLM engine in either deployment shape from the configuration:
+what it starts, with which arguments and environment, and what it refuses (without starting vLLM:
+the engine host and the in-process LLM are replaced by recorders)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app import bootstrap as root
+from app.bootstrap import bootstrap
+from domain.errors import ConfigError
+
+BASE = ["rollout.name=vllm", "reference.model=micro-moe", "rollout.quantization.linear=FP8_BLOCK",
+        "rollout.quantization.moe=FP8_BLOCK", "rollout.engine_kwargs.vllm.engine_args={enforce_eager: true}",
+        "rollout.engine_kwargs.vllm.environment={VLLM_CPU_KVCACHE_SPACE: 1}"]
+
+
+class Started:
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def start(self, python: str, engine_kwargs: dict[str, Any], **kw: Any) -> object:
+        self.calls.append({"python": python, "kwargs": dict(engine_kwargs), **kw})
+        return type("P", (), {"workers": [{"rank": 0}]})()
+
+
+def test_disaggregated_starts_an_engine_host_without_vllm_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from adapters.vllm import remote
+
+    started = Started()
+    monkeypatch.setattr(remote.EngineProcess, "start", staticmethod(started.start))
+    fake_python = tmp_path / "python"
+    services = bootstrap(overrides=[*BASE, "rollout.deployment=disaggregated",
+                                    f"rollout.engine_kwargs.vllm.python={fake_python}"])
+    engine = services.rollout_engine()
+    (call,) = started.calls
+    assert call["python"] == str(fake_python)
+    kwargs = call["kwargs"]
+    assert kwargs["load_format"] == "dummy" and kwargs["enforce_eager"] is True
+    assert kwargs["quantization"] == "compressed-tensors"
+    assert kwargs["hf_overrides"]["quantization_config"]["config_groups"]
+    config = json.loads((Path(kwargs["model"]) / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 4
+    env = call["env"]
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
+    if services.backend_decision("vllm", services.plan).capability is None:
+        assert "VLLM_USE_DEEP_GEMM" not in env  # no GPU capability known: no DeepGEMM request
+    assert type(engine.workers).__name__ == "RemoteWorkers" and engine.is_stale  # type: ignore[attr-defined]
+    json.dumps(kwargs)  # plain values only: they cross to the host as JSON
+
+
+def test_colocated_needs_vllm_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    services = bootstrap(overrides=[*BASE, "rollout.deployment=colocated"])
+    with pytest.raises(ModuleNotFoundError, match=r"rollout\.name=vllm: .*needs vllm"):
+        services.rollout_engine()
+
+
+def test_engines_without_a_remote_form_refuse_the_disaggregated_shape() -> None:
+    services = bootstrap(overrides=["rollout.name=sglang", "rollout.deployment=disaggregated"])
+    with pytest.raises(ConfigError, match=r"rollout\.deployment.*sglang runs colocated only"):
+        services.rollout_engine()
+
+
+def test_a_bad_deployment_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.deployment.*valid: colocated, disaggregated"):
+        bootstrap(overrides=["rollout.deployment=remote"])
+
+
+def test_the_engine_hosts_python(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    services = bootstrap(overrides=BASE, environ={"RL_REFIT_VLLM_PYTHON": "/opt/vllm/bin/python"})
+    assert root._vllm_python(services) == "/opt/vllm/bin/python"
+    monkeypatch.chdir(tmp_path)
+    local = tmp_path / ".venv-vllm" / "bin" / "python"
+    local.parent.mkdir(parents=True)
+    local.write_text("")
+    assert root._vllm_python(bootstrap(overrides=BASE, environ={})) == str(local)
+    monkeypatch.setattr(root, "__file__", str(tmp_path / "nowhere" / "app" / "bootstrap.py"))
+    local.unlink()
+    assert root._vllm_python(bootstrap(overrides=BASE, environ={})) == sys.executable
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("rollout.verify.batch", "0", "must be 1 or more"),
+    ("rollout.verify.seq_len", "1", "must be 2 or more"),
+    ("rollout.verify.max_abs_logp_diff", "-1", "must be 0 or more"),
+    ("rollout.engine_kwargs.vllm.start_timeout_s", "0", "positive number of seconds"),
+])
+def test_new_keys_are_checked(key: str, value: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        bootstrap(overrides=[f"{key}={value}"])

@@ -1,0 +1,147 @@
+"""The real-engine demo's loop and its cold-start comparison, over the reference engine: the
+refitted engine against a fresh engine loaded from the same export (what `refit demo --engine vllm`
+does with vLLM), a fault that must leave the engine refusing, and a refit that serves other bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adapters.vllm.extension import tensor_digest
+from app.bootstrap import Services, bootstrap
+from app.services.engine_demo import BACK, EngineDemoSettings, run_engine_demo
+from domain.quant.naming import natural_key
+from domain.quant.plan import QuantizationPlan
+from domain.refit.buckets import pack_buckets
+
+
+@attrs.define
+class Inspectable:
+    """A reference engine with the queries the demo reads from a real one. Greedy tokens are a
+    function of the weights' digest (the reference engine does not generate)."""
+
+    inner: Any
+    closed: bool = False
+    corrupt: bool = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def finalize_refit(self) -> Any:
+        result = self.inner.finalize_refit()
+        if self.corrupt:
+            live = self.inner.live_weights()
+            with torch.no_grad():
+                live[next(n for n in live if "lm_head" in n)].mul_(2)
+        return result
+
+    def digests(self) -> dict[str, str]:
+        return {n: tensor_digest(t) for n, t in self.inner.live_weights().items()}
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        self.inner.log_probs(torch.tensor([p[:2] for p in prompts]))  # refuses as the engine does
+        seed = int(tensor_digest(torch.cat([t.reshape(-1).float() for t in self.inner.live_weights().values()]))[:8], 16)
+        return [[(seed + i * 31 + j) % 97 for j in range(max_tokens)] for i in range(len(prompts))]
+
+    def kv_scales(self) -> dict[str, list[float]]:
+        return {}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@attrs.define
+class Cold(Inspectable):
+    """A cold start's view: log-probs alone, as adapters.vllm.remote.ColdEngine returns them."""
+
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.log_probs(input_ids)[0]
+
+
+@attrs.define
+class FakeServices:
+    """The demo's services over the reference engine; cold starts load the export into a new one."""
+
+    services: Services
+    corrupt: bool = False
+    cold_starts: int = 0
+    engine: Inspectable | None = None
+
+    def refit_service(self, *, inject_fault: str | None = None, fault_after: int = 0) -> Any:
+        self.engine = Inspectable(self.services.rollout_engine(), corrupt=self.corrupt)
+        svc = self.services.refit_service(engine=self.engine, inject_fault=inject_fault,  # type: ignore[arg-type]
+                                          fault_after=fault_after)
+        return svc
+
+    def export_trainer(self, trainer: Any, out: str | Path) -> Path:
+        return self.services.export_trainer(trainer, out)
+
+    def cold_start(self, directory: str | Path) -> Inspectable:
+        self.cold_starts += 1
+        tensors: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(directory).glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        engine = self.services.rollout_engine()
+        engine.begin_refit(1)
+        for bucket in pack_buckets(sorted(tensors.items(), key=lambda kv: natural_key(kv[0])), 1 << 20):
+            engine.load_bucket(bucket)
+        engine.finalize_refit()
+        return Cold(engine)
+
+
+def _services(preset: str | None) -> Services:
+    plan = [f"rollout.quantization.linear={preset}", f"rollout.quantization.moe={preset}"] if preset else []
+    return bootstrap(overrides=["reference.model=micro-moe", "rollout.checkpoint_engine.update_weights_bucket_megabytes=0.25",
+                                *plan])
+
+
+@pytest.mark.parametrize("preset", [None, "FP8_BLOCK"])
+def test_every_refit_equals_a_cold_start_and_identical_exports_start_once(preset: str | None) -> None:
+    fake = FakeServices(_services(preset))
+    plan = QuantizationPlan.from_presets(preset, preset)
+    result = run_engine_demo(EngineDemoSettings(engine="reference", plan=plan, steps=2), fake)  # type: ignore[arg-type]
+    assert result.ok and result.refused_before_first_refit
+    assert [s.step for s in result.steps] == [0, 1, 2, BACK]
+    assert all(s.equals_cold_start and s.logprobs_equal and s.weights_equal and s.tokens_equal for s in result.steps)
+    assert fake.cold_starts == 3  # back to step 0's weights: step 0's cold start is reused
+    assert fake.engine is not None and fake.engine.closed
+    assert result.steps[0].to_dict()["equals_cold_start"] is True
+
+
+def test_a_failed_refit_must_leave_the_engine_refusing() -> None:
+    fake = FakeServices(_services(None))
+    settings = EngineDemoSettings(engine="reference", plan=QuantizationPlan.bf16(), steps=2, inject_fault="bucket:1",
+                                  fault_step=1)
+    result = run_engine_demo(settings, fake)  # type: ignore[arg-type]
+    failed = result.steps[1]
+    assert not failed.report.ok and failed.equals_cold_start is None
+    # the reference engine is transactional: it rolled back and serves its previous weights
+    assert failed.report.outcome.value == "rolled-back" and failed.serving == "yes"
+    assert result.ok and result.fault_fired
+    assert all(s.equals_cold_start for s in result.steps if s.report.ok)
+
+
+def test_a_stale_engine_that_still_serves_fails_the_demo() -> None:
+    fake = FakeServices(_services(None))
+    settings = EngineDemoSettings(engine="reference", plan=QuantizationPlan.bf16(), steps=1, back=False,
+                                  inject_fault="storage", fault_step=1)
+    result = run_engine_demo(settings, fake)  # type: ignore[arg-type]
+    assert result.steps[1].report.outcome.value == "stale" and result.steps[1].serving == "no (stale)"
+    assert result.ok
+    forged = attrs.evolve(result, steps=(result.steps[0], attrs.evolve(result.steps[1], serving="yes")))
+    assert not forged.ok
+
+
+def test_a_refit_serving_other_bytes_is_reported_and_fails_the_demo() -> None:
+    fake = FakeServices(_services(None), corrupt=True)
+    result = run_engine_demo(EngineDemoSettings(engine="reference", plan=QuantizationPlan.bf16(), steps=0, back=False),
+                             fake)  # type: ignore[arg-type]
+    (step,) = result.steps
+    assert step.report.ok and step.equals_cold_start is False and not result.ok
+    assert not step.logprobs_equal and not step.weights_equal
+    assert any("lm_head" in name for name in step.differing_weights)
