@@ -1,5 +1,5 @@
 """`refit bench engine`: refit time into a real vLLM engine against vLLM's own ways in, all in one
-engine (one start, one process), for the same weights.
+engine (started once), for the same weights.
 
 The engine is the one `refit demo --engine vllm` starts (the embedded model, dummy weights,
 rl-refit's worker extension, here app.bench.engine_worker.BenchExtension with the baselines),
@@ -26,14 +26,17 @@ And the engine's start (`LLM(...)` in this process with vLLM already imported; f
 disaggregated shape the host process's start, vLLM's import included), for scale.
 
 Rows: rl-refit's median refit time against each baseline's median (ratio = baseline / ours,
-above 1 = the refit is faster). Notes: whether the engine held the same bytes after rl-refit's
-refit as after vLLM's reload, and what each figure includes.
+above 1 = the refit is faster). Notes: the refit's phases; whether the engine held the same bytes
+after rl-refit's refit as after vLLM's reload of the same weights (the reload compared starts
+from an engine holding other weights, a refit of perturbed trainer weights, so that a reload
+that changed nothing cannot pass); and what each figure includes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import statistics
 import subprocess
 import tempfile
@@ -68,6 +71,8 @@ class EngineBenchSettings:
         preset: the rollout plan, linear and MoE alike: BF16 or FP8_BLOCK.
         repeat: measured rounds of each path (the median is reported).
         bucket_mb: bucket size, MiB.
+        trainer_threads: torch threads of the trainer's process while it measures; None: on a
+            machine without CUDA, disaggregated, half the cores (see `trainer_threads_for`).
     """
 
     deployment: str = "auto"
@@ -75,15 +80,40 @@ class EngineBenchSettings:
     preset: str = "FP8_BLOCK"
     repeat: int = 3
     bucket_mb: float = 1.0
+    trainer_threads: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.deployment not in DEPLOYMENTS:
-            raise ValueError(f"--deployment must be one of {', '.join(DEPLOYMENTS)}, got {self.deployment!r}")
+            raise ValueError(f"deployment must be one of {', '.join(DEPLOYMENTS)}, got {self.deployment!r}")
         if self.preset.upper() not in PRESETS:
-            raise ValueError(f"--preset must be one of {', '.join(PRESETS)} (what vLLM's CPU build serves), "
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)} (what vLLM's CPU build serves), "
                              f"got {self.preset!r}")
         if self.repeat < 1:
-            raise ValueError(f"--repeat must be >= 1, got {self.repeat}")
+            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
+        if self.trainer_threads is not None and self.trainer_threads < 1:
+            raise ValueError(f"trainer_threads must be >= 1 (or None), got {self.trainer_threads}")
+
+    def trainer_threads_for(self, deployment: str, cpu_count: int, cuda: bool) -> int | None:
+        """The trainer's torch threads for a deployment, None: leave them as they are.
+
+        Disaggregated on CPU, the engine host shares the trainer's cores, and vLLM's
+        multiprocess engine busy-polls its message queues for 1 s after every call it reads
+        (SpinCondition.busy_loop_s, vllm/distributed/device_communicators/shm_broadcast.py):
+        an OpenMP team spanning every core beside that spinning process waits at each barrier
+        for a descheduled thread (on 2 cores, quantizing right after an RPC took 30 times as
+        long). So by default the trainer gets half the cores and the engine host the rest.
+        Colocated, vLLM sets this process's threads itself.
+
+        Args:
+            deployment: colocated or disaggregated.
+            cpu_count: the machine's cores.
+            cuda: CUDA is available (quantization runs on the GPU).
+        """
+        if self.trainer_threads is not None:
+            return self.trainer_threads
+        if deployment == "disaggregated" and not cuda:
+            return max(1, cpu_count // 2)
+        return None
 
     @classmethod
     def defaults(cls, quick: bool) -> EngineBenchSettings:
@@ -105,8 +135,15 @@ class EngineTimings:
         source_bytes: the trainer's BF16 weights.
         sent_bytes: the bytes one refit sends (quantized).
         buckets: buckets per refit.
+        trainer_threads: the trainer's torch threads while it measured (None: as vLLM or the
+            process set them).
+        phases: rl-refit's refit per phase (export, quantize, pack, load, finalize, verify), the
+            median over the measured rounds.
         same_bytes: the engine held the same bytes after rl-refit's refit as after vLLM's reload
             (None: not compared).
+        moved: before the compared reload the engine held other weights (a refit of perturbed
+            trainer weights), so that a reload that changed nothing could not pass as the same
+            bytes (None: the trainer cannot be perturbed, the reload started from the same weights).
         differing: the tensors that differed (at most 10).
         reload_error: why vLLM's reload_weights could not be measured.
         load_weights_error: why the load_weights baseline could not be measured.
@@ -121,7 +158,10 @@ class EngineTimings:
     source_bytes: int = 0
     sent_bytes: int = 0
     buckets: int = 0
+    trainer_threads: int | None = None
+    phases: dict[str, float] = attrs.field(factory=dict)
     same_bytes: bool | None = None
+    moved: bool | None = None
     differing: tuple[str, ...] = ()
     reload_error: str | None = None
     load_weights_error: str | None = None
@@ -149,13 +189,13 @@ def skip_reason(deployment: str, *, vllm_here: bool, engine_python: str | None =
         engine_python_has_vllm: vLLM imports in that interpreter.
     """
     if deployment == "colocated" and not vllm_here:
-        return ("refit bench engine --deployment colocated needs vLLM in this process; run it with the vLLM "
-                "environment's python (.venv-vllm/bin/python -m app.cli.main bench engine), or use "
-                "--deployment disaggregated")
+        return ("refit bench engine, colocated, needs vLLM in this process; run it with the vLLM "
+                "environment's python (.venv-vllm/bin/python -m app.cli.main bench engine), or deploy it "
+                "disaggregated")
     if deployment == "disaggregated" and not engine_python_has_vllm:
-        return (f"refit bench engine --deployment disaggregated starts the engine host with {engine_python}, "
-                "where vLLM does not import; set rollout.engine_kwargs.vllm.python or RL_REFIT_VLLM_PYTHON, "
-                "or create .venv-vllm (scripts/setup-vllm-env.sh)")
+        return (f"refit bench engine, disaggregated, starts the engine host with {engine_python}, where vLLM "
+                "does not import; set RL_REFIT_VLLM_PYTHON to the vLLM environment's python, create .venv-vllm "
+                "(scripts/setup-vllm-env.sh), or run the bench with that python (colocated)")
     return None
 
 
@@ -202,25 +242,58 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
         f"({t.source_bytes / 2**20:.2f} MiB of BF16 source weights)",
         "ratio = baseline / rl-refit (above 1: the refit is faster)",
         f"engine start ({t.start:.1f} s): {start}",
+        *([f"the trainer's process ran with {t.trainer_threads} torch thread{'s' if t.trainer_threads > 1 else ''}, "
+           "the other cores left to the engine host (vLLM's multiprocess engine busy-polls for 1 s after "
+           "every call; an OpenMP team over every core beside it stalls at each barrier)"]
+          if t.trainer_threads else []),
         "per-bucket load_weights: the same buckets and transport, each bucket straight into "
         "model.load_weights with no layerwise reload and no processing, into checkpoint-format "
         "parameters set up beside the engine's processed ones (put back afterwards): a timing floor, "
         "not a refit; its writes never reach the kernels (on CPU dense weights are packed kernel "
         "handles and FP8 weights are processed)",
     ]
-    if t.same_bytes is True:
-        notes.append("after rl-refit's refit and after vLLM's reload_weights the engine held the same bytes "
-                     "(every parameter and buffer)")
-    elif t.same_bytes is False:
-        why = (" (expected for BF16 MoE: vLLM's reload copies plain expert weights into prepacked storage, "
-               "docs/engines.md; rl-refit redoes the expert prepack)" if settings.preset.upper() == "BF16" else "")
-        notes.append(f"after rl-refit's refit and after vLLM's reload_weights the engine held different bytes in "
-                     f"{', '.join(t.differing)}{why}")
+    if t.phases:
+        notes.append(_phases_note(t))
+    notes += _bytes_notes(settings, t)
     if t.reload_error:
         notes.append(f"vLLM's reload_weights could not be measured: {t.reload_error}")
     if t.load_weights_error:
         notes.append(f"the per-bucket load_weights baseline could not be measured: {t.load_weights_error}")
     return notes
+
+
+def _phases_note(t: EngineTimings) -> str:
+    where = ("load: each bucket into the engine, vLLM's layerwise reload and processing included; "
+             "finalize: the reload's last layers, the expert redo, the KV-scale reset"
+             if t.deployment == "colocated" else
+             "load: each bucket onto the side group's stream; finalize: waiting for the engine host "
+             "to receive and load the stream (vLLM's layerwise reload and processing), then its finalize")
+    ms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.phases.items())
+    parts = [v for k, v in t.phases.items() if k != "total"]
+    rest = t.phases.get("total", 0.0) - sum(parts)
+    untimed = (f"; the median total less the phases' medians, about {rest * 1e3:.1f} ms: the begin (the storage fingerprint, "
+               "the engine's begin), not a phase of its own" if rest > 0 and "total" in t.phases else "")
+    return f"rl-refit's refit by phase, median ms: {ms} ({where}; verify: the storage check{untimed})"
+
+
+def _bytes_notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
+    if t.moved is False:
+        return ["the bytes were not compared: a refit of perturbed trainer weights left the engine's bytes "
+                "unchanged, so a reload that did nothing would have looked the same"]
+    if t.same_bytes is None:
+        return []
+    start = ("from an engine holding other weights (a refit of perturbed trainer weights)" if t.moved
+             else "from the same weights (the trainer cannot be perturbed: this only shows the reload "
+                  "did not change them)")
+    if t.same_bytes:
+        return [f"vLLM's reload_weights of the checkpoint, {start}, left the engine holding exactly the bytes "
+                "rl-refit's refit had left (every parameter and buffer)"]
+    why = (" (expected for BF16 MoE on CPU: vLLM's reload copies plain expert weights into storage its MoE "
+           "kernel reads as prepacked tiles and skips the prepack on a weight update, so it serves other "
+           "weights; rl-refit's refit redoes the prepack, adapters/vllm/experts.py)"
+           if settings.preset.upper() == "BF16" else "")
+    return [f"vLLM's reload_weights of the checkpoint, {start}, left the engine holding different bytes "
+            f"than rl-refit's refit in {', '.join(t.differing)}{why}"]
 
 
 # --- measuring ---------------------------------------------------------------------------------
@@ -266,6 +339,7 @@ class _Bench:
     services: Any
     svc: Any  # RefitService
     workdir: Path
+    timings: list[dict[str, float]] = attrs.field(factory=list)  # each refit's phases
 
     @property
     def engine(self) -> Any:
@@ -278,7 +352,7 @@ class _Bench:
         return workers.llm.collective_rpc(method, args=args)[0]
 
     def refit(self) -> None:
-        self.svc.refit()
+        self.timings.append(dict(self.svc.refit().timings))
 
     def write(self) -> None:
         from safetensors.torch import save_file
@@ -305,7 +379,11 @@ class _Bench:
 
 
 def _rounds(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, list[float]]:
-    """One warm-up round, then `repeat` rounds in turns (the order reversed every other round)."""
+    """One warm-up round, then `repeat` rounds in turns (the order reversed every other round).
+
+    Returns:
+        Each name's seconds, one per measured round.
+    """
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -341,7 +419,7 @@ def measure(settings: EngineBenchSettings) -> EngineTimings:
         import vllm  # noqa: F401 - imported before the clock starts: the start is LLM(...) alone
     trainer = services.trainer_model()
     t0 = time.perf_counter()
-    engine = services.rollout_engine()
+    engine: Any = services.rollout_engine()  # VllmRolloutEngine (close)
     start = time.perf_counter() - t0
     try:
         with tempfile.TemporaryDirectory(prefix="rl-refit-bench-engine-") as tmp:
@@ -352,17 +430,24 @@ def measure(settings: EngineBenchSettings) -> EngineTimings:
 
 
 def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench: _Bench) -> EngineTimings:
+    threads = settings.trainer_threads_for(deployment, os.cpu_count() or 1, torch.cuda.is_available())
+    if threads is not None:  # run() puts the process's threads back
+        torch.set_num_threads(threads)
     first = bench.svc.refit()  # the engine goes live
     after_refit = bench.rpc("rl_refit_digests")
-    reload_error = None
+    bench.write()
+    moved = _move_away(bench, after_refit)
+    reload_error, after_reload = None, None
     try:
-        bench.write()
         bench.reload()
+    except Exception as err:  # vLLM's own path failed: report it, measure the rest
+        reload_error = _error(err)
+    if reload_error is None:
         after_reload = bench.rpc("rl_refit_digests")
         times = _rounds({"refit": bench.refit, "write": bench.write, "reload": bench.reload}, settings.repeat)
-    except Exception as err:  # vLLM's own path failed: report it, measure the rest
-        reload_error, after_reload = _error(err), None
+    else:  # the warm-up refit puts rl-refit's weights back after the failed reload
         times = {"refit": _rounds({"refit": bench.refit}, settings.repeat)["refit"], "write": [], "reload": []}
+    phases = _median_phases(bench.timings[-settings.repeat:])
     differing = () if after_reload is None else tuple(
         sorted(n for n in after_refit.keys() | after_reload.keys() if after_refit.get(n) != after_reload.get(n)))
     load_error, loads = None, []
@@ -374,11 +459,36 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
     finally:
         bench.rpc("rl_refit_bench_mode", "refit")
     bench.svc.refit()  # the engine serves rl-refit's refit again (and a broken put-back would fail here)
+    compared = after_reload is not None and moved is not False
     return EngineTimings(
         deployment, start, tuple(times["refit"]), tuple(times["write"]), tuple(times["reload"]), tuple(loads),
-        first.source_bytes, first.bytes_sent, first.buckets,
-        None if after_reload is None else not differing, differing[:10], reload_error, load_error,
+        first.source_bytes, first.bytes_sent, first.buckets, threads, phases,
+        (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
+        reload_error, load_error,
     )
+
+
+def _move_away(bench: _Bench, digests: dict[str, str]) -> bool | None:
+    """Refit perturbed trainer weights (then restore the trainer), so that the reload compared
+    next has to change the engine's bytes; whether they changed (None: the trainer cannot be
+    perturbed)."""
+    trainer = bench.svc.trainer
+    if not all(hasattr(trainer, m) for m in ("snapshot", "perturb_", "restore_")):
+        return None
+    kept = trainer.snapshot()
+    try:
+        trainer.perturb_(seed=1, scale=0.05)
+        bench.svc.refit()
+    finally:
+        trainer.restore_(kept)
+    return bool(bench.rpc("rl_refit_digests") != digests)
+
+
+def _median_phases(timings: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over refits (phases in the first refit's order)."""
+    if not timings:
+        return {}
+    return {k: statistics.median(t.get(k, 0.0) for t in timings) for k in timings[0]}
 
 
 def run(quick: bool = False, settings: EngineBenchSettings | None = None) -> BenchReport:
