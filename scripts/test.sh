@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTEST_ARGS=${PYTEST_ARGS:--n 2}
 status=0
-if scripts/setup-vllm-env.sh > .venv-vllm.log 2>&1; then
+if scripts/setup-vllm-env.sh > .venv-vllm.log 2>&1 && [ -x .venv-vllm/bin/python ]; then
   vllm_ready=1
 else
   vllm_ready=0

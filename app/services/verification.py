@@ -3,6 +3,8 @@ small fixed batch against a reference (domain.refit.probe says which bound appli
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -71,3 +73,17 @@ class EngineReference:
 
     def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.engine.log_probs(input_ids)[0]
+
+
+@attrs.frozen
+class ColdStartReference:
+    """An engine started cold from the exported checkpoint (`Services.cold_start`: its
+    `log_probs(input_ids)` returns the [B, T-1] log-probs alone) as the reference: it computes the
+    refitted engine's way, so the probe allows no difference."""
+
+    cold: Any  # adapters.vllm.remote.ColdEngine or alike: log_probs(input_ids) -> Tensor
+    name: str = "a cold start of the exported checkpoint"
+    engine_way: bool = True
+
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.cold.log_probs(input_ids)

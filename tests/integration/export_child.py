@@ -36,8 +36,12 @@ def run_export(argv: list[str], kill_at: int, count_file: str | None, err_file: 
     Writes the number of traced lines it ran to `count_file` (dry runs), its stderr to
     `err_file`, and exits with main's code.
     """
+    import importlib
+
     from app.cli.main import main
 
+    for module in PRELOAD[2:]:  # imported before tracing (the forkserver may have failed to preload one), so that
+        importlib.import_module(module)  # only the export's own run is counted, never a module's import
     count = 0
 
     def tracer(frame: Any, event: str, _arg: Any) -> Any:

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from app.bootstrap import bootstrap
-from app.services.verification import EngineReference, PostRefitProbe, TrainerReference, probe_batch
+from app.services.verification import (
+    ColdStartReference,
+    EngineReference,
+    PostRefitProbe,
+    TrainerReference,
+    probe_batch,
+)
 from domain.errors import ProbeMismatch, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.refit.probe import TRAINER_BOUNDS, ProbeCheck, probe_bound
@@ -98,3 +104,35 @@ def test_an_engine_way_reference_allows_no_difference() -> None:
     trainer.perturb_(1, 0.02)  # type: ignore[attr-defined]
     with pytest.raises(RefitFailed, match="ProbeMismatch"):  # the reference now holds other weights
         svc.refit()
+
+
+@pytest.mark.parametrize(("presets", "bound"), [([], 0.0), (["rollout.quantization.linear=FP8_BLOCK"],
+                                                           TRAINER_BOUNDS["FP8_BLOCK"])])
+def test_the_configured_probe_holds_the_embedded_bf16_engine_to_zero(presets: list[str], bound: float) -> None:
+    """The embedded engine computes the trainer's own forward: with BF16 nothing may differ."""
+    services = bootstrap(overrides=[*OVERRIDES, "rollout.verify.enabled=true", *presets])
+    report = services.refit_service().refit()
+    assert report.probe is not None and report.probe.passed and report.probe.bound == bound
+    if not presets:
+        assert report.probe.max_abs_diff == 0.0
+
+
+@attrs.frozen
+class _Cold:
+    """A cold start's shape: log_probs returns the log-probs alone (adapters.vllm.remote.ColdEngine)."""
+
+    engine: object
+
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.engine.log_probs(input_ids)[0]  # type: ignore[attr-defined]
+
+
+def test_a_cold_start_reference_allows_no_difference() -> None:
+    services = bootstrap(overrides=[*OVERRIDES, "rollout.quantization.linear=FP8_BLOCK"])
+    trainer = services.trainer_model()
+    cold = services.rollout_engine()
+    services.refit_service(engine=cold, trainer=trainer).refit()
+    probe = PostRefitProbe(ColdStartReference(_Cold(cold)), probe_batch(trainer.config.vocab_size))  # type: ignore[attr-defined]
+    report = attrs.evolve(services.refit_service(trainer=trainer), probe=probe).refit()
+    assert report.probe is not None and report.probe.bound == 0.0 and report.probe.max_abs_diff == 0.0
+    assert report.probe.reference == "a cold start of the exported checkpoint"
