@@ -2,25 +2,24 @@
 engine (started once), for the same weights.
 
 The engine is the one `refit demo --engine vllm` starts (the embedded model, dummy weights,
-rl-refit's worker extension, here app.bench.engine_worker.BenchExtension with the baselines),
-colocated (vLLM in this process, buckets by reference) or disaggregated (an engine host process,
-buckets over a side gloo group). After a first refit (the engine goes live) and one warm-up
-round of each path, `repeat` rounds measure, in turns (the order reversed every round, so that a
-load change on a shared machine hits every path alike), wall-clock seconds in the trainer's
-process of:
+rl-refit's worker extension, here adapters.vllm.bench_extension.BenchExtension with the
+baselines), colocated (vLLM in this process, buckets by reference) or disaggregated (an engine
+host process, buckets over a side gloo group). After a first refit (the engine goes live), one
+untimed try of each baseline and a warm-up round, `repeat` rounds measure, in turns (the order
+reversed every other round, so that a load change on a shared machine hits every path alike),
+wall-clock seconds in the trainer's process of:
 
 - `rl-refit refit`: RefitService.refit() through the composition root: quantize, bucket,
   stream, vLLM's layerwise reload, the expert redo, the KV-scale reset, the storage check;
 - `write checkpoint`: the same quantized tensors written as one safetensors file (what the disk
   baseline needs on disk first; page cache, no fsync);
 - `vLLM reload_weights`: the worker calls vLLM's own `Worker.reload_weights(weights_path=DIR,
-  is_checkpoint_format=True)` on that file.
-
-Then, with the engine's processed tensors set aside (app.bench.engine_worker), `repeat` rounds of
+  is_checkpoint_format=True)` on that file;
 - `per-bucket load_weights`: the same buckets through the same transport, each handed straight
-  to `model.load_weights` with no layerwise reload and no processing. A timing floor only: on
-  CPU vLLM's dense weights are kernel handles and FP8 weights are processed, so such writes never
-  reach what the engine computes with; the engine's own tensors are put back afterwards.
+  to `model.load_weights` with no layerwise reload and no processing, into checkpoint-format
+  tensors set up beside the engine's own (untimed, before each such call, and put back after
+  it). A timing floor only: on CPU vLLM's dense weights are kernel handles and FP8 weights are
+  processed, so such writes never reach what the engine computes with.
 
 And the engine's start (`LLM(...)` in this process with vLLM already imported; for the
 disaggregated shape the host process's start, vLLM's import included), for scale.
@@ -29,7 +28,8 @@ Rows: rl-refit's median refit time against each baseline's median (ratio = basel
 above 1 = the refit is faster). Notes: the refit's phases; whether the engine held the same bytes
 after rl-refit's refit as after vLLM's reload of the same weights (the reload compared starts
 from an engine holding other weights, a refit of perturbed trainer weights, so that a reload
-that changed nothing cannot pass); and what each figure includes.
+that changed nothing cannot pass); whether a load_weights round left the engine's bytes as they
+were; a baseline that failed, and why; and what each figure includes.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import torch
 
 from app.bench.report import BenchReport
 
-EXTENSION = "app.bench.engine_worker.BenchExtension"
+EXTENSION = "adapters.vllm.bench_extension.BenchExtension"
 DEPLOYMENTS = ("auto", "colocated", "disaggregated")
 PRESETS = ("BF16", "FP8_BLOCK")  # what vLLM's CPU build serves, dense and MoE
 
@@ -147,6 +147,8 @@ class EngineTimings:
         differing: the tensors that differed (at most 10).
         reload_error: why vLLM's reload_weights could not be measured.
         load_weights_error: why the load_weights baseline could not be measured.
+        put_back: after the first (untimed) load_weights call the engine held exactly its bytes
+            from before it (its own tensors put back untouched).
     """
 
     deployment: str
@@ -165,6 +167,7 @@ class EngineTimings:
     differing: tuple[str, ...] = ()
     reload_error: str | None = None
     load_weights_error: str | None = None
+    put_back: bool = True
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -233,7 +236,8 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
 
 
 def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
-    rounds = f"median of {settings.repeat} round{'s' if settings.repeat > 1 else ''} after a warm-up round"
+    rounds = (f"median of {settings.repeat} round{'s' if settings.repeat > 1 else ''} in turns after a "
+              "warm-up round")
     start = ("`LLM(...)` in this process, vLLM already imported" if t.deployment == "colocated"
              else "the engine host process until it serves: Python, vLLM's import, `LLM(...)`, the connection")
     notes = [
@@ -259,6 +263,9 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
         notes.append(f"vLLM's reload_weights could not be measured: {t.reload_error}")
     if t.load_weights_error:
         notes.append(f"the per-bucket load_weights baseline could not be measured: {t.load_weights_error}")
+    if not t.put_back:
+        notes.append("after the first per-bucket load_weights call the engine did NOT hold its bytes from before it: "
+                     "putting its own tensors back failed, and every later figure is suspect")
     return notes
 
 
@@ -290,7 +297,7 @@ def _bytes_notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
                 "rl-refit's refit had left (every parameter and buffer)"]
     why = (" (expected for BF16 MoE on CPU: vLLM's reload copies plain expert weights into storage its MoE "
            "kernel reads as prepacked tiles and skips the prepack on a weight update, so it serves other "
-           "weights; rl-refit's refit redoes the prepack, adapters/vllm/experts.py)"
+           "weights; rl-refit's refit redoes the prepack, docs/engines.md#bf16-moe-on-vllm)"
            if settings.preset.upper() == "BF16" else "")
     return [f"vLLM's reload_weights of the checkpoint, {start}, left the engine holding different bytes "
             f"than rl-refit's refit in {', '.join(t.differing)}{why}"]
@@ -378,20 +385,43 @@ class _Bench:
         workers.finalize(False)
 
 
-def _rounds(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, list[float]]:
+Around = dict[str, tuple[Callable[[], object], Callable[[], object]]]
+
+
+def _rounds(fns: dict[str, Callable[[], object]], repeat: int, around: Around | None = None) -> dict[str, list[float]]:
     """One warm-up round, then `repeat` rounds in turns (the order reversed every other round).
+
+    Args:
+        fns: name -> the call to time.
+        repeat: measured rounds.
+        around: name -> (enter, leave), called untimed before and after each of that name's
+            calls (leave also when the call raises).
 
     Returns:
         Each name's seconds, one per measured round.
     """
-    for fn in fns.values():
-        fn()
+    around = around or {}
+
+    def call(name: str) -> float:
+        enter, leave = around.get(name, (_nothing, _nothing))
+        enter()
+        try:
+            return _timed(fns[name])
+        finally:
+            leave()
+
+    for name in fns:
+        call(name)
     times: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns)
     for i in range(repeat):
         for name in order if i % 2 == 0 else reversed(order):
-            times[name].append(_timed(fns[name]))
+            times[name].append(call(name))
     return times
+
+
+def _nothing() -> None:
+    return None
 
 
 def _error(err: BaseException) -> str:
@@ -437,35 +467,43 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
     after_refit = bench.rpc("rl_refit_digests")
     bench.write()
     moved = _move_away(bench, after_refit)
-    reload_error, after_reload = None, None
-    try:
-        bench.reload()
-    except Exception as err:  # vLLM's own path failed: report it, measure the rest
-        reload_error = _error(err)
+    reload_error = _attempt(bench.reload)  # vLLM's own path: a failure is reported, the rest measured
+    after_reload = bench.rpc("rl_refit_digests") if reload_error is None else None
+    bench.refit()  # rl-refit's weights again (after a failed reload too)
+    floor = (lambda: bench.rpc("rl_refit_bench_mode", "load_weights"), lambda: bench.rpc("rl_refit_bench_mode", "refit"))
+    before_floor = bench.rpc("rl_refit_digests")
+    load_error = _attempt(bench.load_weights, *floor)
+    put_back = bench.rpc("rl_refit_digests") == before_floor
+    fns: dict[str, Callable[[], object]] = {"refit": bench.refit}
     if reload_error is None:
-        after_reload = bench.rpc("rl_refit_digests")
-        times = _rounds({"refit": bench.refit, "write": bench.write, "reload": bench.reload}, settings.repeat)
-    else:  # the warm-up refit puts rl-refit's weights back after the failed reload
-        times = {"refit": _rounds({"refit": bench.refit}, settings.repeat)["refit"], "write": [], "reload": []}
+        fns.update(write=bench.write, reload=bench.reload)
+    if load_error is None:
+        fns["load_weights"] = bench.load_weights
+    times = _rounds(fns, settings.repeat, {"load_weights": floor})
     phases = _median_phases(bench.timings[-settings.repeat:])
     differing = () if after_reload is None else tuple(
         sorted(n for n in after_refit.keys() | after_reload.keys() if after_refit.get(n) != after_reload.get(n)))
-    load_error, loads = None, []
-    bench.rpc("rl_refit_bench_mode", "load_weights")
-    try:
-        loads = _rounds({"load_weights": bench.load_weights}, settings.repeat)["load_weights"]
-    except Exception as err:
-        load_error = _error(err)
-    finally:
-        bench.rpc("rl_refit_bench_mode", "refit")
-    bench.svc.refit()  # the engine serves rl-refit's refit again (and a broken put-back would fail here)
+    bench.svc.refit()  # the engine ends serving rl-refit's refit
     compared = after_reload is not None and moved is not False
     return EngineTimings(
-        deployment, start, tuple(times["refit"]), tuple(times["write"]), tuple(times["reload"]), tuple(loads),
-        first.source_bytes, first.bytes_sent, first.buckets, threads, phases,
+        deployment, start, tuple(times["refit"]), tuple(times.get("write", ())), tuple(times.get("reload", ())),
+        tuple(times.get("load_weights", ())), first.source_bytes, first.bytes_sent, first.buckets, threads, phases,
         (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
-        reload_error, load_error,
+        reload_error, load_error, put_back,
     )
+
+
+def _attempt(fn: Callable[[], object], enter: Callable[[], object] = _nothing,
+             leave: Callable[[], object] = _nothing) -> str | None:
+    """Run a baseline once, untimed; why it failed, or None."""
+    enter()
+    try:
+        fn()
+    except Exception as err:  # a baseline's failure is a finding to report, not the suite's failure
+        return _error(err)
+    finally:
+        leave()
+    return None
 
 
 def _move_away(bench: _Bench, digests: dict[str, str]) -> bool | None:
@@ -508,7 +546,18 @@ def run(quick: bool = False, settings: EngineBenchSettings | None = None) -> Ben
     settings = settings or EngineBenchSettings.defaults(quick)
     configure_logging(level=logging.WARNING)  # the canonical refit lines would flood the table
     threads = torch.get_num_threads()
+    load_before = _load_average()
     try:
-        return build_report(settings, measure(settings))
+        report = build_report(settings, measure(settings))
     finally:
         torch.set_num_threads(threads)  # vLLM lowers this process's threads when it runs here
+    report.notes.append(f"load average (1 min) before and after: {load_before} and {_load_average()} on "
+                        f"{os.cpu_count()} cores (other work on the machine skews every timing)")
+    return report
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None

@@ -140,7 +140,7 @@ def test_bf16_moe_differing_note_names_the_tensors_and_why() -> None:
     t = timings(same_bytes=False, differing=("layers.1.experts.w13_weight", "layers.1.experts.w2_weight"))
     bf16 = " ".join(build_report(EngineBenchSettings(preset="BF16"), t).notes)
     assert "different bytes" in bf16 and "layers.1.experts.w13_weight, layers.1.experts.w2_weight" in bf16
-    assert "expected for BF16 MoE" in bf16 and "adapters/vllm/experts.py" in bf16
+    assert "expected for BF16 MoE" in bf16 and "docs/engines.md#bf16-moe-on-vllm" in bf16
     fp8 = " ".join(build_report(EngineBenchSettings(preset="FP8_BLOCK"), t).notes)
     assert "different bytes" in fp8 and "expected" not in fp8  # a difference there is a finding
 
@@ -215,3 +215,51 @@ def test_median_phases() -> None:
     got = engine._median_phases([{"load": 1.0, "total": 3.0}, {"load": 5.0, "total": 4.0}, {"load": 2.0}])
     assert got == {"load": 2.0, "total": 3.0}  # a phase missing from a refit counts 0
     assert engine._median_phases([]) == {}
+
+
+def test_rounds_call_enter_and_leave_untimed_around_their_path() -> None:
+    calls: list[str] = []
+    fns = {"refit": lambda: calls.append("refit"), "load_weights": lambda: calls.append("load")}
+    around = {"load_weights": (lambda: calls.append("enter"), lambda: calls.append("leave"))}
+    engine._rounds(fns, 2, around)
+    assert calls == ["refit", "enter", "load", "leave",  # warm-up
+                     "refit", "enter", "load", "leave", "enter", "load", "leave", "refit"]
+
+
+def test_rounds_leave_when_the_call_raises() -> None:
+    calls: list[str] = []
+
+    def fail() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        engine._rounds({"load_weights": fail}, 1, {"load_weights": (lambda: calls.append("enter"),
+                                                                     lambda: calls.append("leave"))})
+    assert calls == ["enter", "leave"]
+
+
+def test_attempt_reports_a_failure_and_always_leaves() -> None:
+    calls: list[str] = []
+
+    def fail() -> None:
+        raise KeyError("w13_weight")
+
+    assert engine._attempt(fail, lambda: calls.append("enter"), lambda: calls.append("leave")) == \
+        "KeyError: 'w13_weight'"
+    assert engine._attempt(lambda: calls.append("ok")) is None
+    assert calls == ["enter", "leave", "ok"]
+
+
+def test_a_failed_put_back_is_a_note() -> None:
+    assert not any("did NOT hold" in n for n in build_report(EngineBenchSettings(), timings()).notes)
+    notes = build_report(EngineBenchSettings(), timings(put_back=False)).notes
+    assert any("did NOT hold its bytes" in n and "suspect" in n for n in notes)
+
+
+def test_the_engine_hosts_python_comes_from_the_composition_root() -> None:
+    from app.bootstrap import bootstrap
+
+    assert bootstrap(environ={"RL_REFIT_VLLM_PYTHON": "/env/python"}).vllm_python() == "/env/python"
+    configured = bootstrap(overrides=["rollout.engine_kwargs.vllm.python=/cfg/python"],
+                           environ={"RL_REFIT_VLLM_PYTHON": "/env/python"})
+    assert configured.vllm_python() == "/cfg/python"  # the configuration wins over the environment
