@@ -341,7 +341,7 @@ def _timed(fn: Callable[[], object]) -> float:
 
 @attrs.define
 class _Bench:
-    """One engine and the three ways into it."""
+    """One engine and the ways into it: rl-refit's refit and the baselines."""
 
     services: Any
     svc: Any  # RefitService
