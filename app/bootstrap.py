@@ -570,6 +570,12 @@ class Services:
             export_checkpoint(checkpoint, out, self.plan_report(checkpoint, purpose="export"), force=True)
         return Path(out)
 
+    def vllm_python(self) -> str:
+        """The interpreter a disaggregated vLLM engine host runs with: rollout.engine_kwargs.vllm.python,
+        else RL_REFIT_VLLM_PYTHON, else ./.venv-vllm/bin/python (or the one beside this checkout),
+        else this interpreter."""
+        return _vllm_python(self)
+
     def cold_start(self, directory: str | Path) -> Any:
         """An engine of rollout.name started from a checkpoint directory in its own process, for
         comparisons (log_probs, greedy, digests, kv_scales, close); vllm only."""

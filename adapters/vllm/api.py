@@ -92,4 +92,18 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("env", "vllm.envs:VLLM_USE_DEEP_GEMM_E8M0", ()),
     ("env", "vllm.envs:VLLM_ENABLE_V1_MULTIPROCESSING", ()),
     ("env", "vllm.envs:VLLM_LOGGING_STREAM", ()),
+    # the baselines of `refit bench engine` (bench_extension.py): vLLM's own reload from disk,
+    # and the checkpoint-format tensors its layerwise reload records per layer
+    ("member", "vllm.v1.worker.gpu_worker:Worker.reload_weights", ()),
+    ("member", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights",
+     ("weights_path", "is_checkpoint_format")),
+    ("member", "vllm.config.load:LoadConfig.load_format", ()),
+    ("member", "vllm.config.model:ModelConfig.model", ()),
+    ("member", "vllm.config.model:ModelConfig.model_weights", ()),
+    ("member", "vllm.config.model:ModelConfig.revision", ()),
+    ("symbol", "vllm.model_executor.model_loader.reload.layerwise:get_layerwise_info", ("layer",)),
+    ("symbol", "vllm.model_executor.model_loader.reload.meta:restore_layer_on_meta", ("layer", "info")),
+    ("symbol", "vllm.model_executor.model_loader.reload.meta:materialize_layer", ("layer", "info")),
+    ("contains", "vllm.model_executor.model_loader.reload.layerwise:make_online_process_loader",
+     ("@wraps(original_loader", "def online_process_loader")),
 )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-# Suite name -> module. Explicit, imported lazily.
+# Suite name -> module. Explicit, imported lazily. `bench all` runs them in this order: `engine`
+# last, since a colocated vLLM engine changes its process (threads, environment variables).
 SUITES: dict[str, str] = {
     "codecs": "app.bench.codecs",
     "export": "app.bench.export",
@@ -10,4 +11,5 @@ SUITES: dict[str, str] = {
     "refit": "app.bench.refit",
     "sharded": "app.bench.sharded",
     "transport": "app.bench.transport",
+    "engine": "app.bench.engine",
 }

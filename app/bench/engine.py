@@ -1,0 +1,563 @@
+"""`refit bench engine`: refit time into a real vLLM engine against vLLM's own ways in, all in one
+engine (started once), for the same weights.
+
+The engine is the one `refit demo --engine vllm` starts (the embedded model, dummy weights,
+rl-refit's worker extension, here adapters.vllm.bench_extension.BenchExtension with the
+baselines), colocated (vLLM in this process, buckets by reference) or disaggregated (an engine
+host process, buckets over a side gloo group). After a first refit (the engine goes live), one
+untimed try of each baseline and a warm-up round, `repeat` rounds measure, in turns (the order
+reversed every other round, so that a load change on a shared machine hits every path alike),
+wall-clock seconds in the trainer's process of:
+
+- `rl-refit refit`: RefitService.refit() through the composition root: quantize, bucket,
+  stream, vLLM's layerwise reload, the expert redo, the KV-scale reset, the storage check;
+- `write checkpoint`: the same quantized tensors written as one safetensors file (what the disk
+  baseline needs on disk first; page cache, no fsync);
+- `vLLM reload_weights`: the worker calls vLLM's own `Worker.reload_weights(weights_path=DIR,
+  is_checkpoint_format=True)` on that file;
+- `per-bucket load_weights`: the same buckets through the same transport, each handed straight
+  to `model.load_weights` with no layerwise reload and no processing, into checkpoint-format
+  tensors set up beside the engine's own (untimed, before each such call, and put back after
+  it). A timing floor only: on CPU vLLM's dense weights are kernel handles and FP8 weights are
+  processed, so such writes never reach what the engine computes with.
+
+And the engine's start (`LLM(...)` in this process with vLLM already imported; for the
+disaggregated shape the host process's start, vLLM's import included), for scale.
+
+Rows: rl-refit's median refit time against each baseline's median (ratio = baseline / ours,
+above 1 = the refit is faster). Notes: the refit's phases; whether the engine held the same bytes
+after rl-refit's refit as after vLLM's reload of the same weights (the reload compared starts
+from an engine holding other weights, a refit of perturbed trainer weights, so that a reload
+that changed nothing cannot pass); whether a load_weights round left the engine's bytes as they
+were; a baseline that failed, and why; and what each figure includes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from app.bench.report import BenchReport
+
+EXTENSION = "adapters.vllm.bench_extension.BenchExtension"
+DEPLOYMENTS = ("auto", "colocated", "disaggregated")
+PRESETS = ("BF16", "FP8_BLOCK")  # what vLLM's CPU build serves, dense and MoE
+
+REFIT = "rl-refit refit"
+RELOAD = "vLLM reload_weights from disk (checkpoint already written)"
+WRITE_RELOAD = "write checkpoint + vLLM reload_weights"
+LOAD_WEIGHTS = "per-bucket model.load_weights, unprocessed (timing floor only: serves wrong weights)"
+RESTART = "engine start (a restart instead of a refit)"
+
+
+@attrs.frozen
+class EngineBenchSettings:
+    """What `refit bench engine` measures.
+
+    Attributes:
+        deployment: colocated, disaggregated, or auto (colocated when vLLM imports here).
+        model: the embedded model preset.
+        preset: the rollout plan, linear and MoE alike: BF16 or FP8_BLOCK.
+        repeat: measured rounds of each path (the median is reported).
+        bucket_mb: bucket size, MiB.
+        trainer_threads: torch threads of the trainer's process while it measures; None: on a
+            machine without CUDA, disaggregated, half the cores (see `trainer_threads_for`).
+    """
+
+    deployment: str = "auto"
+    model: str = "micro-moe"
+    preset: str = "FP8_BLOCK"
+    repeat: int = 3
+    bucket_mb: float = 1.0
+    trainer_threads: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.deployment not in DEPLOYMENTS:
+            raise ValueError(f"deployment must be one of {', '.join(DEPLOYMENTS)}, got {self.deployment!r}")
+        if self.preset.upper() not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)} (what vLLM's CPU build serves), "
+                             f"got {self.preset!r}")
+        if self.repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
+        if self.trainer_threads is not None and self.trainer_threads < 1:
+            raise ValueError(f"trainer_threads must be >= 1 (or None), got {self.trainer_threads}")
+
+    def trainer_threads_for(self, deployment: str, cpu_count: int, cuda: bool) -> int | None:
+        """The trainer's torch threads for a deployment, None: leave them as they are.
+
+        Disaggregated on CPU, the engine host shares the trainer's cores, and vLLM's
+        multiprocess engine busy-polls its message queues for 1 s after every call it reads
+        (SpinCondition.busy_loop_s, vllm/distributed/device_communicators/shm_broadcast.py):
+        an OpenMP team spanning every core beside that spinning process waits at each barrier
+        for a descheduled thread (on 2 cores, quantizing right after an RPC took 30 times as
+        long). So by default the trainer gets half the cores and the engine host the rest.
+        Colocated, vLLM sets this process's threads itself.
+
+        Args:
+            deployment: colocated or disaggregated.
+            cpu_count: the machine's cores.
+            cuda: CUDA is available (quantization runs on the GPU).
+        """
+        if self.trainer_threads is not None:
+            return self.trainer_threads
+        if deployment == "disaggregated" and not cuda:
+            return max(1, cpu_count // 2)
+        return None
+
+    @classmethod
+    def defaults(cls, quick: bool) -> EngineBenchSettings:
+        """`--quick`: micro-moe, 3 rounds; the full run: tiny-moe, 7 rounds, 4 MiB buckets."""
+        return cls(repeat=3) if quick else cls(model="tiny-moe", repeat=7, bucket_mb=4.0)
+
+
+@attrs.frozen
+class EngineTimings:
+    """What one engine measured (seconds, wall clock in the trainer's process).
+
+    Attributes:
+        deployment: colocated or disaggregated.
+        start: the engine's start.
+        refit: rl-refit's refits, one per round.
+        write: writing the checkpoint, one per round.
+        reload: vLLM's reload_weights, one per round (empty: it failed, see reload_error).
+        load_weights: the per-bucket load_weights rounds (empty: it failed, see load_weights_error).
+        source_bytes: the trainer's BF16 weights.
+        sent_bytes: the bytes one refit sends (quantized).
+        buckets: buckets per refit.
+        trainer_threads: the trainer's torch threads while it measured (None: as vLLM or the
+            process set them).
+        phases: rl-refit's refit per phase (export, quantize, pack, load, finalize, verify), the
+            median over the measured rounds.
+        same_bytes: the engine held the same bytes after rl-refit's refit as after vLLM's reload
+            (None: not compared).
+        moved: before the compared reload the engine held other weights (a refit of perturbed
+            trainer weights), so that a reload that changed nothing could not pass as the same
+            bytes (None: the trainer cannot be perturbed, the reload started from the same weights).
+        differing: the tensors that differed (at most 10).
+        reload_error: why vLLM's reload_weights could not be measured.
+        load_weights_error: why the load_weights baseline could not be measured.
+        put_back: after the first (untimed) load_weights call the engine held exactly its bytes
+            from before it (its own tensors put back untouched).
+    """
+
+    deployment: str
+    start: float
+    refit: tuple[float, ...]
+    write: tuple[float, ...] = ()
+    reload: tuple[float, ...] = ()
+    load_weights: tuple[float, ...] = ()
+    source_bytes: int = 0
+    sent_bytes: int = 0
+    buckets: int = 0
+    trainer_threads: int | None = None
+    phases: dict[str, float] = attrs.field(factory=dict)
+    same_bytes: bool | None = None
+    moved: bool | None = None
+    differing: tuple[str, ...] = ()
+    reload_error: str | None = None
+    load_weights_error: str | None = None
+    put_back: bool = True
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def resolve_deployment(deployment: str, vllm_here: bool) -> str:
+    """`auto` -> colocated when vLLM imports in this process, else disaggregated."""
+    if deployment != "auto":
+        return deployment
+    return "colocated" if vllm_here else "disaggregated"
+
+
+def skip_reason(deployment: str, *, vllm_here: bool, engine_python: str | None = None,
+                engine_python_has_vllm: bool | None = None) -> str | None:
+    """Why the bench cannot run, or None.
+
+    Args:
+        deployment: colocated or disaggregated.
+        vllm_here: vLLM imports in this process.
+        engine_python: the disaggregated engine host's interpreter.
+        engine_python_has_vllm: vLLM imports in that interpreter.
+    """
+    if deployment == "colocated" and not vllm_here:
+        return ("refit bench engine, colocated, needs vLLM in this process; run it with the vLLM "
+                "environment's python (.venv-vllm/bin/python -m app.cli.main bench engine), or deploy it "
+                "disaggregated")
+    if deployment == "disaggregated" and not engine_python_has_vllm:
+        return (f"refit bench engine, disaggregated, starts the engine host with {engine_python}, where vLLM "
+                "does not import; set RL_REFIT_VLLM_PYTHON to the vLLM environment's python, create .venv-vllm "
+                "(scripts/setup-vllm-env.sh), or run the bench with that python (colocated)")
+    return None
+
+
+def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport:
+    """The suite's rows and notes from what the engine measured (pure).
+
+    Args:
+        settings: what was run.
+        t: the timings.
+
+    Returns:
+        The BenchReport: rl-refit's median refit against each baseline's median.
+    """
+    report = BenchReport("engine")
+    case = f"{settings.model} {settings.preset.upper()} {t.deployment} bucket {settings.bucket_mb:g} MiB"
+    ours = _median(t.refit)
+    assert ours is not None, "at least one refit is measured"
+    reload, write = _median(t.reload), _median(t.write)
+    written = _median([w + r for w, r in zip(t.write, t.reload, strict=False)]) if t.reload else None
+    load = _median(t.load_weights)
+    metric = "refit time"
+    if reload is not None:
+        report.add(case, metric, ours, "s", RELOAD, reload, figure="other", preset=settings.preset.upper())
+    if written is not None:
+        report.add(case, metric, ours, "s", WRITE_RELOAD, written, figure="other", preset=settings.preset.upper())
+    if load is not None:
+        report.add(case, metric, ours, "s", LOAD_WEIGHTS, load, figure="other", preset=settings.preset.upper())
+    report.add(case, metric, ours, "s", RESTART, t.start, figure="other", preset=settings.preset.upper())
+    if write is not None:
+        report.add(case, "write checkpoint (quantize + one safetensors file)", write, "s")
+    if t.source_bytes:
+        report.add(case, "rl-refit refit throughput (BF16 source bytes)", t.source_bytes / 1e9 / ours, "GB/s")
+    report.notes += _notes(settings, t)
+    return report
+
+
+def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
+    rounds = (f"median of {settings.repeat} round{'s' if settings.repeat > 1 else ''} in turns after a "
+              "warm-up round")
+    start = ("`LLM(...)` in this process, vLLM already imported" if t.deployment == "colocated"
+             else "the engine host process until it serves: Python, vLLM's import, `LLM(...)`, the connection")
+    notes = [
+        f"one engine, {t.deployment}: every figure is wall-clock seconds in the trainer's process, {rounds}; "
+        f"{t.buckets} buckets, {t.sent_bytes / 2**20:.2f} MiB sent per refit "
+        f"({t.source_bytes / 2**20:.2f} MiB of BF16 source weights)",
+        "ratio = baseline / rl-refit (above 1: the refit is faster)",
+        f"engine start ({t.start:.1f} s): {start}",
+        *([f"the trainer's process ran with {t.trainer_threads} torch thread{'s' if t.trainer_threads > 1 else ''}, "
+           "the other cores left to the engine host (vLLM's multiprocess engine busy-polls for 1 s after "
+           "every call; an OpenMP team over every core beside it stalls at each barrier)"]
+          if t.trainer_threads else []),
+        "per-bucket load_weights: the same buckets and transport, each bucket straight into "
+        "model.load_weights with no layerwise reload and no processing, into checkpoint-format "
+        "parameters set up beside the engine's processed ones (put back afterwards): a timing floor, "
+        "not a refit; its writes never reach the kernels (on CPU dense weights are packed kernel "
+        "handles and FP8 weights are processed)",
+    ]
+    if t.phases:
+        notes.append(_phases_note(t))
+    notes += _bytes_notes(settings, t)
+    if t.reload_error:
+        notes.append(f"vLLM's reload_weights could not be measured: {t.reload_error}")
+    if t.load_weights_error:
+        notes.append(f"the per-bucket load_weights baseline could not be measured: {t.load_weights_error}")
+    if not t.put_back:
+        notes.append("after the first per-bucket load_weights call the engine did NOT hold its bytes from before it: "
+                     "putting its own tensors back failed, and every later figure is suspect")
+    return notes
+
+
+def _phases_note(t: EngineTimings) -> str:
+    where = ("load: each bucket into the engine, vLLM's layerwise reload and processing included; "
+             "finalize: the reload's last layers, the expert redo, the KV-scale reset"
+             if t.deployment == "colocated" else
+             "load: each bucket onto the side group's stream; finalize: waiting for the engine host "
+             "to receive and load the stream (vLLM's layerwise reload and processing), then its finalize")
+    ms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.phases.items())
+    parts = [v for k, v in t.phases.items() if k != "total"]
+    rest = t.phases.get("total", 0.0) - sum(parts)
+    untimed = (f"; the median total less the phases' medians, about {rest * 1e3:.1f} ms: the begin (the storage fingerprint, "
+               "the engine's begin), not a phase of its own" if rest > 0 and "total" in t.phases else "")
+    return f"rl-refit's refit by phase, median ms: {ms} ({where}; verify: the storage check{untimed})"
+
+
+def _bytes_notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
+    if t.moved is False:
+        return ["the bytes were not compared: a refit of perturbed trainer weights left the engine's bytes "
+                "unchanged, so a reload that did nothing would have looked the same"]
+    if t.same_bytes is None:
+        return []
+    start = ("from an engine holding other weights (a refit of perturbed trainer weights)" if t.moved
+             else "from the same weights (the trainer cannot be perturbed: this only shows the reload "
+                  "did not change them)")
+    if t.same_bytes:
+        return [f"vLLM's reload_weights of the checkpoint, {start}, left the engine holding exactly the bytes "
+                "rl-refit's refit had left (every parameter and buffer)"]
+    why = (" (expected for BF16 MoE on CPU: vLLM's reload copies plain expert weights into storage its MoE "
+           "kernel reads as prepacked tiles and skips the prepack on a weight update, so it serves other "
+           "weights; rl-refit's refit redoes the prepack, docs/engines.md#bf16-moe-on-vllm)"
+           if settings.preset.upper() == "BF16" else "")
+    return [f"vLLM's reload_weights of the checkpoint, {start}, left the engine holding different bytes "
+            f"than rl-refit's refit in {', '.join(t.differing)}{why}"]
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+
+def _vllm_here() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _python_has_vllm(python: str) -> bool:
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _overrides(settings: EngineBenchSettings, deployment: str) -> list[str]:
+    from app.cli.demo_engine import engine_overrides
+    from app.services.engine_demo import EngineDemoSettings
+    from domain.quant.plan import QuantizationPlan
+
+    preset = None if settings.preset.upper() == "BF16" else settings.preset.upper()
+    demo = EngineDemoSettings(deployment=deployment, plan=QuantizationPlan.from_presets(preset, preset),
+                              model=settings.model)
+    return [*engine_overrides(demo, settings.bucket_mb),
+            f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}"]
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@attrs.define
+class _Bench:
+    """One engine and the ways into it: rl-refit's refit and the baselines."""
+
+    services: Any
+    svc: Any  # RefitService
+    workdir: Path
+    timings: list[dict[str, float]] = attrs.field(factory=list)  # each refit's phases
+
+    @property
+    def engine(self) -> Any:
+        return self.svc.engine
+
+    def rpc(self, method: str, *args: Any) -> Any:
+        workers = self.engine.workers
+        if hasattr(workers, "process"):  # disaggregated: the engine host's collective_rpc
+            return workers.process.rpc(method, *args)[0]
+        return workers.llm.collective_rpc(method, args=args)[0]
+
+    def refit(self) -> None:
+        self.timings.append(dict(self.svc.refit().timings))
+
+    def write(self) -> None:
+        from safetensors.torch import save_file
+
+        from domain.quant.stream import quantize_stream
+
+        tensors = {name: t.contiguous() for name, t in quantize_stream(self.svc.plan, self.svc.trainer.named_weights())}
+        save_file(tensors, str(self.workdir / "model.safetensors"), metadata={"format": "pt"})
+
+    def reload(self) -> None:
+        self.rpc("rl_refit_bench_reload", str(self.workdir))
+
+    def load_weights(self) -> None:
+        """The refit's buckets, through the same workers, with the worker in `load_weights` mode."""
+        from domain.quant.stream import quantize_stream
+        from domain.refit.buckets import BucketPlanner
+
+        svc, workers = self.svc, self.engine.workers
+        planner = BucketPlanner(svc.bucket_bytes, svc.alignment, svc.reuse_buffer, by_reference=svc.by_reference)
+        workers.begin()
+        for bucket in planner.pack(quantize_stream(svc.plan, svc.trainer.named_weights())):
+            workers.load(bucket)
+        workers.finalize(False)
+
+
+Around = dict[str, tuple[Callable[[], object], Callable[[], object]]]
+
+
+def _rounds(fns: dict[str, Callable[[], object]], repeat: int, around: Around | None = None) -> dict[str, list[float]]:
+    """One warm-up round, then `repeat` rounds in turns (the order reversed every other round).
+
+    Args:
+        fns: name -> the call to time.
+        repeat: measured rounds.
+        around: name -> (enter, leave), called untimed before and after each of that name's
+            calls (leave also when the call raises).
+
+    Returns:
+        Each name's seconds, one per measured round.
+    """
+    around = around or {}
+
+    def call(name: str) -> float:
+        enter, leave = around.get(name, (_nothing, _nothing))
+        enter()
+        try:
+            return _timed(fns[name])
+        finally:
+            leave()
+
+    for name in fns:
+        call(name)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for i in range(repeat):
+        for name in order if i % 2 == 0 else reversed(order):
+            times[name].append(call(name))
+    return times
+
+
+def _nothing() -> None:
+    return None
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+
+
+def measure(settings: EngineBenchSettings) -> EngineTimings:
+    """Start one engine and measure every path into it.
+
+    Raises:
+        ModuleNotFoundError: (name `vllm`) with the reason, when vLLM is not where this
+            deployment needs it.
+    """
+    from app.bootstrap import bootstrap
+
+    here = _vllm_here()
+    deployment = resolve_deployment(settings.deployment, here)
+    services = bootstrap(overrides=_overrides(settings, deployment))
+    python = services.vllm_python() if deployment == "disaggregated" else None
+    reason = skip_reason(deployment, vllm_here=here, engine_python=python,
+                         engine_python_has_vllm=_python_has_vllm(python) if python else None)
+    if reason is not None:
+        raise ModuleNotFoundError(reason, name="vllm")
+    if deployment == "colocated":
+        import vllm  # noqa: F401 - imported before the clock starts: the start is LLM(...) alone
+    trainer = services.trainer_model()
+    t0 = time.perf_counter()
+    engine: Any = services.rollout_engine()  # VllmRolloutEngine (close)
+    start = time.perf_counter() - t0
+    try:
+        with tempfile.TemporaryDirectory(prefix="rl-refit-bench-engine-") as tmp:
+            bench = _Bench(services, services.refit_service(engine=engine, trainer=trainer), Path(tmp))
+            return _measure(settings, deployment, start, bench)
+    finally:
+        engine.close()
+
+
+def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench: _Bench) -> EngineTimings:
+    threads = settings.trainer_threads_for(deployment, os.cpu_count() or 1, torch.cuda.is_available())
+    if threads is not None:  # run() puts the process's threads back
+        torch.set_num_threads(threads)
+    first = bench.svc.refit()  # the engine goes live
+    after_refit = bench.rpc("rl_refit_digests")
+    bench.write()
+    moved = _move_away(bench, after_refit)
+    reload_error = _attempt(bench.reload)  # vLLM's own path: a failure is reported, the rest measured
+    after_reload = bench.rpc("rl_refit_digests") if reload_error is None else None
+    bench.refit()  # rl-refit's weights again (after a failed reload too)
+    floor = (lambda: bench.rpc("rl_refit_bench_mode", "load_weights"), lambda: bench.rpc("rl_refit_bench_mode", "refit"))
+    before_floor = bench.rpc("rl_refit_digests")
+    load_error = _attempt(bench.load_weights, *floor)
+    put_back = bench.rpc("rl_refit_digests") == before_floor
+    fns: dict[str, Callable[[], object]] = {"refit": bench.refit}
+    if reload_error is None:
+        fns.update(write=bench.write, reload=bench.reload)
+    if load_error is None:
+        fns["load_weights"] = bench.load_weights
+    times = _rounds(fns, settings.repeat, {"load_weights": floor})
+    phases = _median_phases(bench.timings[-settings.repeat:])
+    differing = () if after_reload is None else tuple(
+        sorted(n for n in after_refit.keys() | after_reload.keys() if after_refit.get(n) != after_reload.get(n)))
+    bench.svc.refit()  # the engine ends serving rl-refit's refit
+    compared = after_reload is not None and moved is not False
+    return EngineTimings(
+        deployment, start, tuple(times["refit"]), tuple(times.get("write", ())), tuple(times.get("reload", ())),
+        tuple(times.get("load_weights", ())), first.source_bytes, first.bytes_sent, first.buckets, threads, phases,
+        (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
+        reload_error, load_error, put_back,
+    )
+
+
+def _attempt(fn: Callable[[], object], enter: Callable[[], object] = _nothing,
+             leave: Callable[[], object] = _nothing) -> str | None:
+    """Run a baseline once, untimed; why it failed, or None."""
+    enter()
+    try:
+        fn()
+    except Exception as err:  # a baseline's failure is a finding to report, not the suite's failure
+        return _error(err)
+    finally:
+        leave()
+    return None
+
+
+def _move_away(bench: _Bench, digests: dict[str, str]) -> bool | None:
+    """Refit perturbed trainer weights (then restore the trainer), so that the reload compared
+    next has to change the engine's bytes; whether they changed (None: the trainer cannot be
+    perturbed)."""
+    trainer = bench.svc.trainer
+    if not all(hasattr(trainer, m) for m in ("snapshot", "perturb_", "restore_")):
+        return None
+    kept = trainer.snapshot()
+    try:
+        trainer.perturb_(seed=1, scale=0.05)
+        bench.svc.refit()
+    finally:
+        trainer.restore_(kept)
+    return bool(bench.rpc("rl_refit_digests") != digests)
+
+
+def _median_phases(timings: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over refits (phases in the first refit's order)."""
+    if not timings:
+        return {}
+    return {k: statistics.median(t.get(k, 0.0) for t in timings) for k in timings[0]}
+
+
+def run(quick: bool = False, settings: EngineBenchSettings | None = None) -> BenchReport:
+    """Run the suite.
+
+    Args:
+        quick: micro-moe, 3 rounds (well under 3 minutes with the engine's start) instead of
+            tiny-moe, 7 rounds.
+        settings: what to run (default: `EngineBenchSettings.defaults(quick)`).
+
+    Returns:
+        The BenchReport. Raises ModuleNotFoundError (name `vllm`, the reason in its message) when
+        vLLM is not where the deployment needs it: `refit bench all` reports the suite skipped.
+    """
+    from app.logging import configure_logging
+
+    settings = settings or EngineBenchSettings.defaults(quick)
+    configure_logging(level=logging.WARNING)  # the canonical refit lines would flood the table
+    threads = torch.get_num_threads()
+    load_before = _load_average()
+    try:
+        report = build_report(settings, measure(settings))
+    finally:
+        torch.set_num_threads(threads)  # vLLM lowers this process's threads when it runs here
+    report.notes.append(f"load average (1 min) before and after: {load_before} and {_load_average()} on "
+                        f"{os.cpu_count()} cores (other work on the machine skews every timing)")
+    return report
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None

@@ -1,0 +1,265 @@
+"""`refit bench engine` without an engine: settings, deployment and skip decisions, the report
+built from given timings, the rounds' order, and how `refit bench all` takes the suite."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+import app.bench
+from app.bench import engine
+from app.bench.all import AllResult, SuiteResult, markdown, run_suite
+from app.bench.engine import (
+    LOAD_WEIGHTS,
+    RELOAD,
+    RESTART,
+    WRITE_RELOAD,
+    EngineBenchSettings,
+    EngineTimings,
+    build_report,
+    resolve_deployment,
+    skip_reason,
+)
+from app.bench.figures import group_rows
+
+REFIT = (0.3, 0.1, 0.2)
+WRITE = (0.01, 0.2, 0.06)
+RELOADS = (0.4, 0.2, 0.3)  # write + reload per round: 0.41, 0.40, 0.36 -> median 0.40 (not 0.06 + 0.30)
+LOADS = (0.05, 0.1, 0.15)
+
+
+def timings(**kw: object) -> EngineTimings:
+    base: dict[str, object] = dict(deployment="colocated", start=10.0, refit=REFIT, write=WRITE, reload=RELOADS,
+                                   load_weights=LOADS, source_bytes=2_000_000, sent_bytes=1_000_000, buckets=2,
+                                   same_bytes=True, moved=True)
+    return EngineTimings(**{**base, **kw})  # type: ignore[arg-type]
+
+
+# --- settings --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "option"), [
+    ({"deployment": "local"}, "deployment"),
+    ({"preset": "NVFP4"}, "preset"),
+    ({"repeat": 0}, "repeat"),
+    ({"trainer_threads": 0}, "trainer_threads"),
+])
+def test_bad_settings_name_the_option(kwargs: dict[str, object], option: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{option} must be"):
+        EngineBenchSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_settings_accept_what_the_cpu_build_serves() -> None:
+    assert EngineBenchSettings(preset="fp8_block").preset == "fp8_block"  # any case
+    assert EngineBenchSettings(preset="BF16", deployment="disaggregated").deployment == "disaggregated"
+
+
+def test_defaults() -> None:
+    quick, full = EngineBenchSettings.defaults(True), EngineBenchSettings.defaults(False)
+    assert (quick.model, quick.repeat, quick.bucket_mb) == ("micro-moe", 3, 1.0)
+    assert (full.model, full.repeat, full.bucket_mb) == ("tiny-moe", 7, 4.0)
+
+
+def test_trainer_threads() -> None:
+    auto = EngineBenchSettings()
+    assert auto.trainer_threads_for("disaggregated", 2, cuda=False) == 1  # the other core: the engine host's
+    assert auto.trainer_threads_for("disaggregated", 16, cuda=False) == 8
+    assert auto.trainer_threads_for("disaggregated", 1, cuda=False) == 1
+    assert auto.trainer_threads_for("disaggregated", 16, cuda=True) is None  # quantizing runs on the GPU
+    assert auto.trainer_threads_for("colocated", 16, cuda=False) is None  # vLLM sets them in its process
+    assert EngineBenchSettings(trainer_threads=3).trainer_threads_for("colocated", 16, cuda=False) == 3
+
+
+# --- deployment and skipping -----------------------------------------------------------------
+
+
+def test_resolve_deployment() -> None:
+    assert resolve_deployment("auto", vllm_here=True) == "colocated"
+    assert resolve_deployment("auto", vllm_here=False) == "disaggregated"
+    assert resolve_deployment("disaggregated", vllm_here=True) == "disaggregated"
+    assert resolve_deployment("colocated", vllm_here=False) == "colocated"
+
+
+def test_skip_reasons() -> None:
+    colocated = skip_reason("colocated", vllm_here=False)
+    assert colocated is not None and "needs vLLM in this process" in colocated and ".venv-vllm/bin/python" in colocated
+    remote = skip_reason("disaggregated", vllm_here=False, engine_python="/opt/py", engine_python_has_vllm=False)
+    assert remote is not None and "/opt/py" in remote and "RL_REFIT_VLLM_PYTHON" in remote
+    assert "scripts/setup-vllm-env.sh" in remote
+    assert skip_reason("colocated", vllm_here=True) is None
+    assert skip_reason("disaggregated", vllm_here=False, engine_python="/opt/py", engine_python_has_vllm=True) is None
+
+
+def test_measure_raises_module_not_found_naming_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "_vllm_here", lambda: False)
+    monkeypatch.setattr(engine, "_python_has_vllm", lambda python: False)
+    with pytest.raises(ModuleNotFoundError, match="where vLLM does not import") as err:
+        engine.measure(EngineBenchSettings(deployment="disaggregated"))
+    assert err.value.name == "vllm"
+
+
+def test_bench_all_reports_the_suite_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert app.bench.SUITES["engine"] == "app.bench.engine"
+    monkeypatch.setattr(engine, "_vllm_here", lambda: False)
+    monkeypatch.setattr(engine, "_python_has_vllm", lambda python: False)
+    res = run_suite("engine", app.bench.SUITES["engine"], True)
+    assert res.status == "skipped", res.error
+    assert res.error is not None and "RL_REFIT_VLLM_PYTHON" in res.error
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def test_rows_compare_the_refit_median_with_each_baseline_median() -> None:
+    settings = EngineBenchSettings(preset="FP8_BLOCK", repeat=3)
+    report = build_report(settings, timings())
+    refit = statistics.median(REFIT)
+    rows = {r.baseline: r for r in report.rows if r.baseline}
+    assert list(rows) == [RELOAD, WRITE_RELOAD, LOAD_WEIGHTS, RESTART]
+    assert all(r.value == refit and r.unit == "s" and r.figure == "other" and r.preset == "FP8_BLOCK"
+               for r in rows.values())
+    assert rows[RELOAD].baseline_value == 0.3 and rows[RELOAD].ratio == pytest.approx(1.5)
+    assert rows[WRITE_RELOAD].baseline_value == pytest.approx(0.40)  # the median of per-round sums
+    assert rows[WRITE_RELOAD].ratio == pytest.approx(2.0)
+    assert rows[LOAD_WEIGHTS].ratio == pytest.approx(0.5)
+    assert rows[RESTART].ratio == pytest.approx(50.0)
+    extra = {r.metric: r for r in report.rows if not r.baseline}
+    assert extra["write checkpoint (quantize + one safetensors file)"].value == 0.06
+    assert extra["rl-refit refit throughput (BF16 source bytes)"].value == pytest.approx(2e-3 / refit)
+    assert all(r.case == "micro-moe FP8_BLOCK colocated bucket 1 MiB" for r in report.rows)
+
+
+def test_same_bytes_note() -> None:
+    notes = build_report(EngineBenchSettings(), timings()).notes
+    assert any("exactly the bytes" in n and "other weights" in n for n in notes)
+    assert not any("could not be measured" in n for n in notes)
+
+
+def test_bf16_moe_differing_note_names_the_tensors_and_why() -> None:
+    t = timings(same_bytes=False, differing=("layers.1.experts.w13_weight", "layers.1.experts.w2_weight"))
+    bf16 = " ".join(build_report(EngineBenchSettings(preset="BF16"), t).notes)
+    assert "different bytes" in bf16 and "layers.1.experts.w13_weight, layers.1.experts.w2_weight" in bf16
+    assert "expected for BF16 MoE" in bf16 and "docs/engines.md#bf16-moe-on-vllm" in bf16
+    fp8 = " ".join(build_report(EngineBenchSettings(preset="FP8_BLOCK"), t).notes)
+    assert "different bytes" in fp8 and "expected" not in fp8  # a difference there is a finding
+
+
+def test_a_reload_that_did_not_move_the_engine_compares_nothing() -> None:
+    notes = " ".join(build_report(EngineBenchSettings(), timings(same_bytes=None, moved=False)).notes)
+    assert "not compared" in notes and "exactly the bytes" not in notes
+
+
+def test_unperturbable_trainer_says_so() -> None:
+    notes = " ".join(build_report(EngineBenchSettings(), timings(moved=None)).notes)
+    assert "from the same weights" in notes
+
+
+def test_reload_error_is_a_note_and_its_rows_are_absent() -> None:
+    t = timings(write=(), reload=(), same_bytes=None, moved=None, reload_error="RuntimeError: no loader")
+    report = build_report(EngineBenchSettings(), t)
+    assert [r.baseline for r in report.rows if r.baseline] == [LOAD_WEIGHTS, RESTART]
+    assert "vLLM's reload_weights could not be measured: RuntimeError: no loader" in report.notes
+
+
+def test_load_weights_error_is_a_note() -> None:
+    t = timings(load_weights=(), load_weights_error="KeyError: 'x'")
+    report = build_report(EngineBenchSettings(), t)
+    assert LOAD_WEIGHTS not in {r.baseline for r in report.rows}
+    assert "the per-bucket load_weights baseline could not be measured: KeyError: 'x'" in report.notes
+
+
+def test_phases_and_threads_notes() -> None:
+    phases = {"export": 0.001, "quantize": 0.02, "pack": 0.001, "load": 0.01, "finalize": 0.03, "verify": 0.002,
+              "total": 0.07}
+    notes = " ".join(build_report(EngineBenchSettings(), timings(deployment="disaggregated", phases=phases,
+                                                                 trainer_threads=1)).notes)
+    assert "quantize 20.0" in notes and "finalize 30.0" in notes
+    assert "about 6.0 ms: the begin" in notes  # 70 - 64
+    assert "1 torch thread," in notes
+    assert "torch thread" not in " ".join(build_report(EngineBenchSettings(), timings()).notes)
+
+
+def test_rows_fit_the_other_figure_and_the_markdown_report() -> None:
+    report = build_report(EngineBenchSettings(), timings())
+    other = group_rows({"engine": report.rows})
+    assert list(other) == ["other"] and len(other["other"]) == 4
+    result = AllResult(True, report.machine, [SuiteResult("engine", "ok", 1.0, report=report)], 1.0)
+    text = markdown(result)
+    assert "## engine" in text and "vLLM reload_weights from disk" in text and "1.50x" in text
+
+
+def test_rows_draw(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="the figures are drawn with matplotlib")
+    from app.bench.figures import draw
+
+    report = build_report(EngineBenchSettings(), timings())
+    path = draw("other", group_rows({"engine": report.rows})["other"], report.machine, tmp_path / "other.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- rounds ----------------------------------------------------------------------------------
+
+
+def test_rounds_warm_up_then_alternate_the_order() -> None:
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("refit", "write", "reload")}
+    times = engine._rounds(fns, 3)
+    assert calls == ["refit", "write", "reload",  # warm-up, not timed
+                     "refit", "write", "reload", "reload", "write", "refit", "refit", "write", "reload"]
+    assert {k: len(v) for k, v in times.items()} == {"refit": 3, "write": 3, "reload": 3}
+    assert all(t >= 0 for v in times.values() for t in v)
+
+
+def test_median_phases() -> None:
+    got = engine._median_phases([{"load": 1.0, "total": 3.0}, {"load": 5.0, "total": 4.0}, {"load": 2.0}])
+    assert got == {"load": 2.0, "total": 3.0}  # a phase missing from a refit counts 0
+    assert engine._median_phases([]) == {}
+
+
+def test_rounds_call_enter_and_leave_untimed_around_their_path() -> None:
+    calls: list[str] = []
+    fns = {"refit": lambda: calls.append("refit"), "load_weights": lambda: calls.append("load")}
+    around = {"load_weights": (lambda: calls.append("enter"), lambda: calls.append("leave"))}
+    engine._rounds(fns, 2, around)
+    assert calls == ["refit", "enter", "load", "leave",  # warm-up
+                     "refit", "enter", "load", "leave", "enter", "load", "leave", "refit"]
+
+
+def test_rounds_leave_when_the_call_raises() -> None:
+    calls: list[str] = []
+
+    def fail() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        engine._rounds({"load_weights": fail}, 1, {"load_weights": (lambda: calls.append("enter"),
+                                                                     lambda: calls.append("leave"))})
+    assert calls == ["enter", "leave"]
+
+
+def test_attempt_reports_a_failure_and_always_leaves() -> None:
+    calls: list[str] = []
+
+    def fail() -> None:
+        raise KeyError("w13_weight")
+
+    assert engine._attempt(fail, lambda: calls.append("enter"), lambda: calls.append("leave")) == \
+        "KeyError: 'w13_weight'"
+    assert engine._attempt(lambda: calls.append("ok")) is None
+    assert calls == ["enter", "leave", "ok"]
+
+
+def test_a_failed_put_back_is_a_note() -> None:
+    assert not any("did NOT hold" in n for n in build_report(EngineBenchSettings(), timings()).notes)
+    notes = build_report(EngineBenchSettings(), timings(put_back=False)).notes
+    assert any("did NOT hold its bytes" in n and "suspect" in n for n in notes)
+
+
+def test_the_engine_hosts_python_comes_from_the_composition_root() -> None:
+    from app.bootstrap import bootstrap
+
+    assert bootstrap(environ={"RL_REFIT_VLLM_PYTHON": "/env/python"}).vllm_python() == "/env/python"
+    configured = bootstrap(overrides=["rollout.engine_kwargs.vllm.python=/cfg/python"],
+                           environ={"RL_REFIT_VLLM_PYTHON": "/env/python"})
+    assert configured.vllm_python() == "/cfg/python"  # the configuration wins over the environment
