@@ -185,7 +185,8 @@ def _check_engine_options(args: argparse.Namespace) -> None:
     from domain.errors import ConfigError
 
     for flag, given in (("--procs", args.procs is not None), ("--qat", args.qat is not None), ("--presets", args.presets),
-                        ("--plot", args.plot is not None), ("--commit-mode", args.commit_mode != "transactional")):
+                        ("--plot", args.plot is not None), ("--commit-mode", args.commit_mode != "transactional"),
+                        ("--trainer", args.trainer != "reference")):
         if given:
             raise ConfigError(flag, f"does not go with --engine {args.engine} (a real engine runs one plan, "
                               "committing per layer)")
@@ -215,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
     if args.colocated:
         raise ConfigError("--colocated", "goes with --engine vllm (the reference engine always runs in this process)")
     if args.qat:  # training with and without QAT (app.services.qat_demo)
+        if args.trainer != "reference":
+            raise ConfigError("--qat", f"does not go with --trainer {args.trainer} (the QAT demo trains two copies "
+                              "of the embedded model in this process)")
         from app.cli.demo_qat import run_cli
 
         return run_cli(args)

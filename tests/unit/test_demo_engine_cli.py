@@ -36,6 +36,8 @@ def test_the_engine_configuration() -> None:
     (["--engine", "vllm", "--presets"], "--presets: does not go with --engine vllm"),
     (["--engine", "vllm", "--commit-mode", "per-layer"], "--commit-mode: does not go with --engine vllm"),
     (["--colocated"], "--colocated: goes with --engine vllm"),
+    (["--engine", "vllm", "--trainer", "megatron"], "--trainer: does not go with --engine vllm"),
+    (["--qat", "--trainer", "megatron"], "--qat: does not go with --trainer megatron"),
     (["--engine", "vllm", "--inject-fault", "bucket:1", "--fault-step", "9"], "--fault-step must be in [0, 2]"),
 ])
 def test_options_that_do_not_go_with_a_real_engine(argv: list[str], message: str,
