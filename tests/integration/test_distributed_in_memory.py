@@ -159,7 +159,14 @@ def test_a_hanging_engine_leaves_every_engine_truthfully_kept_restored_or_stale(
         assert rec["serves"][1] is not rec["stale"][1]  # a stale engine refuses to serve
         if not rec["stale"][1]:
             assert rec["digests"][1] == references[0], f"engine {rank}: serves weights of no refit"
-        if commit_mode == "transactional":  # the rank's own report: a timed-out agreement carries no peer statuses
-            assert rec["outcomes"][1] == "rolled-back" and not rec["stale"][1], (rank, rec["outcomes"][1])
+        if rec["engine"]:  # the peers agreed on the ending: each engine's state as every rank reports it
+            for e in (2, 3):
+                said = rec["engine"][0][e]
+                assert results[e]["stale"][1] == (said == "stale"), f"rank {rank} says engine {e} {said}"
+            # the refit's outcome is the world's: stale when any engine is (RefitRun.outcome)
+            any_stale = any(results[e]["stale"][1] for e in (2, 3))
+            assert rec["outcomes"][1] == ("stale" if any_stale else "rolled-back"), (rank, rec["outcomes"][1])
+        else:  # a timed-out agreement: the rank knows its own engine only
+            assert rec["outcomes"][1] == ("stale" if rec["stale"][1] else "rolled-back"), (rank, rec["outcomes"][1])
     if commit_mode == "transactional":
         assert not any(results[r]["stale"][1] for r in (2, 3))  # kept or restored, never half-updated
