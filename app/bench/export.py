@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from app.bench.memory import process_kib, reset_peak_rss
 from app.bench.report import BenchReport
 
 FULL: dict[str, Any] = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, vocab_size=32000,
@@ -80,21 +81,6 @@ def _largest_group_bytes(directory: Path) -> int:
 # --- the two measured paths, each run in a child process ---------------------------------------
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> int:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _rss_kib("VmRSS")
 
 
 def _ours(src: str, out: str) -> None:
@@ -104,7 +90,9 @@ def _ours(src: str, out: str) -> None:
     from app.services.planning import make_plan
 
     checkpoint = HfCheckpoint(src)
-    report = make_plan(build_config({}, [f"rollout.quantization.linear={PRESET}", "rollout.name=vllm"]), checkpoint)
+    # weight-only: what vLLM serves for compressed-tensors NVFP4 (the exported weights are the same)
+    overrides = [f"rollout.quantization.linear={PRESET}", "rollout.quantization.linear_activation=none", "rollout.name=vllm"]
+    report = make_plan(build_config({}, overrides), checkpoint)
     export_checkpoint(checkpoint, out, report)
 
 
@@ -150,11 +138,11 @@ def _child(which: str, src: str, out: str) -> None:
 
     import app.services.checkpoint_export  # noqa: F401
 
-    base = _reset_peak()
+    base = reset_peak_rss()
     t0 = time.perf_counter()
     fn(src, out)
     seconds = time.perf_counter() - t0
-    peak = _rss_kib("VmHWM")
+    peak = process_kib("VmHWM")
     sys.stdout.write(json.dumps({"seconds": seconds, "peak_kib": peak, "base_kib": base}) + "\n")
 
 

@@ -134,3 +134,23 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> 
     with TensorBytesTracker() as tracker:
         fn()
     return tracker.peak_bytes
+
+
+def process_kib(field: str) -> int:
+    """A `/proc/self/status` memory field of this process in KiB (`VmRSS`, `VmHWM`; Linux), 0 if absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident size (VmHWM) to its current one (Linux; elsewhere a no-op);
+    returns the current VmRSS in KiB, the base a later `process_kib("VmHWM")` is measured from."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return process_kib("VmRSS")

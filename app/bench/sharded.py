@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from app.bench.memory import process_kib, reset_peak_rss
 from app.bench.report import BenchReport
 from domain.quant.plan import QuantizationPlan
 from domain.refit.sharding import ParallelLayout, RefitWorld
@@ -53,22 +54,6 @@ def _services(run: _Run) -> Any:
     ])
 
 
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> int:
-    """Reset VmHWM to the current resident size (Linux); returns the current VmRSS in KiB."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _kib("VmRSS")
 
 
 def bench_rank(rank: int, run: _Run) -> dict[str, Any]:
@@ -79,13 +64,13 @@ def bench_rank(rank: int, run: _Run) -> dict[str, Any]:
     with services.megatron_demo_kit().parallel(world.layout, rank) as model:
         svc = services.distributed_refit(world, rank, plan=plan, model=model, step_timeout_s=300, phase_timeout_s=900)
         svc.refit()  # learns the stream layout
-        base = _reset_peak()
+        base = reset_peak_rss()
         seconds = []
         for _ in range(run.repeats):
             t0 = time.perf_counter()
             report = svc.refit()
             seconds.append(time.perf_counter() - t0)
-        peak = _kib("VmHWM")
+        peak = process_kib("VmHWM")
     return {"role": world.role(rank).value, "seconds": seconds, "extra_kib": max(peak - base, 0),
             "source_mb": report.source_bytes / 2**20, "sent_mb": report.bytes_sent / 2**20}
 

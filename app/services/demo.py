@@ -21,6 +21,14 @@ from domain.refit.report import RefitReport
 PRESET_ARMS = ("FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4")
 
 
+def check_steps(steps: int, inject_fault: str | None, fault_step: int) -> None:
+    """A demo's step count and the step its injected fault hits (ValueError naming the option)."""
+    if steps < 0:
+        raise ValueError(f"--steps must be >= 0, got {steps}")
+    if inject_fault and not 0 <= fault_step <= steps:
+        raise ValueError(f"--fault-step must be in [0, {steps}] (the steps run), got {fault_step}")
+
+
 @attrs.frozen
 class DemoSettings:
     """What `refit demo` runs.
@@ -56,10 +64,7 @@ class DemoSettings:
     prompt_len: int = 16
 
     def __attrs_post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"--steps must be >= 0, got {self.steps}")
-        if self.inject_fault and not 0 <= self.fault_step <= self.steps:
-            raise ValueError(f"--fault-step must be in [0, {self.steps}] (the steps run), got {self.fault_step}")
+        check_steps(self.steps, self.inject_fault, self.fault_step)
 
 
 @attrs.frozen

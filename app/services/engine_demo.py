@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from app.services.demo import check_steps
 from app.services.mismatch_probe import token_batch
 from app.services.refit import RefitService
 from domain.errors import EngineBusy, EngineStale, RefitFailed
@@ -89,10 +90,7 @@ class EngineDemoSettings:
     new_tokens: int = 8
 
     def __attrs_post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"--steps must be >= 0, got {self.steps}")
-        if self.inject_fault and not 0 <= self.fault_step <= self.steps:
-            raise ValueError(f"--fault-step must be in [0, {self.steps}] (the steps run), got {self.fault_step}")
+        check_steps(self.steps, self.inject_fault, self.fault_step)
 
 
 @attrs.frozen

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
-from app.bench.memory import TensorBytesTracker, peak_bytes
+from app.bench.memory import TensorBytesTracker, peak_bytes, process_kib, reset_peak_rss
 
 MB = 1_000_000
 
@@ -34,3 +37,12 @@ def test_backward_operators_are_seen_and_gradients_can_be_left_out():
 
 def test_peak_bytes_helper_on_cpu():
     assert peak_bytes(lambda: torch.ones(MB // 4) + 1) == 2 * MB
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status (Linux)")
+def test_the_peak_resident_size_is_reset_and_then_grows_with_an_allocation() -> None:
+    base = reset_peak_rss()
+    assert base > 0 and process_kib("NoSuchField") == 0
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert process_kib("VmHWM") - base >= 60 * 1024
+    del block
