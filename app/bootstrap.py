@@ -106,7 +106,8 @@ def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any
 
 
 # Keys of rollout.engine_kwargs.<engine> that are rl-refit's, not the engine's arguments.
-_OWN_ENGINE_KEYS = ("use_deep_gemm", "kv_cache_dtype", "engine_args", "environment", "python", "start_timeout_s")
+_OWN_ENGINE_KEYS = ("use_deep_gemm", "kv_cache_dtype", "engine_args", "environment", "python", "start_timeout_s",
+                    "cpu_emulation")
 
 
 def _engine_start(services: Services, engine: str) -> tuple[dict[str, Any] | None, Any, dict[str, Any]]:
@@ -148,7 +149,7 @@ def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> 
         kwargs["model"] = str(services.embedded_model_dir())
         kwargs.setdefault("load_format", "dummy")
     colocated = services.config.rollout.deployment == "colocated"
-    env = {**vllm_environment(decision, colocated=colocated), **{k: str(v) for k, v in section.environment.to_dict().items()}}
+    env = {**vllm_environment(decision, colocated=colocated, cpu_emulation=section.cpu_emulation), **{k: str(v) for k, v in section.environment.to_dict().items()}}
     if colocated:
         from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
 
@@ -174,7 +175,7 @@ def _vllm_cold_start(services: Services, directory: str) -> Any:
     base = {**base, "model": str(directory)}
     base.pop("load_format", None)
     kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
-    env = {**os.environ, **vllm_environment(decision, colocated=False),
+    env = {**os.environ, **vllm_environment(decision, colocated=False, cpu_emulation=section.cpu_emulation),
            **{k: str(v) for k, v in section.environment.to_dict().items()}}
     return ColdEngine(EngineProcess.start(_vllm_python(services), kwargs, env=env,
                                           start_timeout_s=float(section.start_timeout_s)))

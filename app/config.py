@@ -165,6 +165,14 @@ def _positive_or_none(key: str, value: Any) -> Any:
     return value if value is None else _positive(key, value)
 
 
+def _emulation_mode(key: str, value: Any) -> str:
+    """auto, on or off; YAML reads a bare on/off as true/false."""
+    mode = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value).strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise ConfigError(key, f"invalid value {_short(value)}; valid: auto, on, off")
+    return mode
+
+
 def _non_negative(key: str, value: Any) -> Any:
     if value < 0:
         raise ConfigError(key, f"must be 0 or more, got {_short(value)}")
@@ -237,6 +245,9 @@ SCHEMA: tuple[Key, ...] = (
         "rl-refit checkout, else this Python"),
     Key("rollout.engine_kwargs.vllm.start_timeout_s", (int, float), 600,
         "disaggregated: seconds the engine host may take to start", check=_positive_seconds),
+    Key("rollout.engine_kwargs.vllm.cpu_emulation", (str, bool), "auto",
+        "vLLM's CPU platform only: emulated matmuls for formats with no native kernel on this CPU "
+        "(auto), for every format (on), or none (off); see docs/engines.md", check=_emulation_mode),
     Key("rollout.verify.enabled", (bool,), False,
         "after each refit, compare the engine's log-probs on a small fixed batch with the trainer's; "
         "a mismatch beyond the bound fails the refit and leaves the engine stale"),

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapters.engine_overrides import check_request, with_quantization_config
+from adapters.vllm.cpu_emulation import ENV_VAR as CPU_EMULATION_ENV
+from adapters.vllm.cpu_emulation import parse_mode
 from domain.quant.backend_policy import DEEP_GEMM, BackendDecision
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -55,7 +57,7 @@ def vllm_engine_kwargs(
     return kwargs
 
 
-def vllm_environment(decision: BackendDecision, *, colocated: bool) -> dict[str, str]:
+def vllm_environment(decision: BackendDecision, *, colocated: bool, cpu_emulation: str = "auto") -> dict[str, str]:
     """Environment variables vLLM must start with for this decision and deployment shape.
 
     Args:
@@ -63,14 +65,18 @@ def vllm_environment(decision: BackendDecision, *, colocated: bool) -> dict[str,
         colocated: the engine runs in the trainer's process (its engine core and worker too:
             `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so buckets reach the worker by reference), or in
             processes of its own (`=1`, vLLM's default; buckets go over a side group).
+        cpu_emulation: the CPU emulation plugin's mode (adapters.vllm.cpu_emulation: auto, on,
+            off); it acts on vLLM's CPU platform only.
 
     Returns:
-        Name -> value: the multiprocessing switch, vLLM's log stream (stderr), DeepGEMM switches
+        Name -> value: the multiprocessing switch, vLLM's log stream (stderr), the CPU emulation
+        mode, DeepGEMM switches
         when DeepGEMM is requested,
         and `VLLM_USE_DEEP_GEMM_E8M0=0` when E8M0 packing must be off.
     """
     # vLLM logs to stdout by default; stdout belongs to the trainer's program (e.g. --json)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if colocated else "1", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if colocated else "1", "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+           CPU_EMULATION_ENV: parse_mode(cpu_emulation)}
     if decision.linear.backend == DEEP_GEMM or decision.moe.backend == DEEP_GEMM:
         env["VLLM_USE_DEEP_GEMM"] = "1"
     if decision.moe.backend == DEEP_GEMM:

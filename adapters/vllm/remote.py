@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import secrets
 import subprocess
 import tempfile
@@ -47,19 +48,46 @@ _TYPED = {cls.__name__: cls for cls in (errors.EngineRefitUnsupported, errors.Re
 
 
 _WRAPPERS = ("initialization failed", "See root cause", "See stack trace", "Worker failed with error")
+# "(EngineCore pid=12) ERROR 12-02 01:16:29 [core.py:953] " before each line vLLM's processes log
+_LOG_PREFIX = re.compile(r"^\((?P<proc>[^)]*)\)\s+(?:[A-Z]+\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[(?P<where>[^\]]*)\]\s?)?")
+_CAUSE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception)(?:\[[^\]]*\])?: ")
+_NOT_MESSAGE = ("Traceback", "File ", "The above exception", "During handling", "^")
+_CONTINUATION_LINES = 8
 
 
-def _tail(path: Path, limit: int = 3000) -> str:
-    """The end of the host's log, led by its root cause: the last `...Error: ...` line that is not
-    one of vLLM's wrappers (the engine core and the workers print the cause before the wrappers)."""
+def root_cause(text: str) -> str | None:
+    """The first exception line of an engine's log that is not one of vLLM's wrappers ("Engine
+    core initialization failed. See root cause above"), from whichever process printed it, with
+    the lines of the same message that follow it (vLLM's kernel-selection errors list one reason a
+    line), joined with "; ". None when the log holds no exception line."""
+    lines = text.splitlines()
+    for i, raw in enumerate(lines):
+        prefix = _LOG_PREFIX.match(raw)
+        body = raw[prefix.end():].strip() if prefix else raw.strip()
+        if not _CAUSE.match(body) or any(w in body for w in _WRAPPERS):
+            continue
+        message = [body]
+        for nxt in lines[i + 1:i + 1 + _CONTINUATION_LINES]:
+            same = _LOG_PREFIX.match(nxt)
+            if (same.group(0) if same else "") != (prefix.group(0) if prefix else ""):
+                break  # another process, another log record, or the line after the traceback
+            part = nxt[same.end():].strip() if same else nxt.strip()
+            if not part or part.startswith(_NOT_MESSAGE) or _CAUSE.match(part):
+                break
+            message.append(part)
+        return "; ".join(message)
+    return None
+
+
+def _diagnosis(path: Path, fallback: str = "") -> str:
+    """What went wrong, in one line: the log's root cause (else `fallback`), then the log's path."""
     try:
-        text = path.read_text(errors="replace")
+        cause = root_cause(path.read_text(errors="replace"))
     except OSError:
-        return ""
-    causes = [line.strip() for line in text.splitlines()
-              if ("Error: " in line or "Exception: " in line) and not any(w in line for w in _WRAPPERS)]
-    lead = f"root cause: {causes[-1]}\n" if causes else ""
-    return lead + text[-limit:]
+        cause = None
+    if cause is None and fallback.strip():
+        cause = fallback.strip().splitlines()[0]
+    return f"{cause}; engine log: {path}" if cause else f"engine log: {path}"
 
 
 @attrs.define
@@ -126,8 +154,8 @@ class EngineProcess:
             raise EngineProcessError("a process that is not the engine host connected to the trainer's control port")
         if not hello.get("ok"):
             _stop(proc)
-            raise EngineProcessError(f"the vLLM engine failed to start: {hello.get('error')}: {hello.get('message')}\n"
-                                     f"--- {out} ---\n{_tail(out)}")
+            reported = f"{hello.get('error')}: {hello.get('message')}"
+            raise EngineProcessError(f"the vLLM engine failed to start: {_diagnosis(out, reported)}")
         result = hello["result"]
         log.info("vllm engine host started", pid=result["pid"], workers=len(result["workers"]), log=str(out))
         return cls(proc, channel, out, list(result["workers"]), timeout_s)
@@ -144,17 +172,17 @@ class EngineProcess:
                 pass
             if proc.poll() is not None:
                 raise EngineProcessError(f"the vLLM engine host exited with status {proc.returncode} before it "
-                                         f"connected\n--- {out} ---\n{_tail(out)}")
+                                         f"connected: {_diagnosis(out)}")
             if time.monotonic() > deadline:
-                raise EngineProcessError(f"the vLLM engine host did not start within {timeout_s:g} s\n--- {out} ---\n{_tail(out)}")
+                raise EngineProcessError(f"the vLLM engine host did not start within {timeout_s:g} s: {_diagnosis(out)}")
 
     # --- requests ------------------------------------------------------------------------------
 
     def send(self, op: str, **fields: Any) -> None:
         """Send a request whose reply `reply()` reads later."""
         if self.proc.poll() is not None:
-            raise EngineProcessError(f"the vLLM engine host exited with status {self.proc.returncode}\n"
-                                     f"--- {self.log_path} ---\n{_tail(self.log_path)}")
+            raise EngineProcessError(f"the vLLM engine host exited with status {self.proc.returncode}: "
+                                     f"{_diagnosis(self.log_path)}")
         self.channel.send({"op": op, **fields})
         self._pending += 1
 
@@ -163,7 +191,7 @@ class EngineProcess:
         try:
             message = self.channel.receive(self.timeout_s if timeout_s is None else timeout_s)
         except EngineProcessError as err:
-            raise EngineProcessError(f"{err}\n--- {self.log_path} ---\n{_tail(self.log_path)}") from None
+            raise EngineProcessError(f"{err}: {_diagnosis(self.log_path)}") from None
         finally:
             self._pending -= 1
         if message.get("ok"):

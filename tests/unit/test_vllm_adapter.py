@@ -252,7 +252,8 @@ def test_bf16_engine_kwargs_drop_the_quantization_config() -> None:
     kw = vllm_engine_kwargs(None, decision, base={"hf_overrides": {"quantization_config": {"x": 1}}})
     assert "hf_overrides" not in kw and "quantization" not in kw
     assert vllm_environment(decision, colocated=True) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                                          "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+                                                          "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+                                                          "RL_REFIT_VLLM_CPU_EMULATION": "auto"}
 
 
 def test_engine_kwargs_reject_bad_inputs() -> None:

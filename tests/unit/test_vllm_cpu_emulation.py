@@ -1,0 +1,82 @@
+"""The vLLM CPU emulation plugin's decision (adapters.vllm.cpu_emulation), its configuration path
+from rollout.engine_kwargs.vllm.cpu_emulation into the engine's environment, and the short
+engine-start errors (adapters.vllm.remote.root_cause) on real vLLM logs. No vLLM needed: what runs
+inside a real engine is in tests/vllm/test_cpu_emulation.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adapters.vllm.cpu_emulation import ENV_VAR, FORMATS, emulated_formats, parse_mode
+from adapters.vllm.engine_args import vllm_environment
+from adapters.vllm.remote import root_cause
+from app.bootstrap import bootstrap
+from domain.errors import ConfigError
+from domain.quant.backend_policy import decide_backends
+from domain.quant.plan import QuantizationPlan
+
+LOGS = Path(__file__).resolve().parents[1] / "data" / "vllm_logs"
+NO_AMX = {"FP8_BLOCK": "CPUFp8BlockScaledMMKernel requires AMX tile support", "MXFP8": "none registered",
+          "MXFP4": "none registered", "NVFP4": "none registered"}
+WITH_AMX = {**NO_AMX, "FP8_BLOCK": None}
+
+
+def test_inactive_on_a_platform_that_is_not_the_cpu_whatever_the_mode() -> None:
+    for mode in ("auto", "on", "off"):
+        assert emulated_formats(mode, on_cpu=False, native=NO_AMX) == ()
+
+
+def test_off_emulates_nothing_on_the_cpu() -> None:
+    assert emulated_formats("off", on_cpu=True, native=NO_AMX) == ()
+
+
+def test_auto_emulates_only_what_has_no_native_kernel_by_vllms_own_reasons() -> None:
+    assert emulated_formats("auto", on_cpu=True, native=NO_AMX) == ("FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4")
+    # with AMX, vLLM's own FP8 block kernel is supported: it is left alone
+    assert emulated_formats("auto", on_cpu=True, native=WITH_AMX) == ("MXFP8", "MXFP4", "NVFP4")
+
+
+def test_on_emulates_every_format_even_where_a_native_kernel_exists() -> None:
+    assert emulated_formats("on", on_cpu=True, native=WITH_AMX) == tuple(f.name for f in FORMATS)
+
+
+@pytest.mark.parametrize(("value", "mode"), [(None, "auto"), ("", "auto"), ("ON", "on"), (" off ", "off")])
+def test_modes_parse(value: str | None, mode: str) -> None:
+    assert parse_mode(value) == mode
+
+
+def test_an_unknown_mode_is_refused_naming_the_variable() -> None:
+    with pytest.raises(ValueError, match=ENV_VAR):
+        parse_mode("sometimes")
+
+
+def test_the_mode_reaches_the_engines_environment() -> None:
+    decision = decide_backends("vllm", QuantizationPlan.from_presets("FP8_BLOCK", None), None)
+    assert vllm_environment(decision, colocated=True)[ENV_VAR] == "auto"
+    assert vllm_environment(decision, colocated=False, cpu_emulation="off")[ENV_VAR] == "off"
+
+
+def test_the_configuration_key_takes_only_the_three_modes() -> None:
+    assert bootstrap(overrides=["rollout.engine_kwargs.vllm.cpu_emulation=off"]).config.rollout.engine_kwargs.vllm.cpu_emulation == "off"
+    with pytest.raises(ConfigError, match="rollout.engine_kwargs.vllm.cpu_emulation"):
+        bootstrap(overrides=["rollout.engine_kwargs.vllm.cpu_emulation=maybe"])
+
+
+def test_a_kernel_selection_failure_is_one_line_with_every_reason() -> None:
+    cause = root_cause((LOGS / "no_fp8_block_kernel.log").read_text())
+    assert cause == (
+        "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer. Reasons:; "
+        "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..; "
+        "CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..")
+
+
+def test_the_root_cause_is_the_workers_error_not_vllms_wrapper() -> None:
+    text = (LOGS / "moe_backend_none.log").read_text()
+    assert "Engine core initialization failed" in text  # the wrapper is there, after the cause
+    assert root_cause(text) == "ValueError: Unsupported FP8 MoE backend: NONE"
+
+
+def test_a_log_without_an_exception_has_no_root_cause() -> None:
+    assert root_cause("INFO starting\nWARNING slow\n") is None
