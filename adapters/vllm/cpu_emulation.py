@@ -149,15 +149,32 @@ def install(names: tuple[str, ...]) -> list[str]:
 
 
 def status(mode: str | None = None) -> dict[str, Any]:
-    """What the plugin does in this process: platform, mode, vLLM's native CPU kernels and the
-    emulated formats. Imports vllm."""
+    """What the plugin does in this process. Imports vllm.
+
+    Returns:
+        platform, on_cpu, mode; `native`: format -> None (vLLM has a kernel on this machine) or
+        vLLM's reasons; `emulated`: the formats whose emulated kernel is registered and supported
+        here; `unavailable`: format -> reason, for formats with neither (the emulated kernel's
+        own `is_supported()` reason).
+    """
     from vllm.platforms import current_platform
 
     chosen = parse_mode(mode if mode is not None else os.environ.get(ENV_VAR))
     on_cpu = bool(current_platform.is_cpu())
     native = native_kernels() if on_cpu else {}
+    emulated, unavailable = [], {}
+    for name in emulated_formats(chosen, on_cpu=on_cpu, native=native):
+        kernel = _import(next(f.kernel for f in FORMATS if f.name == name))
+        ok, reason = kernel.is_supported()
+        if ok:
+            emulated.append(name)
+        elif native.get(name) is not None:
+            unavailable[name] = f"{native[name]}; {kernel.__name__}: {reason}"
+    for name, reason in native.items():
+        if reason is not None and name not in emulated and name not in unavailable:
+            unavailable[name] = reason
     return {"platform": str(current_platform.device_name), "on_cpu": on_cpu, "mode": chosen, "native": native,
-            "emulated": list(emulated_formats(chosen, on_cpu=on_cpu, native=native))}
+            "emulated": emulated, "unavailable": unavailable}
 
 
 def register() -> None:

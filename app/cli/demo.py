@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--moe", default=None,
                    help="preset for routed experts, or BF16 (default NVFP4; FP8_BLOCK with --engine vllm)")
     p.add_argument("--moe-activation", default=None, help="experts' activation scheme (e.g. mxfp8); default: the preset's")
+    p.add_argument("--linear-activation", default=None,
+                   help="dense layers' activation scheme (none = weight-only, e.g. NVFP4 on vLLM); default: the preset's")
     p.add_argument("--steps", type=options.steps, default=None,
                    help="training-like steps after the initial sync (default 3; 2 with --engine vllm)")
     p.add_argument("--model", default=None, choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense"),

@@ -29,7 +29,8 @@ def _preset(value: str | None) -> str | None:
 def engine_settings(args: argparse.Namespace) -> EngineDemoSettings:
     """EngineDemoSettings from the command line (ConfigError / ValueError name a bad value)."""
     plan = QuantizationPlan.from_presets(linear=_preset(args.linear), moe=_preset(args.moe),
-                                         moe_activation=args.moe_activation)
+                                         moe_activation=args.moe_activation,
+                                         linear_activation=args.linear_activation)
     return EngineDemoSettings(
         engine=args.engine, deployment="colocated" if args.colocated else "disaggregated", plan=plan,
         model=args.model or "micro-moe", seed=args.seed, steps=2 if args.steps is None else args.steps,
@@ -55,6 +56,8 @@ def engine_overrides(settings: EngineDemoSettings, bucket_mb: float) -> list[str
         out.append(f"rollout.quantization.moe={plan.moe.name}")
     if plan.moe_activation is not None:
         out.append(f"rollout.quantization.moe_activation={plan.moe_activation.value}")
+    if plan.linear_activation is not None:
+        out.append(f"rollout.quantization.linear_activation={plan.linear_activation.value}")
     if not torch.cuda.is_available():
         out.append("rollout.engine_kwargs.vllm.environment={VLLM_CPU_KVCACHE_SPACE: '1'}")
     return out

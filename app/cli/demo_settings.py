@@ -22,7 +22,8 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
 
     linear = "FP8_BLOCK" if args.linear is None else args.linear
     moe = "NVFP4" if args.moe is None else args.moe
-    plan = QuantizationPlan.from_presets(linear=_none(linear), moe=_none(moe), moe_activation=args.moe_activation)
+    plan = QuantizationPlan.from_presets(linear=_none(linear), moe=_none(moe), moe_activation=args.moe_activation,
+                                         linear_activation=args.linear_activation)
     return DemoSettings(
         plan=plan, model=args.model or "tiny-moe", seed=args.seed, steps=3 if args.steps is None else args.steps,
         commit_mode=args.commit_mode,

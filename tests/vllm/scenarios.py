@@ -62,14 +62,19 @@ def _refit(svc: RefitService) -> Any:
 
 
 def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    plan = QuantizationPlan.from_presets(_preset(spec.get("linear")), _preset(spec.get("moe")))
+    plan = QuantizationPlan.from_presets(_preset(spec.get("linear")), _preset(spec.get("moe")),
+                                         linear_activation=spec.get("linear_activation"),
+                                         moe_activation=spec.get("moe_activation"))
     settings = EngineDemoSettings(deployment=spec["deployment"], plan=plan, model=spec.get("model", "micro-moe"))
     overrides = [
         *engine_overrides(settings, 0.25),
         f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}",
     ]
     services = bootstrap(overrides=overrides)
-    engine: Any = services.rollout_engine()
+    try:
+        engine: Any = services.rollout_engine()
+    except Exception as err:  # the engine did not start: the test decides whether that may be so
+        return {"spec": spec, "not_started": _start_failure(err)}
     trainer: Any = services.trainer_model()
     svc = services.refit_service(engine=engine, trainer=trainer)
     cache = Path(spec["cold_cache"]) if spec.get("cold_cache") else None
@@ -132,6 +137,14 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     finally:
         engine.close()
     return out
+
+
+def _start_failure(err: BaseException) -> str:
+    """Why the engine did not start, in one line: vLLM's own reason where it gave one."""
+    from adapters.vllm.remote import root_cause
+
+    text = f"{type(err).__name__}: {err}"
+    return (root_cause(text) or text.splitlines()[0])[:2000]
 
 
 def main(argv: list[str] | None = None) -> int:
