@@ -20,8 +20,12 @@ Imported only on a vLLM engine's CPU platform (adapters.vllm.cpu_emulation regis
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+    Fp8BlockScaledMMLinearKernel,
+)
 from vllm.platforms import current_platform
 
 
@@ -40,7 +44,7 @@ class TorchFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
         return True, None
 
     @classmethod
-    def can_implement(cls, config) -> tuple[bool, str | None]:  # type: ignore[no-untyped-def]
+    def can_implement(cls, config: Any) -> tuple[bool, str | None]:
         ok, reason = super().can_implement(config)
         if not ok:
             return ok, reason

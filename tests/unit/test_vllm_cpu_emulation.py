@@ -60,7 +60,7 @@ def test_the_mode_reaches_the_engines_environment() -> None:
 
 def test_the_configuration_key_takes_only_the_three_modes() -> None:
     assert bootstrap(overrides=["rollout.engine_kwargs.vllm.cpu_emulation=off"]).config.rollout.engine_kwargs.vllm.cpu_emulation == "off"
-    with pytest.raises(ConfigError, match="rollout.engine_kwargs.vllm.cpu_emulation"):
+    with pytest.raises(ConfigError, match=r"rollout\.engine_kwargs\.vllm\.cpu_emulation"):
         bootstrap(overrides=["rollout.engine_kwargs.vllm.cpu_emulation=maybe"])
 
 
