@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,7 +125,6 @@ def _engine_start(services: Services, engine: str) -> tuple[dict[str, Any] | Non
 
 def _vllm_python(services: Services) -> str:
     """The interpreter of a disaggregated vLLM engine host."""
-    import sys
 
     configured = services.config.rollout.engine_kwargs.vllm.python or services.environ.get("RL_REFIT_VLLM_PYTHON")
     if configured:
@@ -771,7 +771,11 @@ class Services:
         if snapshot_file is None:
             from adapters.system.probe import SystemProbe
 
-            return SystemProbe(environ=dict(self.environ))
+            vllm_python: str | None = _vllm_python(self)
+            if vllm_python == sys.executable and importlib.util.find_spec("vllm") is None:
+                vllm_python = None  # no vLLM environment to ask
+            return SystemProbe(environ=dict(self.environ), vllm_python=vllm_python,
+                               cpu_emulation=self.config.rollout.engine_kwargs.vllm.cpu_emulation)
         import json
 
         from adapters.memory.environment import FixedEnvironmentProbe

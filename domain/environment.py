@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
+from typing import Any
 
 import attrs
 
@@ -132,6 +133,9 @@ class EnvironmentSnapshot:
         nccl: torch.distributed has the NCCL backend.
         environ: the environment variables rl-refit honours that are set (name -> value).
         platform: the operating system, in words.
+        vllm_cpu_kernels: what the vLLM adapter's CPU emulation plugin reports in the engine's
+            environment (adapters.vllm.cpu_emulation.status: `native`, format -> None or vLLM's
+            reason; `emulated`; `mode`), or None when no vLLM environment was probed.
     """
 
     python: str = attrs.field(validator=attrs.validators.instance_of(str))
@@ -141,6 +145,7 @@ class EnvironmentSnapshot:
     nccl: bool = False
     environ: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_map, validator=_text_map(False))
     platform: str = ""
+    vllm_cpu_kernels: Mapping[str, Any] | None = None
 
     def version(self, distribution: str) -> str | None:
         """The installed version of a distribution, None when it is not installed."""
@@ -160,4 +165,5 @@ class EnvironmentSnapshot:
             "nccl": self.nccl,
             "packages": dict(self.packages),
             "environ": dict(self.environ),
+            "vllm_cpu_kernels": dict(self.vllm_cpu_kernels) if self.vllm_cpu_kernels is not None else None,
         }

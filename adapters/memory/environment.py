@@ -34,4 +34,5 @@ class FixedEnvironmentProbe:
             nccl=bool(data.get("nccl", False)),
             environ=data.get("environ", {}),
             platform=str(data.get("platform", "")),
+            vllm_cpu_kernels=data.get("vllm_cpu_kernels"),
         ))

@@ -8,8 +8,12 @@ the probe. torch, a core dependency, is asked for its CUDA build and the visible
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import platform
+import subprocess
 from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -48,10 +52,15 @@ class SystemProbe:
     Attributes:
         environ: the honoured environment variables, read by the composition root.
         version_of: looks up one distribution's version (a seam for tests of this adapter).
+        vllm_python: the interpreter of the vLLM environment, whose CPU kernels are asked for
+            (None: not asked).
+        cpu_emulation: the CPU emulation mode that environment is asked about.
     """
 
     environ: Mapping[str, str] = attrs.field(factory=dict)
     version_of: Callable[[tuple[str, ...]], str | None] = installed_version
+    vllm_python: str | None = None
+    cpu_emulation: str = "auto"
 
     def snapshot(self) -> EnvironmentSnapshot:
         torch_cuda, gpus, nccl = _torch_facts()
@@ -63,4 +72,28 @@ class SystemProbe:
             nccl=nccl,
             environ=self.environ,
             platform=platform.platform(),
+            vllm_cpu_kernels=vllm_cpu_kernels(self.vllm_python, self.cpu_emulation) if not gpus else None,
         )
+
+
+VLLM_PROBE_TIMEOUT_S = 180.0
+
+
+def vllm_cpu_kernels(python: str | None, mode: str) -> dict[str, Any] | None:
+    """What the vLLM adapter's CPU emulation plugin reports in the vLLM environment of `python`
+    (`python -m adapters.vllm.cpu_emulation MODE`: vLLM's native CPU kernels, the emulated
+    formats), or None when there is no such interpreter. A probe that fails says why, as
+    `{"error": ...}`."""
+    if python is None or not Path(python).is_file():
+        return None
+    try:
+        done = subprocess.run([python, "-m", "adapters.vllm.cpu_emulation", mode], capture_output=True, text=True,
+                              timeout=VLLM_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return {"error": f"{python} -m adapters.vllm.cpu_emulation: {err}"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"{python} -m adapters.vllm.cpu_emulation exited {done.returncode}: {last}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result

@@ -146,6 +146,33 @@ def kernel_checks(env: EnvironmentSnapshot) -> list[Check]:
             for preset, need in MIN_CAPABILITY.items()]
 
 
+def vllm_cpu_checks(env: EnvironmentSnapshot) -> list[Check]:
+    """Which formats vLLM's CPU build serves here: with vLLM's own kernel, with the matmul emulated
+    (the vLLM adapter's CPU emulation plugin), or not (vLLM's reason). Empty when no vLLM
+    environment was probed."""
+    found = env.vllm_cpu_kernels
+    if found is None:
+        return []
+    area = "rollout kernels (vLLM CPU)"
+    if "error" in found:
+        return [Check(area, "vLLM CPU kernels", Status.WARNING, f"could not ask the vLLM environment: {found['error']}",
+                      Reason.PACKAGE_MISSING, "make test creates .venv-vllm (scripts/setup-vllm-env.sh)")]
+    mode = found.get("mode", "auto")
+    emulated = set(found.get("emulated", ()))
+    out = []
+    for fmt, reason in dict(found.get("native", {})).items():
+        if reason is None:
+            out.append(Check(area, fmt, Status.OK, "vLLM's own CPU kernel"))
+        elif fmt in emulated:
+            out.append(Check(area, fmt, Status.WARNING, f"emulated matmul (cpu_emulation={mode}); weight loading, "
+                             f"processing and the layerwise reload are vLLM's own. vLLM has no kernel: {reason}",
+                             Reason.NOT_SUPPORTED, "tests and demos only; serve this format on a GPU"))
+        else:
+            out.append(Check(area, fmt, Status.UNAVAILABLE, f"vLLM has no kernel here: {reason}", Reason.NOT_SUPPORTED,
+                             "rollout.engine_kwargs.vllm.cpu_emulation=auto emulates its matmul"))
+    return out
+
+
 def engine_checks(env: EnvironmentSnapshot) -> list[Check]:
     """The rollout engines rl-refit has adapters for."""
     out = [Check("engines", "reference", Status.OK, "the embedded pure-torch engine (CPU or GPU)")]
@@ -226,5 +253,5 @@ def transport_checks(env: EnvironmentSnapshot) -> list[Check]:
 
 def environment_checks(env: EnvironmentSnapshot) -> list[Check]:
     """Every machine-only check, in report order."""
-    return [*platform_checks(env), *export_checks(env), *kernel_checks(env), *engine_checks(env),
+    return [*platform_checks(env), *export_checks(env), *kernel_checks(env), *vllm_cpu_checks(env), *engine_checks(env),
             *trainer_checks(env), *qat_checks(env), *transport_checks(env)]

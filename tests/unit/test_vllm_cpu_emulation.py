@@ -9,10 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from adapters.memory.environment import FixedEnvironmentProbe
+from adapters.system.probe import vllm_cpu_kernels
 from adapters.vllm.cpu_emulation import ENV_VAR, FORMATS, emulated_formats, parse_mode
 from adapters.vllm.engine_args import vllm_environment
 from adapters.vllm.remote import root_cause
 from app.bootstrap import bootstrap
+from app.services.doctor_checks import Status, vllm_cpu_checks
+from domain.environment import EnvironmentSnapshot
 from domain.errors import ConfigError
 from domain.quant.backend_policy import decide_backends
 from domain.quant.plan import QuantizationPlan
@@ -80,3 +84,42 @@ def test_the_root_cause_is_the_workers_error_not_vllms_wrapper() -> None:
 
 def test_a_log_without_an_exception_has_no_root_cause() -> None:
     assert root_cause("INFO starting\nWARNING slow\n") is None
+
+
+def _snapshot(kernels: dict[str, object] | None) -> EnvironmentSnapshot:
+    return EnvironmentSnapshot(python="3.11.7", vllm_cpu_kernels=kernels)
+
+
+def test_doctor_says_which_of_vllms_cpu_kernels_this_machine_has_and_what_is_emulated() -> None:
+    rows = {c.name: c for c in vllm_cpu_checks(_snapshot({
+        "mode": "auto", "emulated": ["MXFP8"],
+        "native": {"FP8_BLOCK": None, "MXFP8": "vLLM registers no MXFP8 linear kernel for the CPU platform"}}))}
+    assert rows["FP8_BLOCK"].status is Status.OK and "vLLM's own" in rows["FP8_BLOCK"].detail
+    assert rows["MXFP8"].status is Status.WARNING
+    assert "emulated matmul (cpu_emulation=auto)" in rows["MXFP8"].detail and "no MXFP8" in rows["MXFP8"].detail
+
+
+def test_doctor_with_emulation_off_lists_the_formats_vllm_cannot_serve_here() -> None:
+    (row,) = vllm_cpu_checks(_snapshot({"mode": "off", "emulated": [], "native": {"FP8_BLOCK": "requires AMX"}}))
+    assert row.status is Status.UNAVAILABLE and "requires AMX" in row.detail and "cpu_emulation=auto" in row.fix
+
+
+def test_doctor_has_no_vllm_cpu_rows_without_a_vllm_environment_and_says_why_a_probe_failed() -> None:
+    assert vllm_cpu_checks(_snapshot(None)) == []
+    (row,) = vllm_cpu_checks(_snapshot({"error": "no module named vllm"}))
+    assert row.status is Status.WARNING and "no module named vllm" in row.detail
+
+
+def test_the_probe_of_an_environment_without_vllm_reports_its_error(tmp_path: Path) -> None:
+    assert vllm_cpu_kernels(None, "auto") is None and vllm_cpu_kernels(str(tmp_path / "absent"), "auto") is None
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named vllm' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    found = vllm_cpu_kernels(str(fake), "auto")
+    assert found is not None and "exited 1: ModuleNotFoundError: No module named vllm" in found["error"]
+
+
+def test_a_saved_snapshot_keeps_the_vllm_cpu_kernels() -> None:
+    kernels = {"mode": "on", "emulated": ["FP8_BLOCK"], "native": {"FP8_BLOCK": None}}
+    again = FixedEnvironmentProbe.from_dict(_snapshot(kernels).to_dict()).snapshot()
+    assert again.vllm_cpu_kernels == kernels
