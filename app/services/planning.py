@@ -243,7 +243,7 @@ def check_quantizes_something(cfg: Section, res: Resolution, decisions: Sequence
                            "null for a BF16 rollout")
 
 
-_HOW = {"read": "code read", "cpu": "CPU test", "gpu-script": "GPU script"}
+_HOW = {"read": "code read", "cpu": "CPU test", "gpu-script": "GPU script", "cpu-served": "served on CPU"}
 
 
 def support_matrix_rows(engine: str) -> list[str]:

@@ -33,7 +33,10 @@ LAYOUTS = (COMPRESSED_TENSORS, SGLANG_MXFP8, NATIVE_FP8)
 READ = "read"  # the cited engine code, read in the pinned wheel
 CPU_VLLM = "cpu"  # run on CPU against vLLM's own code (tests/vllm/test_support_matrix.py)
 GPU_SCRIPT = "gpu-script"  # in the prepared GPU check (tests/gpu/check_support_matrix.py)
-HOW = (READ, CPU_VLLM, GPU_SCRIPT)
+# served end to end by vLLM's CPU build, every refit equal to a cold start bit for bit
+# (tests/vllm/test_real_engine.py), the matmul emulated where the CPU has no kernel for it
+CPU_SERVED = "cpu-served"
+HOW = (READ, CPU_VLLM, GPU_SCRIPT, CPU_SERVED)
 _ROLE_KEY = {"linear": "rollout.quantization.linear", "moe": "rollout.quantization.moe"}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from domain.quant.formats import ActivationScheme as A
 from domain.quant.support import (
     COMPRESSED_TENSORS,
+    CPU_SERVED,
     CPU_VLLM,
     GPU_SCRIPT,
     NATIVE_FP8,
@@ -57,7 +58,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
              _v(_SCH + "compressed_tensors_w8a8_fp8.py", "114-131"),
              _v("vllm/model_executor/kernels/linear/scaled_mm/deep_gemm.py", "84-100"),
              _v(_Q + "utils/fp8_utils.py", "1195-1214")),
-            (READ, CPU_VLLM), note=_E8M0_NOTE),
+            (READ, CPU_VLLM, CPU_SERVED), note=_E8M0_NOTE),
     Verdict(_cell("linear", "FP8_BLOCK", A.NONE), True,
             "CompressedTensorsW8A16Fp8: weight e4m3, weight_scale f32 blocks (renamed weight_scale_inv when "
             "processed); Humming or Marlin W8A16 kernels",
@@ -67,7 +68,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
     Verdict(_cell("linear", "MXFP8", A.MXFP8), True,
             "CompressedTensorsW8A8Mxfp8: weight e4m3 [N, K], weight_scale u8 [N, K/32]; activations MXFP8, dynamic",
             (_v(_CTC, "814-815"), _v(_SCH + "compressed_tensors_w8a8_mxfp8.py", "25-79"), _v(_KERNELS, "568-577")),
-            (READ, CPU_VLLM, GPU_SCRIPT),
+            (READ, CPU_VLLM, GPU_SCRIPT, CPU_SERVED),
             note="MXFP8 activations on FlashInfer's SM100 kernels; on older GPUs Marlin, emulation or torch"),
     Verdict(_cell("linear", "MXFP8", A.NONE), False,
             "CompressedTensorsW8A8Mxfp8, chosen from the weights alone",

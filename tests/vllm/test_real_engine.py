@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from domain.quant.support import COMPRESSED_TENSORS, CPU_SERVED, verdicts
+
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,11 +61,23 @@ CELLS: dict[str, dict[str, Any]] = {
     "NVFP4-dense": {"model": "micro-dense", "linear": "NVFP4", "linear_activation": "none"},
     "NVFP4-experts": {"model": "micro-moe", "linear": "MXFP8", "moe": "NVFP4", "moe_activation": "none"},
 }
-# The cells rl-refit shows on vLLM's CPU build on any x86-64 CPU: natively where vLLM has a kernel,
-# else with the matmul emulated (adapters.vllm.cpu_emulation). Each must start and equal its cold
-# start. Every other cell runs where vLLM starts it (and must then equal its cold start too), and is
-# skipped with vLLM's own reason where vLLM cannot start it: never by the CPU's name.
-SERVED = frozenset({"BF16-dense", "BF16-experts", "FP8_BLOCK-dense", "MXFP8-dense"})
+
+
+def _served() -> frozenset[str]:
+    """The cells the support matrix marks served on vLLM's CPU build (CPU_SERVED): each must start
+    on any x86-64 CPU, natively where vLLM has a kernel, else with its matmul emulated
+    (adapters.vllm.cpu_emulation), and equal its cold start. Every other cell runs where vLLM
+    starts it (and must then equal its cold start too), and is skipped with vLLM's own reason where
+    vLLM cannot start it: never by the CPU's name."""
+    names = {"BF16-dense", "BF16-experts"}
+    for v in verdicts().values():
+        c = v.cell
+        if c.engine == "vllm" and c.layout == COMPRESSED_TENSORS and CPU_SERVED in v.how:
+            names.add(f"{c.fmt}-{'dense' if c.role == 'linear' else 'experts'}")
+    return frozenset(names)
+
+
+SERVED = _served()
 
 
 def scenario(cold_cache: Path, cell: str | None = None, **spec: Any) -> dict[str, Any]:
