@@ -218,25 +218,41 @@ def hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str]
     Returns:
         (HF name, tensor, Megatron state-dict name) triples, in state-dict order.
     """
-    config: Any = model.config
-    decoder, mtp = _indices(model, "decoder"), _indices(model, "mtp")
     for name, tensor in model.state_dict(keep_vars=False).items():
         if name.endswith("_extra_state") or not isinstance(tensor, torch.Tensor) or _skipped(model, name):
             continue
-        if name in _TOP_NAMES:
-            yield _TOP_NAMES[name], tensor, name
-            continue
-        m = _LAYER.match(name)
-        if m is not None:
-            local, suffix = int(m[1]), m[2]
-            layer = decoder.get(local)
-            parts = _layer(f"model.layers.{_layer_number(decoder, local)}.", suffix, tensor, config, layer, name)
-        elif (m := _MTP.match(name)) is not None:
-            parts = _mtp(int(m[1]), m[2], tensor, config, mtp.get(int(m[1])), name)
-        else:
-            raise MegatronModelUnsupported(f"parameter {name!r} has no Hugging Face name in this adapter")
-        for hf, part in parts:
+        for hf, part in hf_parts(model, name, tensor):
             yield hf, part, name
+
+
+def hf_parts(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors of one Megatron tensor, from `tensor` (its current value, or
+    that value in another dtype).
+
+    Most parts are views of `tensor` (slices, chunks); q/k/v of several query groups, a gated
+    q_proj and GDN's `in_proj_qkv` are new tensors: a reader that keeps them does not see later
+    updates of the parameter and must derive them again (`MegatronShardedModel.local_weight`).
+
+    Args:
+        model: the real GPTModel the tensor belongs to (its config and layer numbering).
+        name: the tensor's Megatron state-dict name.
+        tensor: its value.
+
+    Returns:
+        (HF name, part) pairs; MegatronModelUnsupported for a tensor without a Hugging Face name.
+    """
+    config: Any = model.config
+    if name in _TOP_NAMES:
+        yield _TOP_NAMES[name], tensor
+        return
+    if (m := _LAYER.match(name)) is not None:
+        decoder = _indices(model, "decoder")
+        local, suffix = int(m[1]), m[2]
+        yield from _layer(f"model.layers.{_layer_number(decoder, local)}.", suffix, tensor, config, decoder.get(local), name)
+    elif (m := _MTP.match(name)) is not None:
+        yield from _mtp(int(m[1]), m[2], tensor, config, _indices(model, "mtp").get(int(m[1])), name)
+    else:
+        raise MegatronModelUnsupported(f"parameter {name!r} has no Hugging Face name in this adapter")
 
 
 def _mtp(k: int, suffix: str, tensor: torch.Tensor, config: Any, block: Any,

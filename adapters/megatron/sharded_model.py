@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from adapters.megatron.fused_forward import unwrap_model
-from adapters.megatron.hf_names import hf_tensors
+from adapters.megatron.hf_names import hf_parts, hf_tensors
 from domain.errors import MegatronModelUnsupported, ShardingError
 from domain.quant import naming
 from domain.refit.sharding import ParallelLayout, Placement
@@ -136,8 +136,10 @@ class MegatronShardedModel:
     """A ShardedTrainerModel: rank `rank` of `layout`, over a built Megatron-Core GPTModel.
 
     Attributes:
-        model: the model as built (Float16Module, DDP, ... allowed); its parameters are read in
-            place at every refit (views: training updates them).
+        model: the model as built (Float16Module, DDP, ... allowed); its parameters are read as
+            they are at every refit: through views where the Hugging Face layout is a slice of
+            the parameter, else derived again from the parameter at each read (training updates
+            parameters in place; nothing is copied between refits).
         layout: the trainer's parallel layout (`megatron_layout()`).
         rank: this trainer rank (its torch.distributed rank).
         dtype: the dtype the refit reads the shards in (the rollout's, e.g. bfloat16: float32
@@ -149,6 +151,7 @@ class MegatronShardedModel:
     rank: int
     dtype: torch.dtype | None = None
     _local: dict[str, torch.Tensor] = attrs.field(init=False, factory=dict)
+    _derived: dict[str, tuple[str, torch.Tensor]] = attrs.field(init=False, factory=dict)
     _shards: dict[str, LocalShard] = attrs.field(init=False, factory=dict)
     _shapes: Shapes = attrs.field(init=False, factory=list)
 
@@ -175,6 +178,7 @@ class MegatronShardedModel:
         real = unwrap_model(model)[0]
         config: Any = real.config
         params = dict(real.named_parameters())
+        state = real.state_dict(keep_vars=False)
         coords = layout.coords(rank)
         stage: list[tuple[str, tuple[int, ...]]] = []
         for hf, tensor, source in hf_tensors(real):
@@ -192,6 +196,8 @@ class MegatronShardedModel:
             shard = LocalShard(hf, tuple(full), tuple(tensor.shape), dim, index, n,
                                naming.classify(hf, tuple(full)).group)
             self._local[hf], self._shards[hf] = tensor, shard
+            if not _aliases(tensor, state[source]):  # a new tensor (q/k/v of several groups, GDN's qkv)
+                self._derived[hf] = (source, state[source])
             stage.append((hf, shard.shape))
         stage = _expand_experts(stage, int(getattr(config, "num_moe_experts", None) or 0))
         stages = gather(stage) if gather is not None else _gather_stages(stage, layout.pp)
@@ -220,11 +226,19 @@ class MegatronShardedModel:
         return list(self._shapes)
 
     def local_weight(self, name: str) -> torch.Tensor:
-        """This rank's piece of `name`, in the Hugging Face layout (a view of the parameter where
-        one exists; q/k/v of a GDN projection are joined), in `dtype`."""
+        """This rank's piece of `name`, in the Hugging Face layout and in `dtype`, as the
+        parameter holds it now: a view of the parameter where the layout is one, else derived
+        again from the parameter's current value (q/k/v of several query groups, a gated q_proj,
+        GDN's joined q/k/v)."""
         t = self._local.get(name)
         if t is None:
             raise ShardingError(name, f"trainer rank {self.rank} holds no part of it")
+        derived = self._derived.get(name)
+        if derived is not None:
+            source, live = derived
+            live = live.detach()
+            live = live if self.dtype is None or live.dtype == self.dtype else live.to(self.dtype)
+            return dict(hf_parts(unwrap_model(self.model)[0], source, live))[name]
         t = t.detach()
         return t if self.dtype is None or t.dtype == self.dtype else t.to(self.dtype)
 
@@ -260,6 +274,11 @@ class MegatronShardedModel:
             if want != got:
                 raise ShardingError(s.name, f"rank {self.rank} holds (split dim, group, position, shard, full) = {got}; "
                                     f"the refit expects {want}")
+
+
+def _aliases(part: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether `part` is a view into `whole`'s storage (then it follows every in-place update)."""
+    return part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
 
 
 def _gather_stages(stage: Shapes, pp: int) -> list[Shapes]:

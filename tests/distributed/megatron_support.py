@@ -104,9 +104,28 @@ def capture_rank(rank: int, cases: Sequence[Case]) -> list[dict[str, Any]]:
                     "pieces": megatron_pieces(model),
                     "refused": _refusals(model, trainer, layout, rank),
                 }
+                record["after_update"] = _after_update(model, trainer)
             parallel_state.destroy_model_parallel()
             out.append(record)
     return out
+
+
+def _after_update(model: torch.nn.Module, trainer: Any) -> dict[str, list[str]]:
+    """Update every parameter in place (as an optimizer step does), then compare what the adapter
+    reads with a fresh Hugging Face export of the model: `stale` names tensors the adapter still
+    reads as they were, `unchanged` those whose value did not move (the update must reach all)."""
+    from adapters.megatron.hf_names import hf_tensors
+
+    before = {s.name: trainer.local_weight(s.name).clone() for s in trainer.shards()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.linspace(0.5, 1.5, p.numel()).reshape(p.shape))
+    fresh = {hf: t for hf, t, _ in hf_tensors(model)}
+    now = {n: trainer.local_weight(n) for n in before}
+    return {
+        "stale": [n for n, t in now.items() if not torch.equal(t, fresh[n].to(t.dtype))],
+        "unchanged": [n for n, t in now.items() if torch.equal(t, before[n])],
+    }
 
 
 def _refusals(model: torch.nn.Module, trainer: Any, layout: ParallelLayout, rank: int) -> dict[str, str]:

@@ -100,6 +100,16 @@ def test_every_rank_lists_the_unsharded_models_tensors_and_holds_their_slices(ca
     assert held >= len(shapes)  # every tensor is held by its placement's holders
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_the_adapter_reads_the_parameters_as_they_are_after_an_update(case: Case, captured) -> None:
+    """Every tensor, views of a parameter and derived ones alike (q/k/v of several query groups,
+    gated q_proj, GDN's joined q/k/v), follows an in-place update of the parameters: a refit after
+    a training step sends the trained weights, not those of the adapter's build."""
+    for rank, record in enumerate(captured[case.id]["records"]):
+        assert record["after_update"]["stale"] == [], rank
+        assert record["after_update"]["unchanged"] == [], rank
+
+
 def test_the_adapter_names_what_differs_from_megatrons_layout(captured) -> None:
     records = captured[Case("moe", tp=2, pp=2).id]["records"]
     for rank, record in enumerate(records):
