@@ -145,9 +145,11 @@ def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> 
     qc, decision, base = _engine_start(services, "vllm")
     section = services.config.rollout.engine_kwargs.vllm
     kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
+    owned: tuple[str, ...] = ()
     if "model" not in kwargs:  # the embedded model: its config.json, weights from the first refit
         kwargs["model"] = str(services.embedded_model_dir())
         kwargs.setdefault("load_format", "dummy")
+        owned = (kwargs["model"],)
     colocated = services.config.rollout.deployment == "colocated"
     env = {**vllm_environment(decision, colocated=colocated, cpu_emulation=section.cpu_emulation), **{k: str(v) for k, v in section.environment.to_dict().items()}}
     if colocated:
@@ -155,13 +157,14 @@ def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> 
 
         os.environ.update(env)  # vLLM reads these when it starts, in this process
         local = ExtensionWorkers.launch(**kwargs)
-        return VllmRolloutEngine(local, log_prob_fn=LlmLogProbs(local.llm), greedy_fn=LlmGreedy(local.llm))
+        return VllmRolloutEngine(local, log_prob_fn=LlmLogProbs(local.llm), greedy_fn=LlmGreedy(local.llm),
+                                 owned_dirs=owned)
     from adapters.vllm.remote import EngineProcess, RemoteGreedy, RemoteLogProbs, RemoteWorkers
 
     process = EngineProcess.start(_vllm_python(services), kwargs, env={**os.environ, **env},
                                   start_timeout_s=float(section.start_timeout_s))
     return VllmRolloutEngine(RemoteWorkers(process, services.bucket_bytes), log_prob_fn=RemoteLogProbs(process),
-                             greedy_fn=RemoteGreedy(process))
+                             greedy_fn=RemoteGreedy(process), owned_dirs=owned)
 
 
 def _vllm_cold_start(services: Services, directory: str) -> Any:

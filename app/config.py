@@ -243,8 +243,9 @@ SCHEMA: tuple[Key, ...] = (
         "disaggregated: the Python that runs the engine host (vLLM and rl-refit installed); null = "
         "$RL_REFIT_VLLM_PYTHON, else .venv-vllm/bin/python in the working directory or beside the "
         "rl-refit checkout, else this Python"),
-    Key("rollout.engine_kwargs.vllm.start_timeout_s", (int, float), 600,
-        "disaggregated: seconds the engine host may take to start", check=_positive_seconds),
+    Key("rollout.engine_kwargs.vllm.start_timeout_s", (int, float), 120,
+        "disaggregated: seconds the engine host may take to start and connect back; past them it is "
+        "killed with its engine processes", check=_positive_seconds),
     Key("rollout.engine_kwargs.vllm.cpu_emulation", (str, bool), "auto",
         "vLLM's CPU platform only: emulated matmuls for formats with no native kernel on this CPU "
         "(auto), for every format (on), or none (off); see docs/engines.md", check=_emulation_mode),

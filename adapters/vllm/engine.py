@@ -14,6 +14,7 @@ stale and refuses to serve until a full refit succeeds.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -106,6 +107,8 @@ class VllmRolloutEngine:
         expected_layout: checkpoint name -> (shape, dtype) of every tensor a refit sends; when
             given, a bucket with an unknown, mis-shaped, mis-typed or repeated tensor is rejected
             (EngineTensorMismatch) before vLLM sees it (vLLM's loaders would cast or skip it).
+        owned_dirs: directories made for this engine (the embedded model's config.json), removed
+            by `close`.
 
     The engine starts stale: until the first refit its weights are whatever it was started with
     (e.g. a dummy load).
@@ -116,6 +119,7 @@ class VllmRolloutEngine:
     greedy_fn: GreedyFn | None = None
     reset_kv_scales: bool = True
     expected_layout: Layout | None = None
+    owned_dirs: tuple[str, ...] = ()
     # vLLM processes and commits each layer as soon as it is loaded, keeping no old copy.
     commit_mode: CommitMode = attrs.field(init=False, default=CommitMode.PER_LAYER)
     _guard: EngineGuard = attrs.field(init=False)
@@ -198,10 +202,15 @@ class VllmRolloutEngine:
         log.warning("vllm refit failed; engine is stale", refit_id=self._guard.refit_id, reason=reason)
 
     def close(self) -> None:
-        """Shut the engine down (its workers' `close`, when they have one)."""
+        """Shut the engine down (its workers' `close`, when they have one) and remove what was made
+        for it."""
         close = getattr(self.workers, "close", None)
-        if close is not None:
-            close()
+        try:
+            if close is not None:
+                close()
+        finally:
+            for directory in self.owned_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
 
     # --- queries and serving ----------------------------------------------------------------
 

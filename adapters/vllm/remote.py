@@ -14,12 +14,14 @@ stream with an ABORT the workers see, and the engine is marked stale by VllmRoll
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import queue
 import re
 import secrets
+import signal
 import subprocess
 import tempfile
 import threading
@@ -107,7 +109,13 @@ class EngineProcess:
     log_path: Path
     workers: list[dict[str, Any]]
     timeout_s: float = 600.0
+    reaper: _Reaper | None = None
     _pending: int = attrs.field(init=False, default=0)
+    _failed: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.reaper is None:
+            self.reaper = _Reaper(self.proc)
 
     @classmethod
     def start(cls, python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str] | None = None,
@@ -140,29 +148,31 @@ class EngineProcess:
             proc = subprocess.Popen([python, "-m", "adapters.vllm.server", spec_path], stdout=logf,
                                     stderr=subprocess.STDOUT, env=dict(env) if env is not None else None,
                                     start_new_session=True)
+        reaper = _Reaper(proc)
         try:
             channel = cls._accept(listener, proc, out, start_timeout_s)
             hello = channel.receive(start_timeout_s)
-        except BaseException:
-            _stop(proc)
+        except BaseException:  # Ctrl-C, SIGTERM, a timeout: nothing of the engine is left running
+            reaper.kill()
             raise
         finally:
             listener.close()
             Path(spec_path).unlink(missing_ok=True)
         if hello.get("token") != token:
-            _stop(proc)
+            reaper.kill()
             raise EngineProcessError("a process that is not the engine host connected to the trainer's control port")
         if not hello.get("ok"):
-            _stop(proc)
+            reaper.stop(30.0)
             reported = f"{hello.get('error')}: {hello.get('message')}"
             raise EngineProcessError(f"the vLLM engine failed to start: {_diagnosis(out, reported)}")
         result = hello["result"]
         log.info("vllm engine host started", pid=result["pid"], workers=len(result["workers"]), log=str(out))
-        return cls(proc, channel, out, list(result["workers"]), timeout_s)
+        return cls(proc, channel, out, list(result["workers"]), timeout_s, reaper)
 
     @staticmethod
     def _accept(listener: Any, proc: subprocess.Popen[bytes], out: Path, timeout_s: float) -> Channel:
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        said = 0.0
         listener.settimeout(1.0)
         while True:
             try:
@@ -171,18 +181,25 @@ class EngineProcess:
             except TimeoutError:
                 pass
             if proc.poll() is not None:
-                raise EngineProcessError(f"the vLLM engine host exited with status {proc.returncode} before it "
+                raise EngineProcessError(f"the vLLM engine host (pid {proc.pid}) {_ended(proc)} before it "
                                          f"connected: {_diagnosis(out)}")
-            if time.monotonic() > deadline:
-                raise EngineProcessError(f"the vLLM engine host did not start within {timeout_s:g} s: {_diagnosis(out)}")
+            waited = time.monotonic() - start
+            if waited > timeout_s:
+                raise EngineProcessError(
+                    f"the vLLM engine host (pid {proc.pid}) did not connect within {timeout_s:g} s "
+                    f"(rollout.engine_kwargs.vllm.start_timeout_s) and was killed, with its engine processes: "
+                    f"{_diagnosis(out)}")
+            if waited - said >= _PROGRESS_EVERY_S:
+                said = waited
+                log.info("waiting for the vllm engine host to start", pid=proc.pid, waited_s=round(waited),
+                         timeout_s=timeout_s, log=str(out))
 
     # --- requests ------------------------------------------------------------------------------
 
     def send(self, op: str, **fields: Any) -> None:
         """Send a request whose reply `reply()` reads later."""
         if self.proc.poll() is not None:
-            raise EngineProcessError(f"the vLLM engine host exited with status {self.proc.returncode}: "
-                                     f"{_diagnosis(self.log_path)}")
+            raise self._died()
         self.channel.send({"op": op, **fields})
         self._pending += 1
 
@@ -191,6 +208,11 @@ class EngineProcess:
         try:
             message = self.channel.receive(self.timeout_s if timeout_s is None else timeout_s)
         except EngineProcessError as err:
+            self._failed = True
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=_EXIT_GRACE_S)  # a host that died mid-request: name how
+            if self.proc.poll() is not None:
+                raise self._died() from None
             raise EngineProcessError(f"{err}: {_diagnosis(self.log_path)}") from None
         finally:
             self._pending -= 1
@@ -220,31 +242,81 @@ class EngineProcess:
                 if isinstance(err, EngineProcessError):
                     self._pending = 0
 
+    def _died(self) -> EngineProcessError:
+        """The error for a host that is gone; its engine processes are killed with it."""
+        self._failed = True
+        assert self.reaper is not None
+        self.reaper.kill()
+        return EngineProcessError(f"the vLLM engine host (pid {self.proc.pid}) {_ended(self.proc)}; its engine "
+                                  f"processes were stopped: {_diagnosis(self.log_path)}")
+
     def close(self, timeout_s: float = 60.0) -> None:
-        """Shut the engine down and wait for the host to exit (killed past `timeout_s`)."""
+        """Shut the engine down: ask the host, wait for it (killed past `timeout_s`), then kill
+        whatever is left of its process group. The log is removed after a clean run and kept
+        (errors name it) after any failure."""
+        clean = False
         if self.proc.poll() is None:
             try:
                 self.drain()
                 self.call("shutdown")
+                clean = not self._failed
             except errors.RefitError:
                 pass
         self.channel.close()
-        _stop(self.proc, timeout_s)
+        assert self.reaper is not None
+        self.reaper.stop(timeout_s)
+        if clean and self.proc.returncode == 0:
+            self.log_path.unlink(missing_ok=True)
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        proc.wait(timeout=timeout_s)
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, 9)  # the host and vLLM's engine-core and worker processes
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.wait(timeout=30)
+_PROGRESS_EVERY_S = 30.0
+_EXIT_GRACE_S = 2.0
+
+
+def _ended(proc: subprocess.Popen[bytes]) -> str:
+    """How a finished process ended, in words: "was killed by SIGKILL", "exited with status 1"."""
+    code = proc.returncode
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+@attrs.define
+class _Reaper:
+    """Stops an engine host and every process of its group: vLLM's engine core, its workers and
+    their resource tracker, which outlive a host killed from outside. The host is started as a
+    session leader, so its group id is its pid. Registered at exit, so that a trainer that ends
+    any other way leaves none of them behind."""
+
+    proc: subprocess.Popen[bytes]
+    _done: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        atexit.register(self.kill)
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the host to exit by itself, then kill the group."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout_s)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole group now (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        atexit.unregister(self.kill)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
 
 
 _END = object()

@@ -69,6 +69,7 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     overrides = [
         *engine_overrides(settings, 0.25),
         f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}",
+        "rollout.engine_kwargs.vllm.start_timeout_s=900",  # two engines starting at once on 2 loaded cores
     ]
     services = bootstrap(overrides=overrides)
     try:

@@ -1,0 +1,133 @@
+"""The disaggregated engine host's lifecycle (adapters.vllm.remote.EngineProcess) against a fake host
+that speaks the control protocol: a host that dies takes its whole process group with it (what
+vLLM's engine core, workers and resource tracker are), the error names how it died, a host that
+never connects is killed at its start timeout, and the log is kept after a failure only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from adapters.vllm.remote import EngineProcess
+from domain.errors import EngineProcessError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Started as `python -m adapters.vllm.server SPEC`: connects back, proves the token, starts a child
+# in its process group (as vLLM's engine core is), writes the child's pid next to the spec's
+# `pid_file`, answers `shutdown` and any other op with a null result.
+HOST = textwrap.dedent("""
+    import json, os, socket, subprocess, sys, time
+    sys.path.insert(0, os.environ["ROOT"])
+    from adapters.vllm.control import Channel
+    spec = json.load(open(sys.argv[-1]))
+    mode = os.environ["FAKE_HOST"]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(os.environ["CHILD_PID_FILE"], "w").write(str(child.pid))
+    if mode == "silent":
+        time.sleep(600)
+    channel = Channel(socket.create_connection((spec["trainer_host"], spec["trainer_port"])), "the trainer")
+    if mode == "fail":
+        print("ValueError: Failed to find a kernel that can implement the layer. Reasons:", flush=True)
+        channel.send({"token": spec["token"], "ok": False, "error": "RuntimeError", "message": "wrapper"})
+        sys.exit(1)
+    channel.send({"token": spec["token"], "ok": True, "result": {"pid": os.getpid(), "workers": [{}]}})
+    while True:
+        message = channel.receive(None)
+        channel.send({"ok": True, "result": None})
+        if message["op"] == "shutdown":
+            child.kill()
+            sys.exit(0)
+""")
+
+
+@pytest.fixture
+def fake_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    script = tmp_path / "host.py"
+    script.write_text(HOST)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("ROOT", str(ROOT))
+    monkeypatch.setenv("CHILD_PID_FILE", str(tmp_path / "child.pid"))
+
+    def start(mode: str, **kwargs: object) -> EngineProcess:
+        monkeypatch.setenv("FAKE_HOST", mode)
+        return EngineProcess.start(str(python), {}, log_path=tmp_path / "host.log", **kwargs)  # type: ignore[arg-type]
+
+    return start, tmp_path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _child(tmp_path: Path) -> int:
+    for _ in range(100):
+        text = (tmp_path / "child.pid").read_text() if (tmp_path / "child.pid").exists() else ""
+        if text:
+            return int(text)
+        time.sleep(0.05)
+    raise AssertionError("the fake host wrote no child pid")
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_host_killed_from_outside_takes_its_engine_processes_with_it_and_is_named(fake_host) -> None:  # type: ignore[no-untyped-def]
+    start, tmp = fake_host
+    process = start("serve")
+    child = _child(tmp)
+    os.kill(process.proc.pid, signal.SIGKILL)
+    with pytest.raises(EngineProcessError, match=r"was killed by SIGKILL; its engine processes were stopped") as err:
+        process.call("greedy", prompts=[[1]], max_tokens=1)
+    assert str(tmp / "host.log") in str(err.value)
+    assert _gone(child), "the engine host's child outlived it"
+    process.close()
+    assert (tmp / "host.log").exists()  # kept after a failure, and named in the error
+
+
+def test_a_clean_close_stops_everything_and_removes_the_log(fake_host) -> None:  # type: ignore[no-untyped-def]
+    start, tmp = fake_host
+    process = start("serve")
+    child = _child(tmp)
+    assert process.call("greedy", prompts=[[1]], max_tokens=1) is None
+    process.close()
+    assert process.proc.returncode == 0 and _gone(child)
+    assert not (tmp / "host.log").exists()
+
+
+def test_a_host_that_never_connects_is_killed_at_its_start_timeout(fake_host) -> None:  # type: ignore[no-untyped-def]
+    start, tmp = fake_host
+    began = time.monotonic()
+    with pytest.raises(EngineProcessError, match=r"did not connect within 1\.5 s .*start_timeout_s\) and was killed"):
+        start("silent", start_timeout_s=1.5)
+    assert time.monotonic() - began < 10
+    assert _gone(_child(tmp))
+
+
+def test_a_failed_start_leads_with_the_root_cause_and_keeps_the_log(fake_host) -> None:  # type: ignore[no-untyped-def]
+    start, tmp = fake_host
+    with pytest.raises(EngineProcessError) as err:
+        start("fail")
+    assert str(err.value) == (
+        "the vLLM engine failed to start: ValueError: Failed to find a kernel that can implement the layer. "
+        f"Reasons:; engine log: {tmp / 'host.log'}")
+    assert _gone(_child(tmp)) and (tmp / "host.log").exists()
