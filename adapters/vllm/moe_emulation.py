@@ -116,11 +116,15 @@ def install(formats: Iterable[str], patches: tuple[SelectorPatch, ...] = PATCHES
     return done
 
 
-def undo() -> list[str]:
-    """Put back every function `install` wrapped, where the wrapper is still in place (a later
-    patch of the same global by someone else is left alone). Returns "module.name" of each."""
+def undo(patches: tuple[SelectorPatch, ...] | None = None) -> list[str]:
+    """Put back every function `install` wrapped (of `patches` only, if given), where the wrapper
+    is still in place (a later patch of the same global by someone else is left alone).
+    Returns "module.name" of each put back."""
     done = []
+    only = None if patches is None else {(p.module, p.name) for p in patches}
     for (module_name, name), original in list(_ORIGINALS.items()):
+        if only is not None and (module_name, name) not in only:
+            continue
         module = sys.modules.get(module_name)
         if module is not None and getattr(getattr(module, name, None), _MARK, False):
             setattr(module, name, original)
