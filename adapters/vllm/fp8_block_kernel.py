@@ -21,7 +21,9 @@ Imported only on a vLLM engine's CPU platform (adapters.vllm.cpu_emulation regis
 from __future__ import annotations
 
 import torch
-from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+    Fp8BlockScaledMMLinearKernel,
+)
 from vllm.platforms import current_platform
 
 
