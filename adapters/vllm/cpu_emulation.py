@@ -145,7 +145,10 @@ def install(names: tuple[str, ...]) -> list[str]:
         if kernel not in table:
             table.append(kernel)
         done.append(kernel.__name__)
-    return done
+    # MoE experts of the same formats: vLLM's expert-backend look-ups wrapped (adapters.vllm.moe_emulation).
+    from adapters.vllm import moe_emulation
+
+    return done + moe_emulation.install(names)
 
 
 def status(mode: str | None = None) -> dict[str, Any]:
