@@ -39,6 +39,18 @@ def _expected(model: torch.nn.Module, hooks: VllmHooks) -> set[str]:
             if n.rpartition(".")[2] not in KV_SCALE_NAMES and not any(n.startswith(p) for p in skip if p)}
 
 
+# Activation scales a scheme may allocate whatever the checkpoint holds: vLLM's NVFP4 expert method
+# allocates w13/w2_input_global_scale for weight-only checkpoints too (its W4A16 kernels never read
+# them). A checkpoint that carries no tensor of such a kind cannot write one, on a cold start or by
+# a refit: those parameters are expected only when the refit sends tensors of their kind.
+ACTIVATION_SCALE_KINDS = ("input_global_scale", "input_scale")
+
+
+def _kind(name: str) -> str | None:
+    leaf = name.rpartition(".")[2]
+    return next((k for k in ACTIVATION_SCALE_KINDS if leaf.endswith(k)), None)
+
+
 class FinalizeStats(NamedTuple):
     """What one worker's finalize did (a tuple of plain values: it crosses process boundaries as one).
 
@@ -87,6 +99,7 @@ class WorkerRefit:
     tensors_loaded: int = attrs.field(init=False, default=0)
     expected: set[str] = attrs.field(init=False, factory=set)
     written: set[str] | None = attrs.field(init=False, default=None)
+    sent_kinds: set[str] = attrs.field(init=False, factory=set)
 
     def __attrs_post_init__(self) -> None:
         if self.device is None:
@@ -103,6 +116,7 @@ class WorkerRefit:
         self.tensors_loaded = 0
         self.expected = _expected(self.model, self.hooks)  # checkpoint-format parameters, restored on meta
         self.written = set()
+        self.sent_kinds = set()
 
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Load one bucket's tensors by checkpoint name; returns how many were loaded.
@@ -112,6 +126,7 @@ class WorkerRefit:
         if not self.loading:
             raise RefitLifecycleError("load before begin: call begin() first")
         owned = [(name, t.to(self.device, copy=True)) for name, t in named_tensors]
+        self.sent_kinds |= {kind for name, _ in owned if (kind := _kind(name)) is not None}
         load_weights = self.model.load_weights  # every vLLM model class defines it
         with self.hooks.load_context():
             loaded = load_weights(owned)  # type: ignore[operator]
@@ -142,8 +157,9 @@ class WorkerRefit:
         reset = self.reset_uncalibrated_kv_scales() if self.reset_kv_scales else 0
         if written is None:
             return FinalizeStats(reset, seconds, self.tensors_loaded, experts_redone=redone)
-        unwritten = tuple(sorted(self.expected - written))
-        return FinalizeStats(reset, seconds, self.tensors_loaded, len(written & self.expected), unwritten, redone)
+        expected = {n for n in self.expected if (kind := _kind(n)) is None or kind in self.sent_kinds}
+        unwritten = tuple(sorted(expected - written))
+        return FinalizeStats(reset, seconds, self.tensors_loaded, len(written & expected), unwritten, redone)
 
     def abort(self) -> None:
         """Put the model back together after a failure (no-op when not loading).

@@ -338,6 +338,19 @@ def test_a_refit_that_misses_tensors_fails_closed_naming_them() -> None:
     assert svc_full.refit().ok and not engine.is_stale  # the next full refit recovers
 
 
+def test_activation_scales_of_a_kind_the_checkpoint_never_carries_are_not_expected() -> None:
+    # vLLM's NVFP4 expert method allocates w13/w2_input_global_scale for weight-only checkpoints too:
+    # no load, cold start or refit, ever writes them, so the audit does not ask for them
+    model, _, engine = build()
+    layer = next(m for n, m in model.named_modules() if n.endswith("mlp"))
+    layer.register_parameter("w13_input_global_scale", torch.nn.Parameter(torch.ones(2), requires_grad=False))
+    result = refit(engine, checkpoint_stream(True), 1)
+    assert result.unwritten == () and not engine.is_stale
+    # a parameter of any other kind that nothing writes is still missing
+    layer.register_parameter("w13_extra_weight", torch.nn.Parameter(torch.ones(2), requires_grad=False))
+    assert [n for n in refit(engine, checkpoint_stream(True), 2).unwritten if n.endswith("w13_extra_weight")]
+
+
 def test_experts_the_reload_cannot_redo_are_refused_before_anything_is_written() -> None:
     import attrs
 
