@@ -28,10 +28,7 @@ from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel impo
 )
 from vllm.platforms import current_platform
 
-
-def _expand(scale: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> torch.Tensor:
-    """A [ceil(rows/br), ceil(cols/bc)] block scale broadcast to [rows, cols] (edge blocks cropped)."""
-    return scale.repeat_interleave(block_rows, dim=0)[:rows].repeat_interleave(block_cols, dim=1)[:, :cols]
+from adapters.vllm.moe_emulation import expand_block_scale
 
 
 class TorchFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
@@ -58,6 +55,6 @@ class TorchFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
         m, k = A.shape
         n = B.shape[0]
         block_n, block_k = self.weight_group_shape.row, self.weight_group_shape.col
-        a = A.to(torch.float32) * _expand(As.to(torch.float32), m, k, 1, block_k)
-        b = B.to(torch.float32) * _expand(Bs.to(torch.float32), n, k, block_n, block_k)
+        a = A.to(torch.float32) * expand_block_scale(As.to(torch.float32), m, k, 1, block_k)
+        b = B.to(torch.float32) * expand_block_scale(Bs.to(torch.float32), n, k, block_n, block_k)
         return a @ b.t()
