@@ -153,7 +153,8 @@ def _fits(experts: type, config: Any, weight_key: Any, activation_key: Any) -> t
 
     fmt = (mk.FusedMoEActivationFormat.BatchedExperts if config.moe_parallel_config.use_batched_activation_format
            else mk.FusedMoEActivationFormat.Standard)
-    return experts.is_supported_config(experts, config, weight_key, activation_key, fmt)
+    check: Callable[..., tuple[bool, str | None]] = experts.is_supported_config  # type: ignore[attr-defined]
+    return check(experts, config, weight_key, activation_key, fmt)
 
 
 def _log_choice(fmt: str, backend: Any, experts: type, vllm_answer: str) -> None:
@@ -244,7 +245,8 @@ def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple
 
 def dequantize_groups(qdata: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """[M, K] quantized activations times their [M, K/group] scales (one per 1 x group), in FP32."""
-    return qdata.to(torch.float32) * expand_block_scale(scale.to(torch.float32), *qdata.shape, 1, group_size)
+    rows, cols = qdata.shape
+    return qdata.to(torch.float32) * expand_block_scale(scale.to(torch.float32), rows, cols, 1, group_size)
 
 
 def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
