@@ -2,7 +2,7 @@
 
 Children come from a forkserver started with the project's Python (torch and the CLI preloaded,
 so each child starts in milliseconds). A child can be SIGKILLed at its k-th executed line of the
-export code (the service, the atomic publish, the checkpoint writer): the kill test draws k with
+export code (the service, the atomic publish, the lock, the checkpoint writer): the kill test draws k with
 a seeded RNG, after a dry run counted the lines.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACED = {str(ROOT / p) for p in ("app/services/checkpoint_export.py", "adapters/system/atomic_dir.py",
-                                  "adapters/hf_checkpoint/writer.py")}
+                                  "adapters/system/ownership.py", "adapters/hf_checkpoint/writer.py")}
 PRELOAD = ["torch", "safetensors", "app.cli.main", "app.cli.export", "app.services.checkpoint_export",
            "app.bootstrap", "app.services.planning", "adapters.compressed_tensors.quantization_config"]
 
