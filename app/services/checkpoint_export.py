@@ -13,7 +13,6 @@ and nothing else. The source is checked against its snapshot before publishing (
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
@@ -140,13 +139,20 @@ def check_overlap(out: Path, checkpoint: HfCheckpoint) -> None:
             )
 
 
+def _home() -> Path | None:
+    """The account's home directory, from the password database (not $HOME: only the composition
+    root reads the environment); None for a uid without an account."""
+    try:
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        return None
+
+
 def _protected() -> list[tuple[str, Path]]:
-    """Directories `--force` never replaces, nor one holding them (the home directory is the
-    account's, from the password database)."""
+    """Directories `--force` never replaces, nor one holding them."""
+    home = _home()
     places = [("the current directory", Path.cwd()), ("the file-system root", Path("/"))]
-    with contextlib.suppress(KeyError):  # a uid without an account has no home directory
-        places.append(("the home directory", Path(pwd.getpwuid(os.getuid()).pw_dir)))
-    return [(name, _real(p)) for name, p in places]
+    return [(name, _real(p)) for name, p in [*places, *([("the home directory", home)] if home else [])]]
 
 
 def _refuse_protected(out: Path) -> None:
