@@ -109,7 +109,7 @@ class SafetensorsFile:
             self._fd = self._open()
         self._check(os.fstat(self._fd))
         buffer = torch.empty(info.nbytes, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
+        view = buffer.numpy().data  # a writable memoryview of the tensor
         done = 0
         while done < info.nbytes:
             try:
