@@ -44,8 +44,8 @@ MARKER = "rl-refit export lock"
 _RECORD_BYTES = 4096  # a record is a few hundred bytes; a longer file is not one
 _ATTEMPTS = 8  # takeovers in a row before giving up (each needs another export to interfere)
 _O_TMPFILE = getattr(os, "O_TMPFILE", None)
-# O_TMPFILE or linking it is not supported here (kernel, file system, no /proc): create in place
 _DEFERRED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+# O_TMPFILE or linking it is not supported here (kernel, file system, no /proc): create in place
 _NO_TMPFILE = {errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.EPERM, errno.EMLINK}
 
 
@@ -323,7 +323,9 @@ class DestinationLock:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return  # released meanwhile
-        except OSError:  # a symlink (ELOOP), a socket (ENXIO), no permission
+        except OSError as err:
+            if err.errno not in (errno.ELOOP, errno.ENXIO):  # not a symlink or a socket: say why
+                raise self._foreign(f"cannot be read ({err.strerror})") from None
             try:
                 what = kind(os.lstat(self.path).st_mode)
             except FileNotFoundError:

@@ -13,6 +13,7 @@ and nothing else. The source is checked against its snapshot before publishing (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -98,7 +99,11 @@ def destination(out: str | Path) -> Path:
     if not str(out).strip():
         raise ConfigError("--out", f"{str(out)!r} is empty or blank (an unset shell variable?); name the "
                           "directory to write")
-    path = Path(os.path.abspath(out))
+    try:
+        path = Path(os.path.abspath(out))
+    except FileNotFoundError:  # a relative --out in a working directory that was removed
+        raise ConfigError("--out", f"{str(out)!r} is relative to the current directory, which no longer exists; "
+                          "change to an existing directory, or pass an absolute path") from None
     if not path.name:
         raise OutputProtected(f"--out {str(out)!r} is the file-system root; choose a directory to create")
     return _real(path.parent) / path.name
@@ -150,9 +155,13 @@ def _home() -> Path | None:
 
 def _protected() -> list[tuple[str, Path]]:
     """Directories `--force` never replaces, nor one holding them."""
+    places = [("the file-system root", Path("/"))]
+    with contextlib.suppress(FileNotFoundError):  # a removed working directory cannot be replaced
+        places.append(("the current directory", Path.cwd()))
     home = _home()
-    places = [("the current directory", Path.cwd()), ("the file-system root", Path("/"))]
-    return [(name, _real(p)) for name, p in [*places, *([("the home directory", home)] if home else [])]]
+    if home is not None:
+        places.append(("the home directory", home))
+    return [(name, _real(p)) for name, p in places]
 
 
 def _refuse_protected(out: Path) -> None:

@@ -22,6 +22,7 @@ import pytest
 from adapters.hf_checkpoint import writer as writer_module
 from app.cli.main import main
 from app.services import checkpoint_export
+from domain.errors import ConfigError
 from tests.integration import export_child
 from tests.integration.export_models import tiny_checkpoint
 
@@ -246,3 +247,15 @@ def test_an_out_below_a_symlink_loop_is_a_one_line_error(src: Path, tmp_path: Pa
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     assert main(["export", "--model", str(src), "--out", str(tmp_path / "loop" / "o"), *EXPORT]) == 2  # before: 3
     _one_line(capsys, "OutputNotWritable", f"{tmp_path / 'loop'}'", "choose another --out")
+
+
+def test_a_relative_out_in_a_removed_working_directory_is_a_config_error(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(ConfigError, match="the current directory, which no longer exists"):  # before: FileNotFoundError
+        checkpoint_export.destination("o")
+    assert checkpoint_export.destination(tmp_path / "o") == tmp_path / "o"
+    assert all(name != "the current directory" for name, _ in checkpoint_export._protected())
