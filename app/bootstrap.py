@@ -782,15 +782,17 @@ class Services:
         import json
 
         from adapters.memory.environment import FixedEnvironmentProbe
+        from adapters.system.files import read_regular
 
         try:
-            data = json.loads(Path(snapshot_file).read_text())
+            data = json.loads(read_regular(snapshot_file).decode("utf-8"))
             data = data.get("environment", data) if isinstance(data, dict) else data
             if not isinstance(data, dict):
                 raise TypeError(f"it holds a JSON {type(data).__name__}, not an object")
             return FixedEnvironmentProbe.from_dict(data)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-            raise ConfigError("--environment", f"cannot read an environment snapshot from {snapshot_file}: {err}; "
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else err
+            raise ConfigError("--environment", f"cannot read an environment snapshot from {snapshot_file}: {reason}; "
                               "pass the JSON that `refit doctor --json` prints") from None
 
 

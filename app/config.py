@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from adapters.system.files import read_regular
 from app.config_yaml import quote_hint, read_yaml
 from domain.errors import ConfigError, ConfigTypeError, RemovedConfigKey, UnknownConfigKey
 from domain.quant import naming
@@ -565,7 +566,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides:
     if not path.is_file():
         raise ConfigError("CONFIG", f"configuration file {str(path)!r} is not a regular file; pass a YAML file")
     try:
-        tree = read_yaml(path.read_bytes().decode("utf-8"))
+        tree = read_yaml(read_regular(path).decode("utf-8"))  # never blocks on a FIFO swapped in meanwhile
     except UnicodeDecodeError as err:
         raise ConfigError("CONFIG", f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8") from None
     except OSError as err:

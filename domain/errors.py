@@ -188,12 +188,23 @@ class OutputNotEmpty(RefitError, FileExistsError):
     """`refit export --out DIR` names a non-empty directory and `--force` was not given."""
 
 
+class OutputProtected(OutputNotEmpty):
+    """`refit export --out DIR --force` would replace a directory `--force` never replaces: the
+    file-system root, the current directory, the home directory, or one holding either."""
+
+
 class OutputOverlapsModel(CheckpointError):
     """`refit export --out DIR` is the model directory, inside it or above it (symlinks resolved)."""
 
 
 class OutputBusy(RefitError, BlockingIOError):
-    """Another export to the same `--out` is running (it holds the destination's lock)."""
+    """Another export to the same `--out` is running (it holds the destination's lock), or the lock's
+    owner cannot be proven dead."""
+
+
+class ForeignLockFile(RefitError, FileExistsError):
+    """Where an export keeps its lock (`.NAME.lock` beside `--out`) is something rl-refit did not
+    create (a file, a symlink, a directory); it is never removed."""
 
 
 class OutputChanged(RefitError, FileExistsError):
@@ -202,6 +213,10 @@ class OutputChanged(RefitError, FileExistsError):
 
 class OutputNotWritable(RefitError, OSError):
     """The export could not write its output (permissions, a read-only file system, a full disk)."""
+
+
+class SourceChanged(CheckpointError):
+    """A file of the model changed (size, modification time, or replaced) while it was read."""
 
 
 class QuantizedSource(CheckpointError):

@@ -3,8 +3,9 @@
 Implements the WeightExporter port. Only headers are read up front (and checked: a truncated or
 corrupt file, an index that names files outside the directory or tensors that are not there, a
 tensor in two files, all end in CheckpointError naming the file); each tensor is read with
-`safetensors.safe_open` when the stream reaches it, from a handle that is reopened regularly so
-that the memory-mapped pages already consumed are released.
+ordinary reads when the stream reaches it (`adapters.hf_checkpoint.safetensors_file`: never
+memory-mapped, so a file truncated meanwhile is `SourceChanged`, not a SIGBUS). Every weight
+file is compared with its snapshot before each read and by `check_unchanged`.
 
 Modules the checkpoint already stores quantized (a re-export of an export) are shown in the
 *logical* view as the dense weight they decode to (`domain.quant.stored`), so that a plan
@@ -15,17 +16,15 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
-try:
-    from safetensors import SafetensorError, safe_open
-except ModuleNotFoundError as err:  # pragma: no cover
-    raise ModuleNotFoundError("HfCheckpoint needs the safetensors package", name="safetensors") from err
-
+from adapters.hf_checkpoint.safetensors_file import SafetensorsFile
+from adapters.system.files import read_regular
 from domain.errors import CheckpointError, QuantizedSource
 from domain.quant import naming
 from domain.quant.plan import QuantizationPlan
@@ -34,7 +33,6 @@ from domain.quant.stream import quantize_stream
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-_REOPEN_BYTES = 64 * 2**20  # reopen a file's handle after this many bytes were read from it
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -48,7 +46,7 @@ def _order_key(name: str) -> tuple[int, int, tuple[object, ...]]:
 
 def _read_json(file: Path, what: str) -> Any:
     try:
-        return json.loads(file.read_bytes().decode("utf-8"))
+        return json.loads(read_regular(file).decode("utf-8"))
     except UnicodeDecodeError as err:
         raise CheckpointError(f"{file}: {what} is not UTF-8 text (byte {err.start}); repair or remove it") from None
     except RecursionError:
@@ -75,6 +73,7 @@ class HfCheckpoint:
         if not self.path.is_dir():
             raise CheckpointError(f"--model {str(self.path)!r} is not a directory; pass the checkpoint directory")
         self._files = self._weight_files()
+        self._sources: dict[Path, SafetensorsFile] = {}
         self._entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]] = {}
         for file in self._files:
             self._read_header(file)
@@ -91,10 +90,10 @@ class HfCheckpoint:
     def _weight_files(self) -> list[Path]:
         index = self.path / INDEX_NAME
         self._weight_map: dict[str, str] | None = None
-        if index.is_file():
+        if os.path.lexists(index):  # whatever it is: a FIFO or a broken link is an error, not "no index"
             self._weight_map = self._read_index(index)
             return sorted({self.path / f for f in self._weight_map.values()})
-        files = sorted(f for f in self.path.glob("*.safetensors") if f.is_file())
+        files = sorted(self.path.glob("*.safetensors"))  # each must be a regular file (checked as it is read)
         if not files:
             raise CheckpointError(
                 f"no .safetensors files in {str(self.path)!r}; export needs a safetensors checkpoint "
@@ -120,21 +119,15 @@ class HfCheckpoint:
         return weight_map
 
     def _read_header(self, file: Path) -> None:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                    sl = f.get_slice(name)
-                    entry = (file, _dtype(sl.get_dtype(), name), tuple(sl.get_shape()))
-                    if name in self._entries:
-                        raise CheckpointError(
-                            f"tensor {name!r} is in both {self._entries[name][0].name} and {file.name}; "
-                            "a checkpoint holds each tensor once"
-                        )
-                    self._entries[name] = entry
-        except (SafetensorError, OSError) as err:
-            reason = str(err).removeprefix("Error while deserializing header: ") or type(err).__name__
-            raise CheckpointError(f"{file}: not a readable safetensors file ({reason}); re-download or "
-                                  "re-save it") from None
+        source = SafetensorsFile(file)
+        self._sources[file] = source
+        for name, info in source.tensors.items():
+            if name in self._entries:
+                raise CheckpointError(
+                    f"tensor {name!r} is in both {self._entries[name][0].name} and {file.name}; "
+                    "a checkpoint holds each tensor once"
+                )
+            self._entries[name] = (file, info.dtype, info.shape)
 
     def _check_index(self) -> None:
         if self._weight_map is None:
@@ -149,7 +142,7 @@ class HfCheckpoint:
     def config(self) -> dict[str, Any]:
         """The parsed config.json (an empty dict when the directory has none)."""
         file = self.path / CONFIG_NAME
-        if not file.is_file():
+        if not self.has_config:
             return {}
         data = _read_json(file, CONFIG_NAME)
         if not isinstance(data, dict):
@@ -158,7 +151,7 @@ class HfCheckpoint:
 
     @property
     def has_config(self) -> bool:
-        return (self.path / CONFIG_NAME).is_file()
+        return os.path.lexists(self.path / CONFIG_NAME)  # reading one that is no regular file is an error
 
     @functools.cached_property
     def logical_dtype(self) -> torch.dtype:
@@ -225,66 +218,31 @@ class HfCheckpoint:
             plan: the plan the tensors are for: a decoded weight it quantizes is yielded in
                 float32 (the exact decoded values), one it keeps in `logical_dtype`.
         """
-        reader = _Handles(self._entries, self.on_read)
         try:
             for name in self._order if raw else self._logical:
                 stored = None if raw else self._stored_by_weight.get(name)
                 if stored is None:
-                    yield name, reader.read(name)
+                    yield name, self._read(name)
                     continue
                 quantized = plan is not None and plan.decide(name, stored.shape).is_quantized
-                tensors = {t: reader.read(t) for t in stored.tensors}
+                tensors = {t: self._read(t) for t in stored.tensors}
                 yield name, decode(stored, tensors, torch.float32 if quantized else self.logical_dtype)
         finally:
-            reader.close()
+            for source in self._sources.values():
+                source.close()
+
+    def _read(self, name: str) -> torch.Tensor:
+        tensor = self._sources[self._entries[name][0]].read(name)
+        if self.on_read is not None:
+            self.on_read(tensor.numel() * tensor.element_size())
+        return tensor
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChanged when a weight file is no longer what it was when its header was read
+        (replaced, another size or modification time)."""
+        for source in self._sources.values():
+            source.check_unchanged()
 
     def export(self, plan: QuantizationPlan) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the quantized checkpoint tensors in layer order (the WeightExporter port)."""
         return quantize_stream(plan, self.iter_tensors(plan=plan))
-
-
-class _Handles:
-    """safe_open handles per file, reopened after _REOPEN_BYTES (mapped pages are then released)."""
-
-    def __init__(self, entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]],
-                 on_read: Callable[[int], None] | None) -> None:
-        self.entries, self.on_read = entries, on_read
-        self.handles: dict[Path, tuple[Any, Any, int]] = {}
-
-    def read(self, name: str) -> torch.Tensor:
-        file = self.entries[name][0]
-        ctx, handle, consumed = self.handles.get(file, (None, None, _REOPEN_BYTES))
-        try:
-            if consumed >= _REOPEN_BYTES:
-                if ctx is not None:
-                    ctx.__exit__(None, None, None)
-                ctx = safe_open(str(file), framework="pt")
-                handle, consumed = ctx.__enter__(), 0
-            tensor = handle.get_tensor(name)
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({err}); the file changed or is damaged") from None
-        nbytes = tensor.numel() * tensor.element_size()
-        self.handles[file] = (ctx, handle, consumed + nbytes)
-        if self.on_read is not None:
-            self.on_read(nbytes)
-        return tensor
-
-    def close(self) -> None:
-        for ctx, _, _ in self.handles.values():
-            ctx.__exit__(None, None, None)
-        self.handles.clear()
-
-
-_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
-    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
-    "F8_E8M0": getattr(torch, "float8_e8m0fnu", torch.uint8),
-}
-
-
-def _dtype(code: str, name: str) -> torch.dtype:
-    try:
-        return _DTYPES[code]
-    except KeyError:
-        raise CheckpointError(f"tensor {name!r} has safetensors dtype {code}, which export does not read") from None

@@ -12,6 +12,7 @@ parses as a checkpoint (its tensors would be zeros); `close` writes the length a
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import struct
@@ -34,9 +35,13 @@ _CODES = {
 }
 
 
-_FIXES = {28: "free some space or choose another --out", 30: "the file system is read-only; choose another --out",
-          13: "no permission; choose another --out", 1: "no permission; choose another --out",
-          122: "the disk quota is exceeded; free some space or choose another --out"}
+_FIXES = {errno.ENOSPC: "free some space or choose another --out",
+          errno.EROFS: "the file system is read-only; choose another --out",
+          errno.EACCES: "no permission; choose another --out", errno.EPERM: "no permission; choose another --out",
+          errno.EDQUOT: "the disk quota is exceeded; free some space or choose another --out",
+          errno.EEXIST: "a file is in the way; move it, or choose another --out",
+          errno.ENOTDIR: "a part of the path is a file, not a directory; choose another --out",
+          errno.ELOOP: "the path runs into a symlink loop; choose another --out"}
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Publish a directory atomically, replacing only what was checked, under a per-destination lock.
+"""Publish a directory atomically, replacing only what was checked.
 
 `refit export` writes into a private temporary directory beside the destination, then calls
 `publish`: with `renameat2(2)` (Linux 3.15+) the new directory either takes the place of an
@@ -6,10 +6,7 @@ absent destination (RENAME_NOREPLACE: fails if anything appeared there) or is sw
 existing one in one step (RENAME_EXCHANGE); the swapped-out directory is then compared with the
 state checked before the export started and swapped back if anything changed. Where the kernel
 or the file system lacks renameat2, plain renames are used after a final check (a window of
-microseconds, still under the lock).
-
-`DestinationLock` is an flock on a hidden `.NAME.lock` file beside the destination: the kernel
-releases it when its process dies, even by SIGKILL, so a later export never waits on a dead one.
+microseconds, still under the destination's lock, `adapters.system.ownership.DestinationLock`).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from domain.errors import OutputBusy, OutputChanged
+from domain.errors import OutputChanged
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
@@ -155,61 +152,3 @@ def publish(tmp: Path, dest: Path, checked: DirState) -> None:
             )
         remove(tmp)
     fsync_dir(dest.parent)
-
-
-class DestinationLock:
-    """An exclusive, non-blocking lock on one destination, for as long as an export runs.
-
-    Args:
-        dest: the destination path (its parent directory must exist).
-    """
-
-    def __init__(self, dest: Path) -> None:
-        self.dest = dest
-        self.path = dest.with_name(f".{dest.name}.lock")
-        self._fd: int | None = None
-
-    def __enter__(self) -> DestinationLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def acquire(self) -> None:
-        """Take the lock. Raises OutputBusy when another process holds it, OSError when the
-        lock file cannot be created."""
-        import fcntl
-
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-                os.close(fd)
-                raise OutputBusy(
-                    f"another export to --out {str(self.dest)!r} is running (pid {holder}); wait for it to "
-                    "finish, or choose another --out"
-                ) from None
-            # The file may have been unlinked by the previous holder between our open and flock:
-            # then we hold a lock on a file nobody else will ever see; take the current one instead.
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        """Remove the lock file and release the lock (nothing when not held)."""
-        if self._fd is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # while still holding it: a waiter re-checks the path (above)
-        os.close(self._fd)
-        self._fd = None

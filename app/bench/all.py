@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 import attrs
 import structlog
 
+from adapters.hf_checkpoint.writer import writing
 from app.bench import figures
 from app.bench.report import BenchReport, machine_description
 
@@ -149,15 +151,32 @@ def _load_average() -> float | None:
         return None
 
 
+def check_writable(out_dir: Path) -> None:
+    """Create `out_dir` if needed and write (and remove) a probe file in it.
+
+    Args:
+        out_dir: where the report will go.
+
+    Returns:
+        None. Raises OutputNotWritable naming the directory, the system's reason and the fix.
+    """
+    with writing(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".refit-bench-probe-"):
+            pass
+
+
 def write(result: AllResult, out_dir: Path) -> None:
-    """Write the JSON file, the figures and the Markdown report into `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = {s.name: s.report.rows for s in result.suites if s.report is not None}
-    for key, pairs in figures.group_rows(rows).items():
-        result.figures[key] = figures.draw(key, pairs, result.machine, out_dir / f"bench-{key}.png")
-    result.out_dir = out_dir
-    (out_dir / JSON_NAME).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    (out_dir / REPORT_NAME).write_text(markdown(result))
+    """Write the JSON file, the figures and the Markdown report into `out_dir` (OutputNotWritable
+    when it cannot be written)."""
+    with writing(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = {s.name: s.report.rows for s in result.suites if s.report is not None}
+        for key, pairs in figures.group_rows(rows).items():
+            result.figures[key] = figures.draw(key, pairs, result.machine, out_dir / f"bench-{key}.png")
+        result.out_dir = out_dir
+        (out_dir / JSON_NAME).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        (out_dir / REPORT_NAME).write_text(markdown(result))
 
 
 def _fmt(v: float | None, unit: str = "") -> str:
@@ -214,6 +233,7 @@ def cli_run(args: argparse.Namespace) -> int:
     def progress(res: SuiteResult) -> None:
         err.print(f"bench {res.name}: {res.status} in {res.seconds:.1f} s" + (f" ({res.error})" if res.error else ""))
 
+    check_writable(Path(args.out))  # before the suites: minutes of results with nowhere to go are lost
     result = run_all(SUITES, quick=args.quick, out_dir=Path(args.out), on_suite=progress)
     if args.json:
         sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")

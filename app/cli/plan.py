@@ -15,7 +15,7 @@ from rich.table import Table
 
 from app.config import Section, load_config
 from app.services.planning import PlanReport
-from domain.errors import RefitError
+from domain.errors import ConfigError, RefitError
 from domain.quant import naming
 from domain.quant.numerics import numerics_decisions
 
@@ -38,9 +38,12 @@ def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -
 
 def services_from_args(args: argparse.Namespace, model: str | None = None) -> Services:
     """The composition root's services for the positional arguments (and `--model DIR`, which
-    wins over model.path)."""
+    wins over model.path; an empty or blank one is a ConfigError, never "no --model")."""
     from app.bootstrap import bootstrap
 
+    if model is not None and not model.strip():
+        raise ConfigError("--model", f"{model!r} is empty or blank (an unset shell variable?); name the checkpoint "
+                          "directory")
     source, overrides = split_config_args(args)
     extra = [f"model.path={json.dumps(model)}"] if model else []
     return bootstrap(source, overrides=[*overrides, *extra])

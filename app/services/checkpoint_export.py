@@ -1,18 +1,22 @@
 """Export service: HF checkpoint directory -> quantized checkpoint directory, atomically.
 
-Everything is written to a private hidden directory `.NAME.partial-PID` beside the destination
+Everything is written to a private hidden directory `.NAME.partial-TOKEN` beside the destination
 and fsynced; it is published with an atomic rename that replaces only what was checked when the
-export started (`adapters.system.atomic_dir.publish`), under a per-destination lock, so that two
-exports to one destination never both write it and a killed export never leaves a half-written
-checkpoint where a complete one is expected. The destination may not overlap the model (itself,
-inside or above it, through symlinks too). Partial directories of dead exports are removed by the
-next export to the same destination.
+export started (`adapters.system.atomic_dir.publish`), under the destination's lock
+(`adapters.system.ownership.DestinationLock`), so that two exports to one destination never both
+write it and a killed export never leaves a half-written checkpoint where a complete one is
+expected. The destination may not overlap the model (itself, inside or above it, through symlinks
+too), and `--force` never replaces the root, the current or the home directory. The lock's owner
+record names its partial directory: the next export removes those two of a provably dead export,
+and nothing else. The source is checked against its snapshot before publishing (`SourceChanged`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pwd
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,9 +35,18 @@ from adapters.hf_checkpoint.writer import (
     write_durably,
     writing,
 )
-from adapters.system.atomic_dir import DestinationLock, DirState, fsync_dir, publish, remove
+from adapters.system.atomic_dir import DirState, fsync_dir, publish
+from adapters.system.files import open_regular
+from adapters.system.ownership import DestinationLock
 from app.services.planning import PlanReport
-from domain.errors import CheckpointError, NonFiniteTensor, OutputNotEmpty, OutputOverlapsModel
+from domain.errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteTensor,
+    OutputNotEmpty,
+    OutputOverlapsModel,
+    OutputProtected,
+)
 from domain.quant.stream import checkpoint_specs, quantize_stream
 
 # Files never copied from the source directory: weights and what is rewritten.
@@ -80,12 +93,24 @@ def destination(out: str | Path) -> Path:
         out: --out as given.
 
     Returns:
-        The path. Raises CheckpointError for the file-system root.
+        The path. Raises ConfigError for an empty or blank `out` (an unset shell variable), and
+        OutputProtected for the file-system root.
     """
-    path = Path(os.path.abspath(out))
+    if not str(out).strip():
+        raise ConfigError("--out", f"{str(out)!r} is empty or blank (an unset shell variable?); name the "
+                          "directory to write")
+    try:
+        path = Path(os.path.abspath(out))
+    except FileNotFoundError:  # a relative --out in a working directory that was removed
+        raise ConfigError("--out", f"{str(out)!r} is relative to the current directory, which no longer exists; "
+                          "change to an existing directory, or pass an absolute path") from None
     if not path.name:
-        raise CheckpointError(f"--out {str(out)!r} is the file-system root; choose a directory to create")
-    return path.parent.resolve() / path.name
+        raise OutputProtected(f"--out {str(out)!r} is the file-system root; choose a directory to create")
+    return _real(path.parent) / path.name
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))  # never raises, not even on a symlink loop
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -103,8 +128,8 @@ def check_overlap(out: Path, checkpoint: HfCheckpoint) -> None:
     Returns:
         None. Raises OutputOverlapsModel.
     """
-    model = checkpoint.path.resolve()
-    real = out.resolve()  # follows a symlinked --out
+    model = _real(checkpoint.path)
+    real = _real(out)  # follows a symlinked --out
     if _inside(real, model) or _inside(model, real):
         where = "is" if real == model else "is inside" if _inside(real, model) else "contains"
         raise OutputOverlapsModel(
@@ -112,32 +137,76 @@ def check_overlap(out: Path, checkpoint: HfCheckpoint) -> None:
             "source: choose a directory outside the model"
         )
     for f in [*checkpoint.source_files(), *checkpoint.path.iterdir()]:
-        if _inside(f.resolve(), real):
+        if _inside(_real(f), real):
             raise OutputOverlapsModel(
-                f"the model's file {f.name!r} resolves to {str(f.resolve())!r}, inside --out {str(out)!r}; "
+                f"the model's file {f.name!r} resolves to {str(_real(f))!r}, inside --out {str(out)!r}; "
                 "replacing --out would destroy the source: choose another directory"
             )
 
 
+def _home() -> Path | None:
+    """The account's home directory, from the password database (not $HOME: only the composition
+    root reads the environment); None for a uid without an account."""
+    try:
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        return None
+
+
+def _protected() -> list[tuple[str, Path]]:
+    """Directories `--force` never replaces, nor one holding them."""
+    places = [("the file-system root", Path("/"))]
+    with contextlib.suppress(FileNotFoundError):  # a removed working directory cannot be replaced
+        places.append(("the current directory", Path.cwd()))
+    home = _home()
+    if home is not None:
+        places.append(("the home directory", home))
+    return [(name, _real(p)) for name, p in places]
+
+
+def _refuse_protected(out: Path) -> None:
+    real = _real(out)
+    for name, place in _protected():
+        if _inside(place, real):
+            where = "is" if place == real else "contains"
+            raise OutputProtected(
+                f"--out {str(out)!r} {where} {name} {str(place)!r}, which --force never replaces; name a directory "
+                "of its own (e.g. a new one inside it)"
+            )
+
+
+def _not_empty(out: Path) -> OutputNotEmpty:
+    return OutputNotEmpty(f"--out {str(out)!r} is not empty; choose an empty directory or pass --force to replace it")
+
+
+def _has_entries(directory: Path) -> bool:
+    with os.scandir(directory) as entries:
+        return any(True for _ in entries)
+
+
 def check_destination(out: Path, *, force: bool) -> DirState:
-    """Refuse an output that is a symlink, a file, or a non-empty directory (without force).
+    """Refuse an output that is a symlink, a file, or a non-empty directory (without force; with
+    force, one that is or holds the root, the current or the home directory).
 
     Args:
         out: the destination (from `destination`).
         force: replace a non-empty destination.
 
     Returns:
-        What the destination is now (publish replaces only exactly that). Raises OutputNotEmpty.
+        What the destination is now (publish replaces only exactly that). Raises OutputNotEmpty,
+        OutputProtected.
     """
     if out.is_symlink():
         raise OutputNotEmpty(f"--out {str(out)!r} is a symlink; pass the directory it points to, or another path")
     if out.exists() and not out.is_dir():
         raise OutputNotEmpty(f"--out {str(out)!r} is a file; remove it or choose a directory")
+    if out.is_dir() and _has_entries(out):  # before walking it: it may be a whole home directory
+        if not force:
+            raise _not_empty(out)
+        _refuse_protected(out)
     state = DirState.of(out)
-    if state.exists and not state.empty and not force:
-        raise OutputNotEmpty(
-            f"--out {str(out)!r} is not empty; choose an empty directory or pass --force to replace it"
-        )
+    if not state.empty and not force:  # filled since the look above
+        raise _not_empty(out)
     return state
 
 
@@ -194,19 +263,23 @@ def _copy_extras(checkpoint: HfCheckpoint, tmp: Path) -> list[str]:
     for f in sorted(checkpoint.path.iterdir()):
         if f.is_file() and f.name not in _SKIP_NAMES and not f.name.endswith(_SKIP_SUFFIXES):
             with writing(tmp / f.name):
-                shutil.copy2(f, tmp / f.name)
-                fsync_file(tmp / f.name)
+                _copy_regular(f, tmp / f.name)
             copied.append(f.name)
     return copied
 
 
-def _remove_stale(out: Path, own: Path) -> None:
-    """Partial directories of earlier exports to `out` that died (SIGKILL, power loss): with the
-    destination's lock held, no other export to `out` can be writing them."""
-    prefix = f".{out.name}.partial-"  # compared as text: a name may hold glob characters
-    for stale in out.parent.iterdir():
-        if stale.name.startswith(prefix) and stale != own:
-            remove(stale)
+def _copy_regular(src: Path, dst: Path) -> None:
+    """Copy a regular file durably, with its times and mode (a FIFO swapped in meanwhile is refused,
+    never waited on)."""
+    try:
+        fd = open_regular(src)
+    except OSError as err:
+        raise CheckpointError(f"{src}: cannot be read ({err.strerror or err}); the model's files must be "
+                              "regular files") from None
+    with os.fdopen(fd, "rb") as source, open(dst, "xb") as target:
+        shutil.copyfileobj(source, target)
+    shutil.copystat(src, dst)
+    fsync_file(dst)
 
 
 def export_checkpoint(
@@ -229,9 +302,11 @@ def export_checkpoint(
         clock: time source (tests).
 
     Returns:
-        The ExportResult. Raises OutputOverlapsModel, OutputNotEmpty, OutputBusy (another
-        export to `out` runs), OutputChanged (`out` changed meanwhile), OutputNotWritable, and
-        the plan's and codecs' errors; on any of them `out` is as it was.
+        The ExportResult. Raises ConfigError (an empty `out`), OutputOverlapsModel,
+        OutputNotEmpty, OutputProtected, OutputBusy (another export to `out` runs),
+        ForeignLockFile (something not ours where the lock goes), OutputChanged (`out` changed
+        meanwhile), SourceChanged (the model changed meanwhile), OutputNotWritable, and the plan's
+        and codecs' errors; on any of them `out` is as it was.
     """
     if shard_bytes <= 0:
         raise CheckpointError(f"the shard size must be positive, got {shard_bytes} bytes")
@@ -243,25 +318,24 @@ def export_checkpoint(
     bound = structlog.get_logger().bind(model=str(checkpoint.path), out=str(dest), layout=report.resolution.layout)
     with writing(dest.parent):
         dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
-    lock = DestinationLock(dest)
-    with writing(lock.path):
-        lock.acquire()
+    lock = DestinationLock(dest, protected=[checkpoint.path])
     try:
-        _remove_stale(dest, tmp)
+        with writing(lock.path):
+            lock.acquire()
         checked = check_destination(dest, force=force)
         start = clock()
-        with writing(tmp):
-            tmp.mkdir()
+        with writing(lock.partial):
+            tmp = lock.create_partial()
         count, bytes_out, shards = _write(checkpoint, tmp, report, shard_bytes)
         config = output_config(checkpoint.config, report)
         write_durably(tmp / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
         copied = _copy_extras(checkpoint, tmp)
+        checkpoint.check_unchanged()  # what was read is the model as it was when its headers were read
         with writing(dest):
             fsync_dir(tmp)
             publish(tmp, dest, checked)
     finally:
-        remove(tmp)  # ours, on every way out (after publish it holds what was replaced, or nothing)
+        lock.remove_partial()  # ours, on every way out (after publish it holds nothing)
         lock.release()
     seconds = clock() - start
     decoded = checkpoint.decoded_formats() if report.resolution.layout != "native-passthrough" else {}

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from adapters.system.files import read_regular
 from app.config import Section
 from domain.errors import ConfigError
 from domain.quant import naming
@@ -74,7 +75,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(key, f"{path!r} is not a regular file; give the quantization_config JSON file")
     try:
-        data = json.loads(file.read_bytes().decode("utf-8"))
+        data = json.loads(read_regular(file).decode("utf-8"))  # never blocks on a FIFO swapped in meanwhile
     except UnicodeDecodeError as err:
         raise ConfigError(key, f"{path}: not UTF-8 text (byte {err.start})") from None
     except (ValueError, RecursionError) as err:

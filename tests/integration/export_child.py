@@ -1,9 +1,10 @@
-"""`refit export` in a child process, for the kill and race tests of test_export_crash.py.
+"""`refit export` in a child process, for the kill and race tests of test_export_crash.py and the
+truncated source of test_issue27_export.py (which, before, killed its process with SIGBUS).
 
 Children come from a forkserver started with the project's Python (torch and the CLI preloaded,
 so each child starts in milliseconds). A child can be SIGKILLed at its k-th executed line of the
-export code (the service, the atomic publish, the checkpoint writer): the kill test draws k with
-a seeded RNG, after a dry run counted the lines.
+export code (the service, the atomic publish, the lock, the checkpoint writer): the kill test
+draws k with a seeded RNG, after a dry run counted the lines.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACED = {str(ROOT / p) for p in ("app/services/checkpoint_export.py", "adapters/system/atomic_dir.py",
-                                  "adapters/hf_checkpoint/writer.py")}
+                                  "adapters/system/ownership.py", "adapters/hf_checkpoint/writer.py")}
 PRELOAD = ["torch", "safetensors", "app.cli.main", "app.cli.export", "app.services.checkpoint_export",
            "app.bootstrap", "app.services.planning", "adapters.compressed_tensors.quantization_config"]
 
@@ -66,3 +67,23 @@ def run_export(argv: list[str], kill_at: int, count_file: str | None, err_file: 
     if count_file is not None:
         Path(count_file).write_text(str(count))
     os._exit(rc)
+
+
+def run_export_truncating(argv: list[str], source: str, err_file: str) -> None:
+    """The child: `refit export ARGV`, truncating `source` to half its size as the first output
+    tensor is written (what another process rewriting the model does); exits with main's code."""
+    from adapters.hf_checkpoint import writer
+    from app.cli.main import main
+
+    real = writer.CheckpointWriter.write
+
+    def write(self: Any, name: str, tensor: Any) -> None:
+        if os.path.getsize(source) == size:
+            os.truncate(source, size // 2)
+        real(self, name, tensor)
+
+    size = os.path.getsize(source)
+    writer.CheckpointWriter.write = write  # type: ignore[method-assign]
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(err_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    os._exit(main(["export", *argv]))

@@ -15,6 +15,7 @@ import builtins
 import errno
 import json
 import os
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from adapters.hf_checkpoint import writer as writer_module
-from adapters.system.atomic_dir import DestinationLock
+from adapters.system.ownership import DestinationLock
 from app.cli.main import main
 from domain.quant.codecs import QuantizedWeight, dequantize_weight, quantize_weight
 from domain.quant.formats import FP8_BLOCK, MXFP4
@@ -362,7 +363,7 @@ def test_shards_and_directories_are_fsynced_before_the_rename(src: Path, tmp_pat
     monkeypatch.setattr(os, "fsync", spy)
     out = tmp_path / "out"
     assert main(["export", "--model", str(src), "--out", str(out), "--shard-size-mb", "0.01", *EXPORT]) == 0
-    partial = f"{tmp_path}/.out.partial-{os.getpid()}"
+    partial = next(p for p in synced if re.fullmatch(rf"{re.escape(str(tmp_path))}/\.out\.partial-[0-9a-f]{{32}}", p))
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     for name in [*shards, "model.safetensors.index.json", "config.json", "tokenizer_config.json"]:
         assert f"{partial}/{name}" in synced, name

@@ -1,16 +1,15 @@
-"""Publishing a directory: it replaces only what was checked, with renameat2 and without it, and
-the destination lock refuses a second holder and survives its own removal."""
+"""Publishing a directory: it replaces only what was checked, with renameat2 and without it (the
+destination lock is tested in test_ownership.py)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from adapters.system import atomic_dir
-from adapters.system.atomic_dir import DestinationLock, DirState, publish
-from domain.errors import OutputBusy, OutputChanged
+from adapters.system.atomic_dir import DirState, publish
+from domain.errors import OutputChanged
 
 
 @pytest.fixture(params=["renameat2", "plain renames"])
@@ -83,22 +82,3 @@ def test_a_destination_changed_meanwhile_is_restored(mode: str, change: str, tmp
     with pytest.raises(OutputChanged, match="changed while the export ran"):
         publish(new, out, checked)
     assert _files(out) == expected and _files(new) == {"config.json": "new"}
-
-
-def test_the_lock_refuses_a_second_holder_and_cleans_up(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    with DestinationLock(out) as first:
-        assert first.path.read_text() == str(os.getpid())
-        with pytest.raises(OutputBusy, match=f"pid {os.getpid()}"):
-            DestinationLock(out).acquire()
-    assert not first.path.exists()
-    with DestinationLock(out):  # free again
-        pass
-
-
-def test_a_stale_lock_file_of_a_dead_holder_is_taken(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    (tmp_path / ".out.lock").write_text("12345")  # left by a SIGKILLed export: nobody holds the flock
-    with DestinationLock(out) as lock:
-        assert lock.path.read_text() == str(os.getpid())
-    assert not (tmp_path / ".out.lock").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -187,6 +188,26 @@ def test_cli_exits_1_when_a_suite_fails(fake_suite_module, logs, tmp_path: Path)
     assert main(["bench", "all", "--out", str(tmp_path)]) == 1
     assert json.loads((tmp_path / JSON_NAME).read_text())["suites"]["fake"]["status"] == "error"
     assert [e["suite"] for e in logs if e["event"] == "bench_suite_failed"] == ["fake"]
+
+
+@pytest.mark.parametrize("where", ["below a file", "read-only"])
+def test_cli_refuses_an_out_it_cannot_write_before_any_suite_runs(where: str, fake_suite_module, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    ran: list[bool] = []
+    fake_suite_module.run = lambda quick: ran.append(quick) or codecs_like(quick)
+    if where == "below a file":
+        (tmp_path / "file").write_text("x")
+        out = tmp_path / "file" / "bench"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        out = tmp_path / "ro"
+        out.mkdir()
+        out.chmod(0o500)
+    assert main(["bench", "all", "--quick", "--out", str(out)]) == 2  # before: the suites ran, then exit 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "OutputNotWritable" in err and str(out) in err and "choose another --out" in err
+    assert ran == []
 
 
 def test_measure_interleaved_runs_the_candidates_in_turns() -> None:
