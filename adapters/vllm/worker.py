@@ -46,7 +46,9 @@ def _expected(model: torch.nn.Module, hooks: VllmHooks) -> set[str]:
 ACTIVATION_SCALE_KINDS = ("input_global_scale", "input_scale")
 
 
-def _kind(name: str) -> str | None:
+def activation_scale_kind(name: str) -> str | None:
+    """The activation-scale kind of a parameter or checkpoint tensor name (ACTIVATION_SCALE_KINDS),
+    or None for any other tensor."""
     leaf = name.rpartition(".")[2]
     return next((k for k in ACTIVATION_SCALE_KINDS if leaf.endswith(k)), None)
 
@@ -126,7 +128,7 @@ class WorkerRefit:
         if not self.loading:
             raise RefitLifecycleError("load before begin: call begin() first")
         owned = [(name, t.to(self.device, copy=True)) for name, t in named_tensors]
-        self.sent_kinds |= {kind for name, _ in owned if (kind := _kind(name)) is not None}
+        self.sent_kinds |= {kind for name, _ in owned if (kind := activation_scale_kind(name)) is not None}
         load_weights = self.model.load_weights  # every vLLM model class defines it
         with self.hooks.load_context():
             loaded = load_weights(owned)  # type: ignore[operator]
@@ -157,7 +159,7 @@ class WorkerRefit:
         reset = self.reset_uncalibrated_kv_scales() if self.reset_kv_scales else 0
         if written is None:
             return FinalizeStats(reset, seconds, self.tensors_loaded, experts_redone=redone)
-        expected = {n for n in self.expected if (kind := _kind(n)) is None or kind in self.sent_kinds}
+        expected = {n for n in self.expected if (kind := activation_scale_kind(n)) is None or kind in self.sent_kinds}
         unwritten = tuple(sorted(expected - written))
         return FinalizeStats(reset, seconds, self.tensors_loaded, len(written & expected), unwritten, redone)
 

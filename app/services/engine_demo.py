@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -95,11 +95,22 @@ class EngineDemoSettings:
 
 @attrs.frozen
 class ColdReference:
-    """What an engine started cold from one export serves."""
+    """What an engine started cold from one export serves.
+
+    Attributes:
+        log_probs, tokens: its prompt log-probs and greedy tokens.
+        digests: sha256 of every parameter and buffer.
+        placeholders: parameters no load of this export writes, on a cold start or by a refit:
+            activation scales of a kind the export has no tensor of (vLLM's NVFP4 expert method
+            allocates `w13/w2_input_global_scale` for weight-only experts, which its W4A16
+            kernels never read). Their bytes are whatever the engine allocated, so they are not
+            compared.
+    """
 
     log_probs: torch.Tensor
     tokens: list[list[int]]
     digests: dict[str, str]
+    placeholders: frozenset[str] = frozenset()
 
 
 @attrs.frozen
@@ -118,6 +129,7 @@ class EngineStep:
         max_abs_logp_diff: the largest log-prob difference from the cold start.
         differing_weights: names of the tensors that differ (at most 10).
         kv_scales: attention layers' q/k/v/prob scales after the refit, by layer.
+        not_compared: parameters left out of the byte comparison (ColdReference.placeholders).
     """
 
     step: int
@@ -130,6 +142,7 @@ class EngineStep:
     max_abs_logp_diff: float | None = None
     differing_weights: tuple[str, ...] = ()
     kv_scales: dict[str, list[float]] = attrs.field(factory=dict)
+    not_compared: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -142,6 +155,7 @@ class EngineStep:
             "tokens_equal": self.tokens_equal, "weights_equal": self.weights_equal,
             "max_abs_logp_diff": self.max_abs_logp_diff, "differing_weights": list(self.differing_weights),
             "kv_scales_reset": self.report.kv_scales_reset, "kv_scales": self.kv_scales,
+            "not_compared": list(self.not_compared),
         }
 
 
@@ -161,6 +175,15 @@ class EngineDemoResult:
         failed_closed = all(s.serving != "yes" for s in self.steps if s.report.outcome is RefitOutcome.STALE)
         return self.refused_before_first_refit and bool(live) and all(s.equals_cold_start for s in live) \
             and failed_closed
+
+
+def _placeholders(engine_names: Iterable[str], export: Path) -> frozenset[str]:
+    """The engine parameters of an activation-scale kind that the export has no tensor of."""
+    from adapters.hf_checkpoint.reader import HfCheckpoint
+    from adapters.vllm.worker import activation_scale_kind
+
+    carried = {activation_scale_kind(name) for name, _ in HfCheckpoint(export).tensor_shapes()}
+    return frozenset(n for n in engine_names if (kind := activation_scale_kind(n)) is not None and kind not in carried)
 
 
 def _export_digest(directory: Path) -> str:
@@ -271,13 +294,16 @@ class ColdStartComparer:
     def _start_cold(self, out: Path, key: str) -> ColdReference:
         cold = self.services.cold_start(out)
         try:
-            ref = ColdReference(cold.log_probs(self.ids), cold.greedy(self.prompts, self.settings.new_tokens), cold.digests())
+            digests = cold.digests()
+            ref = ColdReference(cold.log_probs(self.ids), cold.greedy(self.prompts, self.settings.new_tokens), digests,
+                                _placeholders(digests, out))
         finally:
             cold.close()
         if self.cache_dir is not None:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.cache_dir / f".{key}.{os.getpid()}.pt"
-            torch.save({"log_probs": ref.log_probs, "tokens": ref.tokens, "digests": ref.digests}, tmp)
+            torch.save({"log_probs": ref.log_probs, "tokens": ref.tokens, "digests": ref.digests,
+                        "placeholders": sorted(ref.placeholders)}, tmp)
             tmp.replace(self.cache_dir / f"{key}.pt")  # atomic: a reader sees all of it or nothing
         return ref
 
@@ -286,7 +312,7 @@ class ColdStartComparer:
         if path is None or not path.exists():
             return None
         data = torch.load(path, weights_only=True)
-        return ColdReference(data["log_probs"], data["tokens"], data["digests"])
+        return ColdReference(data["log_probs"], data["tokens"], data["digests"], frozenset(data.get("placeholders", ())))
 
     def compare(self, engine: Any, trainer: Any, report: RefitReport, step: int) -> EngineStep:
         """The engine (after `report`'s refit) against a cold start of the trainer's weights."""
@@ -304,7 +330,8 @@ class ColdStartComparer:
         same_shape = served.shape == ref.log_probs.shape
         logprobs_equal = same_shape and torch.equal(served, ref.log_probs)
         diff = float((served.double() - ref.log_probs.double()).abs().max()) if same_shape else float("inf")
-        differing = tuple(sorted(n for n in set(digests) | set(ref.digests) if digests.get(n) != ref.digests.get(n)))
+        differing = tuple(sorted(n for n in set(digests) | set(ref.digests)
+                                 if n not in ref.placeholders and digests.get(n) != ref.digests.get(n)))
         tokens_equal = tokens == ref.tokens
         return EngineStep(step, report, "yes", logprobs_equal and tokens_equal and not differing, logprobs_equal,
-                          tokens_equal, not differing, diff, differing[:10], scales)
+                          tokens_equal, not differing, diff, differing[:10], scales, tuple(sorted(ref.placeholders)))

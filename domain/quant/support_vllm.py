@@ -120,7 +120,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             (_v(_CTM, "161-172"), _v(_MOE + "compressed_tensors_moe_w8a8_fp8.py", "152-164"),
              _v(_MOE + "compressed_tensors_moe_w8a8_fp8.py", "211-233"), _v(_ORACLE + "fp8.py", "271-289"),
              _v(_Q + "utils/fp8_utils.py", "1256-1274")),
-            note=_E8M0_NOTE),
+            (READ, CPU_SERVED), note=_E8M0_NOTE),
     Verdict(_cell("moe", "FP8_BLOCK", A.NONE), False,
             "no weight-only FP8 expert scheme",
             (_v(_CTC, "532-535"), _v(_CTM, "161-173")), (READ, CPU_VLLM),
@@ -133,7 +133,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             "[E, N, K/32]; kernels for MXFP8 activations",
             (_v(_CTM, "83-88"), _v(_MOE + "compressed_tensors_moe_w8a8_mxfp8.py", "35-113"),
              _v(_ORACLE + "mxfp8.py", "20-59"), _v(_ORACLE + "mxfp8.py", "81-130")),
-            (READ, CPU_VLLM, GPU_SCRIPT),
+            (READ, CPU_VLLM, GPU_SCRIPT, CPU_SERVED),
             note="moe_backend=deep_gemm gives DeepGemmExperts (MXFP8 1x32, SM100); auto picks TRT-LLM, DeepGEMM, "
                  "then Marlin (weight-only) on older GPUs"),
     Verdict(_cell("moe", "MXFP8", A.NONE), False,
@@ -183,7 +183,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             (_v(_CTM, "145-160"), _v(_MOE + "compressed_tensors_moe_w4a4_nvfp4.py", "89-168"),
              _v(_ORACLE + "nvfp4.py", "191-322"), _v(_ORACLE + "nvfp4.py", "450-463"),
              _v("vllm/model_executor/layers/fused_moe/experts/trtllm_nvfp4_moe.py", "219-227")),
-            (READ, CPU_VLLM, GPU_SCRIPT),
+            (READ, CPU_VLLM, GPU_SCRIPT, CPU_SERVED),
             note="auto selection with no activation key picks Marlin or Humming, which ignore the "
                  "w13/w2_input_global_scale the method still allocates (moe_w4a4_nvfp4.py:170-189); "
                  "moe_backend=flashinfer_trtllm would fail at start-up, so it is not requested. Those unexported "

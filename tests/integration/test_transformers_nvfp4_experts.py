@@ -21,8 +21,8 @@ import torch
 
 pytest.importorskip("transformers", reason="needs transformers")
 
-from app.bootstrap import bootstrap  # noqa: E402
-from app.cli.main import main  # noqa: E402
+from app.bootstrap import bootstrap
+from app.cli.main import main
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_transformers_reads_the_nvfp4_experts_of_the_export(exported: tuple[Path
 
 def test_what_transformers_gives_is_the_export_decompressed_without_its_global_scale(
         exported: tuple[Path, Path]) -> None:
-    source, export = exported
+    _, export = exported
     got = _load(export)
     layer = _moe_layer(got)
     without = _ct_experts(export, layer, with_global_scale=False).to(torch.bfloat16)

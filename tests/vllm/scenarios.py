@@ -47,6 +47,7 @@ def _step(record: EngineStep, **extra: Any) -> dict[str, Any]:
         "serving": record.serving, "equals_cold_start": record.equals_cold_start,
         "logprobs_equal": record.logprobs_equal, "tokens_equal": record.tokens_equal,
         "weights_equal": record.weights_equal, "differing": list(record.differing_weights),
+        "not_compared": list(record.not_compared),
         "storage_ok": rep.storage.ok, "storage_changed": list(rep.storage.changed),
         "kv_scales_reset": rep.kv_scales_reset, "kv_scales": record.kv_scales,
         "parameters_written": rep.parameters_written, "unwritten": list(rep.unwritten),
