@@ -418,6 +418,11 @@ class PeerFailed(RefitError, RuntimeError):
     """A peer rank failed (its own error says why); this rank stopped the same refit with it."""
 
 
+class RankFailed(RefitError, RuntimeError):
+    """A process of a local world (`refit demo --procs N`, `--trainer megatron`) stopped on a typed
+    error of its own; the message names the rank and carries that error."""
+
+
 class WireProtocolError(RefitError, RuntimeError):
     """A transport message is not the one expected (another refit, a corrupt header): ranks are out of step."""
 
