@@ -60,6 +60,36 @@ row("C: a Megatron layout the embedded model's heads do not split over", 2, "--t
     lambda t: ["demo", "--trainer", "megatron", "--tp", "3"])
 
 
+FP8_GROUP = {"targets": ["Linear"], "format": "float-quantized",
+             "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128],
+                         "symmetric": True, "dynamic": False},
+             "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                   "symmetric": True, "dynamic": True}}
+
+
+def _config_file(t: Path, **fields: object) -> str:
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": FP8_GROUP},
+          **fields}
+    return str(_write(t / "qc.json", json.dumps(qc)))
+
+
+def _dense(t: Path) -> str:
+    return str(_model(t / "m", {"model.layers.0.self_attn.q_proj.weight": torch.randn(128, 128).bfloat16(),
+                                "model.norm.weight": torch.ones(128).bfloat16()}))
+
+
+row("B: an ignore pattern that backtracks exponentially (it ran for minutes)", 2, "rollout.quantization.ignore",
+    "exponential")(lambda t: ["plan", "--model", _dense(t), "rollout.quantization.linear=FP8_BLOCK",
+                              "rollout.quantization.ignore='re:(.|.)*Z'"])
+row("B: an invalid regex in a config file's ignore list (exit 3)", 2, "rollout.quantization.config_file",
+    "ignore[1]", "invalid regular expression '('")(
+    lambda t: ["plan", f"rollout.quantization.config_file={_config_file(t, ignore=['lm_head', 're:('])}"])
+row("B: a config group's target that backtracks exponentially", 2, "rollout.quantization.config_file",
+    "config_groups.group_0.targets[0]", "exponential")(
+    lambda t: ["plan", "--model", _dense(t),
+               f"rollout.quantization.config_file={_config_file(t, config_groups={'group_0': {**FP8_GROUP, 'targets': ['re:(a|a)*b']}})}"])
+
+
 @pytest.mark.parametrize("name", list(ROWS))
 def test_row(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make, code, words = ROWS[name]
