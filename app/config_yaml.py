@@ -4,7 +4,7 @@ with errors that say where, and the quoted form that fixes an override that does
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -23,8 +23,10 @@ class _StrictLoader(yaml.SafeLoader):
     once a value is copied (a "billion laughs" document), and configurations never need them.
     Floats resolve as YAML 1.2 writes them (`_FLOAT`)."""
 
-    yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
-                               for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    yaml_implicit_resolvers: ClassVar[dict[Any, Any]] = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):

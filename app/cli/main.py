@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import os
 import logging
+import os
 import signal
 import sys
 import traceback
