@@ -208,6 +208,16 @@ class QuantizedSource(CheckpointError):
     """The source checkpoint stores quantized tensors in a layout the export cannot decode."""
 
 
+class NativeLayoutMismatch(CheckpointError):
+    """A checkpoint passed through untouched (its own quantization_config, which the trainer cannot
+    produce) holds tensors that are not the layout the config says: BF16 weights under a GPTQ
+    config, quantized weights without their scales, another bit width. Carries the tensor's name."""
+
+    def __init__(self, tensor: str, problem: str, fix: str) -> None:
+        self.tensor = tensor
+        super().__init__(f"tensor {tensor!r} {problem}; {fix}")
+
+
 # --- refit: buckets, sessions, engines, mismatch metrics (domain/buckets, refit, mismatch) ---
 
 

@@ -107,6 +107,16 @@ def override_quantization_config(hf_overrides: Mapping[str, Any] | str | None, k
     return OVERRIDE_ABSENT
 
 
+def quant_method(qc: Mapping[str, Any]) -> str:
+    """A config's `quant_method`; one that names none is compressed-tensors when it has config groups."""
+    return str(qc.get("quant_method", "compressed-tensors" if "config_groups" in qc else "unknown"))
+
+
+def is_compressed_tensors(qc: Mapping[str, Any]) -> bool:
+    """Whether a quantization_config is a compressed-tensors one (compressed-tensors parses it)."""
+    return quant_method(qc) == "compressed-tensors"
+
+
 def _pattern_fields(qc: Mapping[str, Any]) -> Iterable[tuple[str, object]]:
     """(field, value) of every list of module names or patterns in a quantization_config."""
     for field in ("ignore", "ignored_layers", "modules_to_not_convert"):
@@ -151,7 +161,7 @@ def parse_quantization_config(qc: Mapping[str, Any], *, ignore: tuple[str, ...] 
         ConfigError for a `re:` entry that is invalid or whose matching work is unbounded.
     """
     check_patterns(qc, key)
-    method = str(qc.get("quant_method", "compressed-tensors" if "config_groups" in qc else "unknown"))
+    method = quant_method(qc)
     if method == "compressed-tensors":
         reading = read_compressed_tensors(qc, ignore)
         return NativeConfig(qc, method, reading.plan, reading.problem, reading.differences)

@@ -90,6 +90,39 @@ row("B: a config group's target that backtracks exponentially", 2, "rollout.quan
                f"rollout.quantization.config_file={_config_file(t, config_groups={'group_0': {**FP8_GROUP, 'targets': ['re:(a|a)*b']}})}"])
 
 
+def _gptq(t: Path, bits: int = 4, **tensors: torch.Tensor) -> str:
+    config = {"quantization_config": {"quant_method": "gptq", "bits": bits, "group_size": 128}}
+    q = "model.layers.0.self_attn.q_proj"
+    stored = {"lm_head.weight": torch.randn(64, 128).bfloat16(), **{f"{q}.{k}": v for k, v in tensors.items()}}
+    return str(_model(t / "gptq", stored, config))
+
+
+def _gptq_4bit() -> dict[str, torch.Tensor]:
+    # K = 128 packed 8 to an int32 along K, N = 256; one group of 128
+    return {"qweight": torch.zeros(16, 256, dtype=torch.int32), "qzeros": torch.zeros(1, 32, dtype=torch.int32),
+            "scales": torch.ones(1, 256).half(), "g_idx": torch.zeros(128, dtype=torch.int32)}
+
+
+row("A: an export of a checkpoint with no tensors claimed FP8_BLOCK (exit 0)", 2, "ConfigError",
+    "rollout.quantization.linear", "the checkpoint holds no tensors")(
+    lambda t: ["export", "--model", str(_model(t / "empty", {})), "--out", str(t / "out"),
+               "rollout.quantization.linear=FP8_BLOCK"])
+row("A: refit plan said quantized: True for a checkpoint with no tensors", 2, "the checkpoint holds no tensors")(
+    lambda t: ["plan", "--model", str(_model(t / "empty", {})), "rollout.quantization.linear=FP8_BLOCK"])
+row("A: a config_file compressed-tensors rejects was written through", 2, "rollout.quantization.config_file",
+    "compressed-tensors rejects", "kv_cache_scheme", "ignore: Input should be a valid list (got 'lm_head')")(
+    lambda t: ["export", "--model", _dense(t), "--out", str(t / "out"),
+               f"rollout.quantization.config_file={_config_file(t, ignore='lm_head', kv_cache_scheme='fp8')}"])
+row("A: a GPTQ 4-bit config over BF16 tensors was passed through", 2, "NativeLayoutMismatch",
+    "'model.layers.0.self_attn.q_proj.weight' is stored as bfloat16", "quant_method 'gptq', 4 bits")(
+    lambda t: ["export", "--model", _gptq(t, weight=torch.randn(128, 128).bfloat16()), "--out", str(t / "out")])
+row("A: a GPTQ 8-bit config over 4-bit packed tensors", 2, "NativeLayoutMismatch", "q_proj.qweight",
+    "not the 8-bit gptq packing")(
+    lambda t: ["export", "--model", _gptq(t, bits=8, **_gptq_4bit()), "--out", str(t / "out")])
+row("A: GPTQ weights without their scales", 2, "NativeLayoutMismatch", "has no model.layers.0.self_attn.q_proj.scales")(
+    lambda t: ["export", "--model", _gptq(t, qweight=torch.zeros(16, 256, dtype=torch.int32)), "--out", str(t / "out")])
+
+
 @pytest.mark.parametrize("name", list(ROWS))
 def test_row(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make, code, words = ROWS[name]
@@ -107,3 +140,44 @@ def test_a_missing_engine_host_python_is_named(monkeypatch: pytest.MonkeyPatch, 
     assert main(["demo", "--engine", "vllm", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "ConfigError: RL_REFIT_VLLM_PYTHON: '/nonexistent/bin/python' does not exist" in err
+
+
+def test_a_gptq_checkpoint_that_is_what_its_config_says_passes_through(tmp_path: Path) -> None:
+    src = _gptq(tmp_path, **_gptq_4bit())
+    assert main(["export", "--model", src, "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+
+
+def _claimed(qc: dict, module: str) -> bool:
+    """compressed-tensors' own reading of a config, written out independently: a module is
+    quantized unless an ignore entry matches it (re.match for `re:`, else equality); every group
+    here targets `Linear`."""
+    import re
+
+    ignored = any(re.match(e[3:], module) if e.startswith("re:") else e == module for e in qc["ignore"])
+    return not ignored and any("Linear" in g["targets"] for g in qc["config_groups"].values())
+
+
+def test_the_written_config_claims_scales_exactly_where_they_were_written(tmp_path: Path) -> None:
+    # A 4-D o_proj.weight stays BF16 (no scale) and was missing from the ignore list: the config
+    # claimed FP8 for it. Now every BF16 Linear-like module is ignored, every scaled one is not.
+    from safetensors.torch import load_file
+
+    src = _model(tmp_path / "m", {
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(2, 64, 1, 64).bfloat16(),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(128, 128).bfloat16(),
+        "model.layers.0.linear_attn.conv1d.weight": torch.randn(64, 1, 4).bfloat16(),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(128, 128).bfloat16(),
+        "model.norm.weight": torch.ones(128).bfloat16(),
+    })
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(src), "--out", str(out), "rollout.quantization.linear=FP8_BLOCK",
+                 "rollout.quantization.ignore=[mlp.down_proj]"]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    written = load_file(out / "model.safetensors")
+    modules = {n.rsplit(".", 1)[0] for n, t in written.items() if n.endswith(".weight") and t.dim() >= 2}
+    assert modules == {f"model.layers.0.{m}" for m in ("self_attn.o_proj", "self_attn.q_proj",
+                                                        "linear_attn.conv1d", "mlp.down_proj")}
+    for module in modules:
+        assert _claimed(qc, module) == (f"{module}.weight_scale" in written), module
+    assert "model.layers.0.self_attn.o_proj" in qc["ignore"]
