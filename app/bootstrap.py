@@ -571,6 +571,12 @@ class Services:
 
         return preset(self.config.reference.model)
 
+    def reference_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The embedded reference model's (Hugging Face name, shape) pairs, in layer order."""
+        from adapters.reference.config import hf_weight_shapes
+
+        return hf_weight_shapes(self.reference_config())
+
     def embedded_model_dir(self) -> Path:
         """A directory holding the embedded model's `config.json` (Qwen3 / Qwen3-MoE), for an
         engine that starts with dummy weights and receives the real ones by refit."""

@@ -63,7 +63,6 @@ def check_layout(services: Any, world: Any, settings: DemoSettings) -> None:
     """The embedded model's heads, experts and tensors split evenly over the layout: checked here,
     before any rank starts, so that a layout Megatron-Core refuses ends in one line naming the
     option (each rank's own check would end in a traceback per rank)."""
-    from adapters.reference.config import hf_weight_shapes
     from domain.refit.sharding import ShardMap
 
     cfg, layout = services.reference_config(), world.layout
@@ -73,7 +72,7 @@ def check_layout(services: Any, world: Any, settings: DemoSettings) -> None:
         if count % size:
             raise ConfigError(flag, f"{size} does not divide the {count} {what} of {settings.model}; use a divisor "
                               f"of {count}")
-    ShardMap.build(layout, hf_weight_shapes(cfg), settings.plan)  # every tensor's split; ShardingError names the key
+    ShardMap.build(layout, services.reference_shapes(), settings.plan)  # every tensor's split; ShardingError names the key
 
 
 def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
