@@ -34,6 +34,8 @@ _FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _SKIP_FIELDS = ("modules_to_not_convert", "ignored_layers", "ignore")
 _PACKED_BITS = (2, 4, 8)  # bit widths whose values fill an int32 exactly
 MXFP4_BLOCK_BYTES = 16  # 32 E2M1 values, two to a byte
+# The methods whose stored layout is checked; any other passes through as it is.
+CHECKED_METHODS = ("gptq", "awq", "mxfp4", "fp8", "compressed-tensors")
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -42,7 +44,8 @@ def _dtype(dtype: torch.dtype) -> str:
 
 def _skip_matches(entry: str, module: str) -> bool:
     """A skip-list entry as its loaders read it: a `re:` pattern, a shell pattern
-    (`model.layers.*.self_attn`), an exact or dotted prefix, or (transformers) a substring."""
+    (`model.layers.*.self_attn`), else a substring of the module name, as transformers reads
+    `modules_to_not_convert` (exact names and dotted prefixes included)."""
     if entry.startswith("re:"):
         return re.match(entry[3:], module) is not None
     if any(c in entry for c in "*?["):
@@ -162,9 +165,11 @@ def check_native_tensors(qc: Mapping[str, Any], method: str, specs: Sequence[Spe
         specs: the checkpoint's stored (name, shape, dtype) triples.
 
     Returns:
-        None. Raises NativeLayoutMismatch naming the first tensor that does not match (and how
-        many more do not).
+        None (also for a method not in CHECKED_METHODS). Raises NativeLayoutMismatch naming the
+        first tensor that does not match (and how many more do not).
     """
+    if method not in CHECKED_METHODS:
+        return  # a layout rl-refit does not know: nothing to check it against
     by_name = {name: (name, tuple(shape), dtype) for name, shape, dtype in specs}
     found = list(_floating_claimed(qc, method, specs))
     if method in ("gptq", "awq"):
