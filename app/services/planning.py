@@ -141,7 +141,8 @@ def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose
     )
 
 
-def check_user_configs(config_file: Mapping[str, Any] | None, hf_overrides: object, overrides_key: str) -> None:
+def check_user_configs(config_file: Mapping[str, Any] | None, hf_overrides: Mapping[str, Any] | str | None,
+                       overrides_key: str) -> None:
     """The compressed-tensors quantization_configs a user supplies (a config_file, one in the
     engine's hf_overrides) must be ones compressed-tensors' own QuantizationConfig accepts, before
     anything reads them (adapters.compressed_tensors.check_user_config).

@@ -359,8 +359,8 @@ def _source(inp: DispatchInput, override: object, outcomes: list[RuleOutcome]) -
             return _Source("none", QuantizationPlan.bf16(), None, "bf16")
         outcomes.append(RuleOutcome(3, "release layout", "the model's exporter emits it; the native "
                                                          "quantization_config passes through unchanged"))
-        native = parse_quantization_config(found[1], key=_checkpoint_key(found[0]))
-        return _Source("checkpoint", QuantizationPlan.bf16(), native, "native-passthrough")
+        release = parse_quantization_config(found[1], key=_checkpoint_key(found[0]))
+        return _Source("checkpoint", QuantizationPlan.bf16(), release, "native-passthrough")
     outcomes.append(RuleOutcome(3, "release layout", "n/a"))
     source, plan, native = _select(inp, override)
     if native is not None and not native.exportable:
