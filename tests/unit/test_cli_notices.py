@@ -35,6 +35,7 @@ def _noisy_plan(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_third_party_notices_only_with_verbose(verbose: bool, monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     _noisy_plan(monkeypatch)
+    levels = [logging.getLogger(name).level for name in QUIET_LOGGERS]
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
         assert main(["plan", *(["--verbose"] if verbose else [])]) == 0
@@ -42,7 +43,7 @@ def test_third_party_notices_only_with_verbose(verbose: bool, monkeypatch: pytes
     assert len(logged) == (2 if verbose else 0), logged
     assert len([w for w in shown if "Apex" in str(w.message)]) == (1 if verbose else 0)
     # the levels are the CLI's while a command runs, not the library's: restored afterwards
-    assert all(logging.getLogger(name).level == logging.NOTSET for name in QUIET_LOGGERS)
+    assert [logging.getLogger(name).level for name in QUIET_LOGGERS] == levels
 
 
 def test_verbose_before_the_command_too(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
