@@ -123,18 +123,48 @@ def _engine_start(services: Services, engine: str) -> tuple[dict[str, Any] | Non
     return report.engine_config, decision, base
 
 
+def _configured_python(services: Services) -> tuple[str, str] | None:
+    """(key, value) of the engine host's python as configured, the configuration before the
+    environment; None when neither sets it."""
+    configured = services.config.rollout.engine_kwargs.vllm.python
+    if configured:
+        return "rollout.engine_kwargs.vllm.python", str(configured)
+    if services.environ.get("RL_REFIT_VLLM_PYTHON"):
+        return "RL_REFIT_VLLM_PYTHON", services.environ["RL_REFIT_VLLM_PYTHON"]
+    return None
+
+
+def _host_python(services: Services) -> str:
+    """The python an engine host is started with; ConfigError naming the setting when the
+    configured one cannot be run."""
+    configured = _configured_python(services)
+    if configured is not None:
+        _check_executable(*configured)
+    return _vllm_python(services)
+
+
 def _vllm_python(services: Services) -> str:
     """The interpreter of a disaggregated vLLM engine host."""
 
-    configured = services.config.rollout.engine_kwargs.vllm.python or services.environ.get("RL_REFIT_VLLM_PYTHON")
-    if configured:
-        return str(configured)
+    configured = _configured_python(services)
+    if configured is not None:
+        return configured[1]
     # ./.venv-vllm, or the one beside this checkout (scripts/setup-vllm-env.sh makes it)
     for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
         local = root / ".venv-vllm" / "bin" / "python"
         if local.exists():
             return str(local)
     return sys.executable
+
+
+def _check_executable(key: str, program: str) -> None:
+    """ConfigError naming `key` unless `program` (a path, or a name on PATH) can be run."""
+    import shutil
+
+    if shutil.which(program) is None:
+        why = "does not exist" if not Path(program).exists() else "is not an executable file"
+        raise ConfigError(key, f"{program!r} {why}; point it to the python of an environment with vLLM and "
+                          "rl-refit installed (scripts/setup-vllm-env.sh makes .venv-vllm), or unset it")
 
 
 def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
@@ -161,7 +191,7 @@ def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> 
                                  owned_dirs=owned)
     from adapters.vllm.remote import EngineProcess, RemoteGreedy, RemoteLogProbs, RemoteWorkers
 
-    process = EngineProcess.start(_vllm_python(services), kwargs, env={**os.environ, **env},
+    process = EngineProcess.start(_host_python(services), kwargs, env={**os.environ, **env},
                                   start_timeout_s=float(section.start_timeout_s))
     return VllmRolloutEngine(RemoteWorkers(process, services.bucket_bytes), log_prob_fn=RemoteLogProbs(process),
                              greedy_fn=RemoteGreedy(process), owned_dirs=owned)
@@ -180,7 +210,7 @@ def _vllm_cold_start(services: Services, directory: str) -> Any:
     kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
     env = {**os.environ, **vllm_environment(decision, colocated=False, cpu_emulation=section.cpu_emulation),
            **{k: str(v) for k, v in section.environment.to_dict().items()}}
-    return ColdEngine(EngineProcess.start(_vllm_python(services), kwargs, env=env,
+    return ColdEngine(EngineProcess.start(_host_python(services), kwargs, env=env,
                                           start_timeout_s=float(section.start_timeout_s)))
 
 
@@ -544,6 +574,12 @@ class Services:
         from adapters.reference.config import preset
 
         return preset(self.config.reference.model)
+
+    def reference_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The embedded reference model's (Hugging Face name, shape) pairs, in layer order."""
+        from adapters.reference.config import hf_weight_shapes
+
+        return hf_weight_shapes(self.reference_config())
 
     def embedded_model_dir(self) -> Path:
         """A directory holding the embedded model's `config.json` (Qwen3 / Qwen3-MoE), for an

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -24,6 +25,7 @@ import attrs
 from adapters.system.files import read_regular
 from app.config_yaml import quote_hint, read_yaml
 from domain.errors import ConfigError, ConfigTypeError, RemovedConfigKey, UnknownConfigKey
+from domain.forward.mode import parse_fused_forward_mode
 from domain.quant import naming
 from domain.quant.dispatch import ENGINES
 from domain.quant.formats import FORMATS, ActivationScheme, ElementRule, MxScaleRule
@@ -76,6 +78,11 @@ def _qat_mode(key: str, value: Any) -> Any:
         return None
     canonical_qat_mode(value, key)  # validates; the value is kept as written, for messages
     return str(value).strip()
+
+
+def _fused_forward(key: str, value: Any) -> Any:
+    parse_fused_forward_mode(value, key=key)  # validates; the value is kept as written (bootstrap reads it)
+    return value
 
 
 def _hf_overrides(key: str, value: Any) -> Any:
@@ -138,14 +145,16 @@ MAX_BUCKET_MIB = 1 << 20  # 1 TiB: a bucket is a buffer every rank allocates
 
 def _bucket_mib(key: str, value: Any) -> Any:
     _positive(key, value)
+    if value * 2**20 < 1:
+        raise ConfigError(key, f"must hold at least one byte ({2**-20:.3g} MiB), got {_short(value)}")
     if value > MAX_BUCKET_MIB:
         raise ConfigError(key, f"must be at most {MAX_BUCKET_MIB} MiB (1 TiB), got {_short(value)}")
     return value
 
 
 def _positive_seconds(key: str, value: Any) -> Any:
-    if not value > 0:
-        raise ConfigError(key, f"must be a positive number of seconds, got {_short(value)}")
+    if not (value > 0 and math.isfinite(value)):  # NaN fails both; .inf would wait forever
+        raise ConfigError(key, f"must be a finite positive number of seconds, got {_short(value)}")
     return value
 
 
@@ -296,7 +305,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("actor.megatron.gdn_kernels", (str,), "auto",
         "GatedDeltaNet packed kernels", choices=("auto", "reference", "fla", "causal_conv1d")),
     Key("actor.fused_forward", (str, bool, int, NoneType), None,
-        "fused log-prob forward mode (auto, hook, legacy and aliases); null = auto"),
+        "fused log-prob forward mode (auto, hook, legacy and aliases); null = auto", check=_fused_forward),
     Key("model.path", (str, NoneType), None, "Hugging Face checkpoint directory"),
     Key("actor.strategy", (str,), "reference",
         "the trainer adapter: reference (the embedded model) or megatron; verl's fsdp and fsdp2 have none",
@@ -428,8 +437,12 @@ def _set_free(flat: dict[str, Any], key: Key, path: str, value: Any) -> None:
         raise ConfigTypeError(key.path, f"expected a dict to set {path!r} in, got {type(current).__name__}")
     node = current = json.loads(json.dumps(current))
     parts = path[len(key.path) + 1:].split(".")
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1], start=1):
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            inner = ".".join([key.path, *parts[:depth]])
+            raise ConfigTypeError(path, f"{inner} holds {type(node).__name__} {_short(node, 40)}, not a mapping "
+                                  f"to set {parts[-1]!r} in; set {inner} to a mapping, or drop one of the overrides")
     node[parts[-1]] = value
     flat[key.path] = current
 

@@ -3,20 +3,39 @@ with errors that say where, and the quoted form that fixes an override that does
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, ClassVar
 
 import yaml
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+# YAML 1.2 floats (and OmegaConf's, which reads verl's files): `1e-30` and `1E5` are numbers, where
+# PyYAML's YAML 1.1 resolver wants a dot in the mantissa and reads them as strings.
+_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                      |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                      |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                      |[-+]?\.(?:inf|Inf|INF)
+                      |\.(?:nan|NaN|NAN))$""", re.X)
 
 
 class _StrictLoader(yaml.SafeLoader):
     """safe_load without aliases: `*anchor` references can expand a few bytes into gigabytes
-    once a value is copied (a "billion laughs" document), and configurations never need them."""
+    once a value is copied (a "billion laughs" document), and configurations never need them.
+    Floats resolve as YAML 1.2 writes them (`_FLOAT`)."""
+
+    yaml_implicit_resolvers: ClassVar[dict[Any, Any]] = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted", event.start_mark)
         return super().compose_node(parent, index)
+
+
+_StrictLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
 
 
 def read_yaml(text: str) -> Any:

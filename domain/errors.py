@@ -223,6 +223,16 @@ class QuantizedSource(CheckpointError):
     """The source checkpoint stores quantized tensors in a layout the export cannot decode."""
 
 
+class NativeLayoutMismatch(CheckpointError):
+    """A checkpoint passed through untouched (its own quantization_config, which the trainer cannot
+    produce) holds tensors that are not the layout the config says: BF16 weights under a GPTQ
+    config, quantized weights without their scales, another bit width. Carries the tensor's name."""
+
+    def __init__(self, tensor: str, problem: str, fix: str) -> None:
+        self.tensor = tensor
+        super().__init__(f"tensor {tensor!r} {problem}; {fix}")
+
+
 # --- refit: buckets, sessions, engines, mismatch metrics (domain/buckets, refit, mismatch) ---
 
 
@@ -431,6 +441,11 @@ class TransportAborted(RefitError, RuntimeError):
 
 class PeerFailed(RefitError, RuntimeError):
     """A peer rank failed (its own error says why); this rank stopped the same refit with it."""
+
+
+class RankFailed(RefitError, RuntimeError):
+    """A process of a local world (`refit demo --procs N`, `--trainer megatron`) stopped on a typed
+    error of its own; the message names the rank and carries that error."""
 
 
 class WireProtocolError(RefitError, RuntimeError):

@@ -32,13 +32,18 @@ try:
         apply_quantization_config,
     )
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    # compressed-tensors' own dependency: its configs are pydantic models
+    from pydantic import ValidationError
 except ModuleNotFoundError as err:  # pragma: no cover - exercised only without the package
     raise ModuleNotFoundError(
         "adapters.compressed_tensors needs the compressed-tensors package (pip install compressed-tensors)",
         name="compressed_tensors",
     ) from err
 
+from domain.errors import ConfigError
 from domain.quant import naming
+from domain.quant.ct_config import unignored
 from domain.quant.dispatch import Resolution
 from domain.quant.formats import ActivationScheme, PrecisionFormat
 from domain.quant.numerics import numerics_metadata
@@ -158,6 +163,49 @@ def attach_schemes(model: Any, qc: QuantizationConfig) -> None:
         apply_quantization_config(model, qc)
 
 
+_SHOWN_PROBLEMS = 3
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    # pydantic tags the branches of unions and validators into the location: keep the fields
+    return ".".join(str(p) for p in loc if not any(c in str(p) for c in "[(")) or "<config>"
+
+
+def _problems(err: ValidationError) -> list[str]:
+    """One `field: what is wrong (got VALUE)` per problem; a union's other branch (a config
+    group written as a bare list of targets) only when nothing else is wrong."""
+    errors = err.errors()
+    own = [e for e in errors if "list[str]" not in map(str, e["loc"])] or errors
+    out: dict[str, None] = {}
+    for e in own:
+        got = repr(e.get("input"))
+        got = got if len(got) <= 40 else got[:37] + "..."
+        what = str(e["msg"]).removeprefix("Value error, ").splitlines()[0]
+        out[f"{_field(e['loc'])}: {what} (got {got})"] = None
+    return list(out)
+
+
+def check_user_config(qc: Mapping[str, Any], key: str) -> None:
+    """A compressed-tensors quantization_config a user supplies must be one compressed-tensors'
+    own QuantizationConfig accepts: it reaches the engine as written, and the engine parses it
+    with that class.
+
+    Args:
+        qc: the config dict.
+        key: the configuration key it came from (named in the error).
+
+    Returns:
+        None. Raises ConfigError naming the key and the fields compressed-tensors rejects.
+    """
+    try:
+        QuantizationConfig.model_validate(dict(qc))
+    except (ValueError, TypeError) as err:  # pydantic.ValidationError is a ValueError
+        problems = _problems(err) if isinstance(err, ValidationError) else [str(err)]
+        more = f" (and {len(problems) - _SHOWN_PROBLEMS} more)" if len(problems) > _SHOWN_PROBLEMS else ""
+        raise ConfigError(key, f"compressed-tensors rejects this quantization_config: "
+                               f"{'; '.join(problems[:_SHOWN_PROBLEMS])}{more}; fix those fields") from None
+
+
 def sglang_mxfp8_config(bf16_modules: Iterable[str]) -> dict[str, Any]:
     """SGLang's native MXFP8 config (scales read as `weight_scale_inv`).
 
@@ -234,14 +282,24 @@ def engine_quantization_config(
     if layout == "native-passthrough" or (native is not None and native.method in ("fp8", "mxfp8")):
         return dict(native.config) if native is not None else None
     if resolution.as_written and native is not None:
-        return as_written_config(native.config, extra_ignore)
+        return _ignoring(as_written_config(native.config, extra_ignore), bf16_modules)
     kept = list(bf16_modules) if bf16_modules is not None else [*naming.DEFAULT_IGNORE, *plan.ignore]
     if layout == "sglang-mxfp8":
         config = sglang_mxfp8_config(kept)
     elif layout == "native-fp8":
         config = deepseek_fp8_config(kept)
     else:
-        config = to_config_json(compressed_tensors_config(plan))
+        config = _ignoring(to_config_json(compressed_tensors_config(plan)), bf16_modules)
         if native is not None and native.config.get("kv_cache_scheme"):
             config["kv_cache_scheme"] = copy.deepcopy(native.config["kv_cache_scheme"])  # honoured either way
     return {**config, NUMERICS_KEY: numerics_metadata(plan)}
+
+
+def _ignoring(config: dict[str, Any], bf16_modules: Iterable[str] | None) -> dict[str, Any]:
+    """`config` with every module written in BF16 that its groups would still reach (a 4-D
+    `o_proj.weight`, a convolution) added to its ignore list by exact name: the config must
+    claim a quantized layout only for tensors written with their scales."""
+    missing = unignored(config, bf16_modules or ())
+    if missing:
+        config["ignore"] = [*(config.get("ignore") or []), *missing]
+    return config

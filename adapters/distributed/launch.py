@@ -33,6 +33,8 @@ from typing import Any
 import attrs
 import torch
 
+from domain.errors import RefitError
+
 try:
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -51,9 +53,11 @@ class RankResult:
         rank: the process's rank.
         ok: True when `fn` returned.
         value: its return value (ok), else None.
-            error: `Type: message` of what it raised, or why it did not report (killed at the deadline).
+        error: `Type: message` of what it raised, or why it did not report (killed at the deadline).
         traceback: the formatted traceback, when it raised.
         output: the end of what it wrote to stdout / stderr (when `capture_output`).
+        error_type: the name of the exception's class, when it raised.
+        typed: what it raised is one of rl-refit's typed errors (a RefitError, which explains itself).
     """
 
     rank: int
@@ -62,6 +66,8 @@ class RankResult:
     error: str | None = None
     traceback: str | None = None
     output: str = ""
+    error_type: str | None = None
+    typed: bool = False
 
 
 def listen_socket(host: str) -> socket.socket:
@@ -142,7 +148,8 @@ def _child(fn: Callable[..., Any], rank: int, size: int, port: Any, results: Any
         value = fn(rank, *args)
         results.put(RankResult(rank, True, value))
     except BaseException as err:  # report everything: the parent decides
-        results.put(RankResult(rank, False, None, f"{type(err).__name__}: {err}", traceback.format_exc()))
+        results.put(RankResult(rank, False, None, f"{type(err).__name__}: {err}", traceback.format_exc(),
+                               error_type=type(err).__name__, typed=isinstance(err, RefitError)))
     finally:
         faulthandler.cancel_dump_traceback_later()
         results.close()

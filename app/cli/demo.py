@@ -57,7 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=options.threads, default=1,
                    help="torch intra-op threads (default 1: the embedded model's ops are too small to gain from more)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--verbose", action="store_true", help="log the canonical line of every refit (stderr)")
+    p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log the canonical line of every refit (stderr), and the notices of third-party packages")
     p.add_argument("--qat", nargs="?", const="NVFP4", default=None, metavar="PRESET",
                    help="train with QAT in PRESET (default NVFP4, served everywhere) and without; compare k3 KL")
     p.add_argument("--procs", type=int, default=None, metavar="N",
@@ -186,7 +187,8 @@ def _plot(result: DemoResult, path: str) -> None:
 def _check_engine_options(args: argparse.Namespace) -> None:
     from domain.errors import ConfigError
 
-    for flag, given in (("--procs", args.procs is not None), ("--qat", args.qat is not None), ("--presets", args.presets),
+    for flag, given in (("--procs", args.procs is not None), ("--fault-rank", args.fault_rank is not None),
+                        ("--qat", args.qat is not None), ("--presets", args.presets),
                         ("--plot", args.plot is not None), ("--commit-mode", args.commit_mode != "transactional"),
                         ("--trainer", args.trainer != "reference")):
         if given:
@@ -217,6 +219,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("refit demo", str(err)) from None
     if args.colocated:
         raise ConfigError("--colocated", "goes with --engine vllm (the reference engine always runs in this process)")
+    if args.fault_rank is not None and args.procs is None:
+        raise ConfigError("--fault-rank", "goes with --procs N (it names the rank of the process world that "
+                          "--inject-fault hits); add --procs, or drop --fault-rank")
     if args.qat:  # training with and without QAT (app.services.qat_demo)
         if args.trainer != "reference":
             raise ConfigError("--qat", f"does not go with --trainer {args.trainer} (the QAT demo trains two copies "

@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from app.bootstrap import bootstrap
+from app.cli.demo_settings import raise_typed_failure
 from app.services.demo import DemoSettings
 from app.services.lifecycle import describe_plan
 from app.services.megatron_demo import (
@@ -64,6 +65,22 @@ def check_reference_args(args: argparse.Namespace) -> None:
                           "see --procs for its distributed refit)")
 
 
+def check_layout(services: Any, world: Any, settings: DemoSettings) -> None:
+    """The embedded model's heads, experts and tensors split evenly over the layout: checked here,
+    before any rank starts, so that a layout Megatron-Core refuses ends in one line naming the
+    option (each rank's own check would end in a traceback per rank)."""
+    from domain.refit.sharding import ShardMap
+
+    cfg, layout = services.reference_config(), world.layout
+    for flag, size, count, what in (("--tp", layout.tp, cfg.num_heads, "attention heads"),
+                                    ("--tp", layout.tp, cfg.num_kv_heads, "key/value heads"),
+                                    ("--ep", layout.ep, cfg.num_experts, "routed experts")):
+        if count % size:
+            raise ConfigError(flag, f"{size} does not divide the {count} {what} of {settings.model}; use a divisor "
+                              f"of {count}")
+    ShardMap.build(layout, services.reference_shapes(), settings.plan)  # every tensor's split; ShardingError names the key
+
+
 def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     """Run the Megatron demo world, judge every refit, print; the exit status."""
     if args.procs is not None or args.inject_fault or args.qat:
@@ -81,6 +98,7 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     if world.layout.size > MAX_TRAINER_RANKS:
         raise ConfigError("--tp/--pp/--ep", f"{world.layout.describe()} needs {world.layout.size} trainer processes; "
                           f"this machine runs at most {MAX_TRAINER_RANKS} (use --etp 1 to carve --ep out of --tp)")
+    check_layout(services, world, settings)
     demo = MegatronDemoSettings(settings.plan, describe_plan(settings.plan), steps=settings.steps, lr=args.lr,
                                 seed=settings.seed)
     # Every world starts from a clean process (forkserver): Megatron worlds must not inherit the
@@ -119,6 +137,7 @@ def _unsharded_rank(rank: int, overrides: list[str], pieces: Any, probe: Any) ->
 
 
 def _crashed(results: list[Any]) -> bool:
+    raise_typed_failure(results)
     crashed = [r for r in results if not r.ok]
     if crashed:
         text = "\n".join(f"rank {r.rank}: {r.error}\n{r.traceback or ''}{r.output[-1500:]}" for r in crashed)

@@ -25,13 +25,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from app.bootstrap import Services
-from app.cli.demo_settings import demo_services
+from app.cli.demo_settings import demo_services, raise_typed_failure
 from app.services.demo import DemoSettings
 from app.services.distributed_demo import demo_world, judge, weights_digest
 from app.services.lifecycle import describe_plan
 from domain.errors import CollectiveTimeout, ConfigError, DistributedRefitFailed, PeerLost
 from domain.refit.report import RefitReport
-from domain.refit.sharding import RefitWorld
+from domain.refit.sharding import RefitWorld, Role
 
 STEP_TIMEOUT_S, PHASE_TIMEOUT_S = 10.0, 30.0
 
@@ -46,14 +46,17 @@ class _Run:
 def demo_rank(rank: int, run: _Run) -> list[dict[str, Any]]:
     """One process of the demo world: every step's refit on this rank."""
     s = run.settings
-    svc = demo_services(s).distributed_refit(
+    services = demo_services(s)
+    # A trainer rank's full model, which its shards are views of (whatever wraps them: a fault's port).
+    full = services.trainer_model() if run.world.role(rank) is Role.TRAINER else None
+    svc = services.distributed_refit(
         run.world, rank, plan=s.plan, fault=run.fault, step_timeout_s=STEP_TIMEOUT_S,
         phase_timeout_s=PHASE_TIMEOUT_S, hang_s=STEP_TIMEOUT_S + 5,
     )
     records = []
     for step in range(s.steps + 1):
-        if step and svc.trainer is not None:
-            svc.trainer.full.perturb_(s.seed * 1_000 + step, s.step_scale)  # type: ignore[attr-defined]
+        if step and full is not None:
+            full.perturb_(s.seed * 1_000 + step, s.step_scale)  # type: ignore[attr-defined]
         report: RefitReport | None
         try:
             report, error = svc.refit(), None
@@ -110,6 +113,7 @@ def run_procs(args: argparse.Namespace, settings: DemoSettings) -> int:
     fault = _fault(services, settings, world, args.fault_rank)
     results = services.launch_world(demo_rank, world.size, (_Run(settings, world, fault),),
                                     timeout_s=120 + 20 * settings.steps)
+    raise_typed_failure(results)
     crashed = [r for r in results if not r.ok]
     if crashed:
         text = "\n".join(f"rank {r.rank}: {r.error}\n{r.output[-1500:]}" for r in crashed)

@@ -1,15 +1,20 @@
-"""What `refit demo` and `refit demo --procs` share: the settings from the command line, and the
-composition root's services for them."""
+"""What `refit demo` and `refit demo --procs` share: the settings from the command line, the
+composition root's services for them, and how a world's typed errors are reported."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from app.bootstrap import Services, bootstrap
 from app.services.demo import DemoSettings
 from app.services.refit import RefitService
+from domain.errors import RankFailed
 from domain.quant.plan import QuantizationPlan
+
+if TYPE_CHECKING:
+    from adapters.distributed.launch import RankResult
 
 
 def _none(preset: str | None) -> str | None:
@@ -50,3 +55,24 @@ def arm_factory(settings: DemoSettings) -> Callable[[QuantizationPlan, object | 
                                       fault_after=settings.fault_step)
 
     return build
+
+
+# Typed errors a rank raises because another rank failed first: never the cause to report.
+_CONSEQUENCES = ("PeerLost", "CollectiveTimeout", "PeerFailed", "TransportAborted", "DistributedRefitFailed")
+
+
+def raise_typed_failure(results: Sequence[RankResult]) -> None:
+    """Raise RankFailed (exit status 2, one line) when a rank of a world stopped on a typed error:
+    the first rank whose error is its own (not a peer's loss), else the first typed one.
+
+    Args:
+        results: the world's RankResults (adapters.distributed.launch).
+
+    Returns:
+        None when no rank stopped on a typed error (the caller reports other failures).
+    """
+    typed = [r for r in results if not r.ok and r.typed]
+    if not typed:
+        return
+    cause = next((r for r in typed if r.error_type not in _CONSEQUENCES), typed[0])
+    raise RankFailed(f"rank {cause.rank}: {cause.error}")

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import logging
 import os
 import signal
 import sys
 import traceback
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
@@ -37,6 +39,12 @@ COMMANDS: dict[str, str] = {
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
+
+# Third-party notices that say nothing to a user of `refit`, shown only with --verbose: torchao's
+# optional CUDA extensions failing to load on a CPU machine, torch's deprecation of a pytree call
+# torchao makes, the fallbacks Megatron-Core announces without Transformer Engine or Apex.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "transformers", "compressed_tensors", "megatron", "modelopt")
+QUIET_WARNINGS_FROM = r"(torch|torchao|transformers|compressed_tensors|megatron|modelopt|pydantic|triton)(\.|$)"
 _SIGNALS = ("SIGTERM", "SIGHUP")  # besides SIGINT, which Python already raises as KeyboardInterrupt
 
 
@@ -62,12 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="rl-refit: low-precision rollout export, transactional refit, fused log-probs.",
     )
     debug_help = "on an error, also print its traceback"
+    verbose_help = "also show the notices of third-party packages (torch, torchao, transformers, ...)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
+    parser.add_argument("--verbose", action="store_true", help=verbose_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     for command in sub.choices.values():  # `refit export ... --debug` as well as `refit --debug export`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+        if "--verbose" not in command._option_string_actions:  # a command may say more about it (demo)
+            command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     return parser
 
 
@@ -95,6 +107,28 @@ def _termination_raises() -> Iterator[None]:
             signal.signal(signum, previous)
 
 
+@contextlib.contextmanager
+def third_party_notices(*, shown: bool) -> Iterator[None]:
+    """While the command runs, hide (unless `shown`) the warnings and log records of the
+    QUIET_LOGGERS packages below ERROR; the filters and levels are restored afterwards.
+
+    Args:
+        shown: --verbose: leave every notice as the packages emit it.
+    """
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        if not shown:
+            warnings.filterwarnings("ignore", module=QUIET_WARNINGS_FROM)
+            for logger in loggers:
+                logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -103,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return done.code if isinstance(done.code, int) else EXIT_ERROR
     where = f"refit {args.command}"
     try:
-        with _termination_raises():
+        with _termination_raises(), third_party_notices(shown=args.verbose):
             return int(importlib.import_module(COMMANDS[args.command]).run(args))
     except RefitError as err:
         # A typed, explained error: print it plainly and exit 2.

@@ -16,6 +16,7 @@ from pathlib import Path
 MAX_SEED = 2**32 - 1  # seeds are combined with step numbers; every such sum stays a valid torch seed
 MAX_THREADS = 1024
 MAX_MIB = float(1 << 20)  # 1 TiB
+MIN_MIB = 2.0**-20  # one byte
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -47,7 +48,7 @@ def integer(low: int, high: int | None = None) -> Callable[[str], int]:
 
 
 def mebibytes(high: float = MAX_MIB) -> Callable[[str], float]:
-    """A finite number of MiB above 0 and at most `high`.
+    """A finite number of MiB, at least one byte and at most `high`.
 
     Args:
         high: the largest accepted value.
@@ -60,8 +61,9 @@ def mebibytes(high: float = MAX_MIB) -> Callable[[str], float]:
             value = float(text) if len(text) <= 40 else math.nan
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or not 0 < value <= high:
-            raise argparse.ArgumentTypeError(f"expected a number of MiB above 0 and at most {high:.0f}, got {_short(text, 40)}")
+        if not math.isfinite(value) or not MIN_MIB <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a number of MiB above 0 (one byte, {MIN_MIB:.3g}, or more) and "
+                                             f"at most {high:.0f}, got {_short(text, 40)}")
         return value
 
     return parse

@@ -21,6 +21,7 @@ from app.services.doctor_checks import (
     Status,
     environment_checks,
     package_check,
+    transport_checks,
 )
 from domain.environment import EnvironmentSnapshot, version_at_least
 from domain.errors import FusedHookUnavailable, RefitError
@@ -137,6 +138,31 @@ def _engine_check(env: EnvironmentSnapshot, engine: str) -> Check:
     return Check("config", "rollout.name", Status.OK, f"{engine} {env.version(engine)}")
 
 
+def _strategy_check(env: EnvironmentSnapshot, strategy: str) -> Check:
+    """actor.strategy: the trainer adapter the configuration names, and whether it runs here."""
+    key = "actor.strategy"
+    if strategy == "reference":
+        return Check("config", key, Status.OK, "reference: the embedded trainer runs here")
+    if strategy != "megatron":
+        return Check("config", key, Status.ERROR, f"{strategy}: rl-refit has no trainer adapter for it",
+                     Reason.NOT_SUPPORTED, "use megatron (or reference, the embedded model), or pass a TrainerModel "
+                     "of your own to bootstrap(config, trainer=...)")
+    found = package_check(env, "config", "megatron-core", "the Megatron trainer adapter", "pip install --no-deps megatron-core "
+                          "and pip install -e '.[megatron]'")
+    return attrs.evolve(found, name=key, status=Status.OK if found.status is Status.OK else Status.ERROR)
+
+
+def _sync_backend_check(env: EnvironmentSnapshot, backend: str) -> Check:
+    """rollout.checkpoint_engine.backend: the weight-sync transport, judged like the transport rows."""
+    key = "rollout.checkpoint_engine.backend"
+    if backend != "nccl":
+        return Check("config", key, Status.OK, f"{backend}: needs no GPU, runs here")
+    nccl = next(c for c in transport_checks(env) if c.name == "nccl")
+    if nccl.status is Status.OK:
+        return attrs.evolve(nccl, area="config", name=key)
+    return attrs.evolve(nccl, area="config", name=key, status=Status.ERROR, detail=f"nccl: {nccl.detail}")
+
+
 def _kernel_check(env: EnvironmentSnapshot, engine: str, plan: Any, opt_out: bool) -> Check:
     if env.capability is None:
         return Check("config", "kernels", Status.ERROR, f"{engine} serving {plan.linear.name}/{plan.moe.name} needs "
@@ -165,6 +191,8 @@ def config_checks(env: EnvironmentSnapshot, cfg: Any, *, deep_gemm_opt_out: bool
                      f"moe {plan.moe.name} (per-tensor rules need a model: `refit plan --model DIR`)"))
     engine = report.engine
     out.append(_engine_check(env, engine))
+    out.append(_strategy_check(env, cfg.actor.strategy))
+    out.append(_sync_backend_check(env, cfg.rollout.checkpoint_engine.backend))
     if engine in POLICY_ENGINES and plan.is_quantized:
         out.append(_kernel_check(env, engine, plan, deep_gemm_opt_out))
     if cfg.actor.megatron.qat.enable:

@@ -14,6 +14,8 @@ from app.config import Section
 from domain.errors import ConfigError
 from domain.quant import naming
 from domain.quant.dispatch import DispatchInput, Resolution, resolve
+from domain.quant.native_config import is_compressed_tensors, override_quantization_config
+from domain.quant.native_layout import check_native_tensors
 from domain.quant.plan import QuantizationPlan, TensorDecision, parse_numerics, parse_scale_rule
 
 
@@ -22,6 +24,8 @@ class _Checkpoint(Protocol):
     def config(self) -> dict[str, Any]: ...
 
     def tensor_shapes(self, raw: bool = False) -> list[tuple[str, tuple[int, ...]]]: ...
+
+    def tensor_specs(self, raw: bool = False) -> list[tuple[str, tuple[int, ...], Any]]: ...
 
     def decoded_formats(self) -> dict[str, int]: ...
 
@@ -112,12 +116,14 @@ def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose
     engine = cfg.rollout.name
     overrides_key = f"rollout.engine_kwargs.{engine}.hf_overrides"
     hf_overrides = cfg[overrides_key] if engine in ("vllm", "sglang") else None
+    config_file = read_config_file(q.config_file) if q.config_file else None
+    check_user_configs(config_file, hf_overrides, overrides_key)
     te = cfg.actor.megatron.override_transformer_config
     return DispatchInput(
         engine=engine,
         requested=requested,
         ignore=q.ignore,
-        config_file=read_config_file(q.config_file) if q.config_file else None,
+        config_file=config_file,
         hf_overrides=hf_overrides,
         hf_overrides_key=overrides_key,
         model_config=model_config,
@@ -134,6 +140,29 @@ def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose
         allow_config_rewrite=q.allow_config_rewrite,
         purpose=purpose,
     )
+
+
+def check_user_configs(config_file: Mapping[str, Any] | None, hf_overrides: Mapping[str, Any] | str | None,
+                       overrides_key: str) -> None:
+    """The compressed-tensors quantization_configs a user supplies (a config_file, one in the
+    engine's hf_overrides) must be ones compressed-tensors' own QuantizationConfig accepts, before
+    anything reads them (adapters.compressed_tensors.check_user_config).
+
+    Args:
+        config_file: the parsed rollout.quantization.config_file, or None.
+        hf_overrides: the engine's hf_overrides (a dict, a JSON string or None).
+        overrides_key: its configuration key.
+
+    Returns:
+        None. Raises ConfigError naming the key and the fields compressed-tensors rejects.
+    """
+    override = override_quantization_config(hf_overrides, overrides_key)
+    given = [(config_file, "rollout.quantization.config_file"), (override, f"{overrides_key}.quantization_config")]
+    for qc, key in given:
+        if isinstance(qc, Mapping) and is_compressed_tensors(qc):
+            from adapters.compressed_tensors.quantization_config import check_user_config
+
+            check_user_config(qc, key)
 
 
 def with_numerics(plan: QuantizationPlan, cfg: Section) -> QuantizationPlan:
@@ -154,15 +183,25 @@ def with_numerics(plan: QuantizationPlan, cfg: Section) -> QuantizationPlan:
     return attrs.evolve(plan, numerics=numerics, scale_rule=rule)
 
 
+def _linear_like(name: str, shape: tuple[int, ...], cls: naming.TensorClass) -> bool:
+    """A module an engine may build as a Linear layer: a 2-D weight that is not an embedding, or a
+    weight of more dimensions (kept BF16 as it is: a `Linear` target would still reach it)."""
+    if not name.endswith(".weight") or len(shape) < 2:
+        return False  # norms, biases, buffers
+    return len(shape) > 2 or cls.kind != "passthrough" or "default ignore" in cls.reason
+
+
 def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> list[str]:
-    """Linear modules that stay BF16 (what native layouts list as `ignored_layers`).
+    """Linear modules that stay BF16: what native layouts list as `ignored_layers`, and what a
+    compressed-tensors config must keep out of its groups.
 
     Args:
         plan: the plan.
         shapes: the model's (name, shape) pairs.
 
     Returns:
-        Sorted module names (embeddings, norms and biases excluded; experts also as `...experts`).
+        Sorted module names (embeddings, norms and biases excluded; experts also as `...experts`;
+        weights of more than two dimensions, which the plan never quantizes, included).
     """
     kept: set[str] = set()
     for name, shape in shapes:
@@ -173,7 +212,7 @@ def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tupl
         if cls.fused_experts:
             kept.update(m for m, _, _ in naming.expert_split(name, shape))
             kept.add(name.rsplit(".", 1)[0])
-        elif len(shape) == 2 and name.endswith(".weight") and (cls.kind != "passthrough" or "default ignore" in cls.reason):
+        elif _linear_like(name, shape, cls):
             kept.add(cls.module)
             if cls.kind == "expert":
                 kept.add(cls.module.rsplit(".", 2)[0])
@@ -202,13 +241,16 @@ def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: s
 
     decoded: dict[str, int] = {}
     if checkpoint is not None and res.layout == "native-passthrough":
-        shapes = tuple(checkpoint.tensor_shapes(raw=True))  # passed through as stored
+        stored = checkpoint.tensor_specs(raw=True)  # passed through as stored
+        if purpose == "export" and res.native is not None:  # the files are copied: they must be what it says
+            check_native_tensors(res.native.config, res.native.method, stored)
+        shapes = tuple((n, s) for n, s, _ in stored)
     elif checkpoint is not None:
         checkpoint.check_decodable()
         decoded = checkpoint.decoded_formats()
     kept = bf16_linear_modules(res.plan, shapes) if shapes is not None else None
     decisions = tuple(res.plan.decide(n, s) for n, s in shapes or ())
-    if shapes and res.layout != "native-passthrough":
+    if shapes is not None and res.layout != "native-passthrough":
         check_quantizes_something(cfg, res, decisions)
     engine_config = engine_quantization_config(res, kept, extra_ignore=cfg.rollout.quantization.ignore)
     return PlanReport(cfg.rollout.name, res, decisions, tuple(shapes or ()), engine_config, cfg.unused, decoded)
@@ -239,9 +281,9 @@ def check_quantizes_something(cfg: Section, res: Resolution, decisions: Sequence
         key = {"config_file": "rollout.quantization.config_file", "checkpoint": "model.path"}.get(
             res.source, f"rollout.engine_kwargs.{cfg.rollout.name}.hf_overrides")
         what = f"the quantization_config from {res.source} asks for quantization"
-    raise ConfigError(key, f"{what}, but no tensor of this model is one (every tensor stays BF16, yet the engine "
-                           "would be told to serve quantized weights); set a preset for the layers the model has, or "
-                           "null for a BF16 rollout")
+    found = "no tensor of this model is one" if decisions else "the checkpoint holds no tensors"
+    raise ConfigError(key, f"{what}, but {found} (every tensor stays BF16, yet the engine would be told to serve "
+                           "quantized weights); set a preset for the layers the model has, or null for a BF16 rollout")
 
 
 _HOW = {"read": "code read", "cpu": "CPU test", "gpu-script": "GPU script", "cpu-served": "served on CPU"}

@@ -11,7 +11,7 @@ preset's, dense layers in two formats). Pure dictionary inspection.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -254,6 +254,45 @@ def preset_groups(qc: Mapping[str, Any]) -> tuple[TargetGroup, ...]:
             if fmt is not None and act is not None:
                 out.append(TargetGroup(str(gname), tuple(str(t) for t in group.get("targets") or ()), fmt, act))
     return tuple(out)
+
+
+def config_group(qc: Mapping[str, Any], module: str) -> Mapping[str, Any] | None:
+    """The config group an engine reading `qc` quantizes the Linear module `module` with: none
+    when an ignore entry matches it (exact name or `re:` pattern); else the first group whose
+    name or `re:` targets select it (for an expert, also its fused layer `...mlp.experts`), else
+    the first that targets `Linear`.
+
+    Args:
+        qc: a compressed-tensors quantization_config.
+        module: a module name.
+
+    Returns:
+        The group's dict, or None when the config keeps the module unquantized.
+    """
+    names = [module, *([layer] if (layer := naming.experts_layer(module)) else [])]
+    if any(naming.target_matches(e, n) for e in naming.name_list(qc.get("ignore")) or () for n in names):
+        return None
+    raw = qc.get("config_groups")
+    groups = [g for g in raw.values() if isinstance(g, Mapping)] if isinstance(raw, Mapping) else []
+    targets = [(g, naming.name_list(g.get("targets")) or ()) for g in groups]
+    by_name = next((g for g, ts in targets if any(not naming.is_class_target(t) and naming.target_matches(t, n)
+                                                  for t in ts for n in names)), None)
+    return by_name or next((g for g, ts in targets if "Linear" in ts), None)
+
+
+def unignored(qc: Mapping[str, Any], bf16_modules: Iterable[str]) -> list[str]:
+    """The modules written in BF16 that `qc` would still quantize (its groups reach them and its
+    ignore list does not): each must be added to the ignore list, or the config claims a format
+    with scales for a tensor that has none.
+
+    Args:
+        qc: a compressed-tensors quantization_config.
+        bf16_modules: the Linear modules the checkpoint keeps in BF16.
+
+    Returns:
+        Those modules, in the order given.
+    """
+    return [m for m in bf16_modules if config_group(qc, m) is not None]
 
 
 def _engine_candidate(name: str, shape: tuple[int, ...]) -> tuple[str, str] | None:

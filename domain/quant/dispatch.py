@@ -56,6 +56,7 @@ RELEASE_LAYOUT_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 # What the resolution is for: a refit (the trainer's tensors reach a live engine) or `refit
 # export` (a checkpoint on disk; a native layout the trainer cannot produce is copied as it is).
 PURPOSES = ("refit", "export")
+CONFIG_FILE_KEY = "rollout.quantization.config_file"
 
 
 @attrs.frozen
@@ -311,15 +312,22 @@ def _select(inp: DispatchInput, override: object) -> tuple[str, QuantizationPlan
     if override is not OVERRIDE_ABSENT:
         if not isinstance(override, Mapping):
             return "hf_overrides", QuantizationPlan.bf16(), None
-        return _from_native(parse_quantization_config(override, ignore=inp.ignore), "hf_overrides", inp)
+        key = f"{inp.hf_overrides_key}.quantization_config"
+        return _from_native(parse_quantization_config(override, ignore=inp.ignore, key=key), "hf_overrides", inp)
     if inp.config_file is not None:
-        return _from_native(parse_quantization_config(inp.config_file, ignore=inp.ignore), "config_file", inp)
+        native = parse_quantization_config(inp.config_file, ignore=inp.ignore, key=CONFIG_FILE_KEY)
+        return _from_native(native, "config_file", inp)
     if inp.requested is not None:
         return "rollout.quantization", _with_ignore(inp.requested, inp), None
     found = find_quantization_config(inp.model_config)
     if found is None:
         return "none", QuantizationPlan.bf16(), None
-    return _from_native(parse_quantization_config(found[1], ignore=inp.ignore), "checkpoint", inp)
+    native = parse_quantization_config(found[1], ignore=inp.ignore, key=_checkpoint_key(found[0]))
+    return _from_native(native, "checkpoint", inp)
+
+
+def _checkpoint_key(where: str) -> str:
+    return f"model.path (config.json {where})"
 
 
 def _from_native(native: NativeConfig, source: str, inp: DispatchInput) -> tuple[str, QuantizationPlan, NativeConfig]:
@@ -351,7 +359,8 @@ def _source(inp: DispatchInput, override: object, outcomes: list[RuleOutcome]) -
             return _Source("none", QuantizationPlan.bf16(), None, "bf16")
         outcomes.append(RuleOutcome(3, "release layout", "the model's exporter emits it; the native "
                                                          "quantization_config passes through unchanged"))
-        return _Source("checkpoint", QuantizationPlan.bf16(), parse_quantization_config(found[1]), "native-passthrough")
+        release = parse_quantization_config(found[1], key=_checkpoint_key(found[0]))
+        return _Source("checkpoint", QuantizationPlan.bf16(), release, "native-passthrough")
     outcomes.append(RuleOutcome(3, "release layout", "n/a"))
     source, plan, native = _select(inp, override)
     if native is not None and not native.exportable:

@@ -18,6 +18,8 @@ from typing import Literal, get_args
 
 import attrs
 
+from domain.quant.patterns import regex_problem
+
 # What a tensor is to the plan: a dense Linear weight, a routed expert's weight, or never quantized.
 TensorKind = Literal["dense", "expert", "passthrough"]
 
@@ -251,11 +253,7 @@ def validate_ignore_entry(entry: str) -> str | None:
     if not isinstance(entry, str) or not entry.strip():
         return "an ignore entry must be a non-empty string"
     if entry.startswith("re:"):
-        try:
-            re.compile(entry[3:])
-        except (re.error, RecursionError, OverflowError) as err:  # deep nesting, huge repeat counts
-            reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
-            return f"invalid regular expression {entry[3:]!r}: {reason}"
+        return regex_problem(entry[3:])  # invalid, or unbounded matching work (domain.quant.patterns)
     return None
 
 

@@ -107,17 +107,61 @@ def override_quantization_config(hf_overrides: Mapping[str, Any] | str | None, k
     return OVERRIDE_ABSENT
 
 
-def parse_quantization_config(qc: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> NativeConfig:
+def quant_method(qc: Mapping[str, Any]) -> str:
+    """A config's `quant_method`; one that names none is compressed-tensors when it has config groups."""
+    return str(qc.get("quant_method", "compressed-tensors" if "config_groups" in qc else "unknown"))
+
+
+def is_compressed_tensors(qc: Mapping[str, Any]) -> bool:
+    """Whether a quantization_config is a compressed-tensors one (compressed-tensors parses it)."""
+    return quant_method(qc) == "compressed-tensors"
+
+
+def _pattern_fields(qc: Mapping[str, Any]) -> Iterable[tuple[str, object]]:
+    """(field, value) of every list of module names or patterns in a quantization_config."""
+    for field in ("ignore", "ignored_layers", "modules_to_not_convert"):
+        yield field, qc.get(field)
+    groups = qc.get("config_groups")
+    if isinstance(groups, Mapping):
+        for name, group in groups.items():
+            if isinstance(group, Mapping):
+                yield f"config_groups.{name}.targets", group.get("targets")
+
+
+def check_patterns(qc: Mapping[str, Any], key: str) -> None:
+    """Every `re:` entry of a config's ignore lists and targets must be a regular expression whose
+    matching work is bounded (domain.quant.patterns): rl-refit and the engine match it against
+    every module name.
+
+    Args:
+        qc: the quantization_config.
+        key: where it came from, for the error (e.g. `rollout.quantization.config_file`).
+
+    Returns:
+        None. Raises ConfigError naming the key, the field and the entry.
+    """
+    for field, value in _pattern_fields(qc):
+        for i, entry in enumerate(naming.name_list(value) or ()):
+            problem = naming.validate_ignore_entry(entry) if entry.startswith("re:") else None
+            if problem:
+                raise ConfigError(key, f"{field}[{i}]: {problem}")
+
+
+def parse_quantization_config(qc: Mapping[str, Any], *, ignore: tuple[str, ...] = (),
+                              key: str = "quantization_config") -> NativeConfig:
     """Interpret one quantization_config.
 
     Args:
         qc: the config dict (from config.json, hf_overrides, or a user's config_file).
         ignore: extra ignore entries (the user's rollout.quantization.ignore).
+        key: where the config came from, named by its errors.
 
     Returns:
-        A NativeConfig: the method, and the plan when the trainer can export it.
+        A NativeConfig: the method, and the plan when the trainer can export it. Raises
+        ConfigError for a `re:` entry that is invalid or whose matching work is unbounded.
     """
-    method = str(qc.get("quant_method", "compressed-tensors" if "config_groups" in qc else "unknown"))
+    check_patterns(qc, key)
+    method = quant_method(qc)
     if method == "compressed-tensors":
         reading = read_compressed_tensors(qc, ignore)
         return NativeConfig(qc, method, reading.plan, reading.problem, reading.differences)

@@ -57,3 +57,16 @@ def test_text_and_json_agree_on_the_exit_status(capsys: pytest.CaptureFixture[st
     assert rc == 1 and out["engines_match_single_process"] is False
     assert main(["demo", "--model", "micro-moe", "--steps", "1", "--bucket-mb", "0.0625", "--procs", "2"]) == 1
     assert "every engine holds what it should (bit-identical to the single-process refit" in capsys.readouterr().out
+
+
+def test_an_export_fault_on_the_default_rank_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    # the trainer rank's shards are wrapped by the fault: the demo perturbs the model behind them
+    rc, out = _demo(capsys, "--procs", "2", "--inject-fault", "export:0")
+    assert rc == 0 and out["fault_fired"] is True and out["engines_match_single_process"] is True
+
+
+def test_a_typed_error_inside_a_rank_is_one_line_and_exit_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--procs", "2", "--steps", "1", "--inject-fault", "export:0", "--fault-rank", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("refit demo: RankFailed: rank 1: ConfigError: --fault-rank: rank 1 is an engine; export faults "
+                   "hit trainer ranks"), err

@@ -196,16 +196,50 @@ def test_deepseek_style_fp8_checkpoint_is_recognised(moe_dir: Path, tmp_path: Pa
     assert torch.equal(exported["model.layers.0.self_attn.o_proj.weight"], weights["model.layers.0.self_attn.o_proj.weight"])
 
 
+def _gpt_oss_like(moe_dir: Path, dst: Path, native: dict) -> Path:
+    """The tiny MoE with its experts stored as GPT-OSS stores mxfp4 experts: fused
+    `gate_up_proj_blocks` / `down_proj_blocks` (uint8 [E, N, K / 32, 16]) and their E8M0 scales."""
+    from safetensors.torch import save_file
+
+    source = load_file(moe_dir / "model.safetensors")
+    tensors = {k: v for k, v in source.items() if ".mlp.experts." not in k}
+    layers = {k.split(".mlp.experts.")[0] for k in source if ".mlp.experts." in k}
+    for layer in layers:
+        experts = len({k for k in source if k.startswith(f"{layer}.mlp.experts.") and k.endswith("down_proj.weight")})
+        inter, hidden = source[f"{layer}.mlp.experts.0.gate_proj.weight"].shape
+        for proj, (n, k) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            p = f"{layer}.mlp.experts.{proj}"
+            tensors[f"{p}_blocks"] = torch.randint(0, 256, (experts, n, k // 32, 16), dtype=torch.uint8)
+            tensors[f"{p}_scales"] = torch.full((experts, n, k // 32), 127, dtype=torch.uint8)
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((moe_dir / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": native}))
+    return dst
+
+
 def test_unsupported_native_method_passes_through_untouched(moe_dir: Path, tmp_path: Path) -> None:
     native = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    src = _with_config(moe_dir, tmp_path / "src", quantization_config=native)
+    src = _gpt_oss_like(moe_dir, tmp_path / "src", native)
     out = tmp_path / "out"
     assert main(["export", "--model", str(src), "--out", str(out), "rollout.name=vllm"]) == 0
     assert json.loads((out / "config.json").read_text())["quantization_config"] == native
-    a, b = load_file(out / "model.safetensors"), load_file(moe_dir / "model.safetensors")
+    a, b = load_file(out / "model.safetensors"), load_file(src / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert main(["export", "--model", str(src), "--out", str(tmp_path / "o2"), "actor.megatron.qat.enable=true",
                  "actor.megatron.qat.mode=MXFP4"]) == 2
+
+
+def test_a_native_config_that_lies_about_its_tensors_is_not_passed_through(
+        moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # An mxfp4 config over BF16 experts was copied as it is: the engine would read BF16 bytes as mxfp4.
+    native = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    src = _with_config(moe_dir, tmp_path / "src", quantization_config=native)
+    assert main(["export", "--model", str(src), "--out", str(tmp_path / "out"), "rollout.name=vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "NativeLayoutMismatch: tensor 'model.layers.0.mlp.experts.0.down_proj.weight' is stored as bfloat16" in err
+    assert "quant_method 'mxfp4'" in err and "more tensors do not match" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_hf_overrides_null_exports_bf16_from_a_quantized_checkpoint(moe_dir: Path, tmp_path: Path) -> None:

@@ -35,6 +35,8 @@ def test_disaggregated_starts_an_engine_host_without_vllm_here(monkeypatch: pyte
     started = Started()
     monkeypatch.setattr(remote.EngineProcess, "start", staticmethod(started.start))
     fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\n")
+    fake_python.chmod(0o755)  # the host's python must be one that runs
     services = bootstrap(overrides=[*BASE, "rollout.deployment=disaggregated",
                                     f"rollout.engine_kwargs.vllm.python={fake_python}"])
     engine = services.rollout_engine()

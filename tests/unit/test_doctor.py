@@ -229,6 +229,29 @@ def test_config_hook_required_on_old_megatron() -> None:
     assert (ff.status, ff.reason) == (Status.ERROR, Reason.VERSION_TOO_OLD) and r.config_ok is False
 
 
+def test_config_syncing_over_nccl_without_a_gpu_cannot_run() -> None:
+    # the transport row said "nccl unavailable (no GPU)" while the verdict said "runs here"
+    r = diagnose(CPU_ONLY, cfg("rollout.checkpoint_engine.backend=nccl"))
+    sync = check(r, "rollout.checkpoint_engine.backend")
+    assert (sync.status, sync.reason) == (Status.ERROR, Reason.NO_GPU) and r.config_ok is False
+    assert diagnose(machine(), cfg("rollout.checkpoint_engine.backend=nccl")).config_ok is True
+    assert diagnose(CPU_ONLY, cfg("rollout.checkpoint_engine.backend=gloo")).config_ok is True
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_config_with_a_trainer_strategy_without_an_adapter_cannot_run(strategy: str) -> None:
+    r = diagnose(machine(), cfg(f"actor.strategy={strategy}"))
+    row = check(r, "actor.strategy")
+    assert (row.status, row.reason) == (Status.ERROR, Reason.NOT_SUPPORTED) and r.config_ok is False
+
+
+def test_config_with_the_megatron_strategy_needs_megatron_core() -> None:
+    assert diagnose(machine(), cfg("actor.strategy=megatron")).config_ok is True
+    missing = diagnose(machine(**{"megatron-core": None}), cfg("actor.strategy=megatron"))
+    row = check(missing, "actor.strategy")
+    assert (row.status, row.reason) == (Status.ERROR, Reason.PACKAGE_MISSING) and missing.config_ok is False
+
+
 # --- probes, bootstrap and CLI ------------------------------------------------------------------
 
 
