@@ -52,7 +52,9 @@ from app.bench.report import BenchReport
 
 EXTENSION = "adapters.vllm.bench_extension.BenchExtension"
 DEPLOYMENTS = ("auto", "colocated", "disaggregated")
-PRESETS = ("BF16", "FP8_BLOCK")  # what vLLM's CPU build serves, dense and MoE
+# what vLLM's CPU build serves, dense and MoE, on any x86-64 CPU (the matmul emulated where the
+# CPU has no kernel: adapters.vllm.cpu_emulation)
+PRESETS = ("BF16", "FP8_BLOCK", "MXFP8")
 
 REFIT = "rl-refit refit"
 RELOAD = "vLLM reload_weights from disk (checkpoint already written)"
@@ -68,7 +70,7 @@ class EngineBenchSettings:
     Attributes:
         deployment: colocated, disaggregated, or auto (colocated when vLLM imports here).
         model: the embedded model preset.
-        preset: the rollout plan, linear and MoE alike: BF16 or FP8_BLOCK.
+        preset: the rollout plan, linear and MoE alike: BF16, FP8_BLOCK or MXFP8.
         repeat: measured rounds of each path (the median is reported).
         bucket_mb: bucket size, MiB.
         trainer_threads: torch threads of the trainer's process while it measures; None: on a
