@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -131,3 +132,17 @@ def test_a_failed_start_leads_with_the_root_cause_and_keeps_the_log(fake_host) -
         "the vLLM engine failed to start: ValueError: Failed to find a kernel that can implement the layer. "
         f"Reasons:; engine log: {tmp / 'host.log'}")
     assert _gone(_child(tmp)) and (tmp / "host.log").exists()
+
+
+def test_ctrl_c_while_the_engine_starts_stops_it_and_its_processes_at_once(fake_host) -> None:  # type: ignore[no-untyped-def]
+    start, tmp = fake_host
+    timer = threading.Timer(1.0, signal.raise_signal, (signal.SIGINT,))
+    timer.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            start("silent", start_timeout_s=120)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - began < 5
+    assert _gone(_child(tmp), within_s=2)
