@@ -111,9 +111,21 @@ _OWN_ENGINE_KEYS = ("use_deep_gemm", "kv_cache_dtype", "engine_args", "environme
                     "cpu_emulation")
 
 
-def _engine_start(services: Services, engine: str) -> tuple[dict[str, Any] | None, Any, dict[str, Any]]:
-    """The quantization_config, backend decision and user engine arguments of a real engine."""
+def _engine_start(services: Services, engine: str,
+                  plan: QuantizationPlan | None = None) -> tuple[dict[str, Any] | None, Any, dict[str, Any]]:
+    """The quantization_config, backend decision and user engine arguments of a real engine.
+
+    A real engine is configured from the configuration's plan (its quantization_config is what
+    the engine is started with); a caller asking for another `plan` gets a ConfigError rather than
+    an engine set up for one plan and sent another.
+    """
+    from app.services.lifecycle import describe_plan
+
     report = services.plan_report(services.checkpoint())
+    if plan is not None and plan != report.plan:
+        raise ConfigError("rollout.quantization", f"the {engine} engine is configured from the configuration's plan "
+                          f"({describe_plan(report.plan)}), not the {describe_plan(plan)} it was asked for: set "
+                          "rollout.quantization to the plan you refit with, or build the services for it")
     decision = services.backend_decision(engine, report.plan)
     section = services.config.rollout.engine_kwargs.to_dict().get(engine) or {}
     base = dict(section.get("engine_args") or {})
@@ -172,7 +184,7 @@ def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> 
     from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
 
     _check_commit_mode(options.get("commit_mode"), CommitMode.PER_LAYER, "vllm")
-    qc, decision, base = _engine_start(services, "vllm")
+    qc, decision, base = _engine_start(services, "vllm", plan)
     section = services.config.rollout.engine_kwargs.vllm
     kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
     owned: tuple[str, ...] = ()
@@ -220,7 +232,7 @@ def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -
     from adapters.sglang.engine_args import sglang_engine_kwargs
 
     _check_commit_mode(options.get("commit_mode"), CommitMode.TRANSACTIONAL, "sglang")
-    qc, decision, base = _engine_start(services, "sglang")
+    qc, decision, base = _engine_start(services, "sglang", plan)
     if "hf_overrides" in base:  # SGLang's name for the model-config overrides
         base["json_model_override_args"] = base.pop("hf_overrides")
     kv_dtype = services.config.rollout.engine_kwargs.sglang.kv_cache_dtype

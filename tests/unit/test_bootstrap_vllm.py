@@ -100,3 +100,24 @@ def test_the_engine_hosts_python(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 def test_new_keys_are_checked(key: str, value: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         bootstrap(overrides=[f"{key}={value}"])
+
+
+def test_an_engine_asked_for_another_plan_than_it_is_configured_for_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Path) -> None:
+    from adapters.vllm import remote
+    from domain.quant.plan import QuantizationPlan
+
+    started = Started()
+    monkeypatch.setattr(remote.EngineProcess, "start", staticmethod(started.start))
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\n")
+    fake_python.chmod(0o755)
+    services = bootstrap(overrides=[*BASE, "rollout.deployment=disaggregated",
+                                    f"rollout.engine_kwargs.vllm.python={fake_python}"])
+    # the engine's quantization_config comes from the configuration: a refit service for another
+    # plan would have streamed BF16 tensors into an engine set up for FP8
+    with pytest.raises(ConfigError, match=r"rollout\.quantization: .*configured from the configuration's plan"):
+        services.refit_service(plan=QuantizationPlan.bf16())
+    assert started.calls == []  # refused before any engine started
+    services.rollout_engine(plan=services.plan)  # the configured plan, given explicitly, is fine
+    assert len(started.calls) == 1
