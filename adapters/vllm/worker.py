@@ -39,6 +39,28 @@ def _expected(model: torch.nn.Module, hooks: VllmHooks) -> set[str]:
             if n.rpartition(".")[2] not in KV_SCALE_NAMES and not any(n.startswith(p) for p in skip if p)}
 
 
+def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """Parameters that share another's storage (tied word embeddings): alias name -> the name of
+    the parameter it is tied to (the first name the model lists for that storage).
+
+    vLLM ties `lm_head` to `embed_tokens` by making them one Parameter
+    (`ParallelLMHead.tie_weights`) and never loads `lm_head.weight`: the tie is read from the
+    served model itself, before the layerwise reload restores each layer's parameters on meta
+    (separate tensors then).
+    """
+    first: dict[tuple[object, ...], str] = {}
+    ties: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.device.type == "meta" or p.numel() == 0:
+            continue
+        key = (p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), tuple(p.stride()), p.dtype)
+        if key in first:
+            ties[name] = first[key]
+        else:
+            first[key] = name
+    return ties
+
+
 class FinalizeStats(NamedTuple):
     """What one worker's finalize did (a tuple of plain values: it crosses process boundaries as one).
 
@@ -48,7 +70,8 @@ class FinalizeStats(NamedTuple):
         tensors_loaded: checkpoint tensors handed to `load_weights`.
         parameters_written: engine parameters the loads reported writing (-1: the model's
             `load_weights` does not report them).
-        unwritten: engine parameters the refit should have written and did not (sorted).
+        unwritten: engine parameters the refit should have written and did not (sorted); a tied
+            parameter (`lm_head.weight` of a tied model) counts as written when its tie target is.
         experts_redone: MoE layers whose skipped expert post-processing was redone.
     """
 
@@ -87,6 +110,7 @@ class WorkerRefit:
     tensors_loaded: int = attrs.field(init=False, default=0)
     expected: set[str] = attrs.field(init=False, factory=set)
     written: set[str] | None = attrs.field(init=False, default=None)
+    ties: dict[str, str] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if self.device is None:
@@ -98,6 +122,7 @@ class WorkerRefit:
         if self.loading:
             raise RefitLifecycleError("a vLLM refit is already loading on this worker; finalize or abort it first")
         self.hooks.check_experts(self.model)  # refuses before anything is touched
+        self.ties = tied_parameters(self.model)  # before the reload puts each layer on meta
         self.hooks.initialize_reload(self.model)
         self.loading = True
         self.tensors_loaded = 0
@@ -137,6 +162,9 @@ class WorkerRefit:
         finally:
             self.loading = False
         written = self.written
+        if written is not None:  # tied parameters are one storage: written when any of them is
+            written = written | {n for alias, target in self.ties.items() if alias in written or target in written
+                                 for n in (alias, target)}
         redone = self.hooks.redo_experts(self.model, written if written is not None else ())
         seconds = time.perf_counter() - t0
         reset = self.reset_uncalibrated_kv_scales() if self.reset_kv_scales else 0
