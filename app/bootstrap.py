@@ -229,6 +229,21 @@ def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
     return MegatronTrainerModel.build(model, request.mode)  # type: ignore[arg-type]
 
 
+def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
+    """A live transformers model (`model=`), else model.path streamed from its files."""
+    if model is not None:
+        from adapters.hf.module import HfModuleTrainer
+
+        return HfModuleTrainer(model)
+    path = services.config.model.path
+    if not path:
+        raise ConfigError("actor.strategy", "hf: set model.path to a Hugging Face checkpoint directory, or pass "
+                          "the transformers model, bootstrap(config, model=...)")
+    from adapters.hf.checkpoint import HfCheckpointTrainer
+
+    return HfCheckpointTrainer.open(path)
+
+
 def _megatron_sharded(services: Services, model: object, layout: Any, rank: int) -> ShardedTrainerModel:
     import torch
 
@@ -248,6 +263,7 @@ TRAINERS: dict[str, AdapterEntry] = {
     "reference": AdapterEntry("adapters.reference.trainer.ReferenceTrainer", _reference_trainer),
     "megatron": AdapterEntry("adapters.megatron.trainer_model.MegatronTrainerModel", _megatron_trainer,
                              "megatron.core", "megatron", sharded=_megatron_sharded),
+    "hf": AdapterEntry("adapters.hf.module.HfModuleTrainer", _hf_trainer, "transformers", "hf"),
 }
 
 

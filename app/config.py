@@ -298,8 +298,9 @@ SCHEMA: tuple[Key, ...] = (
         "fused log-prob forward mode (auto, hook, legacy and aliases); null = auto"),
     Key("model.path", (str, NoneType), None, "Hugging Face checkpoint directory"),
     Key("actor.strategy", (str,), "reference",
-        "the trainer adapter: reference (the embedded model) or megatron; verl's fsdp and fsdp2 have none",
-        choices=("reference", "megatron", "fsdp", "fsdp2")),
+        "the trainer adapter: reference (the embedded model), megatron, or hf (a transformers model passed "
+        "as model=, else model.path streamed from its safetensors files); verl's fsdp and fsdp2 have none",
+        choices=("reference", "megatron", "hf", "fsdp", "fsdp2")),
     Key("reference.model", (str,), "tiny-moe", "the embedded reference model",
         choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense", "bench-moe", "bench-quick")),
     Key("reference.seed", (int,), 0, "seed of the embedded reference model's random weights"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import attrs
 import torch
@@ -104,13 +104,26 @@ class ReferenceTrainer:
             seed: seed of the noise (one per step).
             scale: size of the step relative to each tensor's magnitude.
         """
-        g = torch.Generator().manual_seed(seed)
-        for t in self.weights.values():
-            noise = torch.randn(t.shape, generator=g)
-            # Accumulated in float64, so the float32 result does not depend on how many threads
-            # split the reduction: every process of a world perturbs to the same bits.
-            rms = t.double().pow(2).mean().sqrt().float()
-            t.add_((scale * rms * noise).to(t.dtype))
+        perturb_tensors_(self.weights.values(), seed, scale)
+
+
+@torch.no_grad()
+def perturb_tensors_(tensors: Iterable[torch.Tensor], seed: int, scale: float) -> None:
+    """A training-like step on tensors in place: w += scale * rms(w) * noise (one generator from
+    `seed`, drawn tensor after tensor in the given order).
+
+    Args:
+        tensors: the weights, each once.
+        seed: seed of the noise.
+        scale: size of the step relative to each tensor's root mean square.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        noise = torch.randn(t.shape, generator=g)
+        # Accumulated in float64, so the float32 result does not depend on how many threads
+        # split the reduction: every process of a world perturbs to the same bits.
+        rms = t.double().pow(2).mean().sqrt().float()
+        t.add_((scale * rms * noise).to(t.dtype))
 
 
 def hf_state_dict(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
@@ -118,4 +131,4 @@ def hf_state_dict(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in trainer.named_weights()}
 
 
-__all__ = ["ReferenceTrainer", "hf_state_dict", "hf_weight_shapes", "init_weights"]
+__all__ = ["ReferenceTrainer", "hf_state_dict", "hf_weight_shapes", "init_weights", "perturb_tensors_"]
