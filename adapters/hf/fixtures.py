@@ -33,9 +33,10 @@ FIXTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                       "num_experts": 32, "num_experts_per_tok": 8, "norm_topk_prob": True,
                                       "decoder_sparse_step": 1, "mlp_only_layers": [],
                                       "tie_word_embeddings": False}),
-    # the tests' shapes: the same structures, a few MiB (vLLM's CPU build serves both)
+    # the tests' shapes: the same structures, a few MiB (vLLM's CPU build serves both); q, k and v
+    # are multiples of 128 rows, as FP8_BLOCK's fused modules need
     "tiny-qwen3": ("qwen3", {**_QWEN3, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-                             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                              "head_dim": 64, "max_position_embeddings": 4096, "tie_word_embeddings": True}),
     "tiny-qwen3-moe": ("qwen3_moe", {**_QWEN3, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
                                      "moe_intermediate_size": 128, "num_hidden_layers": 2,

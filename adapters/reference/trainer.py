@@ -65,6 +65,41 @@ class ReferenceTrainer:
         """A trainer with random weights from `seed` (no download, no checkpoint)."""
         return cls(config, init_weights(config, seed))
 
+    @classmethod
+    def from_hf_weights(cls, config: ReferenceModelConfig, named: Iterable[tuple[str, torch.Tensor]],
+                        dtype: torch.dtype = torch.bfloat16) -> ReferenceTrainer:
+        """A trainer holding a checkpoint's weights (Hugging Face names) in the fused layout.
+
+        A tied checkpoint has no `lm_head.weight`: the reference model has no tied head, so its
+        head starts as a copy of the embeddings (training-like steps then move the two apart).
+
+        Raises:
+            CheckpointError: a tensor the model has no place for, of the wrong shape, or missing.
+        """
+        from domain.errors import CheckpointError
+
+        weights = {key: torch.zeros(shape, dtype=dtype) for key, shape in fused_shapes(config).items()}
+        table, seen = slot_table(config), set()
+        for name, t in named:
+            slot = table.get(name.removesuffix(".weight"))
+            if slot is None:
+                raise CheckpointError(f"tensor {name!r} has no place in the reference model ({config.num_layers} "
+                                      "layers of Qwen3 / Qwen3-MoE)")
+            target = weights[slot.key] if slot.expert is None else weights[slot.key][slot.expert]
+            if tuple(target[slot.rows].shape) != tuple(t.shape):
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}; the config says "
+                                      f"{tuple(target[slot.rows].shape)}")
+            target[slot.rows].copy_(t)
+            seen.add(name.removesuffix(".weight"))
+        if "lm_head" not in seen and "model.embed_tokens" in seen:
+            weights["lm_head"].copy_(weights["embed"])
+            seen.add("lm_head")
+        missing = sorted(set(table) - seen)
+        if missing:
+            raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors the config needs, e.g. "
+                                  f"{[m + '.weight' for m in missing[:3]]}")
+        return cls(config, weights)
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) in layer order; fused tensors are yielded as views."""
         for module, slot in slot_table(self.config).items():
