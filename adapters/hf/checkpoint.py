@@ -73,4 +73,4 @@ class HfCheckpointTrainer:
             from adapters.hf.module import HfModuleTrainer
 
             self._module = HfModuleTrainer.from_pretrained(self.path, dtype=self.checkpoint.logical_dtype)
-        return self._module.log_probs(input_ids, temperature=temperature)  # type: ignore[no-any-return]
+        return self._module.log_probs(input_ids, temperature=temperature)

@@ -12,7 +12,6 @@ from app.services.demo import DemoSettings
 from app.services.refit import RefitService
 from domain.quant.plan import QuantizationPlan
 
-
 EMBEDDED_MODELS = ("tiny-moe", "tiny-dense", "micro-moe", "micro-dense")
 
 

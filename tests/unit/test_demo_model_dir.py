@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs transformers (the `test` extra)")
 
-from app.cli.demo_engine import engine_overrides, engine_settings  # noqa: E402
-from app.cli.main import build_parser, main  # noqa: E402
+from app.cli.demo_engine import engine_overrides, engine_settings
+from app.cli.main import build_parser, main
 
 
 @pytest.fixture(scope="module")
