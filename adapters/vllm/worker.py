@@ -161,6 +161,7 @@ class WorkerRefit:
             self.hooks.finalize_reload(self.model, self.model_config)
         finally:
             self.loading = False
+        self._reprocess_tied_modules()
         written = self.written
         if written is not None:  # tied parameters are one storage: written when any of them is
             written = written | {n for alias, target in self.ties.items() if alias in written or target in written
@@ -172,6 +173,29 @@ class WorkerRefit:
             return FinalizeStats(reset, seconds, self.tensors_loaded, experts_redone=redone)
         unwritten = tuple(sorted(self.expected - written))
         return FinalizeStats(reset, seconds, self.tensors_loaded, len(written & self.expected), unwritten, redone)
+
+    def _reprocess_tied_modules(self) -> None:
+        """Run the post-processing of modules that hold only tied parameters the stream did not
+        write (`lm_head` of a tied model): the reload leaves such a module unprocessed, and a
+        quant method may keep a copy of its weight outside the parameters (vLLM's CPU
+        `dispatch_cpu_unquantized_gemm` packs `lm_head.weight` into the layer's `cpu_linear`), which
+        would then serve the previous weights. Parameters are not rebound by it (the storage check
+        still holds); where the method keeps no copy it is a no-op."""
+        written = self.written if self.written is not None else set()
+        done: set[str] = set()
+        for alias, target in self.ties.items():
+            for name, other in ((alias, target), (target, alias)):
+                module_name, other_module = name.rpartition(".")[0], other.rpartition(".")[0]
+                if name in written or module_name == other_module or module_name in done:
+                    continue
+                module = self.model.get_submodule(module_name)
+                qm = getattr(module, "quant_method", None)
+                process = getattr(qm, "process_weights_after_loading", None)
+                if callable(process) and not self.hooks.is_kv_cache_method(qm):
+                    with torch.no_grad():
+                        process(module)
+                    log.debug("tied module re-processed after the reload", module=module_name, tied_to=other)
+                done.add(module_name)
 
     def abort(self) -> None:
         """Put the model back together after a failure (no-op when not loading).

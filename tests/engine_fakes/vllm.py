@@ -86,6 +86,18 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, shard_rows: list[int]) ->
     return p
 
 
+class FakePackedHeadMethod:
+    """vLLM's UnquantizedEmbeddingMethod on CPU: processing packs a copy of the weight outside the
+    parameters (`dispatch_cpu_unquantized_gemm`'s `cpu_linear`), and serving reads that copy."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.calls += 1
+        layer.packed = layer.weight.detach().clone()
+
+
 class FakeLinear(nn.Module):
     def __init__(self, shards: list[int], k: int, quantized: bool) -> None:
         super().__init__()
@@ -166,6 +178,8 @@ class FakeVllmModel(nn.Module):
         self.lm_head = nn.Module()
         # tied (vLLM's `lm_head.tie_weights(embed_tokens)`): one Parameter under two names
         self.lm_head.weight = self.embed_tokens.weight if tied else _param((VOCAB, H), torch.bfloat16, [VOCAB])
+        if tied:
+            self.lm_head.quant_method = FakePackedHeadMethod()
         self.names_loaded: list[str] = []
         self.load_calls = 0
         self.fail_at_call: int | None = None
@@ -176,7 +190,7 @@ class FakeVllmModel(nn.Module):
                           for m in self.modules()}
         for m in self.modules():  # the engine's first load: kernel layout
             qm = getattr(m, "quant_method", None)
-            if isinstance(qm, (FakeFp8BlockLinearMethod, FakeUnquantizedLinearMethod)):
+            if isinstance(qm, (FakeFp8BlockLinearMethod, FakeUnquantizedLinearMethod, FakePackedHeadMethod)):
                 qm.process_weights_after_loading(m)
                 qm.calls = 0
 
@@ -291,7 +305,8 @@ def fake_log_probs(model: FakeVllmModel):  # type: ignore[no-untyped-def]
 
     def log_probs(input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = model.embed_tokens.weight[input_ids[:, :-1]].float()
-        logits = hidden @ model.lm_head.weight.float().t() / temperature
+        head = getattr(model.lm_head, "packed", model.lm_head.weight)  # a tied head serves its packed copy
+        logits = hidden @ head.float().t() / temperature
         logp = torch.log_softmax(logits, dim=-1)
         return logp.gather(-1, input_ids[:, 1:, None])[..., 0], -(logp.exp() * logp).sum(-1)
 

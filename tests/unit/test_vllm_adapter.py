@@ -404,7 +404,13 @@ def test_a_tied_model_refits_without_lm_head_and_its_head_follows_the_embeddings
     assert torch.equal(model.lm_head.weight, embed)
     svc.trainer = FakeTrainer(seed=1, tied=True)
     assert svc.refit().ok
-    assert torch.equal(model.lm_head.weight, dict(FakeTrainer(1, tied=True).named_weights())["model.embed_tokens.weight"])
+    embed = dict(FakeTrainer(1, tied=True).named_weights())["model.embed_tokens.weight"]
+    assert torch.equal(model.lm_head.weight, embed)
+    # the head's copy outside the parameters (vLLM's CPU packing) follows too: serving is the new weights
+    assert torch.equal(model.lm_head.packed, embed)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    logits = embed[ids[:, :-1]].float() @ embed.float().t()
+    assert torch.equal(engine.log_probs(ids)[0], torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0])
 
 
 def test_a_tied_model_whose_embeddings_are_missing_still_fails_closed_naming_both() -> None:
