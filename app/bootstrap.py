@@ -584,8 +584,9 @@ class Services:
         return write_config(self.reference_config(), tempfile.mkdtemp(prefix=f"rl-refit-{self.config.reference.model}-"))
 
     def write_checkpoint(self, trainer: TrainerModel, directory: str | Path) -> Path:
-        """The embedded trainer's current weights as a BF16 Hugging Face checkpoint (the source
-        `export` quantizes, e.g. for an engine's cold start)."""
+        """The trainer's current weights as a BF16 Hugging Face checkpoint (the source `export`
+        quantizes, e.g. for an engine's cold start): the embedded model's config.json, or with
+        actor.strategy hf the source checkpoint's (adapters.hf.module.HfModuleTrainer.save)."""
         save = getattr(trainer, "save", None)
         if self.config.actor.strategy == "hf" and callable(save):  # adapters.hf.module: the source's config.json
             return Path(save(directory))
