@@ -98,11 +98,10 @@ class AdapterEntry:
 
 
 def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.reference.config import preset
     from adapters.reference.engine import ReferenceEngine
 
     mode = options.get("commit_mode") or CommitMode.TRANSACTIONAL
-    return ReferenceEngine(preset(services.config.reference.model), plan, commit_mode=mode,
+    return ReferenceEngine(services.reference_config(), plan, commit_mode=mode,
                            kv_cache_scheme=options.get("kv_cache_scheme"))
 
 
@@ -252,10 +251,15 @@ def _check_commit_mode(asked: CommitMode | None, engine_mode: CommitMode, engine
 
 
 def _reference_trainer(services: Services, model: object | None) -> TrainerModel:
+    """The embedded reference model: random weights of reference.model from reference.seed, or,
+    with model.path, a Qwen3 / Qwen3-MoE checkpoint's weights at its shapes."""
     from adapters.reference.config import preset
     from adapters.reference.trainer import ReferenceTrainer
 
     ref = services.config.reference
+    checkpoint = services.checkpoint()
+    if checkpoint is not None:  # the reference model at the checkpoint's shapes, holding its weights
+        return ReferenceTrainer.from_hf_weights(services.reference_config(), checkpoint.iter_tensors())
     return ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
 
 
@@ -269,6 +273,23 @@ def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
                                                 services.environ.get("VERL_FUSED_USE_OP_HOOK"))
     services.packed_gdn(model)  # a no-op without GatedDeltaNet layers
     return MegatronTrainerModel.build(model, request.mode)  # type: ignore[arg-type]
+
+
+def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
+    """A live transformers model (`model=`), else model.path streamed from its files."""
+    from adapters.hf.module import HfModuleTrainer
+
+    if model is not None:
+        return HfModuleTrainer(model)
+    path = services.config.model.path
+    if not path:
+        raise ConfigError("actor.strategy", "hf: set model.path to a Hugging Face checkpoint directory, or pass "
+                          "the transformers model, bootstrap(config, model=...)")
+    if services.config.actor.hf.load_model:  # in memory and trainable (what the demo's steps perturb)
+        return HfModuleTrainer.from_pretrained(path)
+    from adapters.hf.checkpoint import HfCheckpointTrainer
+
+    return HfCheckpointTrainer.open(path)
 
 
 def _megatron_sharded(services: Services, model: object, layout: Any, rank: int) -> ShardedTrainerModel:
@@ -290,6 +311,7 @@ TRAINERS: dict[str, AdapterEntry] = {
     "reference": AdapterEntry("adapters.reference.trainer.ReferenceTrainer", _reference_trainer),
     "megatron": AdapterEntry("adapters.megatron.trainer_model.MegatronTrainerModel", _megatron_trainer,
                              "megatron.core", "megatron", sharded=_megatron_sharded),
+    "hf": AdapterEntry("adapters.hf.module.HfModuleTrainer", _hf_trainer, "transformers", "hf"),
 }
 
 
@@ -582,9 +604,16 @@ class Services:
         return MegatronDemoKit(preset(self.config.reference.model), self.config.reference.seed)
 
     def reference_config(self) -> Any:
-        """The embedded reference model's shapes (adapters.reference.config.ReferenceModelConfig)."""
+        """The embedded reference model's shapes (adapters.reference.config.ReferenceModelConfig):
+        reference.model's, or with model.path and actor.strategy reference, the checkpoint's
+        (a Qwen3 / Qwen3-MoE config.json; CheckpointError otherwise)."""
         from adapters.reference.config import preset
 
+        checkpoint = self.checkpoint() if self.config.actor.strategy == "reference" else None
+        if checkpoint is not None:
+            from adapters.reference.hf import config_from_hf
+
+            return config_from_hf(checkpoint.config, str(checkpoint.path / "config.json"))
         return preset(self.config.reference.model)
 
     def reference_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -603,8 +632,15 @@ class Services:
         return write_config(self.reference_config(), tempfile.mkdtemp(prefix=f"rl-refit-{self.config.reference.model}-"))
 
     def write_checkpoint(self, trainer: TrainerModel, directory: str | Path) -> Path:
-        """The embedded trainer's current weights as a BF16 Hugging Face checkpoint (the source
-        `export` quantizes, e.g. for an engine's cold start)."""
+        """The trainer's current weights as a BF16 Hugging Face checkpoint (the source `export`
+        quantizes, e.g. for an engine's cold start): the embedded model's config.json, or with
+        actor.strategy hf the source checkpoint's (adapters.hf.module.HfModuleTrainer.save)."""
+        save = getattr(trainer, "save", None)
+        if self.config.actor.strategy == "hf" and callable(save):  # adapters.hf.module: the source's config.json
+            return Path(save(directory))
+        if self.config.actor.strategy == "hf":
+            raise ConfigError("actor.hf.load_model", "a checkpoint directory streamed is not written again; set "
+                              "actor.hf.load_model: true for a trainer whose weights change")
         from adapters.reference.hf import write_checkpoint
 
         return write_checkpoint(self.reference_config(), trainer.named_weights(), directory)

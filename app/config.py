@@ -308,8 +308,12 @@ SCHEMA: tuple[Key, ...] = (
         "fused log-prob forward mode (auto, hook, legacy and aliases); null = auto", check=_fused_forward),
     Key("model.path", (str, NoneType), None, "Hugging Face checkpoint directory"),
     Key("actor.strategy", (str,), "reference",
-        "the trainer adapter: reference (the embedded model) or megatron; verl's fsdp and fsdp2 have none",
-        choices=("reference", "megatron", "fsdp", "fsdp2")),
+        "the trainer adapter: reference (the embedded model), megatron, or hf (a transformers model passed "
+        "as model=, else model.path streamed from its safetensors files); verl's fsdp and fsdp2 have none",
+        choices=("reference", "megatron", "hf", "fsdp", "fsdp2")),
+    Key("actor.hf.load_model", (bool,), False,
+        "actor.strategy hf with model.path: load the checkpoint as a transformers model (in memory, trainable: "
+        "what refit demo --model DIR perturbs) instead of streaming its safetensors files tensor by tensor"),
     Key("reference.model", (str,), "tiny-moe", "the embedded reference model",
         choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense", "bench-moe", "bench-quick")),
     Key("reference.seed", (int,), 0, "seed of the embedded reference model's random weights"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import attrs
 import torch
@@ -65,6 +65,41 @@ class ReferenceTrainer:
         """A trainer with random weights from `seed` (no download, no checkpoint)."""
         return cls(config, init_weights(config, seed))
 
+    @classmethod
+    def from_hf_weights(cls, config: ReferenceModelConfig, named: Iterable[tuple[str, torch.Tensor]],
+                        dtype: torch.dtype = torch.bfloat16) -> ReferenceTrainer:
+        """A trainer holding a checkpoint's weights (Hugging Face names) in the fused layout.
+
+        A tied checkpoint has no `lm_head.weight`: the reference model has no tied head, so its
+        head starts as a copy of the embeddings (training-like steps then move the two apart).
+
+        Raises:
+            CheckpointError: a tensor the model has no place for, of the wrong shape, or missing.
+        """
+        from domain.errors import CheckpointError
+
+        weights = {key: torch.zeros(shape, dtype=dtype) for key, shape in fused_shapes(config).items()}
+        table, seen = slot_table(config), set()
+        for name, t in named:
+            slot = table.get(name.removesuffix(".weight"))
+            if slot is None:
+                raise CheckpointError(f"tensor {name!r} has no place in the reference model ({config.num_layers} "
+                                      "layers of Qwen3 / Qwen3-MoE)")
+            target = weights[slot.key] if slot.expert is None else weights[slot.key][slot.expert]
+            if tuple(target[slot.rows].shape) != tuple(t.shape):
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}; the config says "
+                                      f"{tuple(target[slot.rows].shape)}")
+            target[slot.rows].copy_(t)
+            seen.add(name.removesuffix(".weight"))
+        if "lm_head" not in seen and "model.embed_tokens" in seen:
+            weights["lm_head"].copy_(weights["embed"])
+            seen.add("lm_head")
+        missing = sorted(set(table) - seen)
+        if missing:
+            raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors the config needs, e.g. "
+                                  f"{[m + '.weight' for m in missing[:3]]}")
+        return cls(config, weights)
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) in layer order; fused tensors are yielded as views."""
         for module, slot in slot_table(self.config).items():
@@ -104,13 +139,26 @@ class ReferenceTrainer:
             seed: seed of the noise (one per step).
             scale: size of the step relative to each tensor's magnitude.
         """
-        g = torch.Generator().manual_seed(seed)
-        for t in self.weights.values():
-            noise = torch.randn(t.shape, generator=g)
-            # Accumulated in float64, so the float32 result does not depend on how many threads
-            # split the reduction: every process of a world perturbs to the same bits.
-            rms = t.double().pow(2).mean().sqrt().float()
-            t.add_((scale * rms * noise).to(t.dtype))
+        perturb_tensors_(self.weights.values(), seed, scale)
+
+
+@torch.no_grad()
+def perturb_tensors_(tensors: Iterable[torch.Tensor], seed: int, scale: float) -> None:
+    """A training-like step on tensors in place: w += scale * rms(w) * noise (one generator from
+    `seed`, drawn tensor after tensor in the given order).
+
+    Args:
+        tensors: the weights, each once.
+        seed: seed of the noise.
+        scale: size of the step relative to each tensor's root mean square.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        noise = torch.randn(t.shape, generator=g)
+        # Accumulated in float64, so the float32 result does not depend on how many threads
+        # split the reduction: every process of a world perturbs to the same bits.
+        rms = t.double().pow(2).mean().sqrt().float()
+        t.add_((scale * rms * noise).to(t.dtype))
 
 
 def hf_state_dict(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
@@ -118,4 +166,4 @@ def hf_state_dict(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in trainer.named_weights()}
 
 
-__all__ = ["ReferenceTrainer", "hf_state_dict", "hf_weight_shapes", "init_weights"]
+__all__ = ["ReferenceTrainer", "hf_state_dict", "hf_weight_shapes", "init_weights", "perturb_tensors_"]

@@ -53,6 +53,28 @@ def activation_scale_kind(name: str) -> str | None:
     return next((k for k in ACTIVATION_SCALE_KINDS if leaf.endswith(k)), None)
 
 
+def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """Parameters that share another's storage (tied word embeddings): alias name -> the name of
+    the parameter it is tied to (the first name the model lists for that storage).
+
+    vLLM ties `lm_head` to `embed_tokens` by making them one Parameter
+    (`ParallelLMHead.tie_weights`) and never loads `lm_head.weight`: the tie is read from the
+    served model itself, before the layerwise reload restores each layer's parameters on meta
+    (separate tensors then).
+    """
+    first: dict[tuple[object, ...], str] = {}
+    ties: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.device.type == "meta" or p.numel() == 0:
+            continue
+        key = (p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), tuple(p.stride()), p.dtype)
+        if key in first:
+            ties[name] = first[key]
+        else:
+            first[key] = name
+    return ties
+
+
 class FinalizeStats(NamedTuple):
     """What one worker's finalize did (a tuple of plain values: it crosses process boundaries as one).
 
@@ -62,7 +84,8 @@ class FinalizeStats(NamedTuple):
         tensors_loaded: checkpoint tensors handed to `load_weights`.
         parameters_written: engine parameters the loads reported writing (-1: the model's
             `load_weights` does not report them).
-        unwritten: engine parameters the refit should have written and did not (sorted).
+        unwritten: engine parameters the refit should have written and did not (sorted); a tied
+            parameter (`lm_head.weight` of a tied model) counts as written when its tie target is.
         experts_redone: MoE layers whose skipped expert post-processing was redone.
     """
 
@@ -102,6 +125,7 @@ class WorkerRefit:
     expected: set[str] = attrs.field(init=False, factory=set)
     written: set[str] | None = attrs.field(init=False, default=None)
     sent_kinds: set[str] = attrs.field(init=False, factory=set)
+    ties: dict[str, str] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if self.device is None:
@@ -113,6 +137,7 @@ class WorkerRefit:
         if self.loading:
             raise RefitLifecycleError("a vLLM refit is already loading on this worker; finalize or abort it first")
         self.hooks.check_experts(self.model)  # refuses before anything is touched
+        self.ties = tied_parameters(self.model)  # before the reload puts each layer on meta
         self.hooks.initialize_reload(self.model)
         self.loading = True
         self.tensors_loaded = 0
@@ -153,7 +178,11 @@ class WorkerRefit:
             self.hooks.finalize_reload(self.model, self.model_config)
         finally:
             self.loading = False
+        self._reprocess_tied_modules()
         written = self.written
+        if written is not None:  # tied parameters are one storage: written when any of them is
+            written = written | {n for alias, target in self.ties.items() if alias in written or target in written
+                                 for n in (alias, target)}
         redone = self.hooks.redo_experts(self.model, written if written is not None else ())
         seconds = time.perf_counter() - t0
         reset = self.reset_uncalibrated_kv_scales() if self.reset_kv_scales else 0
@@ -162,6 +191,29 @@ class WorkerRefit:
         expected = {n for n in self.expected if (kind := activation_scale_kind(n)) is None or kind in self.sent_kinds}
         unwritten = tuple(sorted(expected - written))
         return FinalizeStats(reset, seconds, self.tensors_loaded, len(written & expected), unwritten, redone)
+
+    def _reprocess_tied_modules(self) -> None:
+        """Run the post-processing of modules that hold only tied parameters the stream did not
+        write (`lm_head` of a tied model): the reload leaves such a module unprocessed, and a
+        quant method may keep a copy of its weight outside the parameters (vLLM's CPU
+        `dispatch_cpu_unquantized_gemm` packs `lm_head.weight` into the layer's `cpu_linear`), which
+        would then serve the previous weights. Parameters are not rebound by it (the storage check
+        still holds); where the method keeps no copy it is a no-op."""
+        written = self.written if self.written is not None else set()
+        done: set[str] = set()
+        for alias, target in self.ties.items():
+            for name, other in ((alias, target), (target, alias)):
+                module_name, other_module = name.rpartition(".")[0], other.rpartition(".")[0]
+                if name in written or module_name == other_module or module_name in done:
+                    continue
+                module = self.model.get_submodule(module_name)
+                qm = getattr(module, "quant_method", None)
+                process = getattr(qm, "process_weights_after_loading", None)
+                if callable(process) and not self.hooks.is_kv_cache_method(qm):
+                    with torch.no_grad():
+                        process(module)
+                    log.debug("tied module re-processed after the reload", module=module_name, tied_to=other)
+                done.add(module_name)
 
     def abort(self) -> None:
         """Put the model back together after a failure (no-op when not loading).

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.cli import options
-from app.cli.demo_settings import arm_factory, settings_from_args
+from app.cli.demo_settings import EMBEDDED_MODELS, arm_factory, is_directory, settings_from_args
 from app.services.demo import DemoResult, StepRecord, run_demo
 from app.services.lifecycle import describe_plan
 
@@ -42,8 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="dense layers' activation scheme (none = weight-only, e.g. NVFP4 on vLLM); default: the preset's")
     p.add_argument("--steps", type=options.steps, default=None,
                    help="training-like steps after the initial sync (default 3; 2 with --engine vllm)")
-    p.add_argument("--model", default=None, choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense"),
-                   help="embedded model (default tiny-moe; micro-moe with --engine vllm)")
+    p.add_argument("--model", default=None, metavar="NAME|DIR", type=options.model_or_directory(EMBEDDED_MODELS),
+                   help="embedded model (tiny-moe, tiny-dense, micro-moe, micro-dense; default tiny-moe, micro-moe "
+                        "with --engine vllm), or DIR: your Hugging Face checkpoint directory (Qwen3 / Qwen3-MoE "
+                        "for the reference engine, any model vLLM serves with --engine vllm)")
     p.add_argument("--commit-mode", default="transactional", choices=("transactional", "per-layer"))
     p.add_argument("--bucket-mb", type=options.mebibytes(), default=1.0, help="bucket capacity in MiB (default 1)")
     p.add_argument("--inject-fault", metavar="FAULT", default=None,
@@ -206,6 +208,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--threads", f"must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     from domain.errors import ConfigError, RefitError
+
+    if is_directory(args.model):
+        for flag, given in (("--procs", args.procs is not None), ("--qat", args.qat is not None),
+                            ("--trainer", args.trainer != "reference")):
+            if given:
+                raise ConfigError("--model", f"a checkpoint directory does not go with {flag} (those demos build "
+                                  "the embedded model); drop one of them")
 
     if args.engine != "reference":  # a real engine (app.services.engine_demo)
         _check_engine_options(args)

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.bootstrap import bootstrap
+from app.cli.demo_settings import is_directory, model_overrides
 from app.services.engine_demo import EngineDemoResult, EngineDemoSettings, EngineStep, run_engine_demo
 from app.services.lifecycle import describe_plan
 from domain.quant.plan import QuantizationPlan
@@ -43,12 +44,16 @@ def engine_overrides(settings: EngineDemoSettings, bucket_mb: float) -> list[str
     engine arguments for a tiny model with no tokenizer (on a machine without CUDA, 1 GiB of
     KV cache in host memory)."""
     plan = settings.plan
+    own = is_directory(settings.model)
+    # your checkpoint: the transformers model is the trainer; the engine starts from its config.json
+    # with dummy weights, as it does on the embedded model, so the first refit writes every weight
+    trainer = ["actor.strategy=hf", "actor.hf.load_model=true"] if own else []
     out = [
         f"rollout.name={settings.engine}", f"rollout.deployment={settings.deployment}",
-        f"reference.model={settings.model}", f"reference.seed={settings.seed}",
+        *model_overrides(settings.model, settings.seed), *trainer,
         f"rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_mb!r}",
         "rollout.engine_kwargs.vllm.engine_args={skip_tokenizer_init: true, dtype: bfloat16, "
-        "enforce_eager: true, max_model_len: 128, seed: 0}",
+        f"enforce_eager: true, max_model_len: 128, seed: 0{', load_format: dummy' if own else ''}}}",
     ]
     if plan.linear.is_quantized:
         out.append(f"rollout.quantization.linear={plan.linear.name}")

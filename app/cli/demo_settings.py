@@ -4,6 +4,7 @@ composition root's services for them, and how a world's typed errors are reporte
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,22 @@ from domain.quant.plan import QuantizationPlan
 
 if TYPE_CHECKING:
     from adapters.distributed.launch import RankResult
+
+EMBEDDED_MODELS = ("tiny-moe", "tiny-dense", "micro-moe", "micro-dense")
+
+
+def is_directory(model: str | None) -> bool:
+    """`--model` names a checkpoint directory (options.model_or_directory made it absolute), not
+    an embedded model."""
+    return model is not None and model not in EMBEDDED_MODELS
+
+
+def model_overrides(model: str, seed: int) -> list[str]:
+    """The configuration of the demo's model: an embedded preset and its seed, or a checkpoint
+    directory (model.path; the seed then only drives the steps and the batch)."""
+    if is_directory(model):
+        return [f"model.path={json.dumps(model)}"]
+    return [f"reference.model={model}", f"reference.seed={seed}"]
 
 
 def _none(preset: str | None) -> str | None:
@@ -40,7 +57,7 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
 def demo_services(settings: DemoSettings) -> Services:
     """The composition root's services for the demo's embedded model, buckets and commit mode."""
     return bootstrap(overrides=[
-        f"reference.model={settings.model}", f"reference.seed={settings.seed}",
+        *model_overrides(settings.model, settings.seed),
         f"rollout.commit_mode={settings.commit_mode}",
         f"rollout.checkpoint_engine.update_weights_bucket_megabytes={settings.bucket_megabytes!r}",
     ])

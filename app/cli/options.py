@@ -103,3 +103,28 @@ steps = integer(0)
 seed = integer(0, MAX_SEED)
 threads = integer(1, MAX_THREADS)
 plot_file = output_file((".png", ".pdf", ".svg"))
+
+
+def model_or_directory(presets: tuple[str, ...]) -> Callable[[str], str]:
+    """An embedded model's name, or an existing checkpoint directory (returned absolute).
+
+    Args:
+        presets: the embedded models' names.
+
+    Returns:
+        The `type=` function.
+    """
+
+    def parse(text: str) -> str:
+        if text in presets:
+            return text
+        path = Path(text).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise argparse.ArgumentTypeError(f"{_short(text)} has no config.json; pass a Hugging Face checkpoint "
+                                                 "directory (config.json and .safetensors files)")
+            return str(path.resolve())
+        raise argparse.ArgumentTypeError(f"expected an embedded model ({', '.join(presets)}) or a checkpoint "
+                                         f"directory, got {_short(text)} (no such directory)")
+
+    return parse

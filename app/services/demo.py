@@ -35,7 +35,7 @@ class DemoSettings:
 
     Attributes:
         plan: the rollout quantization plan under test.
-        model: reference model preset.
+        model: reference model preset, or a checkpoint directory (`--model DIR`).
         seed: seed of the trainer's weights and of the token batch.
         steps: training-like steps after the initial sync.
         commit_mode: the engines' commit mode.

@@ -63,7 +63,7 @@ class EngineDemoSettings:
         engine: the engine's name (vllm).
         deployment: colocated or disaggregated.
         plan: the rollout quantization plan.
-        model: the embedded model preset.
+        model: the embedded model preset, or a checkpoint directory (`--model DIR`).
         seed: seed of the weights and the batch.
         steps: training-like steps after the first refit.
         back: a last refit back to step 0's weights.

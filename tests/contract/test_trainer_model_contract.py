@@ -1,5 +1,6 @@
 """Contract of the TrainerModel port, run against the reference trainer, the embedded trainable
-module's trainer view, and the Megatron-Core adapter (a real GPTModel on CPU).
+module's trainer view, the Megatron-Core adapter (a real GPTModel on CPU), and the Hugging Face
+adapters (a live transformers Qwen3 and Qwen3-MoE, and a checkpoint directory streamed).
 
 Every implementation yields unique Hugging Face names in layer order with full tensors, and
 scores tokens the same way: log-probs <= 0 and entropies >= 0 of shape [B, T - 1], float32, that
@@ -17,15 +18,35 @@ from adapters.qat_reference.embedded import EmbeddedModule
 from adapters.reference.config import MICRO_MOE
 from adapters.reference.trainer import ReferenceTrainer
 
-TRAINERS = ("reference", "embedded-module", "megatron")
-VOCAB = {"reference": MICRO_MOE.vocab_size, "embedded-module": MICRO_MOE.vocab_size, "megatron": 64}
+TRAINERS = ("reference", "embedded-module", "megatron", "hf-module", "hf-module-moe", "hf-checkpoint")
+VOCAB = {"reference": MICRO_MOE.vocab_size, "embedded-module": MICRO_MOE.vocab_size, "megatron": 64,
+         "hf-module": 512, "hf-module-moe": 512, "hf-checkpoint": 512}
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The tiny fixtures (tied Qwen3, tied Qwen3-MoE), written once by transformers."""
+    pytest.importorskip("transformers", reason="needs transformers (the `test` extra)")
+    from adapters.hf.fixtures import write_fixture
+
+    root = tmp_path_factory.mktemp("hf")
+    return {name: write_fixture(name, root / name) for name in ("tiny-qwen3", "tiny-qwen3-moe")}
 
 
 @pytest.fixture(params=TRAINERS)
 def trainer(request):  # type: ignore[no-untyped-def]
     kind = request.param
     request.node.vocab = VOCAB[kind]
-    if kind == "reference":
+    if kind.startswith("hf-"):
+        from adapters.hf.checkpoint import HfCheckpointTrainer
+        from adapters.hf.module import HfModuleTrainer
+
+        dirs = request.getfixturevalue("hf_dirs")
+        if kind == "hf-checkpoint":
+            yield HfCheckpointTrainer.open(dirs["tiny-qwen3-moe"])
+        else:
+            yield HfModuleTrainer.from_pretrained(dirs["tiny-qwen3-moe" if kind == "hf-module-moe" else "tiny-qwen3"])
+    elif kind == "reference":
         yield ReferenceTrainer.from_seed(MICRO_MOE, 0)
     elif kind == "embedded-module":
         yield EmbeddedModule.from_seed(MICRO_MOE, 0).trainer()

@@ -86,6 +86,18 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, shard_rows: list[int]) ->
     return p
 
 
+class FakePackedHeadMethod:
+    """vLLM's UnquantizedEmbeddingMethod on CPU: processing packs a copy of the weight outside the
+    parameters (`dispatch_cpu_unquantized_gemm`'s `cpu_linear`), and serving reads that copy."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.calls += 1
+        layer.packed = layer.weight.detach().clone()
+
+
 class FakeLinear(nn.Module):
     def __init__(self, shards: list[int], k: int, quantized: bool) -> None:
         super().__init__()
@@ -142,11 +154,14 @@ class FakeVllmModel(nn.Module):
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, quantized: bool = True, kv_cache_scheme: dict | None = None,
-                 scales_as_parameters: bool = False) -> None:
+                 scales_as_parameters: bool = False, tied: bool = False) -> None:
         super().__init__()
         qc = FakeQuantConfig(kv_cache_scheme) if quantized else None
+        self.tied = tied
         self.embed_tokens = nn.Embedding(VOCAB, H, dtype=torch.bfloat16)
         self.embed_tokens.weight.requires_grad_(False)
+        if tied:  # vLLM's VocabParallelEmbedding: a parameter with a weight_loader
+            self.embed_tokens.weight = _param((VOCAB, H), torch.bfloat16, [VOCAB])
         self.layers = nn.ModuleList()
         for _ in range(LAYERS):
             layer = nn.Module()
@@ -161,17 +176,21 @@ class FakeVllmModel(nn.Module):
             layer.input_layernorm.weight = _param((H,), torch.bfloat16, [H])
             self.layers.append(layer)
         self.lm_head = nn.Module()
-        self.lm_head.weight = _param((VOCAB, H), torch.bfloat16, [VOCAB])
+        # tied (vLLM's `lm_head.tie_weights(embed_tokens)`): one Parameter under two names
+        self.lm_head.weight = self.embed_tokens.weight if tied else _param((VOCAB, H), torch.bfloat16, [VOCAB])
+        if tied:
+            self.lm_head.quant_method = FakePackedHeadMethod()
         self.names_loaded: list[str] = []
         self.load_calls = 0
         self.fail_at_call: int | None = None
         # vLLM's record_metadata_for_reloading: checkpoint-format parameters, before processing
         self.ckpt_meta = {m: {n: (tuple(p.shape), p.dtype, p.weight_loader, p.shard_rows)
-                              for n, p in m.named_parameters(recurse=False) if hasattr(p, "weight_loader")}
+                              for n, p in m.named_parameters(recurse=False, remove_duplicate=False)
+                              if hasattr(p, "weight_loader")}
                           for m in self.modules()}
         for m in self.modules():  # the engine's first load: kernel layout
             qm = getattr(m, "quant_method", None)
-            if isinstance(qm, (FakeFp8BlockLinearMethod, FakeUnquantizedLinearMethod)):
+            if isinstance(qm, (FakeFp8BlockLinearMethod, FakeUnquantizedLinearMethod, FakePackedHeadMethod)):
                 qm.process_weights_after_loading(m)
                 qm.calls = 0
 
@@ -179,12 +198,14 @@ class FakeVllmModel(nn.Module):
         self.load_calls += 1
         if self.fail_at_call == self.load_calls - 1:
             raise RuntimeError(f"injected failure in load_weights call {self.load_calls - 1}")
-        params = dict(self.named_parameters())
+        params = dict(self.named_parameters(remove_duplicate=False))
         loaded = set()
         for name, tensor in weights:
             self.names_loaded.append(name)
             target, shard = name.removeprefix("model."), None
-            if target == "embed_tokens.weight":
+            if self.tied and target.startswith("lm_head."):
+                continue  # vLLM's AutoWeightsLoader(skip_prefixes=["lm_head."]) of a tied model
+            if target == "embed_tokens.weight" and not self.tied:
                 with torch.no_grad():
                     self.embed_tokens.weight.copy_(tensor)
                 loaded.add(target)
@@ -219,7 +240,7 @@ class FakeLayerwise:
             meta = model.ckpt_meta.get(m) or {}
             if not meta:
                 continue
-            kernel = dict(m.named_parameters(recurse=False))
+            kernel = dict(m.named_parameters(recurse=False, remove_duplicate=False))
             info = {"kernel": kernel, "meta": meta, "loaded": [], "numel": 0,
                     "total": sum(math.prod(s) for s, *_ in meta.values()), "done": False}
             self.info[m] = info
@@ -284,15 +305,17 @@ def fake_log_probs(model: FakeVllmModel):  # type: ignore[no-untyped-def]
 
     def log_probs(input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = model.embed_tokens.weight[input_ids[:, :-1]].float()
-        logits = hidden @ model.lm_head.weight.float().t() / temperature
+        head = getattr(model.lm_head, "packed", model.lm_head.weight)  # a tied head serves its packed copy
+        logits = hidden @ head.float().t() / temperature
         logp = torch.log_softmax(logits, dim=-1)
         return logp.gather(-1, input_ids[:, 1:, None])[..., 0], -(logp.exp() * logp).sum(-1)
 
     return log_probs
 
 
-def trainer_weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """The trainer's BF16 weights for the fake model, in layer order (Hugging Face names)."""
+def trainer_weights(seed: int = 0, tied: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's BF16 weights for the fake model, in layer order (Hugging Face names; a tied
+    model has no `lm_head.weight`, as transformers writes it)."""
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int) -> torch.Tensor:
@@ -306,7 +329,8 @@ def trainer_weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
                   (p + "self_attn.v_proj.weight", w(H, H)), (p + "self_attn.o_proj.weight", w(H, H)),
                   (p + "mlp.gate_proj.weight", w(INTER, H)), (p + "mlp.up_proj.weight", w(INTER, H)),
                   (p + "mlp.down_proj.weight", w(H, INTER))]
-    named.append(("lm_head.weight", w(VOCAB, H)))
+    if not tied:
+        named.append(("lm_head.weight", w(VOCAB, H)))
     return named
 
 
@@ -326,11 +350,12 @@ def checkpoint_stream(quantized: bool, seed: int = 0) -> list[tuple[str, torch.T
 class FakeTrainer:
     """A TrainerModel over `trainer_weights(seed)` (the seed changes per refit when asked)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, tied: bool = False) -> None:
         self.seed = seed
+        self.tied = tied
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return trainer_weights(self.seed)
+        return trainer_weights(self.seed, self.tied)
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0):  # type: ignore[no-untyped-def]
         raise NotImplementedError

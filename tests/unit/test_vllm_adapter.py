@@ -393,3 +393,53 @@ def test_finalize_stats_and_fingerprints_survive_plain_values() -> None:
     _, _, engine = build()
     fp = engine.storage_fingerprint()
     assert StorageFingerprint.from_plain(json.loads(json.dumps(fp.to_plain()))) == fp
+
+
+# --- tied word embeddings (issue 24) -------------------------------------------------------------
+
+
+def test_tied_parameters_are_read_from_shared_storage() -> None:
+    from adapters.vllm.worker import tied_parameters
+
+    assert tied_parameters(FakeVllmModel(tied=True)) == {"lm_head.weight": "embed_tokens.weight"}
+    assert tied_parameters(FakeVllmModel()) == {}
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_a_tied_model_refits_without_lm_head_and_its_head_follows_the_embeddings(quantized) -> None:
+    model, _, engine = build(quantized, tied=True)
+    svc = RefitService(FakeTrainer(tied=True), engine, fp8_plan(quantized), bucket_bytes=SMALL_BUCKET)
+    report = svc.refit()
+    assert report.ok and report.unwritten == () and not engine.is_stale
+    assert "lm_head.weight" not in model.names_loaded
+    assert model.lm_head.weight is model.embed_tokens.weight  # still one storage after the reload
+    embed = dict(FakeTrainer(tied=True).named_weights())["model.embed_tokens.weight"]
+    assert torch.equal(model.lm_head.weight, embed)
+    svc.trainer = FakeTrainer(seed=1, tied=True)
+    assert svc.refit().ok
+    embed = dict(FakeTrainer(1, tied=True).named_weights())["model.embed_tokens.weight"]
+    assert torch.equal(model.lm_head.weight, embed)
+    # the head's copy outside the parameters (vLLM's CPU packing) follows too: serving is the new weights
+    assert torch.equal(model.lm_head.packed, embed)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    logits = embed[ids[:, :-1]].float() @ embed.float().t()
+    assert torch.equal(engine.log_probs(ids)[0], torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0])
+
+
+def test_a_tied_model_whose_embeddings_are_missing_still_fails_closed_naming_both() -> None:
+    class NoEmbed(FakeTrainer):
+        def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+            return [(n, t) for n, t in super().named_weights() if "embed_tokens" not in n]
+
+    _, _, engine = build(tied=True)
+    svc = RefitService(NoEmbed(tied=True), engine, fp8_plan(), bucket_bytes=SMALL_BUCKET)
+    with pytest.raises(RefitFailed, match=r"RefitIncomplete") as info:
+        svc.refit()
+    assert {"embed_tokens.weight", "lm_head.weight"} <= set(info.value.report.unwritten)
+
+
+def test_an_untied_model_still_needs_its_lm_head() -> None:
+    _, _, engine = build()
+    svc = RefitService(FakeTrainer(tied=True), engine, fp8_plan(), bucket_bytes=SMALL_BUCKET)
+    with pytest.raises(RefitFailed, match=r"never written \(lm_head\.weight\)"):
+        svc.refit()

@@ -179,3 +179,24 @@ def test_bf16_moe_refits_are_right_and_vllms_reload_alone_is_not(cold_cache: Pat
     off = steps["without the expert redo"]
     assert off["ok"] and off["storage_ok"] and off["equals_cold_start"] is False
     assert off["differing"] and all(".experts." in name for name in off["differing"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
+@pytest.mark.parametrize(("fixture", "moe"), [("tiny-qwen3", "FP8_BLOCK"), ("tiny-qwen3-moe", "BF16")])
+def test_your_own_tied_checkpoint_refits_and_equals_a_cold_start(cold_cache: Path, tmp_path: Path, deployment: str,
+                                                                   fixture: str, moe: str) -> None:
+    """`refit demo --model DIR --engine vllm`'s path on a tied Qwen3 / Qwen3-MoE written by
+    transformers: no lm_head.weight is sent, none is unwritten, and the served head follows the
+    embeddings (vLLM's CPU build packs it outside the parameters)."""
+    from adapters.hf.fixtures import write_fixture
+
+    model = write_fixture(fixture, tmp_path / fixture)
+    result = scenario(cold_cache, scenario="matrix", deployment=deployment, model=str(model),
+                      linear="FP8_BLOCK", moe=moe)
+    assert result["refused_before_first_refit"]
+    steps = _by_name(result)
+    assert list(steps) == ["first", "second", "back"]
+    for step in steps.values():
+        _equal(step)
+    assert result["rebound"] == []
