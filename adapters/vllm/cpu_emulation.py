@@ -9,9 +9,10 @@ creation, loading, `process_weights_after_loading` and the layerwise reload a re
 vLLM's own code.
 
 How it is loaded: vLLM calls every `vllm.general_plugins` entry point in each of its processes (the
-front end, the engine core, every worker); rl-refit declares `register` there (pyproject.toml).
-It does nothing unless the platform is vLLM's CPU platform, and the mode the composition root put
-in the engine's environment (`rollout.engine_kwargs.vllm.cpu_emulation`, as `ENV_VAR`) allows:
+front end, the engine core, every worker); rl-refit declares adapters.vllm.plugin:register there
+(pyproject.toml), which calls `apply` with the mode the composition root put in the engine's
+environment (`rollout.engine_kwargs.vllm.cpu_emulation`, as `ENV_VAR`). It does nothing unless the
+platform is vLLM's CPU platform and the mode allows:
 
 | mode | formats whose matmul is emulated |
 |---|---|
@@ -19,16 +20,13 @@ in the engine's environment (`rollout.engine_kwargs.vllm.cpu_emulation`, as `ENV
 | `auto` (default) | those with no native kernel on this CPU, judged by vLLM's own kernel reasons |
 | `on` | every format the plugin knows (FP8_BLOCK too where AMX is present) |
 
-`register` is the engine process's entry: the one place on the engine side that reads this
-variable (vLLM's own environment variables are read by vLLM). The decision itself
-(`emulated_formats`) is a pure function, tested without vLLM.
+The decision itself (`emulated_formats`) is a pure function, tested without vLLM.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -151,8 +149,11 @@ def install(names: tuple[str, ...]) -> list[str]:
     return done + moe_emulation.install(names)
 
 
-def status(mode: str | None = None) -> dict[str, Any]:
+def status(mode: str | None) -> dict[str, Any]:
     """What the plugin does in this process. Imports vllm.
+
+    Args:
+        mode: auto, on or off (None or empty: auto).
 
     Returns:
         platform, on_cpu, mode; `native`: format -> None (vLLM has a kernel on this machine) or
@@ -162,7 +163,7 @@ def status(mode: str | None = None) -> dict[str, Any]:
     """
     from vllm.platforms import current_platform
 
-    chosen = parse_mode(mode if mode is not None else os.environ.get(ENV_VAR))
+    chosen = parse_mode(mode)
     on_cpu = bool(current_platform.is_cpu())
     native = native_kernels() if on_cpu else {}
     emulated, unavailable = [], {}
@@ -180,23 +181,25 @@ def status(mode: str | None = None) -> dict[str, Any]:
             "emulated": emulated, "unavailable": unavailable}
 
 
-def register() -> None:
-    """vLLM's `vllm.general_plugins` entry point: emulate what this CPU has no kernel for."""
+def apply(mode: str | None) -> list[str]:
+    """Emulate what this CPU has no kernel for, per `mode`, in this (vLLM) process: register the
+    kernels and say so in vLLM's log. Does nothing off vLLM's CPU platform. Returns the kernels."""
     log = logging.getLogger(LOGGER)
     try:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            return
-        state = status()
+            return []
+        state = status(mode)
     except ValueError as err:
         log.error("rl-refit CPU emulation is off: %s", err)
-        return
+        return []
     if not state["emulated"]:
-        return
+        return []
     kernels = install(tuple(state["emulated"]))
     log.info("rl-refit CPU emulation (%s=%s): emulated matmuls for %s (%s); weights, loading and reload stay vLLM's",
              ENV_VAR, state["mode"], ", ".join(state["emulated"]), ", ".join(kernels))
+    return kernels
 
 
 def main() -> int:

@@ -55,7 +55,7 @@ def _status(mode: str) -> dict[str, object]:
 def test_vllm_finds_the_plugin_and_auto_adds_a_kernel_for_each_format_this_cpu_has_none_for() -> None:
     status = _status("auto")
     found = _tables("cpu", "auto")
-    assert found["plugin"] == ["adapters.vllm.cpu_emulation:register"]
+    assert found["plugin"] == ["adapters.vllm.plugin:register"]
     tables = found["tables"]
     assert isinstance(tables, dict)
     for fmt, kernel in OURS.items():
