@@ -23,10 +23,11 @@ import re
 import secrets
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ class EngineProcess:
     @classmethod
     def start(cls, python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str] | None = None,
               host: str = "127.0.0.1", start_timeout_s: float = 600.0, timeout_s: float = 600.0,
-              log_path: str | Path | None = None) -> EngineProcess:
+              log_path: str | Path | None = None, notify: Callable[[str], None] | None = None) -> EngineProcess:
         """Start the host and wait until its engine serves.
 
         Args:
@@ -131,6 +132,8 @@ class EngineProcess:
             start_timeout_s: bound on the engine's start.
             timeout_s: bound on each later request.
             log_path: the host's output (default: a file in the temporary directory).
+            notify: told every 30 s that the host has not connected yet (default: a line on
+                stderr), so that a slow start is never silence.
 
         Returns:
             The running EngineProcess. Raises EngineProcessError (with the end of the host's log)
@@ -150,7 +153,7 @@ class EngineProcess:
                                     start_new_session=True)
         reaper = _Reaper(proc)
         try:
-            channel = cls._accept(listener, proc, out, start_timeout_s)
+            channel = cls._accept(listener, proc, out, start_timeout_s, notify or _say)
             hello = channel.receive(start_timeout_s)
         except BaseException:  # Ctrl-C, SIGTERM, a timeout: nothing of the engine is left running
             reaper.kill()
@@ -170,7 +173,8 @@ class EngineProcess:
         return cls(proc, channel, out, list(result["workers"]), timeout_s, reaper)
 
     @staticmethod
-    def _accept(listener: Any, proc: subprocess.Popen[bytes], out: Path, timeout_s: float) -> Channel:
+    def _accept(listener: Any, proc: subprocess.Popen[bytes], out: Path, timeout_s: float,
+                notify: Callable[[str], None]) -> Channel:
         start = time.monotonic()
         said = 0.0
         listener.settimeout(1.0)
@@ -191,8 +195,8 @@ class EngineProcess:
                     f"{_diagnosis(out)}")
             if waited - said >= _PROGRESS_EVERY_S:
                 said = waited
-                log.info("waiting for the vllm engine host to start", pid=proc.pid, waited_s=round(waited),
-                         timeout_s=timeout_s, log=str(out))
+                notify(f"waiting for the vLLM engine host (pid {proc.pid}) to start: {waited:.0f} s of "
+                       f"{timeout_s:g} s (rollout.engine_kwargs.vllm.start_timeout_s); its log: {out}")
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -270,6 +274,10 @@ class EngineProcess:
 
 
 _PROGRESS_EVERY_S = 30.0
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 _EXIT_GRACE_S = 2.0
 
 

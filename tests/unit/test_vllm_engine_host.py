@@ -115,13 +115,20 @@ def test_a_clean_close_stops_everything_and_removes_the_log(fake_host) -> None: 
     assert not (tmp / "host.log").exists()
 
 
-def test_a_host_that_never_connects_is_killed_at_its_start_timeout(fake_host) -> None:  # type: ignore[no-untyped-def]
+def test_a_host_that_never_connects_is_killed_at_its_start_timeout(fake_host, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from adapters.vllm import remote
+
+    monkeypatch.setattr(remote, "_PROGRESS_EVERY_S", 0.5)
     start, tmp = fake_host
+    said: list[str] = []
     began = time.monotonic()
     with pytest.raises(EngineProcessError, match=r"did not connect within 1\.5 s .*start_timeout_s\) and was killed"):
-        start("silent", start_timeout_s=1.5)
+        start("silent", start_timeout_s=1.5, notify=said.append)
     assert time.monotonic() - began < 10
     assert _gone(_child(tmp))
+    # never silence while it waits: a line, with what it waits for and for how long
+    assert said and all(line.startswith("waiting for the vLLM engine host (pid ") and "of 1.5 s" in line
+                        for line in said)
 
 
 def test_a_failed_start_leads_with_the_root_cause_and_keeps_the_log(fake_host) -> None:  # type: ignore[no-untyped-def]
