@@ -106,4 +106,46 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("symbol", "vllm.model_executor.model_loader.reload.meta:materialize_layer", ("layer", "info")),
     ("contains", "vllm.model_executor.model_loader.reload.layerwise:make_online_process_loader",
      ("@wraps(original_loader", "def online_process_loader")),
+    # the CPU emulation plugin (cpu_emulation.py, fp8_block_kernel.py): vLLM's per-platform kernel
+    # tables it extends, the kernels it registers, the base class of its FP8 block kernel
+    ("symbol", "vllm.platforms:PlatformEnum", ()),
+    ("symbol", "vllm.platforms:current_platform", ()),
+    ("symbol", "vllm.model_executor.kernels.linear:_POSSIBLE_FP8_BLOCK_KERNELS", ()),
+    ("symbol", "vllm.model_executor.kernels.linear:_POSSIBLE_MXFP8_KERNELS", ()),
+    ("symbol", "vllm.model_executor.kernels.linear:_POSSIBLE_MXFP4_KERNELS", ()),
+    ("symbol", "vllm.model_executor.kernels.linear:_POSSIBLE_NVFP4_KERNELS", ()),
+    ("symbol", "vllm.model_executor.kernels.linear.mxfp8.emulation:EmulationMxfp8LinearKernel", ()),
+    ("symbol", "vllm.model_executor.kernels.linear.mxfp4.emulation:EmulationMxfp4LinearKernel", ()),
+    ("symbol", "vllm.model_executor.kernels.linear.nvfp4.emulation:EmulationNvFp4LinearKernel", ()),
+    ("symbol", "vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel:Fp8BlockScaledMMLinearKernel", ()),
+    ("member", "vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel:"
+               "Fp8BlockScaledMMLinearKernel.apply_block_scaled_mm", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.input_quant_fp8:QuantFP8", ()),
+    # emulated MoE experts (moe_emulation.py, moe_emulation_experts.py): the expert-backend
+    # look-ups wrapped where the compressed-tensors MoE methods call them, and what the experts use
+    ("symbol", "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+               "compressed_tensors_moe_w8a8_fp8:select_fp8_moe_backend", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+               "compressed_tensors_moe_w8a8_mxfp8:select_mxfp8_moe_backend", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+               "compressed_tensors_moe_w4a4_nvfp4:select_nvfp4_moe_backend", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.activation:MoEActivation", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.config:FusedMoEConfig", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.config:FusedMoEQuantConfig", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.experts.triton_moe:TritonExperts", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.oracle.fp8:Fp8MoeBackend", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.oracle.nvfp4:NvFp4MoeBackend", ()),
+    ("symbol", "vllm.model_executor.layers.fused_moe.topk_weight_and_reduce:TopKWeightAndReduceNoOP", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.mxfp8_utils:MXFP8_BLOCK_SIZE", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.mxfp8_utils:dequant_mxfp8_to_bf16", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.mxfp8_utils:mxfp8_e4m3_quantize", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils:dequantize_to_dtype", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:GroupShape", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:QuantKey", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:kFp8Dynamic128Sym", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:kFp8Static128BlockSym", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:kMxfp8Dynamic", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:kMxfp8Static", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:kNvfp4Static", ()),
 )
