@@ -92,7 +92,8 @@ def emulated_formats(mode: str, *, on_cpu: bool, native: Mapping[str, str | None
     return tuple(f.name for f in FORMATS if mode == "on" or native.get(f.name) is not None)
 
 
-def _import(path: str) -> Any:
+def resolve(path: str) -> Any:
+    """The object a "module:qualname" path names (importing the module)."""
     import importlib
 
     module, _, qualname = path.partition(":")
@@ -138,7 +139,7 @@ def install(names: tuple[str, ...]) -> list[str]:
     for fmt in FORMATS:
         if fmt.name not in names:
             continue
-        kernel = _import(fmt.kernel)
+        kernel = resolve(fmt.kernel)
         table = getattr(linear, fmt.registry).setdefault(PlatformEnum.CPU, [])
         if kernel not in table:
             table.append(kernel)
@@ -168,7 +169,7 @@ def status(mode: str | None) -> dict[str, Any]:
     native = native_kernels() if on_cpu else {}
     emulated, unavailable = [], {}
     for name in emulated_formats(chosen, on_cpu=on_cpu, native=native):
-        kernel = _import(next(f.kernel for f in FORMATS if f.name == name))
+        kernel = resolve(next(f.kernel for f in FORMATS if f.name == name))
         ok, reason = kernel.is_supported()
         if ok:
             emulated.append(name)

@@ -44,6 +44,8 @@ from typing import Any
 import attrs
 import torch
 
+from adapters.vllm.cpu_emulation import resolve
+
 # vLLM's logger tree (as cpu_emulation's): its handler and format apply to children of "vllm".
 LOGGER = "vllm.rl_refit.moe_emulation"
 _CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
@@ -82,14 +84,6 @@ PATCHES: tuple[SelectorPatch, ...] = (
 _ORIGINALS: dict[tuple[str, str], Any] = {}
 
 
-def _import(path: str) -> Any:
-    module, _, qualname = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def install(formats: Iterable[str], patches: tuple[SelectorPatch, ...] = PATCHES) -> list[str]:
     """Wrap the expert-backend look-up of each format in `formats`; idempotent.
 
@@ -108,7 +102,7 @@ def install(formats: Iterable[str], patches: tuple[SelectorPatch, ...] = PATCHES
         module = importlib.import_module(patch.module)
         current = getattr(module, patch.name)
         if not getattr(current, _MARK, False):
-            wrapped = _import(patch.wrapper)(current)
+            wrapped = resolve(patch.wrapper)(current)
             setattr(wrapped, _MARK, True)
             _ORIGINALS[(patch.module, patch.name)] = current
             setattr(module, patch.name, wrapped)
@@ -175,7 +169,7 @@ def steer_fp8(original: Callable[..., Any]) -> Callable[..., Any]:
 
         if backend is not Fp8MoeBackend.NONE or not _on_cpu():
             return backend, experts
-        ours = _import(_EXPERTS + ":TorchFp8BlockExperts")
+        ours = resolve(_EXPERTS + ":TorchFp8BlockExperts")
         if not _fits(ours, config, weight_key, activation_key)[0]:
             return backend, experts
         _log_choice("FP8_BLOCK", Fp8MoeBackend.TRITON, ours, "no FP8 MoE backend")
@@ -197,7 +191,7 @@ def steer_mxfp8(original: Callable[..., Any]) -> Callable[..., Any]:
         if not (backend is Fp8MoeBackend.EMULATION and isinstance(experts, type)
                 and issubclass(experts, TritonExperts) and _on_cpu()):
             return backend, experts
-        ours = _import(_EXPERTS + ":TorchMxfp8Experts")
+        ours = resolve(_EXPERTS + ":TorchMxfp8Experts")
         if not _fits(ours, config, kMxfp8Static, kMxfp8Dynamic)[0]:
             return backend, experts
         _log_choice("MXFP8", backend, ours, f"{backend.value} with {experts.__name__}, Triton")
@@ -219,7 +213,7 @@ def steer_nvfp4(original: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
 
-            ours = _import(_EXPERTS + ":TorchNvfp4Experts")
+            ours = resolve(_EXPERTS + ":TorchNvfp4Experts")
             ok, reason = _fits(ours, config, weight_key, activation_key)
             if not ok:
                 raise NotImplementedError(f"{err} (rl-refit's {ours.__name__}: {reason})") from err

@@ -93,7 +93,7 @@ def test_one_wrapper_per_lookup_for_formats_the_linear_plugin_knows() -> None:
     assert {p.format for p in moe_emulation.PATCHES} <= set(names)
     assert len({(p.module, p.name) for p in moe_emulation.PATCHES}) == len(moe_emulation.PATCHES)
     for patch in moe_emulation.PATCHES:
-        assert callable(moe_emulation._import(patch.wrapper))  # resolvable without vLLM (vLLM is imported on call)
+        assert callable(moe_emulation.resolve(patch.wrapper))  # resolvable without vLLM (vLLM is imported on call)
         assert patch.module.startswith("vllm.model_executor.layers.quantization.compressed_tensors.")
 
 
