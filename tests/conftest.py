@@ -22,3 +22,18 @@ def _fresh_logging():  # type: ignore[no-untyped-def]
     yield
     structlog.reset_defaults()
     app.logging._configured = False
+
+
+@pytest.fixture
+def cli_logging_to_this_tests_stderr():  # type: ignore[no-untyped-def]
+    """For tests that run CLI commands in process: `configure_logging` binds the stderr of the
+    moment and pytest swaps stderr per test, so each test may configure it afresh; the earlier
+    configuration is put back after it."""
+    import structlog
+
+    import app.logging
+
+    saved = structlog.get_config()
+    app.logging._configured = False
+    yield
+    structlog.configure(**saved)

@@ -7,7 +7,6 @@ import builtins
 import errno
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +24,7 @@ from domain.quant.codecs import quantize_weight
 from domain.quant.formats import FP8_BLOCK, MXFP8
 from tests.integration.export_models import save_tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _logging_to_this_tests_stderr(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    # configure_logging binds the stderr of the moment; pytest swaps stderr per test
-    import structlog
-
-    import app.logging
-
-    saved = structlog.get_config()
-    monkeypatch.setattr(app.logging, "_configured", False)
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("cli_logging_to_this_tests_stderr")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -40,16 +39,7 @@ FIXED = ["", " ", "\t", ".", "..", "/", "~", "{t}", "{t}/o", "{t}/o/", "{t}/mode
 Entry = tuple[str, bytes | str]
 
 
-@pytest.fixture(autouse=True)
-def _logging_to_this_tests_stderr(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    import structlog
-
-    import app.logging
-
-    saved = structlog.get_config()
-    monkeypatch.setattr(app.logging, "_configured", False)
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("cli_logging_to_this_tests_stderr")
 
 
 @pytest.fixture(scope="module")
