@@ -38,7 +38,7 @@ from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.guard import EngineGuard
 from domain.refit.report import EngineFinalizeResult
 from domain.refit.session import CommitMode
-from domain.refit.storage import StorageFingerprint
+from domain.refit.storage import StorageFingerprint, tensor_digest
 
 # A verifier sees one commit group's post-processed tensors ("key.local" -> tensor) before they
 # are committed, and raises to stop the commit.
@@ -337,3 +337,37 @@ class ReferenceEngine:
         check_input_ids(self.config, input_ids)
         logits = forward_logits(self.config, self.effective_weights(), input_ids, self._act)
         return log_probs_from_logits(logits, input_ids, temperature)
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy continuations of token-id prompts (EngineInspection port); refused while stale
+        or mid-refit."""
+        self._guard.check_serving()
+        out = []
+        for prompt in prompts:
+            if not prompt or min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
+                raise ValueError(f"greedy: each prompt must be 1 or more token ids in [0, {self.config.vocab_size}), "
+                                 f"got {list(prompt)[:8]}")
+            ids = torch.tensor([list(prompt)], dtype=torch.long)
+            new: list[int] = []
+            for _ in range(max_tokens):
+                logits = forward_logits(self.config, self.effective_weights(), ids, self._act)
+                token = int(logits[0, -1].argmax())
+                new.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            out.append(new)
+        return out
+
+    # --- inspection (EngineInspection port) ------------------------------------------------
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every live tensor, by the engine's own name."""
+        return {name: tensor_digest(t) for name, t in self.live_weights().items()}
+
+    def kv_scales(self) -> dict[str, list[float]]:
+        """Each attention layer's [q, k, v, prob] scales (`layers.0.attn`, ...)."""
+        return {f"layers.{i}.attn": [float(self._kv[f"layers.{i}.attn.{s}"]) for s in KV_SCALES]
+                for i in range(self.config.num_layers)}
+
+    def close(self) -> None:
+        """Nothing to release: the engine is tensors in this process."""
+        return None

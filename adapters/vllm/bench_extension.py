@@ -1,9 +1,11 @@
 """The worker extension of `refit bench engine`: rl-refit's, plus the two baselines the bench
 measures inside the same engine (vLLM imports this module inside its workers, by name).
 
-- `rl_refit_bench_reload(path)`: vLLM's own `Worker.reload_weights(weights_path=path,
+Both are protocol RPCs (adapters.vllm.protocol), with their records here:
+
+- `BenchReload(path)` (`rl_refit_bench_reload`): vLLM's own `Worker.reload_weights(weights_path=path,
   is_checkpoint_format=True)`, the way to refit a vLLM engine from a checkpoint on disk.
-- `rl_refit_bench_mode("load_weights")`: until set back to `"refit"`, the refit steps skip
+- `BenchMode("load_weights")` (`rl_refit_bench_mode`): until set back to `"refit"`, the refit steps skip
   vLLM's layerwise reload and hand each bucket's tensors straight to `model.load_weights`. That
   is only a timing baseline: without the layerwise reload, a loader writes into parameters that
   vLLM has already processed into kernel format (on CPU a dense weight is an empty tensor beside
@@ -13,13 +15,41 @@ measures inside the same engine (vLLM imports this module inside its workers, by
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
 import torch
 
+from adapters.vllm import protocol as p
 from adapters.vllm.extension import RefitWorkerExtension
+from adapters.vllm.protocol import answer
 
 MODES = ("refit", "load_weights")
+
+
+@attrs.frozen
+class BenchMode(p.Request[p.Done]):
+    """How the next refits load: `refit` (rl-refit's WorkerRefit) or `load_weights` (the baseline)."""
+
+    METHOD: ClassVar[str] = "rl_refit_bench_mode"
+    REPLY: ClassVar[type[p.Record]] = p.Done
+
+    mode: str = attrs.field(converter=str)
+
+
+@attrs.frozen
+class Seconds(p.Record):
+    seconds: float = attrs.field(converter=float)
+
+
+@attrs.frozen
+class BenchReload(p.Request[Seconds]):
+    """vLLM's `reload_weights` from the checkpoint directory `path`."""
+
+    METHOD: ClassVar[str] = "rl_refit_bench_reload"
+    REPLY: ClassVar[type[p.Record]] = Seconds
+
+    path: str = attrs.field(converter=str)
 
 
 class BenchExtension(RefitWorkerExtension):
@@ -28,7 +58,13 @@ class BenchExtension(RefitWorkerExtension):
     def _rl_refit_bench_mode(self) -> str:
         return str(getattr(self, "_rl_refit_bench", "refit"))
 
-    def rl_refit_bench_mode(self, mode: str) -> None:
+    def rl_refit_bench_mode(self, request: dict[str, Any]) -> dict[str, Any]:
+        return answer(BenchMode, request, self._rl_refit_on_bench_mode)
+
+    def rl_refit_bench_reload(self, request: dict[str, Any]) -> dict[str, Any]:
+        return answer(BenchReload, request, lambda r: Seconds(self._rl_refit_bench_reload(r.path)))
+
+    def _rl_refit_on_bench_mode(self, request: BenchMode) -> p.Record:
         """How the next refits load: `refit` (rl-refit's WorkerRefit) or `load_weights` (the baseline).
 
         Entering `load_weights` sets the engine's processed tensors aside and gives every layer
@@ -36,18 +72,20 @@ class BenchExtension(RefitWorkerExtension):
         vLLM's `create_weights` and its processing), so that `model.load_weights` has somewhere
         to write; leaving it puts the processed tensors back, untouched. Neither is timed.
         """
+        mode = request.mode
         if mode not in MODES:
             raise ValueError(f"bench mode {mode!r} is not one of {', '.join(MODES)}")
         if mode == self._rl_refit_bench_mode():
-            return
+            return p.Done()
         if mode == "load_weights":
             self._rl_refit_bench_kept = _checkpoint_format(self._rl_refit_state().model)
         else:
             _put_back(self._rl_refit_bench_kept)
             self._rl_refit_bench_kept = []
         self._rl_refit_bench = mode
+        return p.Done()
 
-    def rl_refit_bench_reload(self, path: str) -> float:
+    def _rl_refit_bench_reload(self, path: str) -> float:
         """vLLM's `reload_weights` from the checkpoint directory `path`; returns its seconds.
 
         An engine started with `load_format: dummy` has a loader that cannot read files, so the
@@ -67,11 +105,11 @@ class BenchExtension(RefitWorkerExtension):
 
     # --- the per-bucket load_weights baseline ------------------------------------------------------
 
-    def rl_refit_begin(self) -> None:
+    def _rl_refit_on_begin(self, request: p.Begin) -> p.Record:
         if self._rl_refit_bench_mode() == "refit":
-            super().rl_refit_begin()
-            return
+            return super()._rl_refit_on_begin(request)
         self._rl_refit_bench_loaded = 0
+        return p.Done()
 
     def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         if self._rl_refit_bench_mode() == "refit":
@@ -85,14 +123,15 @@ class BenchExtension(RefitWorkerExtension):
         self._rl_refit_bench_loaded = int(getattr(self, "_rl_refit_bench_loaded", 0)) + len(owned)
         return len(owned)
 
-    def rl_refit_finalize(self, reset_kv_scales: bool) -> list[Any]:
+    def _rl_refit_on_finalize(self, request: p.Finalize) -> p.FinalizeReply:
         if self._rl_refit_bench_mode() == "refit":
-            return super().rl_refit_finalize(reset_kv_scales)
-        return [0, 0.0, int(getattr(self, "_rl_refit_bench_loaded", 0)), -1, [], 0]
+            return super()._rl_refit_on_finalize(request)
+        return p.FinalizeReply(0, 0.0, int(getattr(self, "_rl_refit_bench_loaded", 0)))
 
-    def rl_refit_abort(self) -> None:
+    def _rl_refit_on_abort(self, request: p.Abort) -> p.Record:
         if self._rl_refit_bench_mode() == "refit":
-            super().rl_refit_abort()
+            return super()._rl_refit_on_abort(request)
+        return p.Done()
 
 
 # (layer, its parameters, its buffers, its non-persistent buffer names), exactly as they were

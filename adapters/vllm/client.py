@@ -13,10 +13,19 @@ import attrs
 import torch
 
 from adapters.vllm.engine_args import EXTENSION
-from adapters.vllm.worker import FinalizeStats
+from adapters.vllm.protocol import (
+    Abort,
+    Begin,
+    Finalize,
+    FinalizeReply,
+    Load,
+    R,
+    Request,
+    WorkerQueries,
+    reply_of,
+)
 from domain.environment import VLLM_RANGE
 from domain.refit.buckets import Bucket, unpack_bucket
-from domain.refit.storage import StorageFingerprint
 
 
 @attrs.define
@@ -81,9 +90,11 @@ def start_llm(**engine_kwargs: Any) -> Any:
 
 
 @attrs.define
-class ExtensionWorkers:
+class ExtensionWorkers(WorkerQueries):
     """The refit steps inside the workers of an in-process `vllm.LLM` started with rl-refit's
-    worker extension (engine_args.EXTENSION), through `LLM.collective_rpc` by method name.
+    worker extension (engine_args.EXTENSION), through `LLM.collective_rpc`: one request record
+    per call (adapters.vllm.protocol), its reply record back, a worker's error raised as its own
+    class.
 
     Colocated: with `VLLM_ENABLE_V1_MULTIPROCESSING=0` and one worker the bucket's tensors reach
     the worker by reference (the worker copies them before the call returns). With the
@@ -98,36 +109,21 @@ class ExtensionWorkers:
         engine_args.vllm_environment(colocated=True) first)."""
         return cls(start_llm(**{"worker_extension_cls": EXTENSION, **engine_kwargs}))
 
-    def _rpc(self, method: str, *args: Any) -> Any:
-        return self.llm.collective_rpc(method, args=args)[0]
+    def call(self, request: Request[R]) -> R:
+        """The first worker's reply to `request`; raises a worker's error as its own class."""
+        return reply_of(request, self.llm.collective_rpc(request.METHOD, args=(request.to_plain(),)))
 
     def begin(self) -> None:
-        self._rpc("rl_refit_begin")
+        self.call(Begin())
 
     def load(self, bucket: Bucket) -> int:
-        return int(self._rpc("rl_refit_load", list(unpack_bucket(bucket))))
+        return self.call(Load(tuple(unpack_bucket(bucket)))).tensors
 
-    def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
-        return FinalizeStats.from_plain(self._rpc("rl_refit_finalize", reset_kv_scales))
+    def finalize(self, reset_kv_scales: bool) -> FinalizeReply:
+        return self.call(Finalize(reset_kv_scales))
 
     def abort(self) -> None:
-        self._rpc("rl_refit_abort")
-
-    def fingerprint(self) -> StorageFingerprint:
-        return StorageFingerprint.from_plain(self._rpc("rl_refit_fingerprint"))
-
-    def live_weights(self) -> dict[str, torch.Tensor]:
-        from adapters.vllm.extension import tensors_from_plain
-
-        return tensors_from_plain(self._rpc("rl_refit_live_weights"))
-
-    def digests(self) -> dict[str, str]:
-        """sha256 of every parameter and buffer."""
-        return dict(self._rpc("rl_refit_digests"))
-
-    def kv_scales(self) -> dict[str, list[float]]:
-        """Each attention layer's q/k/v/prob scales."""
-        return dict(self._rpc("rl_refit_kv_scales"))
+        self.call(Abort())
 
     def close(self) -> None:
         """Shut the in-process engine down."""

@@ -1,7 +1,9 @@
 """The control channel between a trainer and a vLLM engine host: JSON messages, one per line.
 
-Requests are `{"op": NAME, ...}`; replies `{"ok": true, "result": ...}` or `{"ok": false, "error":
-TYPE, "message": TEXT}`. Bytes (weights read back for diagnostics) travel base64-encoded as
+Every message is a record of adapters.vllm.protocol's kind (a dict of plain values tagged with
+its name): the host's `Hello` when its engine started (or did not), then one request from the
+trainer (HOST_REQUESTS) and one reply from the host at a time, the request's reply record or an
+ErrorReply. Bytes (weights read back for diagnostics) travel base64-encoded as
 `{"__bytes__": "..."}`. Bucket data never takes this channel: it goes over the side group.
 """
 
@@ -10,9 +12,87 @@ from __future__ import annotations
 import base64
 import json
 import socket
-from typing import Any
+from typing import Any, ClassVar, Generic
 
+import attrs
+
+from adapters.vllm.protocol import Done, R, Record, tuple_of
 from domain.errors import EngineProcessError
+
+
+@attrs.frozen
+class Hello(Record):
+    """The host's first message: the trainer's token, then its pid and what each worker reported
+    (ReadyReply records, plain), or why its engine did not start (an ErrorReply, plain)."""
+
+    token: str = attrs.field(converter=str)
+    pid: int = attrs.field(converter=int, default=0)
+    workers: tuple[Any, ...] = attrs.field(converter=tuple_of, default=())
+    error: dict[str, Any] | None = None
+
+
+class HostRequest(Record, Generic[R]):
+    """A request to the engine host and the record of its reply."""
+
+    REPLY: ClassVar[type[Record]]
+
+
+@attrs.frozen
+class WorkerAnswers(Record):
+    """Every worker's plain answer to one worker request (a reply record or an ErrorReply each)."""
+
+    answers: tuple[Any, ...] = attrs.field(converter=tuple_of)
+
+
+@attrs.frozen
+class CallWorkers(HostRequest[WorkerAnswers]):
+    """`LLM.collective_rpc(method, args=(request,))`: one protocol request to every worker."""
+
+    REPLY: ClassVar[type[Record]] = WorkerAnswers
+
+    method: str = attrs.field(converter=str)
+    request: dict[str, Any] = attrs.field(converter=dict)
+
+
+@attrs.frozen
+class LogProbsReply(Record):
+    rows: tuple[Any, ...] = attrs.field(converter=tuple_of)
+
+
+@attrs.frozen
+class HostLogProbs(HostRequest[LogProbsReply]):
+    """Prompt log-probs of each row of `input_ids` (one [T-1] row of floats per prompt)."""
+
+    REPLY: ClassVar[type[Record]] = LogProbsReply
+
+    input_ids: tuple[Any, ...] = attrs.field(converter=tuple_of)
+    temperature: float = attrs.field(converter=float, default=1.0)
+
+
+@attrs.frozen
+class Tokens(Record):
+    tokens: tuple[Any, ...] = attrs.field(converter=tuple_of)
+
+
+@attrs.frozen
+class HostGreedy(HostRequest[Tokens]):
+    """Greedy continuations of token-id prompts."""
+
+    REPLY: ClassVar[type[Record]] = Tokens
+
+    prompts: tuple[Any, ...] = attrs.field(converter=tuple_of)
+    max_tokens: int = attrs.field(converter=int)
+
+
+@attrs.frozen
+class Shutdown(HostRequest[Done]):
+    """Reply, then exit."""
+
+    REPLY: ClassVar[type[Record]] = Done
+
+
+HOST_REQUESTS: dict[str, type[HostRequest[Any]]] = {
+    cls.__name__: cls for cls in (CallWorkers, HostLogProbs, HostGreedy, Shutdown)}
 
 MAX_LINE = 1 << 31  # a line is one message; diagnostics (live weights) can be large
 

@@ -24,7 +24,8 @@ import structlog
 import torch
 
 from adapters.vllm.hooks import VllmHooks
-from adapters.vllm.worker import FinalizeStats, WorkerRefit
+from adapters.vllm.protocol import FinalizeReply
+from adapters.vllm.worker import WorkerRefit
 from domain.errors import EngineRefitUnsupported
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.engine_layout import Layout, check_bucket
@@ -51,7 +52,7 @@ class VllmWorkers(Protocol):
         as this returns."""
         ...
 
-    def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
+    def finalize(self, reset_kv_scales: bool) -> FinalizeReply:
         """Finalize the reload once, then reset uncalibrated KV-cache scales."""
         ...
 
@@ -67,6 +68,18 @@ class VllmWorkers(Protocol):
         """Every parameter and buffer, by module path (host copies out of process)."""
         ...
 
+    def digests(self) -> dict[str, str]:
+        """sha256 of every parameter and buffer, by module path."""
+        ...
+
+    def kv_scales(self) -> dict[str, list[float]]:
+        """Each attention layer's q/k/v/prob scales, by module name."""
+        ...
+
+    def close(self) -> None:
+        """Shut the workers down (their engine with them)."""
+        ...
+
 
 @attrs.define
 class LocalWorkers:
@@ -80,9 +93,9 @@ class LocalWorkers:
     def load(self, bucket: Bucket) -> int:
         return self.refit.load(list(unpack_bucket(bucket)))
 
-    def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
+    def finalize(self, reset_kv_scales: bool) -> FinalizeReply:
         self.refit.reset_kv_scales = reset_kv_scales
-        return self.refit.finalize()
+        return FinalizeReply(**self.refit.finalize()._asdict())
 
     def abort(self) -> None:
         self.refit.abort()
@@ -92,6 +105,19 @@ class LocalWorkers:
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         return self.refit.live_weights()
+
+    def digests(self) -> dict[str, str]:
+        from adapters.vllm.extension import weight_digests
+
+        return weight_digests(self.refit)
+
+    def kv_scales(self) -> dict[str, list[float]]:
+        from adapters.vllm.extension import kv_scales
+
+        return kv_scales(self.refit.model)
+
+    def close(self) -> None:
+        return None  # the model belongs to the caller
 
 
 @attrs.define
@@ -202,12 +228,9 @@ class VllmRolloutEngine:
         log.warning("vllm refit failed; engine is stale", refit_id=self._guard.refit_id, reason=reason)
 
     def close(self) -> None:
-        """Shut the engine down (its workers' `close`, when they have one) and remove what was made
-        for it."""
-        close = getattr(self.workers, "close", None)
+        """Shut the engine down (its workers) and remove what was made for it."""
         try:
-            if close is not None:
-                close()
+            self.workers.close()
         finally:
             for directory in self.owned_dirs:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -235,8 +258,8 @@ class VllmRolloutEngine:
 
     def digests(self) -> dict[str, str]:
         """sha256 of every parameter and buffer of the (first) worker, to compare engines bit for bit."""
-        return dict(self.workers.digests())  # type: ignore[attr-defined]
+        return self.workers.digests()
 
     def kv_scales(self) -> dict[str, list[float]]:
         """Each attention layer's q/k/v/prob scales on the (first) worker."""
-        return dict(self.workers.kv_scales())  # type: ignore[attr-defined]
+        return self.workers.kv_scales()

@@ -3,13 +3,14 @@
 Start the engine with `worker_extension_cls="adapters.vllm.extension.RefitWorkerExtension"`
 (engine_args.EXTENSION); vLLM mixes the class into its worker class, and `LLM.collective_rpc`
 calls its methods by name. Every method is named `rl_refit_*` (vLLM refuses an extension whose
-names its worker already has) and takes and returns plain values only (ints, strings, lists,
-dicts, bytes): with vLLM's multiprocess engine (the default) collective_rpc arguments cross
-msgpack, where a tensor arrives as `[dtype, shape, buffer]` and its data is lost.
+names its worker already has), takes its request record and answers its reply record, or an
+ErrorReply for what it raised, as plain values (adapters.vllm.protocol): with vLLM's multiprocess
+engine (the default) collective_rpc arguments cross msgpack, where a tensor arrives as
+`[dtype, shape, buffer]` and its data is lost, and an error as text.
 
 Two ways in:
 - colocated (trainer and engine in one process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`):
-  `rl_refit_load(named_tensors)` receives a bucket's tensors by reference;
+  `rl_refit_load(Load)` receives a bucket's tensors by reference;
 - disaggregated (the engine in its own process): `rl_refit_join` joins a side process group
   with the trainer (adapters.distributed.side_group, gloo on CPU, NCCL on GPU), and
   `rl_refit_receive` receives one refit's whole bucket stream over it
@@ -22,7 +23,6 @@ written/unwritten count and the KV-cache scale reset.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
 from contextlib import AbstractContextManager
@@ -31,9 +31,13 @@ from typing import Any
 import structlog
 import torch
 
+from adapters.vllm import protocol as p
 from adapters.vllm.hooks import VllmHooks
+from adapters.vllm.protocol import answer
 from adapters.vllm.worker import KV_SCALE_NAMES, WorkerRefit
+from domain.errors import RefitLifecycleError
 from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.storage import tensor_digest
 
 log = structlog.get_logger()
 
@@ -56,15 +60,6 @@ def request_amx_permission() -> bool:
         return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
     except (OSError, AttributeError):
         return False
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's dtype, shape and bytes (what "the same weights" means, bit for bit)."""
-    t = t.detach().cpu().contiguous()
-    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class RefitWorkerExtension:
@@ -94,65 +89,105 @@ class RefitWorkerExtension:
         inside the receiver)."""
         return self._rl_refit_state().load(named_tensors)
 
-    # --- refit steps ----------------------------------------------------------------------------
+    # --- refit steps: each RPC takes its request record and answers its reply record (plain) ------
 
-    def rl_refit_ready(self) -> dict[str, Any]:
-        """Prepare the worker (AMX permission, refit state); returns what it is."""
-        refit = self._rl_refit_state()
-        return {"rank": int(getattr(self, "rank", 0)), "device": str(refit.device), "pid": os.getpid()}
+    def rl_refit_ready(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Prepare the worker (AMX permission, refit state); answers what it is."""
+        return answer(p.Ready, request, self._rl_refit_on_ready)
 
-    def rl_refit_begin(self) -> None:
-        with self._rl_refit_context():
-            self._rl_refit_state().begin()
+    def rl_refit_begin(self, request: dict[str, Any]) -> dict[str, Any]:
+        return answer(p.Begin, request, self._rl_refit_on_begin)
 
-    def rl_refit_load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def rl_refit_load(self, request: dict[str, Any]) -> dict[str, Any]:
         """Colocated: one bucket's tensors, by reference (copied before this returns)."""
-        with self._rl_refit_context():
-            return self._rl_refit_load_named(named_tensors)
+        return answer(p.Load, request, self._rl_refit_on_load)
 
-    def rl_refit_finalize(self, reset_kv_scales: bool) -> list[Any]:
-        with self._rl_refit_context():
-            refit = self._rl_refit_state()
-            refit.reset_kv_scales = bool(reset_kv_scales)
-            stats = refit.finalize()
-        return [stats.kv_scales_reset, stats.seconds, stats.tensors_loaded, stats.parameters_written,
-                list(stats.unwritten), stats.experts_redone]
+    def rl_refit_finalize(self, request: dict[str, Any]) -> dict[str, Any]:
+        return answer(p.Finalize, request, self._rl_refit_on_finalize)
 
-    def rl_refit_abort(self) -> None:
-        with self._rl_refit_context():
-            self._rl_refit_state().abort()
+    def rl_refit_abort(self, request: dict[str, Any]) -> dict[str, Any]:
+        return answer(p.Abort, request, self._rl_refit_on_abort)
 
-    # --- the side group (disaggregated) --------------------------------------------------------
-
-    def rl_refit_join(self, rendezvous: dict[str, Any], bucket_bytes: int, timeout_s: float) -> int:
-        """Join the trainer's side group as rank 1 + this worker's rank; returns that rank.
+    def rl_refit_join(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's side group as rank 1 + this worker's rank; answers that rank.
 
         Blocks until every member has joined (the trainer constructs its end meanwhile).
         """
+        return answer(p.Join, request, self._rl_refit_on_join)
+
+    def rl_refit_receive(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Receive one refit's bucket stream from the trainer and load every bucket; answers the
+        tensors loaded, or what the stream or a load raised (after draining the stream)."""
+        return answer(p.Receive, request, self._rl_refit_on_receive)
+
+    def rl_refit_leave(self, request: dict[str, Any]) -> dict[str, Any]:
+        return answer(p.Leave, request, lambda _: self._rl_refit_leave())
+
+    def rl_refit_fingerprint(self, request: dict[str, Any]) -> dict[str, Any]:
+        return answer(p.Fingerprint, request,
+                      lambda _: p.FingerprintReply.of(self._rl_refit_state().fingerprint()))
+
+    def rl_refit_digests(self, request: dict[str, Any]) -> dict[str, Any]:
+        """sha256 of every parameter and buffer (to compare engines bit for bit)."""
+        return answer(p.Digests, request, lambda _: p.DigestsReply(weight_digests(self._rl_refit_state())))
+
+    def rl_refit_live_weights(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Every parameter and buffer as [dtype, shape, bytes]."""
+        return answer(p.LiveWeights, request, lambda _: p.LiveWeightsReply.of(self._rl_refit_state().live_weights()))
+
+    def rl_refit_kv_scales(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Each attention layer's q/k/v/prob scale buffers (`_q_scale`, ...), by module name."""
+        return answer(p.KvScales, request, lambda _: p.KvScalesReply(kv_scales(self._rl_refit_state().model)))
+
+    # --- what each step does (subclasses override these) ------------------------------------------
+
+    def _rl_refit_on_ready(self, _: p.Ready) -> p.ReadyReply:
+        refit = self._rl_refit_state()
+        return p.ReadyReply(int(getattr(self, "rank", 0)), str(refit.device), os.getpid())
+
+    def _rl_refit_on_begin(self, _: p.Begin) -> p.Record:
+        with self._rl_refit_context():
+            self._rl_refit_state().begin()
+        return p.Done()
+
+    def _rl_refit_on_load(self, request: p.Load) -> p.Loaded:
+        with self._rl_refit_context():
+            return p.Loaded(self._rl_refit_load_named(list(request.tensors)))
+
+    def _rl_refit_on_finalize(self, request: p.Finalize) -> p.FinalizeReply:
+        with self._rl_refit_context():
+            refit = self._rl_refit_state()
+            refit.reset_kv_scales = request.reset_kv_scales
+            return p.FinalizeReply(**refit.finalize()._asdict())
+
+    def _rl_refit_on_abort(self, _: p.Abort) -> p.Record:
+        with self._rl_refit_context():
+            self._rl_refit_state().abort()
+        return p.Done()
+
+    # --- the side group (disaggregated) --------------------------------------------------------
+
+    def _rl_refit_on_join(self, request: p.Join) -> p.JoinReply:
         from adapters.distributed.side_group import Rendezvous, SideGroup
         from adapters.distributed.torch_dist import TorchDistTransport
 
-        self.rl_refit_leave()
+        self._rl_refit_leave()
         rank = 1 + int(getattr(self, "rank", 0))
-        group = SideGroup.join(Rendezvous.from_dict(rendezvous), rank)
+        group = SideGroup.join(Rendezvous.from_dict(request.rendezvous), rank)
         self._rl_refit_side: SideGroup | None = group
         self._rl_refit_transport: TorchDistTransport | None = TorchDistTransport(
-            group, source=0, rank=rank, peers=group.ranks, bucket_bytes=int(bucket_bytes),
-            timeout_s=float(timeout_s), device=group.device,
+            group, source=0, rank=rank, peers=group.ranks, bucket_bytes=request.bucket_bytes,
+            timeout_s=request.timeout_s, device=group.device,
         )
         log.info("joined the refit side group", rank=rank, world_size=group.rendezvous.world_size,
                  backend=group.rendezvous.backend)
-        return rank
+        return p.JoinReply(rank)
 
-    def rl_refit_receive(self, refit_id: int) -> int:
-        """Receive one refit's bucket stream from the trainer and load every bucket; returns the
-        tensors loaded. Raises what the stream or a load raised (after draining the stream)."""
+    def _rl_refit_on_receive(self, request: p.Receive) -> p.Loaded:
         transport = getattr(self, "_rl_refit_transport", None)
         if transport is None:
-            from domain.errors import RefitLifecycleError
-
             raise RefitLifecycleError("receive before join: call rl_refit_join first")
-        transport.refit_id = int(refit_id)
+        transport.refit_id = request.refit_id
         loaded = 0
 
         def consume(bucket: Bucket) -> None:
@@ -161,48 +196,27 @@ class RefitWorkerExtension:
 
         with self._rl_refit_context():
             transport.receive(consume)
-        return loaded
+        return p.Loaded(loaded)
 
-    def rl_refit_leave(self) -> None:
+    def _rl_refit_leave(self) -> p.Record:
         group = getattr(self, "_rl_refit_side", None)
         if group is not None:
             group.close()
         self._rl_refit_side = None
         self._rl_refit_transport = None
-
-    # --- what the engine holds (plain data) ------------------------------------------------------
-
-    def rl_refit_fingerprint(self) -> list[list[object]]:
-        return self._rl_refit_state().fingerprint().to_plain()
-
-    def rl_refit_digests(self) -> dict[str, str]:
-        """sha256 of every parameter and buffer (to compare engines bit for bit)."""
-        return {n: tensor_digest(t) for n, t in self._rl_refit_state().live_weights().items()}
-
-    def rl_refit_live_weights(self) -> dict[str, list[Any]]:
-        """Every parameter and buffer as [dtype, shape, bytes]."""
-        out: dict[str, list[Any]] = {}
-        for n, t in self._rl_refit_state().live_weights().items():
-            t = t.detach().cpu().contiguous()
-            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            out[n] = [str(t.dtype).removeprefix("torch."), list(t.shape), data]
-        return out
-
-    def rl_refit_kv_scales(self) -> dict[str, list[float]]:
-        """Each attention layer's q/k/v/prob scale buffers (`_q_scale`, ...), by module name."""
-        out: dict[str, list[float]] = {}
-        for name, module in self._rl_refit_state().model.named_modules():
-            values = [getattr(module, f"_{s}", None) for s in KV_SCALE_NAMES]
-            if all(isinstance(v, torch.Tensor) for v in values):
-                out[name] = [float(v.item()) for v in values]  # type: ignore[union-attr]
-        return out
+        return p.Done()
 
 
-def tensors_from_plain(plain: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
-    """The inverse of `rl_refit_live_weights`."""
-    out = {}
-    for name, (dtype, shape, data) in plain.items():
-        dt = getattr(torch, dtype)
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        out[name] = raw.view(dt).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dt)
+def weight_digests(refit: WorkerRefit) -> dict[str, str]:
+    """sha256 of every parameter and buffer of a worker's model."""
+    return {n: tensor_digest(t) for n, t in refit.live_weights().items()}
+
+
+def kv_scales(model: torch.nn.Module) -> dict[str, list[float]]:
+    """Each attention layer's q/k/v/prob scale buffers (`_q_scale`, ...), by module name."""
+    out: dict[str, list[float]] = {}
+    for name, module in model.named_modules():
+        values = [getattr(module, f"_{s}", None) for s in KV_SCALE_NAMES]
+        if all(isinstance(v, torch.Tensor) for v in values):
+            out[name] = [float(v.item()) for v in values]  # type: ignore[union-attr]
     return out

@@ -15,6 +15,7 @@ stream with an ABORT the workers see, and the engine is marked stale by VllmRoll
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
 import os
@@ -36,19 +37,29 @@ import structlog
 import torch
 
 from adapters.distributed.launch import listen_socket
-from adapters.vllm.control import Channel
-from adapters.vllm.worker import FinalizeStats
+from adapters.vllm.control import CallWorkers, Channel, Hello, HostGreedy, HostLogProbs, HostRequest, Shutdown
+from adapters.vllm.protocol import (
+    TAG,
+    Abort,
+    Begin,
+    ErrorReply,
+    Finalize,
+    FinalizeReply,
+    Join,
+    Leave,
+    R,
+    ReadyReply,
+    Receive,
+    Record,
+    Request,
+    WorkerQueries,
+    reply_of,
+)
 from domain import errors
-from domain.errors import EngineProcessError, EngineUpdateFailed
+from domain.errors import EngineProcessError
 from domain.refit.buckets import Bucket
-from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
-
-# Errors a worker may raise whose type the trainer re-raises (the message crosses as text).
-_TYPED = {cls.__name__: cls for cls in (errors.EngineRefitUnsupported, errors.RefitLifecycleError,
-                                        errors.TransportAborted, errors.WireProtocolError)}
-
 
 _WRAPPERS = ("initialization failed", "See root cause", "See stack trace", "Worker failed with error")
 # "(EngineCore pid=12) ERROR 12-02 01:16:29 [core.py:953] " before each line vLLM's processes log
@@ -101,17 +112,17 @@ class EngineProcess:
         proc: the host process.
         channel: the control connection.
         log_path: where the host's (and vLLM's) output goes.
-        workers: what each worker reported when it started (rank, device, pid).
+        workers: what each worker reported when it started.
         timeout_s: bound on each request's reply (a refit stream's receive included).
     """
 
     proc: subprocess.Popen[bytes]
     channel: Channel
     log_path: Path
-    workers: list[dict[str, Any]]
+    workers: list[ReadyReply]
     timeout_s: float = 600.0
     reaper: _Reaper | None = None
-    _pending: int = attrs.field(init=False, default=0)
+    _pending: collections.deque[type[Record]] = attrs.field(init=False, factory=collections.deque)
     _failed: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
@@ -154,23 +165,28 @@ class EngineProcess:
         reaper = _Reaper(proc)
         try:
             channel = cls._accept(listener, proc, out, start_timeout_s, notify or _say)
-            hello = channel.receive(start_timeout_s)
+            message = channel.receive(start_timeout_s)
         except BaseException:  # Ctrl-C, SIGTERM, a timeout: nothing of the engine is left running
             reaper.kill()
             raise
         finally:
             listener.close()
             Path(spec_path).unlink(missing_ok=True)
-        if hello.get("token") != token:
+        try:
+            hello = Hello.from_plain(message)
+        except errors.WireProtocolError:
+            hello = None
+        if hello is None or hello.token != token:
             reaper.kill()
             raise EngineProcessError("a process that is not the engine host connected to the trainer's control port")
-        if not hello.get("ok"):
+        if hello.error is not None:
             reaper.stop(30.0)
-            reported = f"{hello.get('error')}: {hello.get('message')}"
-            raise EngineProcessError(f"the vLLM engine failed to start: {_diagnosis(out, reported)}")
-        result = hello["result"]
-        log.info("vllm engine host started", pid=result["pid"], workers=len(result["workers"]), log=str(out))
-        return cls(proc, channel, out, list(result["workers"]), timeout_s, reaper)
+            failure = ErrorReply.from_plain(hello.error)
+            raise EngineProcessError(
+                f"the vLLM engine failed to start: {_diagnosis(out, f'{failure.type}: {failure.message}')}")
+        workers = [ReadyReply.from_plain(w) for w in hello.workers]
+        log.info("vllm engine host started", pid=hello.pid, workers=len(workers), log=str(out))
+        return cls(proc, channel, out, workers, timeout_s, reaper)
 
     @staticmethod
     def _accept(listener: Any, proc: subprocess.Popen[bytes], out: Path, timeout_s: float,
@@ -200,15 +216,17 @@ class EngineProcess:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def send(self, op: str, **fields: Any) -> None:
+    def send(self, request: HostRequest[Any]) -> None:
         """Send a request whose reply `reply()` reads later."""
         if self.proc.poll() is not None:
             raise self._died()
-        self.channel.send({"op": op, **fields})
-        self._pending += 1
+        self.channel.send(request.to_plain())
+        self._pending.append(request.REPLY)
 
-    def reply(self, timeout_s: float | None = None) -> Any:
-        """The reply to the oldest request sent; raises what the host reported."""
+    def reply(self, timeout_s: float | None = None) -> Record:
+        """The reply to the oldest request sent; raises what the host (or a worker) raised, as its
+        own class."""
+        kind = self._pending.popleft()
         try:
             message = self.channel.receive(self.timeout_s if timeout_s is None else timeout_s)
         except EngineProcessError as err:
@@ -218,33 +236,28 @@ class EngineProcess:
             if self.proc.poll() is not None:
                 raise self._died() from None
             raise EngineProcessError(f"{err}: {_diagnosis(self.log_path)}") from None
-        finally:
-            self._pending -= 1
-        if message.get("ok"):
-            return message.get("result")
-        kind, text = str(message.get("error")), str(message.get("message"))
-        for name, cls in _TYPED.items():  # collective_rpc wraps the worker's error in its own text
-            if name in kind or f"{name}:" in text or f"'{name}" in text:
-                raise cls(text)
-        raise EngineUpdateFailed(f"{kind}: {text}")
+        if message.get(TAG) == ErrorReply.__name__:
+            raise ErrorReply.from_plain(message).rebuild()
+        return kind.from_plain(message)
 
-    def call(self, op: str, **fields: Any) -> Any:
-        self.send(op, **fields)
-        return self.reply()
+    def call(self, request: HostRequest[R]) -> R:
+        """The host's reply to `request`."""
+        self.send(request)
+        return self.reply()  # type: ignore[return-value]
 
-    def rpc(self, method: str, *args: Any) -> list[Any]:
-        """Every worker's result of `method(*args)` (plain values)."""
-        return list(self.call("rpc", method=method, args=list(args)))
+    def workers_call(self, request: Request[R]) -> R:
+        """The first worker's reply to a worker request; raises a worker's error as its own class."""
+        return reply_of(request, self.call(CallWorkers(request.METHOD, request.to_plain())).answers)
 
     def drain(self) -> None:
         """Read and drop the replies still owed (after a failure)."""
-        while self._pending > 0:
+        while self._pending:
             try:
                 self.reply()
-            except errors.RefitError as err:
+            except Exception as err:  # a worker's own error crosses as its own class, builtins included
                 log.debug("dropped a failed reply", error=str(err)[:200])
                 if isinstance(err, EngineProcessError):
-                    self._pending = 0
+                    self._pending.clear()
 
     def _died(self) -> EngineProcessError:
         """The error for a host that is gone; its engine processes are killed with it."""
@@ -262,9 +275,9 @@ class EngineProcess:
         if self.proc.poll() is None:
             try:
                 self.drain()
-                self.call("shutdown")
+                self.call(Shutdown())
                 clean = not self._failed
-            except errors.RefitError:
+            except Exception:  # the host is stopped below whatever it answered
                 pass
         self.channel.close()
         assert self.reaper is not None
@@ -384,7 +397,7 @@ class _Stream:
 
 
 @attrs.define
-class RemoteWorkers:
+class RemoteWorkers(WorkerQueries):
     """The refit steps on the workers of an engine host (VllmWorkers).
 
     Attributes:
@@ -405,26 +418,32 @@ class RemoteWorkers:
     _stream: _Stream | None = attrs.field(init=False, default=None)
     _refits: int = attrs.field(init=False, default=0)
 
+    def call(self, request: Request[R]) -> R:
+        """The first worker's reply to `request`; raises a worker's error as its own class."""
+        return self.process.workers_call(request)
+
     def _join(self) -> None:
         from adapters.distributed.side_group import SideGroup
         from adapters.distributed.torch_dist import TorchDistTransport
 
         rv, store = SideGroup.serve(self.host, 1 + len(self.process.workers), backend=self.backend,
                                     timeout_s=self.timeout_s)
-        self.process.send("rpc", method="rl_refit_join", args=[rv.to_dict(), self.bucket_bytes, self.timeout_s])
+        join = Join(rv.to_dict(), self.bucket_bytes, self.timeout_s)
+        self.process.send(CallWorkers(join.METHOD, join.to_plain()))
         group = SideGroup.join(rv, 0, store)  # blocks until every worker has joined
-        self.process.reply()
+        reply_of(join, self.process.reply().answers)  # type: ignore[attr-defined]
         self._group = group
         self._transport = TorchDistTransport(group, source=0, rank=0, peers=group.ranks, bucket_bytes=self.bucket_bytes,
                                              timeout_s=self.timeout_s, window=1, device=group.device)
 
     def begin(self) -> None:
-        self.process.rpc("rl_refit_begin")
+        self.call(Begin())
         if self._transport is None:
             self._join()
         self._refits += 1
         self._transport.refit_id = self._refits
-        self.process.send("rpc", method="rl_refit_receive", args=[self._refits])  # answered at the stream's end
+        receive = Receive(self._refits)
+        self.process.send(CallWorkers(receive.METHOD, receive.to_plain()))  # answered at the stream's end
         self._stream = _Stream(self._transport)
 
     def load(self, bucket: Bucket) -> int:
@@ -433,44 +452,29 @@ class RemoteWorkers:
         self._stream.put(bucket)
         return len(bucket.metas)
 
-    def finalize(self, reset_kv_scales: bool) -> FinalizeStats:
+    def finalize(self, reset_kv_scales: bool) -> FinalizeReply:
         stream, self._stream = self._stream, None
         if stream is None:
             raise errors.RefitLifecycleError("finalize before begin: call begin() first")
         try:
             stream.close()
         finally:
-            self.process.reply()  # the workers' receive: raises what a worker raised
-        return FinalizeStats.from_plain(self.process.rpc("rl_refit_finalize", reset_kv_scales)[0])
+            # the workers' receive: raises what a worker raised
+            reply_of(Receive(self._refits), self.process.reply().answers)  # type: ignore[attr-defined]
+        return self.call(Finalize(reset_kv_scales))
 
     def abort(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close(errors.TransportAborted("the trainer aborted the refit"))
         self.process.drain()  # the workers' receive ends with the ABORT
-        self.process.rpc("rl_refit_abort")
-
-    def fingerprint(self) -> StorageFingerprint:
-        return StorageFingerprint.from_plain(self.process.rpc("rl_refit_fingerprint")[0])
-
-    def live_weights(self) -> dict[str, torch.Tensor]:
-        from adapters.vllm.extension import tensors_from_plain
-
-        return tensors_from_plain(self.process.rpc("rl_refit_live_weights")[0])
-
-    def digests(self) -> dict[str, str]:
-        """sha256 of every parameter and buffer of the first worker."""
-        return dict(self.process.rpc("rl_refit_digests")[0])
-
-    def kv_scales(self) -> dict[str, list[float]]:
-        """Each attention layer's q/k/v/prob scales on the first worker."""
-        return dict(self.process.rpc("rl_refit_kv_scales")[0])
+        self.call(Abort())
 
     def close(self) -> None:
         """Leave the side group and shut the engine down."""
         if self._group is not None:
-            with contextlib.suppress(errors.RefitError):
-                self.process.rpc("rl_refit_leave")
+            with contextlib.suppress(Exception):  # the engine is shut down below either way
+                self.call(Leave())
             self._group.close()
             self._group = self._transport = None
         self.process.close()
@@ -483,8 +487,8 @@ class RemoteLogProbs:
     process: EngineProcess
 
     def __call__(self, input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.tensor(self.process.call("log_probs", input_ids=input_ids.tolist(), temperature=temperature),
-                            dtype=torch.float32)
+        rows = self.process.call(HostLogProbs(input_ids.tolist(), temperature)).rows
+        logp = torch.tensor([list(row) for row in rows], dtype=torch.float32)
         return logp, torch.full_like(logp, float("nan"))
 
 
@@ -495,27 +499,26 @@ class RemoteGreedy:
     process: EngineProcess
 
     def __call__(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return [list(map(int, p)) for p in self.process.call("greedy", prompts=prompts, max_tokens=max_tokens)]
+        tokens = self.process.call(HostGreedy(prompts, max_tokens)).tokens
+        return [list(map(int, p)) for p in tokens]
 
 
 @attrs.define
-class ColdEngine:
+class ColdEngine(WorkerQueries):
     """An engine host started from a checkpoint directory, queried as it loaded it (no refit, no
-    guard): the reference a refitted engine is compared with."""
+    guard): the reference a refitted engine is compared with (ports.engine_inspection, and its
+    prompt log-probs)."""
 
     process: EngineProcess
+
+    def call(self, request: Request[R]) -> R:
+        return self.process.workers_call(request)
 
     def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         return RemoteLogProbs(self.process)(input_ids)[0]
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return RemoteGreedy(self.process)(prompts, max_tokens)
-
-    def digests(self) -> dict[str, str]:
-        return dict(self.process.rpc("rl_refit_digests")[0])
-
-    def kv_scales(self) -> dict[str, list[float]]:
-        return dict(self.process.rpc("rl_refit_kv_scales")[0])
 
     def close(self) -> None:
         self.process.close()

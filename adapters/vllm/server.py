@@ -4,15 +4,18 @@ connection (adapters.vllm.control), with rl-refit's worker extension in every wo
 Run by adapters.vllm.remote.EngineProcess as `python -m adapters.vllm.server SPEC.json`, in the
 environment where vLLM is installed. SPEC holds the engine arguments, the trainer's address and
 a token. The host starts the engine (vLLM's multiprocess engine: the workers are processes of
-their own), connects back to the trainer, proves the token, and then serves requests one at a
-time until told to shut down or until the trainer goes away:
+their own), connects back to the trainer, says `Hello` with the token, and then serves requests
+(adapters.vllm.control.HOST_REQUESTS) one at a time until told to shut down or until the
+trainer goes away:
 
-| op | what the host does | result |
+| request | what the host does | reply |
 |---|---|---|
-| `rpc` {method, args} | `LLM.collective_rpc(method, args)`, methods `rl_refit_*` only | one result per worker |
-| `log_probs` {input_ids, temperature} | prompt log-probs of each row | [B][T-1] floats |
-| `greedy` {prompts, max_tokens} | greedy continuations | token ids per prompt |
-| `shutdown` | replies, then exits | null |
+| `CallWorkers` {method, request} | `LLM.collective_rpc(method, args=(request,))`, methods `rl_refit_*` only | `WorkerAnswers`: one plain answer per worker |
+| `HostLogProbs` {input_ids, temperature} | prompt log-probs of each row | `LogProbsReply`: [B][T-1] floats |
+| `HostGreedy` {prompts, max_tokens} | greedy continuations | `Tokens`: token ids per prompt |
+| `Shutdown` | replies, then exits | `Done` |
+
+A request that fails is answered with its ErrorReply (adapters.vllm.protocol).
 """
 
 from __future__ import annotations
@@ -22,40 +25,67 @@ import os
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from adapters.vllm.client import shutdown_llm
-from adapters.vllm.control import Channel
+from adapters.vllm.control import (
+    HOST_REQUESTS,
+    CallWorkers,
+    Channel,
+    Hello,
+    HostGreedy,
+    HostLogProbs,
+    HostRequest,
+    LogProbsReply,
+    Shutdown,
+    Tokens,
+    WorkerAnswers,
+)
 from adapters.vllm.engine_args import EXTENSION
+from adapters.vllm.protocol import TAG, Done, ErrorReply, Ready, Record, reply_of
 
 METHOD_PREFIX = "rl_refit_"
 
 
-def _handle(llm: Any, message: dict[str, Any]) -> tuple[Any, bool]:
-    """(result, keep serving) for one request."""
+def _call_workers(llm: Any, request: CallWorkers) -> Record:
+    if not request.method.startswith(METHOD_PREFIX):
+        raise ValueError(f"rpc method {request.method!r} is not one of the worker extension's ({METHOD_PREFIX}*)")
+    return WorkerAnswers(llm.collective_rpc(request.method, args=(request.request,)))
+
+
+def _log_probs(llm: Any, request: HostLogProbs) -> Record:
     import torch
 
-    from adapters.vllm.client import LlmLogProbs, greedy_tokens
+    from adapters.vllm.client import LlmLogProbs
 
-    op = message.get("op")
-    if op == "rpc":
-        method = str(message.get("method", ""))
-        if not method.startswith(METHOD_PREFIX):
-            raise ValueError(f"rpc method {method!r} is not one of the worker extension's ({METHOD_PREFIX}*)")
-        return list(llm.collective_rpc(method, args=tuple(message.get("args") or ()))), True
-    if op == "log_probs":
-        logp, _ = LlmLogProbs(llm)(torch.tensor(message["input_ids"], dtype=torch.long),
-                                   float(message.get("temperature", 1.0)))
-        return logp.tolist(), True
-    if op == "greedy":
-        return greedy_tokens(llm, [list(p) for p in message["prompts"]], int(message["max_tokens"])), True
-    if op == "shutdown":
-        return None, False
-    raise ValueError(f"unknown op {op!r}")
+    logp, _ = LlmLogProbs(llm)(torch.tensor([list(row) for row in request.input_ids], dtype=torch.long),
+                               request.temperature)
+    return LogProbsReply(logp.tolist())
+
+
+def _greedy(llm: Any, request: HostGreedy) -> Record:
+    from adapters.vllm.client import greedy_tokens
+
+    return Tokens(greedy_tokens(llm, [list(p) for p in request.prompts], request.max_tokens))
+
+
+HANDLERS: dict[type[HostRequest[Any]], Callable[[Any, Any], Record]] = {
+    CallWorkers: _call_workers, HostLogProbs: _log_probs, HostGreedy: _greedy, Shutdown: lambda _llm, _r: Done(),
+}
+
+
+def _handle(llm: Any, message: dict[str, Any]) -> tuple[Record, bool]:
+    """(reply, keep serving) for one request."""
+    kind = HOST_REQUESTS.get(str(message.get(TAG)))
+    if kind is None:
+        raise ValueError(f"unknown request {message.get(TAG)!r}; the host answers {', '.join(HOST_REQUESTS)}")
+    request = kind.from_plain(message)
+    return HANDLERS[kind](llm, request), kind is not Shutdown
 
 
 def serve(llm: Any, channel: Channel) -> None:
-    """Answer requests until `shutdown` or until the trainer closes the connection."""
+    """Answer requests until `Shutdown` or until the trainer closes the connection."""
     from domain.errors import EngineProcessError
 
     while True:
@@ -64,12 +94,11 @@ def serve(llm: Any, channel: Channel) -> None:
         except EngineProcessError:
             return  # the trainer is gone
         try:
-            result, more = _handle(llm, message)
-            reply: dict[str, Any] = {"ok": True, "result": result}
+            reply, more = _handle(llm, message)
         except Exception as err:  # the trainer decides what a failure means
             traceback.print_exc(file=sys.stderr)
-            reply, more = {"ok": False, "error": type(err).__name__, "message": str(err)[:8000]}, True
-        channel.send(reply)
+            reply, more = ErrorReply.of(err), True
+        channel.send(reply.to_plain())
         if not more:
             return
 
@@ -87,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         from adapters.vllm.client import start_llm
 
         llm = start_llm(**{"worker_extension_cls": EXTENSION, **spec["engine_kwargs"]})
-        workers = llm.collective_rpc("rl_refit_ready")
+        ready = Ready()
+        workers = llm.collective_rpc(ready.METHOD, args=(ready.to_plain(),))
+        reply_of(ready, workers)  # raises what a worker that could not prepare raised
     except BaseException as err:
         traceback.print_exc(file=sys.stderr)
-        channel.send({"token": spec["token"], "ok": False, "error": type(err).__name__, "message": str(err)[:8000]})
+        channel.send(Hello(spec["token"], os.getpid(), error=ErrorReply.of(err).to_plain()).to_plain())
         channel.close()
         return 1
-    channel.send({"token": spec["token"], "ok": True, "result": {"pid": os.getpid(), "workers": workers}})
+    channel.send(Hello(spec["token"], os.getpid(), workers).to_plain())
     try:
         serve(llm, channel)
     finally:

@@ -76,7 +76,7 @@ def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
 
 
 class FinalizeStats(NamedTuple):
-    """What one worker's finalize did (a tuple of plain values: it crosses process boundaries as one).
+    """What one worker's finalize did (it crosses process boundaries as adapters.vllm.protocol.FinalizeReply).
 
     Attributes:
         kv_scales_reset: attention layers whose q/k/v/prob scales were reset to 1.0.
@@ -95,12 +95,6 @@ class FinalizeStats(NamedTuple):
     parameters_written: int = -1
     unwritten: tuple[str, ...] = ()
     experts_redone: int = 0
-
-    @classmethod
-    def from_plain(cls, value: Sequence[object]) -> FinalizeStats:
-        """From the list a process boundary turns the tuple into."""
-        kv, seconds, loaded, written, unwritten, redone = value
-        return cls(int(kv), float(seconds), int(loaded), int(written), tuple(unwritten), int(redone))  # type: ignore[call-overload,arg-type]
 
 
 @attrs.define

@@ -48,6 +48,9 @@ from typing import Any
 import attrs
 import torch
 
+from adapters.vllm.bench_extension import BenchMode, BenchReload
+from adapters.vllm.engine import VllmRolloutEngine
+from adapters.vllm.protocol import WorkerRpc
 from app.bench.report import BenchReport
 
 EXTENSION = "adapters.vllm.bench_extension.BenchExtension"
@@ -351,14 +354,26 @@ class _Bench:
     timings: list[dict[str, float]] = attrs.field(factory=list)  # each refit's phases
 
     @property
-    def engine(self) -> Any:
-        return self.svc.engine
+    def engine(self) -> VllmRolloutEngine:
+        engine = self.svc.engine
+        if not isinstance(engine, VllmRolloutEngine):
+            raise TypeError(f"refit bench engine measures a vLLM engine, got {type(engine).__name__}")
+        return engine
 
-    def rpc(self, method: str, *args: Any) -> Any:
+    @property
+    def workers(self) -> WorkerRpc:
+        """The engine's workers, which answer the bench extension's requests (adapters.vllm.protocol)."""
         workers = self.engine.workers
-        if hasattr(workers, "process"):  # disaggregated: the engine host's collective_rpc
-            return workers.process.rpc(method, *args)[0]
-        return workers.llm.collective_rpc(method, args=args)[0]
+        if not isinstance(workers, WorkerRpc):
+            raise TypeError(f"refit bench engine needs vLLM workers that answer protocol requests, got "
+                            f"{type(workers).__name__}")
+        return workers
+
+    def digests(self) -> dict[str, str]:
+        return self.engine.digests()
+
+    def mode(self, mode: str) -> None:
+        self.workers.call(BenchMode(mode))
 
     def refit(self) -> None:
         self.timings.append(dict(self.svc.refit().timings))
@@ -372,7 +387,7 @@ class _Bench:
         save_file(tensors, str(self.workdir / "model.safetensors"), metadata={"format": "pt"})
 
     def reload(self) -> None:
-        self.rpc("rl_refit_bench_reload", str(self.workdir))
+        self.workers.call(BenchReload(str(self.workdir)))
 
     def load_weights(self) -> None:
         """The refit's buckets, through the same workers, with the worker in `load_weights` mode."""
@@ -466,16 +481,16 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
     if threads is not None:  # run() puts the process's threads back
         torch.set_num_threads(threads)
     first = bench.svc.refit()  # the engine goes live
-    after_refit = bench.rpc("rl_refit_digests")
+    after_refit = bench.digests()
     bench.write()
     moved = _move_away(bench, after_refit)
     reload_error = _attempt(bench.reload)  # vLLM's own path: a failure is reported, the rest measured
-    after_reload = bench.rpc("rl_refit_digests") if reload_error is None else None
+    after_reload = bench.digests() if reload_error is None else None
     bench.refit()  # rl-refit's weights again (after a failed reload too)
-    floor = (lambda: bench.rpc("rl_refit_bench_mode", "load_weights"), lambda: bench.rpc("rl_refit_bench_mode", "refit"))
-    before_floor = bench.rpc("rl_refit_digests")
+    floor = (lambda: bench.mode("load_weights"), lambda: bench.mode("refit"))
+    before_floor = bench.digests()
     load_error = _attempt(bench.load_weights, *floor)
-    put_back = bench.rpc("rl_refit_digests") == before_floor
+    put_back = bench.digests() == before_floor
     fns: dict[str, Callable[[], object]] = {"refit": bench.refit}
     if reload_error is None:
         fns.update(write=bench.write, reload=bench.reload)
@@ -521,7 +536,7 @@ def _move_away(bench: _Bench, digests: dict[str, str]) -> bool | None:
         bench.svc.refit()
     finally:
         trainer.restore_(kept)
-    return bool(bench.rpc("rl_refit_digests") != digests)
+    return bool(bench.digests() != digests)
 
 
 def _median_phases(timings: Sequence[dict[str, float]]) -> dict[str, float]:

@@ -16,7 +16,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast, runtime_checkable
 
 import attrs
 import torch
@@ -24,25 +24,39 @@ import torch
 from app.services.demo import check_steps
 from app.services.mismatch_probe import token_batch
 from app.services.refit import RefitService
-from domain.errors import EngineBusy, EngineStale, RefitFailed
+from domain.errors import ConfigError, EngineBusy, EngineStale, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.refit.report import RefitOutcome, RefitReport
+from ports.engine_inspection import EngineInspection
+from ports.rollout_engine import RolloutEngine
 
 BACK = -1  # the step number of the refit back to step 0's weights
 
 
-class InspectableEngine(Protocol):
-    """What the demo reads from an engine (the refitted one and its cold starts)."""
+class ColdStart(EngineInspection, Protocol):
+    """An engine started cold from an export: inspected, and its prompt log-probs."""
 
-    def log_probs(self, input_ids: torch.Tensor) -> Any: ...
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]: ...
 
-    def digests(self) -> dict[str, str]: ...
+class InspectedEngine(RolloutEngine, EngineInspection, Protocol):
+    """The refitted engine: a RolloutEngine the demo can also inspect."""
 
-    def kv_scales(self) -> dict[str, list[float]]: ...
 
-    def close(self) -> None: ...
+@runtime_checkable
+class _FaultWrapper(Protocol):
+    """An engine wrapped by a fault script (adapters.memory.faulty): how many refits it failed."""
+
+    fired: int
+
+
+def inspected(engine: RolloutEngine) -> InspectedEngine:
+    """`engine` as the demo reads it; ConfigError when it cannot be inspected."""
+    if not isinstance(engine, EngineInspection):
+        raise ConfigError("rollout.name", f"the engine demo compares engines through their digests, KV scales and "
+                                          f"greedy tokens (ports.engine_inspection), which {type(engine).__name__} "
+                                          "does not serve: use vllm or the reference engine")
+    return cast(InspectedEngine, engine)
 
 
 class EngineDemoServices(Protocol):
@@ -52,7 +66,7 @@ class EngineDemoServices(Protocol):
 
     def export_trainer(self, trainer: Any, out: str | Path) -> Path: ...
 
-    def cold_start(self, directory: str | Path) -> InspectableEngine: ...
+    def cold_start(self, directory: str | Path) -> ColdStart: ...
 
 
 @attrs.frozen
@@ -209,7 +223,7 @@ def run_engine_demo(settings: EngineDemoSettings, services: EngineDemoServices,
         The EngineDemoResult.
     """
     svc = services.refit_service(inject_fault=settings.inject_fault, fault_after=settings.fault_step)
-    engine: Any = svc.engine
+    engine = inspected(svc.engine)
     try:
         with tempfile.TemporaryDirectory(prefix="rl-refit-engine-demo-") as tmp:
             return _run(settings, services, svc, engine, Path(workdir) if workdir else Path(tmp), on_step)
@@ -217,7 +231,7 @@ def run_engine_demo(settings: EngineDemoSettings, services: EngineDemoServices,
         engine.close()
 
 
-def _run(settings: EngineDemoSettings, services: EngineDemoServices, svc: RefitService, engine: Any,
+def _run(settings: EngineDemoSettings, services: EngineDemoServices, svc: RefitService, engine: InspectedEngine,
          workdir: Path, on_step: Callable[[EngineStep], None] | None) -> EngineDemoResult:
     trainer: Any = svc.trainer
     comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir)
@@ -238,7 +252,7 @@ def _run(settings: EngineDemoSettings, services: EngineDemoServices, svc: RefitS
         steps.append(record)
         if on_step is not None:
             on_step(record)
-    fired = getattr(engine, "fired", 0) > 0 if settings.inject_fault else None
+    fired = (isinstance(engine, _FaultWrapper) and engine.fired > 0) if settings.inject_fault else None
     return EngineDemoResult(settings, refused, tuple(steps), fired)
 
 
@@ -273,7 +287,7 @@ class ColdStartComparer:
         # prompts of >= 5 tokens: vLLM's CPU build needs them on its first request (docs/engines.md)
         self.prompts = [row[: max(5, s.seq_len // 2)] for row in self.ids.tolist()]
 
-    def refuses(self, engine: Any) -> bool:
+    def refuses(self, engine: RolloutEngine) -> bool:
         """The engine refuses to serve (EngineStale)."""
         try:
             engine.log_probs(self.ids)
@@ -314,7 +328,7 @@ class ColdStartComparer:
         data = torch.load(path, weights_only=True)
         return ColdReference(data["log_probs"], data["tokens"], data["digests"], frozenset(data.get("placeholders", ())))
 
-    def compare(self, engine: Any, trainer: Any, report: RefitReport, step: int) -> EngineStep:
+    def compare(self, engine: InspectedEngine, trainer: Any, report: RefitReport, step: int) -> EngineStep:
         """The engine (after `report`'s refit) against a cold start of the trainer's weights."""
         try:
             served = engine.log_probs(self.ids)[0]

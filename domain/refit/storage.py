@@ -1,10 +1,13 @@
-"""The captured-storage fingerprint and its check after a refit.
+"""The captured-storage fingerprint and its check after a refit, and the digest that says two
+tensors hold the same weights.
 
 Storage captured by CUDA graphs is never rebound: after a refit every captured tensor has the same
 data pointer, shape, stride and dtype (ARCHITECTURE.md section 6).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import attrs
 import torch
@@ -71,3 +74,12 @@ class StorageCheck:
         if not self.checked:
             return "not run"
         return "ok" if not self.changed else f"REBOUND ({len(self.changed)})"
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (what "the same weights" means, bit for bit)."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,429 @@
+"""The worker protocol: one request and one reply record per `rl_refit_*` RPC, and the errors that
+cross with them.
+
+Every side speaks these records: the worker extension (adapters.vllm.extension, inside vLLM's
+workers), the colocated client (adapters.vllm.client.ExtensionWorkers, `LLM.collective_rpc` in
+this process) and the disaggregated one (adapters.vllm.remote.RemoteWorkers, through the engine
+host's control channel). A request names its RPC (`METHOD`, vLLM's collective_rpc method name)
+and its reply record (`REPLY`); `to_plain()` turns a record into a dict of plain values (ints,
+floats, strings, bools, bytes, lists, dicts, tagged with the record's name) that crosses vLLM's
+msgpack and the JSON control channel unchanged, and `from_plain()` rebuilds it, refusing with
+WireProtocolError anything that is not that record.
+
+A worker never lets an error escape an RPC (vLLM would turn it into text): it answers with an
+`ErrorReply` (the error's type name, its message and its plain attributes), and the trainer
+raises it again as the same class (`ErrorReply.rebuild`). The classes that may cross are listed
+in ERRORS; any other type becomes a WorkerError naming it.
+
+The colocated `Load` is the one record that is not plain: it carries a bucket's tensors by
+reference, and only ever crosses within one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
+
+import attrs
+import structlog
+import torch
+
+from domain import errors
+from domain.refit.storage import StorageFingerprint
+
+log = structlog.get_logger()
+
+TAG = "record"  # the key of a plain record that names its class
+MAX_MESSAGE = 8000  # characters of an error message that cross
+
+
+def plain(value: Any) -> Any:
+    """`value` as msgpack and JSON carry it: tuples as lists, mappings as dicts with string keys."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+R = TypeVar("R", bound="Record")
+Q = TypeVar("Q", bound="Request[Any]")
+
+
+class Record:
+    """A frozen attrs record that crosses process boundaries as a tagged dict of plain values."""
+
+    def to_plain(self) -> dict[str, Any]:
+        """The record as a dict of plain values, tagged with the record's name."""
+        out: dict[str, Any] = {TAG: type(self).__name__}
+        for field in attrs.fields(type(self)):  # type: ignore[arg-type]
+            out[field.name] = plain(getattr(self, field.name))
+        return out
+
+    @classmethod
+    def from_plain(cls: type[R], value: Any) -> R:
+        """The record `to_plain` made; WireProtocolError for anything else (another record, a
+        missing or extra field, a value of the wrong kind)."""
+        if not isinstance(value, Mapping) or value.get(TAG) != cls.__name__:
+            got = value.get(TAG) if isinstance(value, Mapping) else type(value).__name__
+            raise errors.WireProtocolError(
+                f"expected a {cls.__name__} record, got {got!r}: the trainer and the engine's workers run "
+                "different rl-refit versions (install the same one on both sides)")
+        names = {field.name for field in attrs.fields(cls)}  # type: ignore[arg-type]
+        given = set(value) - {TAG}
+        if given != names:
+            raise errors.WireProtocolError(
+                f"a {cls.__name__} record with fields {sorted(given)} instead of {sorted(names)}: the trainer and "
+                "the engine's workers run different rl-refit versions (install the same one on both sides)")
+        try:
+            return cls(**{name: value[name] for name in names})
+        except (TypeError, ValueError) as err:
+            raise errors.WireProtocolError(f"a malformed {cls.__name__} record: {err}") from err
+
+
+class Request(Record, Generic[R]):
+    """A request: the worker extension's method that answers it and the record of its reply."""
+
+    METHOD: ClassVar[str]
+    REPLY: ClassVar[type[Record]]
+
+
+def tuple_of(value: Any) -> tuple[Any, ...]:
+    return tuple(value)
+
+
+def _str_dict(value: Any) -> dict[str, str]:
+    return {str(k): str(v) for k, v in dict(value).items()}
+
+
+# --- replies -------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Done(Record):
+    """The reply of a step that returns nothing."""
+
+
+@attrs.frozen
+class ReadyReply(Record):
+    """What a worker is: its rank, the device its refit copies go to, its process id."""
+
+    rank: int = attrs.field(converter=int)
+    device: str = attrs.field(converter=str)
+    pid: int = attrs.field(converter=int)
+
+
+@attrs.frozen
+class Loaded(Record):
+    """How many checkpoint tensors a load (or a whole received stream) handed to the model."""
+
+    tensors: int = attrs.field(converter=int)
+
+
+@attrs.frozen
+class FinalizeReply(Record):
+    """What one worker's finalize did (adapters.vllm.worker.FinalizeStats, field for field)."""
+
+    kv_scales_reset: int = attrs.field(converter=int)
+    seconds: float = attrs.field(converter=float)
+    tensors_loaded: int = attrs.field(converter=int)
+    parameters_written: int = attrs.field(converter=int, default=-1)
+    unwritten: tuple[str, ...] = attrs.field(converter=tuple_of, default=())
+    experts_redone: int = attrs.field(converter=int, default=0)
+
+
+@attrs.frozen
+class JoinReply(Record):
+    """The worker's rank in the side group."""
+
+    rank: int = attrs.field(converter=int)
+
+
+@attrs.frozen
+class FingerprintReply(Record):
+    """The storage fingerprint as `StorageFingerprint.to_plain` writes it."""
+
+    rows: tuple[Any, ...] = attrs.field(converter=tuple_of)
+
+    @classmethod
+    def of(cls, fingerprint: StorageFingerprint) -> FingerprintReply:
+        return cls(fingerprint.to_plain())
+
+    def fingerprint(self) -> StorageFingerprint:
+        return StorageFingerprint.from_plain([list(row) for row in self.rows])
+
+
+@attrs.frozen
+class DigestsReply(Record):
+    """sha256 of every parameter and buffer, by module path."""
+
+    digests: dict[str, str] = attrs.field(converter=_str_dict)
+
+
+@attrs.frozen
+class LiveWeightsReply(Record):
+    """Every parameter and buffer as [dtype, shape, bytes], by module path."""
+
+    tensors: dict[str, Any] = attrs.field(converter=dict)
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> LiveWeightsReply:
+        out: dict[str, Any] = {}
+        for name, t in tensors.items():
+            t = t.detach().cpu().contiguous()
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            out[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), data]
+        return cls(out)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (dtype, shape, data) in self.tensors.items():
+            dt = getattr(torch, dtype)
+            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            out[name] = raw.view(dt).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dt)
+        return out
+
+
+def _float_lists(value: Any) -> dict[str, tuple[float, ...]]:
+    return {str(k): tuple(float(x) for x in v) for k, v in dict(value).items()}
+
+
+@attrs.frozen
+class KvScalesReply(Record):
+    """Each attention layer's q/k/v/prob scales, by module name."""
+
+    scales: dict[str, tuple[float, ...]] = attrs.field(converter=_float_lists)
+
+
+# --- requests, one per RPC -------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Ready(Request[ReadyReply]):
+    """Prepare the worker (AMX permission, refit state)."""
+
+    METHOD: ClassVar[str] = "rl_refit_ready"
+    REPLY: ClassVar[type[Record]] = ReadyReply
+
+
+@attrs.frozen
+class Begin(Request[Done]):
+    """Start vLLM's layerwise reload."""
+
+    METHOD: ClassVar[str] = "rl_refit_begin"
+    REPLY: ClassVar[type[Record]] = Done
+
+
+@attrs.frozen
+class Load(Request[Loaded]):
+    """Colocated only: one bucket's tensors, by reference (not plain; never leaves the process)."""
+
+    METHOD: ClassVar[str] = "rl_refit_load"
+    REPLY: ClassVar[type[Record]] = Loaded
+
+    tensors: tuple[tuple[str, torch.Tensor], ...] = attrs.field(converter=lambda v: tuple((str(n), t) for n, t in v))
+
+
+@attrs.frozen
+class Finalize(Request[FinalizeReply]):
+    """Finalize the reload once, then reset uncalibrated KV-cache scales when asked."""
+
+    METHOD: ClassVar[str] = "rl_refit_finalize"
+    REPLY: ClassVar[type[Record]] = FinalizeReply
+
+    reset_kv_scales: bool = attrs.field(converter=bool)
+
+
+@attrs.frozen
+class Abort(Request[Done]):
+    """Put the model back together after a failure."""
+
+    METHOD: ClassVar[str] = "rl_refit_abort"
+    REPLY: ClassVar[type[Record]] = Done
+
+
+@attrs.frozen
+class Join(Request[JoinReply]):
+    """Disaggregated: join the trainer's side group (adapters.distributed.side_group.Rendezvous)."""
+
+    METHOD: ClassVar[str] = "rl_refit_join"
+    REPLY: ClassVar[type[Record]] = JoinReply
+
+    rendezvous: dict[str, Any] = attrs.field(converter=dict)
+    bucket_bytes: int = attrs.field(converter=int)
+    timeout_s: float = attrs.field(converter=float)
+
+
+@attrs.frozen
+class Receive(Request[Loaded]):
+    """Disaggregated: receive refit `refit_id`'s bucket stream over the side group and load it."""
+
+    METHOD: ClassVar[str] = "rl_refit_receive"
+    REPLY: ClassVar[type[Record]] = Loaded
+
+    refit_id: int = attrs.field(converter=int)
+
+
+@attrs.frozen
+class Leave(Request[Done]):
+    """Leave the side group."""
+
+    METHOD: ClassVar[str] = "rl_refit_leave"
+    REPLY: ClassVar[type[Record]] = Done
+
+
+@attrs.frozen
+class Fingerprint(Request[FingerprintReply]):
+    METHOD: ClassVar[str] = "rl_refit_fingerprint"
+    REPLY: ClassVar[type[Record]] = FingerprintReply
+
+
+@attrs.frozen
+class Digests(Request[DigestsReply]):
+    METHOD: ClassVar[str] = "rl_refit_digests"
+    REPLY: ClassVar[type[Record]] = DigestsReply
+
+
+@attrs.frozen
+class LiveWeights(Request[LiveWeightsReply]):
+    METHOD: ClassVar[str] = "rl_refit_live_weights"
+    REPLY: ClassVar[type[Record]] = LiveWeightsReply
+
+
+@attrs.frozen
+class KvScales(Request[KvScalesReply]):
+    METHOD: ClassVar[str] = "rl_refit_kv_scales"
+    REPLY: ClassVar[type[Record]] = KvScalesReply
+
+
+REQUESTS: tuple[type[Request[Any]], ...] = (Ready, Begin, Load, Finalize, Abort, Join, Receive, Leave, Fingerprint,
+                                             Digests, LiveWeights, KvScales)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+class WorkerError(errors.EngineUpdateFailed):
+    """A worker raised an error of a type that does not cross as itself (not in ERRORS); carries
+    that type's name (`remote_type`) and the worker's message."""
+
+    def __init__(self, remote_type: str, message: str) -> None:
+        self.remote_type = remote_type
+        super().__init__(f"a vLLM worker raised {remote_type}: {message}")
+
+
+# The error classes that cross as themselves: what a worker's refit steps, its side group and its
+# transport raise on purpose, and the builtins vLLM's loaders and torch raise. Rebuilt with the
+# worker's message and plain attributes, whatever their constructor takes.
+_CROSSING: tuple[type[BaseException], ...] = (
+    errors.RefitError, errors.RefitLifecycleError, errors.BucketSequenceError, errors.BucketLayoutError,
+    errors.EngineRefitUnsupported, errors.EngineTensorMismatch, errors.EngineStale, errors.EngineBusy,
+    errors.EngineUpdateFailed, errors.EngineProcessError, errors.RefitVerificationFailed, errors.RefitIncomplete,
+    errors.StorageRebound, errors.InjectedFault, errors.TransportAborted, errors.WireProtocolError,
+    errors.CollectiveTimeout, errors.PeerLost, errors.PeerFailed, errors.UnsupportedCombination, errors.ConfigError,
+    errors.InvalidTensor, errors.UnsupportedQuantMethod,
+    ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, NotImplementedError, AssertionError,
+    TimeoutError, ConnectionError, OSError, MemoryError, WorkerError,
+)
+ERRORS: dict[str, type[BaseException]] = {cls.__name__: cls for cls in _CROSSING}
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+@attrs.frozen
+class ErrorReply(Record):
+    """A worker's error: its type's name, its message and its plain attributes.
+
+    Attributes:
+        type: the class name (a key of ERRORS), or `module.qualname` of a type that does not cross.
+        message: the error's message (at most MAX_MESSAGE characters).
+        details: the error's own attributes that are plain values (CollectiveTimeout's rank, step,
+            seconds and peers; RefitIncomplete's unwritten), set again on the rebuilt error.
+    """
+
+    type: str = attrs.field(converter=str)
+    message: str = attrs.field(converter=str)
+    details: dict[str, Any] = attrs.field(converter=dict, factory=dict)
+
+    @classmethod
+    def of(cls, err: BaseException) -> ErrorReply:
+        """The reply that carries `err`."""
+        kind = type(err)
+        name = kind.__name__ if ERRORS.get(kind.__name__) is kind else f"{kind.__module__}.{kind.__qualname__}"
+        args = err.args
+        message = args[0] if len(args) == 1 and isinstance(args[0], str) else str(err)
+        details = {k: plain(v) for k, v in vars(err).items() if not k.startswith("_") and _is_plain(v)}
+        return cls(name, message[:MAX_MESSAGE], details)
+
+    def rebuild(self) -> BaseException:
+        """The error as the worker raised it: the same class (WorkerError for a type not in ERRORS),
+        the same message, its plain attributes."""
+        cls = ERRORS.get(self.type)
+        if cls is None:
+            return WorkerError(self.type, self.message)
+        err = cls.__new__(cls, self.message)
+        BaseException.__init__(err, self.message)  # the message as it was, whatever cls's __init__ formats
+        for key, value in self.details.items():
+            setattr(err, key, tuple(value) if isinstance(value, list) else value)
+        return err
+
+
+def reply_of(request: Request[R], answers: Sequence[Any]) -> R:
+    """The first worker's reply to `request`, from every worker's plain answer; raises the first
+    worker's error (rebuilt) when any worker answered with one."""
+    if not answers:
+        raise errors.WireProtocolError(f"{request.METHOD}: no worker answered")
+    for answer in answers:
+        if isinstance(answer, Mapping) and answer.get(TAG) == ErrorReply.__name__:
+            raise ErrorReply.from_plain(answer).rebuild()
+    return request.REPLY.from_plain(answers[0])  # type: ignore[return-value]
+
+
+def answer(request_type: type[Q], value: Any, handler: Callable[[Q], Record]) -> dict[str, Any]:
+    """The worker side of one RPC: `handler`'s reply to the request in `value`, or the ErrorReply
+    of what it raised, as plain values (nothing escapes to vLLM but a reply)."""
+    try:
+        return handler(request_type.from_plain(value)).to_plain()
+    except Exception as err:
+        log.warning("rl-refit worker rpc failed", method=request_type.METHOD,
+                    error=f"{type(err).__name__}: {str(err)[:500]}", exc_info=True)
+        return ErrorReply.of(err).to_plain()
+
+
+@runtime_checkable
+class WorkerRpc(Protocol):
+    """Workers that answer protocol requests (ExtensionWorkers, RemoteWorkers)."""
+
+    def call(self, request: Request[R]) -> R:
+        """The first worker's reply to `request`; raises a worker's error as its own class."""
+        ...
+
+
+class WorkerQueries:
+    """The read-only RPCs, over a `call` the class defines."""
+
+    def call(self, request: Request[R]) -> R:
+        raise NotImplementedError
+
+    def fingerprint(self) -> StorageFingerprint:
+        """Pointer, shape, stride and dtype of every parameter and buffer of the first worker."""
+        return self.call(Fingerprint()).fingerprint()
+
+    def live_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of the first worker (host copies)."""
+        return self.call(LiveWeights()).to_tensors()
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every parameter and buffer of the first worker."""
+        return dict(self.call(Digests()).digests)
+
+    def kv_scales(self) -> dict[str, list[float]]:
+        """Each attention layer's q/k/v/prob scales on the first worker."""
+        return {k: list(v) for k, v in self.call(KvScales()).scales.items()}
