@@ -1,7 +1,7 @@
 """The worker extension of `refit bench engine`: rl-refit's, plus the two baselines the bench
 measures inside the same engine (vLLM imports this module inside its workers, by name).
 
-Both are protocol RPCs (adapters.vllm.protocol), with their records here:
+Both are protocol RPCs, with their records in adapters.vllm.protocol:
 
 - `BenchReload(path)` (`rl_refit_bench_reload`): vLLM's own `Worker.reload_weights(weights_path=path,
   is_checkpoint_format=True)`, the way to refit a vLLM engine from a checkpoint on disk.
@@ -15,41 +15,15 @@ Both are protocol RPCs (adapters.vllm.protocol), with their records here:
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import Any
 
-import attrs
 import torch
 
 from adapters.vllm import protocol as p
 from adapters.vllm.extension import RefitWorkerExtension
-from adapters.vllm.protocol import answer
+from adapters.vllm.protocol import BenchMode, BenchReload, Seconds, answer
 
 MODES = ("refit", "load_weights")
-
-
-@attrs.frozen
-class BenchMode(p.Request[p.Done]):
-    """How the next refits load: `refit` (rl-refit's WorkerRefit) or `load_weights` (the baseline)."""
-
-    METHOD: ClassVar[str] = "rl_refit_bench_mode"
-    REPLY: ClassVar[type[p.Record]] = p.Done
-
-    mode: str = attrs.field(converter=str)
-
-
-@attrs.frozen
-class Seconds(p.Record):
-    seconds: float = attrs.field(converter=float)
-
-
-@attrs.frozen
-class BenchReload(p.Request[Seconds]):
-    """vLLM's `reload_weights` from the checkpoint directory `path`."""
-
-    METHOD: ClassVar[str] = "rl_refit_bench_reload"
-    REPLY: ClassVar[type[p.Record]] = Seconds
-
-    path: str = attrs.field(converter=str)
 
 
 class BenchExtension(RefitWorkerExtension):

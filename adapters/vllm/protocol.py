@@ -296,8 +296,36 @@ class KvScales(Request[KvScalesReply]):
     REPLY: ClassVar[type[Record]] = KvScalesReply
 
 
+# --- the bench extension's (adapters.vllm.bench_extension: `refit bench engine`'s baselines) ------
+
+
+@attrs.frozen
+class BenchMode(Request[Done]):
+    """How the next refits load: `refit` (rl-refit's WorkerRefit) or `load_weights` (the baseline)."""
+
+    METHOD: ClassVar[str] = "rl_refit_bench_mode"
+    REPLY: ClassVar[type[Record]] = Done
+
+    mode: str = attrs.field(converter=str)
+
+
+@attrs.frozen
+class Seconds(Record):
+    seconds: float = attrs.field(converter=float)
+
+
+@attrs.frozen
+class BenchReload(Request[Seconds]):
+    """vLLM's own `reload_weights` from the checkpoint directory `path`; replies its seconds."""
+
+    METHOD: ClassVar[str] = "rl_refit_bench_reload"
+    REPLY: ClassVar[type[Record]] = Seconds
+
+    path: str = attrs.field(converter=str)
+
+
 REQUESTS: tuple[type[Request[Any]], ...] = (Ready, Begin, Load, Finalize, Abort, Join, Receive, Leave, Fingerprint,
-                                             Digests, LiveWeights, KvScales)
+                                             Digests, LiveWeights, KvScales, BenchMode, BenchReload)
 
 
 # --- errors --------------------------------------------------------------------------------------

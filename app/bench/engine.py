@@ -48,9 +48,8 @@ from typing import Any
 import attrs
 import torch
 
-from adapters.vllm.bench_extension import BenchMode, BenchReload
 from adapters.vllm.engine import VllmRolloutEngine
-from adapters.vllm.protocol import WorkerRpc
+from adapters.vllm.protocol import BenchMode, BenchReload, WorkerRpc
 from app.bench.report import BenchReport
 
 EXTENSION = "adapters.vllm.bench_extension.BenchExtension"

@@ -385,11 +385,16 @@ def test_the_expert_redo_gets_the_names_the_loads_wrote() -> None:
 def test_finalize_stats_and_fingerprints_survive_plain_values() -> None:
     import json
 
+    import attrs
+
+    from adapters.vllm.protocol import FinalizeReply
     from adapters.vllm.worker import FinalizeStats
     from domain.refit.storage import StorageFingerprint
 
     stats = FinalizeStats(2, 0.5, 30, 28, ("a.weight",), 1)
-    assert FinalizeStats.from_plain(json.loads(json.dumps(list(stats)))) == stats
+    reply = FinalizeReply(**stats._asdict())
+    assert FinalizeReply.from_plain(json.loads(json.dumps(reply.to_plain()))) == reply
+    assert tuple(attrs.astuple(reply)) == tuple(stats)
     _, _, engine = build()
     fp = engine.storage_fingerprint()
     assert StorageFingerprint.from_plain(json.loads(json.dumps(fp.to_plain()))) == fp

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from adapters.vllm.control import HostGreedy, Tokens
 from adapters.vllm.remote import EngineProcess
 from domain.errors import EngineProcessError
 
@@ -22,29 +23,32 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Started as `python -m adapters.vllm.server SPEC`: connects back, proves the token, starts a child
 # in its process group (as vLLM's engine core is), writes the child's pid next to the spec's
-# `pid_file`, answers `shutdown` and any other op with a null result.
+# `pid_file`, answers `Shutdown` with Done and any other request with no tokens.
 HOST = textwrap.dedent("""
     import json, os, socket, subprocess, sys, time
     sys.path.insert(0, os.environ["ROOT"])
-    from adapters.vllm.control import Channel
     spec = json.load(open(sys.argv[-1]))
     mode = os.environ["FAKE_HOST"]
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(os.environ["CHILD_PID_FILE"], "w").write(str(child.pid))
     if mode == "silent":
         time.sleep(600)
+    from adapters.vllm.control import Channel, Hello, Tokens
+    from adapters.vllm.protocol import Done, ErrorReply, ReadyReply
     channel = Channel(socket.create_connection((spec["trainer_host"], spec["trainer_port"])), "the trainer")
     if mode == "fail":
         print("ValueError: Failed to find a kernel that can implement the layer. Reasons:", flush=True)
-        channel.send({"token": spec["token"], "ok": False, "error": "RuntimeError", "message": "wrapper"})
+        error = ErrorReply("RuntimeError", "wrapper").to_plain()
+        channel.send(Hello(spec["token"], os.getpid(), error=error).to_plain())
         sys.exit(1)
-    channel.send({"token": spec["token"], "ok": True, "result": {"pid": os.getpid(), "workers": [{}]}})
+    channel.send(Hello(spec["token"], os.getpid(), [ReadyReply(0, "cpu", os.getpid()).to_plain()]).to_plain())
     while True:
         message = channel.receive(None)
-        channel.send({"ok": True, "result": None})
-        if message["op"] == "shutdown":
+        if message["record"] == "Shutdown":
+            channel.send(Done().to_plain())
             child.kill()
             sys.exit(0)
+        channel.send(Tokens([]).to_plain())
 """)
 
 
@@ -98,7 +102,7 @@ def test_a_host_killed_from_outside_takes_its_engine_processes_with_it_and_is_na
     child = _child(tmp)
     os.kill(process.proc.pid, signal.SIGKILL)
     with pytest.raises(EngineProcessError, match=r"was killed by SIGKILL; its engine processes were stopped") as err:
-        process.call("greedy", prompts=[[1]], max_tokens=1)
+        process.call(HostGreedy([[1]], 1))
     assert str(tmp / "host.log") in str(err.value)
     assert _gone(child), "the engine host's child outlived it"
     process.close()
@@ -109,7 +113,7 @@ def test_a_clean_close_stops_everything_and_removes_the_log(fake_host) -> None: 
     start, tmp = fake_host
     process = start("serve")
     child = _child(tmp)
-    assert process.call("greedy", prompts=[[1]], max_tokens=1) is None
+    assert process.call(HostGreedy([[1]], 1)) == Tokens([])
     process.close()
     assert process.proc.returncode == 0 and _gone(child)
     assert not (tmp / "host.log").exists()
