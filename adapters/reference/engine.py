@@ -342,20 +342,22 @@ class ReferenceEngine:
         """Greedy continuations of token-id prompts (EngineInspection port); refused while stale
         or mid-refit."""
         self._guard.check_serving()
-        out = []
         for prompt in prompts:
             if not prompt or min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
                 raise ValueError(f"greedy: each prompt must be 1 or more token ids in [0, {self.config.vocab_size}), "
                                  f"got {list(prompt)[:8]}")
-            ids = torch.tensor([list(prompt)], dtype=torch.long)
-            new: list[int] = []
+        out: dict[int, list[int]] = {}
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            by_length.setdefault(len(prompt), []).append(i)
+        for rows in by_length.values():  # prompts of one length decode as one batch
+            ids = torch.tensor([list(prompts[i]) for i in rows], dtype=torch.long)
+            start = ids.shape[1]
             for _ in range(max_tokens):
                 logits = forward_logits(self.config, self.effective_weights(), ids, self._act)
-                token = int(logits[0, -1].argmax())
-                new.append(token)
-                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-            out.append(new)
-        return out
+                ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            out.update({i: ids[k, start:].tolist() for k, i in enumerate(rows)})
+        return [out[i] for i in range(len(prompts))]
 
     # --- inspection (EngineInspection port) ------------------------------------------------
 

@@ -21,6 +21,8 @@ reference, and only ever crosses within one process.
 
 from __future__ import annotations
 
+import sys
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -420,8 +422,8 @@ def answer(request_type: type[Q], value: Any, handler: Callable[[Q], Record]) ->
     try:
         return handler(request_type.from_plain(value)).to_plain()
     except Exception as err:
-        log.warning("rl-refit worker rpc failed", method=request_type.METHOD,
-                    error=f"{type(err).__name__}: {str(err)[:500]}", exc_info=True)
+        traceback.print_exc(file=sys.stderr)  # the worker's log keeps where it was raised
+        log.warning("rl-refit worker rpc failed", method=request_type.METHOD, error=f"{type(err).__name__}: {str(err)[:500]}")
         return ErrorReply.of(err).to_plain()
 
 

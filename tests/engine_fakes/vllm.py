@@ -424,3 +424,78 @@ def stream_engine(named: list[tuple[str, torch.Tensor]], vocab_size: int):  # ty
 
     return VllmRolloutEngine.in_process(model, None, fake_hooks(layerwise), log_prob_fn=uniform,
                                         expected_layout=layout_of(named))
+
+
+# --- vLLM's worker with rl-refit's extension mixed in, and an LLM whose collective_rpc reaches it ---
+
+
+def msgpack_like(value: object) -> object:
+    """What crossing vLLM's msgpack does to a plain value: tuples become lists, dict keys stay
+    strings, bytes stay bytes; anything that is not a plain value is refused (a tensor would lose
+    its data)."""
+    if isinstance(value, dict):
+        assert all(isinstance(k, str) for k in value), f"msgpack keys must be strings: {list(value)}"
+        return {k: msgpack_like(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [msgpack_like(v) for v in value]
+    assert value is None or isinstance(value, bool | int | float | str | bytes), f"not a plain value: {type(value)}"
+    return value
+
+
+def fake_worker_class(extension: type) -> type:
+    """vLLM's worker class with `extension` mixed in (what `worker_extension_cls` does), over a
+    fake model and fake layerwise reload instead of vLLM's."""
+
+    class FakeWorker(extension):  # type: ignore[misc,valid-type]
+        def __init__(self, model: nn.Module, layerwise: FakeLayerwise, rank: int = 0) -> None:
+            self.model = model
+            self.layerwise = layerwise
+            self.rank = rank
+
+        def _rl_refit_state(self):  # type: ignore[no-untyped-def]
+            from adapters.vllm.worker import WorkerRefit
+
+            if getattr(self, "_rl_refit", None) is None:
+                self._rl_refit = WorkerRefit(self.model, None, fake_hooks(self.layerwise))
+            return self._rl_refit
+
+        def _rl_refit_context(self):  # type: ignore[no-untyped-def]
+            import contextlib
+
+            return contextlib.nullcontext()  # vLLM's set_current_vllm_config
+
+    return FakeWorker
+
+
+class FakeLlm:
+    """`vllm.LLM` as the adapter's clients use it: `collective_rpc(method, args)` runs the method on
+    every worker and returns each one's answer. `plain=True` crosses arguments and answers as
+    vLLM's multiprocess engine does (msgpack); `plain=False` passes them by reference (the
+    colocated engine, `VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
+
+    def __init__(self, workers: list[object], plain: bool = False) -> None:
+        self.workers = workers
+        self.plain = plain
+        self.calls: list[str] = []
+        self.shut = False
+
+    def collective_rpc(self, method: str, args: tuple[object, ...] = ()) -> list[object]:
+        self.calls.append(method)
+        if self.plain:
+            args = tuple(msgpack_like(a) for a in args)
+        answers = [getattr(w, method)(*args) for w in self.workers]
+        return [msgpack_like(a) for a in answers] if self.plain else answers
+
+
+def extension_engine(quantized: bool = True, workers: int = 1, extension: type | None = None):  # type: ignore[no-untyped-def]
+    """A VllmRolloutEngine over ExtensionWorkers over a FakeLlm whose workers are fake vLLM workers
+    with rl-refit's extension (`extension`, default RefitWorkerExtension); returns (models, llm,
+    engine)."""
+    from adapters.vllm.client import ExtensionWorkers
+    from adapters.vllm.engine import VllmRolloutEngine
+    from adapters.vllm.extension import RefitWorkerExtension
+
+    cls = fake_worker_class(extension or RefitWorkerExtension)
+    models = [FakeVllmModel(quantized) for _ in range(workers)]
+    llm = FakeLlm([cls(m, FakeLayerwise(), rank) for rank, m in enumerate(models)])
+    return models, llm, VllmRolloutEngine(ExtensionWorkers(llm), log_prob_fn=fake_log_probs(models[0]))

@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adapters.vllm.extension import tensor_digest
 from app.bootstrap import Services, bootstrap
 from app.services.engine_demo import BACK, EngineDemoSettings, run_engine_demo
 from domain.quant.naming import natural_key
@@ -22,8 +21,8 @@ from domain.refit.buckets import pack_buckets
 
 @attrs.define
 class Inspectable:
-    """A reference engine with the queries the demo reads from a real one. Greedy tokens are a
-    function of the weights' digest (the reference engine does not generate)."""
+    """A reference engine (which serves ports.engine_inspection itself) that can be told to corrupt
+    its refits, and that records its close."""
 
     inner: Any
     closed: bool = False
@@ -40,24 +39,17 @@ class Inspectable:
                 live[next(n for n in live if "lm_head" in n)].mul_(2)
         return result
 
-    def digests(self) -> dict[str, str]:
-        return {n: tensor_digest(t) for n, t in self.inner.live_weights().items()}
-
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        self.inner.log_probs(torch.tensor([p[:2] for p in prompts]))  # refuses as the engine does
-        seed = int(tensor_digest(torch.cat([t.reshape(-1).float() for t in self.inner.live_weights().values()]))[:8], 16)
-        return [[(seed + i * 31 + j) % 97 for j in range(max_tokens)] for i in range(len(prompts))]
-
-    def kv_scales(self) -> dict[str, list[float]]:
-        return {}
-
     def close(self) -> None:
+        self.inner.close()
         self.closed = True
 
 
 @attrs.define
 class Cold(Inspectable):
     """A cold start's view: log-probs alone, as adapters.vllm.remote.ColdEngine returns them."""
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return self.inner.greedy(prompts, max_tokens)
 
     def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.inner.log_probs(input_ids)[0]
@@ -145,3 +137,38 @@ def test_a_refit_serving_other_bytes_is_reported_and_fails_the_demo() -> None:
     assert step.report.ok and step.equals_cold_start is False and not result.ok
     assert not step.logprobs_equal and not step.weights_equal
     assert any("lm_head" in name for name in step.differing_weights)
+
+
+def test_an_engine_that_cannot_be_inspected_is_refused_naming_the_key() -> None:
+    from app.services.engine_demo import inspected
+    from domain.errors import ConfigError
+
+    services = _services(None)
+    engine = services.rollout_engine()
+    assert inspected(engine) is engine
+
+    class Opaque:
+        pass
+
+    with pytest.raises(ConfigError, match=r"^rollout\.name: .*Opaque does not serve"):
+        inspected(Opaque())  # type: ignore[arg-type]
+
+
+def test_the_reference_engine_serves_greedy_tokens_its_forward_picks_and_refuses_while_stale() -> None:
+    from adapters.reference.model import forward_logits
+    from domain.errors import EngineStale
+
+    services = _services(None)
+    engine = services.rollout_engine()
+    with pytest.raises(EngineStale):
+        engine.greedy([[1, 2, 3]], 2)
+    services.refit_service(engine=engine).refit()
+    prompt = [5, 9, 2]
+    (tokens,) = engine.greedy([prompt], 3)
+    ids = torch.tensor([prompt])
+    for token in tokens:  # each token is the argmax of the forward over the prompt and the tokens before it
+        logits = forward_logits(engine.config, engine.effective_weights(), ids, engine._act)
+        assert token == int(logits[0, -1].argmax())
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    with pytest.raises(ValueError, match=r"greedy: each prompt must be 1 or more token ids"):
+        engine.greedy([[]], 1)

@@ -1,0 +1,192 @@
+"""The vLLM worker protocol (adapters.vllm.protocol): every request and reply record crosses
+plain values, vLLM's msgpack and the JSON control channel unchanged; every error class that may
+cross is rebuilt on the trainer's side as itself; anything else is refused or named. Then the
+extension end to end through ExtensionWorkers over fake vLLM workers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from adapters.vllm import protocol as p
+from adapters.vllm.control import (
+    HOST_REQUESTS,
+    CallWorkers,
+    Hello,
+    HostGreedy,
+    HostLogProbs,
+    LogProbsReply,
+    Shutdown,
+    Tokens,
+    WorkerAnswers,
+    _decode,
+    _encode,
+)
+from app.services.refit import RefitService
+from domain import errors
+from domain.refit.storage import StorageFingerprint
+from tests.engine_fakes.vllm import FakeTrainer, extension_engine, fp8_plan, msgpack_like
+
+SAMPLES: list[p.Record] = [
+    p.Ready(), p.ReadyReply(1, "cpu", 4242),
+    p.Begin(), p.Done(),
+    p.Finalize(True), p.FinalizeReply(2, 0.25, 30, 28, ("a.weight", "b.weight"), 1), p.FinalizeReply(0, 0.0, 3),
+    p.Abort(),
+    p.Join({"host": "127.0.0.1", "port": 29500, "world_size": 2, "backend": "gloo"}, 1 << 20, 30.0),
+    p.JoinReply(1),
+    p.Receive(7), p.Loaded(12),
+    p.Leave(),
+    p.Fingerprint(), p.FingerprintReply([["a", 140000, [2, 3], [3, 1], "bfloat16"]]),
+    p.Digests(), p.DigestsReply({"a": "00ff", "b": "ee11"}),
+    p.LiveWeights(), p.LiveWeightsReply.of({"a": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+                                            "e": torch.empty(0, dtype=torch.float8_e4m3fn)}),
+    p.KvScales(), p.KvScalesReply({"layers.0.self_attn.attn": [1.0, 1.0, 0.5, 1.0]}),
+    p.BenchMode("load_weights"), p.BenchReload("/tmp/ckpt"), p.Seconds(0.5),
+    p.ErrorReply("ValueError", "bad", {"key": "x", "peers": [1, 2]}),
+    Hello("token", 12, [p.ReadyReply(0, "cpu", 1).to_plain()]), Hello("token", error=p.ErrorReply("E", "m").to_plain()),
+    CallWorkers("rl_refit_finalize", p.Finalize(False).to_plain()), WorkerAnswers([p.Done().to_plain()]),
+    HostLogProbs([[1, 2, 3]], 0.7), LogProbsReply([[-1.5, -2.0]]), HostGreedy([[1, 2]], 4), Tokens([[3, 4, 5, 6]]),
+    Shutdown(),
+]
+
+
+def _json(value: Any) -> Any:
+    """What the control channel does to a message: JSON text, bytes base64-encoded."""
+    return _decode(json.loads(json.dumps(_encode(value))))
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("crossing", [lambda v: v, msgpack_like, _json], ids=["plain", "msgpack", "json"])
+def test_every_record_crosses_unchanged(record: p.Record, crossing: Any) -> None:
+    plain = record.to_plain()
+    assert crossing(plain) == msgpack_like(plain)  # plain values only: what crosses is what was sent
+    assert type(record).from_plain(crossing(plain)) == record
+
+
+def test_every_rpc_and_host_request_has_a_sample() -> None:
+    kinds = {type(r) for r in SAMPLES}
+    assert set(p.REQUESTS) - {p.Load} <= kinds
+    assert {r.REPLY for r in p.REQUESTS} <= kinds
+    assert set(HOST_REQUESTS.values()) <= kinds
+    assert len({r.METHOD for r in p.REQUESTS}) == len(p.REQUESTS)
+    assert all(r.METHOD.startswith("rl_refit_") for r in p.REQUESTS)
+
+
+def test_live_weights_come_back_bit_for_bit() -> None:
+    tensors = {"w": torch.randn(4, 8).to(torch.bfloat16), "s": torch.rand(2).to(torch.float8_e4m3fn)}
+    back = p.LiveWeightsReply.from_plain(_json(p.LiveWeightsReply.of(tensors).to_plain())).to_tensors()
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[n].view(torch.uint8), t.view(torch.uint8)) and back[n].dtype == t.dtype
+               for n, t in tensors.items())
+
+
+def test_a_fingerprint_comes_back_equal() -> None:
+    fp = StorageFingerprint.of({"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)})
+    assert p.FingerprintReply.from_plain(_json(p.FingerprintReply.of(fp).to_plain())).fingerprint() == fp
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    (p.Done().to_plain(), r"expected a FinalizeReply record, got 'Done'"),
+    ([2, 0.5, 30], r"expected a FinalizeReply record, got 'list'"),
+    ({"record": "FinalizeReply", "kv_scales_reset": 1}, r"fields \['kv_scales_reset'\] instead of"),
+    ({**p.FinalizeReply(1, 0.0, 1).to_plain(), "extra": 1}, r"fields .*'extra'.* instead of"),
+    ({**p.FinalizeReply(1, 0.0, 1).to_plain(), "seconds": "soon"}, r"a malformed FinalizeReply record"),
+])
+def test_anything_but_the_record_is_refused_naming_it(value: Any, match: str) -> None:
+    with pytest.raises(errors.WireProtocolError, match=match):
+        p.FinalizeReply.from_plain(value)
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+def _instance(cls: type[BaseException]) -> BaseException:
+    """One instance of each error class that may cross, built as its raiser builds it."""
+    special: dict[type[BaseException], BaseException] = {
+        errors.RefitIncomplete: errors.RefitIncomplete(3, ["a.weight", "b.weight"]),
+        errors.CollectiveTimeout: errors.CollectiveTimeout(2, "bucket 4", 30.0, (0, 1)),
+        errors.ConfigError: errors.ConfigError("rollout.name", "no such engine"),
+        errors.InvalidTensor: errors.InvalidTensor("lm_head.weight", "holds NaN", "fix the trainer"),
+        p.WorkerError: p.WorkerError("torch.OutOfMemoryError", "CUDA out of memory"),
+        KeyError: KeyError("model.layers.0.mlp.gate_proj.weight"),
+    }
+    return special.get(cls) or cls(f"{cls.__name__} raised in the worker")
+
+
+@pytest.mark.parametrize("cls", list(p.ERRORS.values()), ids=lambda c: c.__name__)
+def test_every_error_that_may_cross_is_rebuilt_as_itself(cls: type[BaseException]) -> None:
+    original = _instance(cls)
+    reply = p.ErrorReply.from_plain(_json(msgpack_like(p.ErrorReply.of(original).to_plain())))
+    rebuilt = reply.rebuild()
+    assert type(rebuilt) is cls
+    assert str(rebuilt) == str(original) and rebuilt.args == original.args
+    assert {k: v for k, v in vars(rebuilt).items()} == {k: v for k, v in vars(original).items()}
+
+
+def test_an_error_of_another_type_becomes_a_worker_error_naming_it() -> None:
+    class KernelMissing(ValueError):  # a subclass of a crossing builtin is not that builtin
+        pass
+
+    rebuilt = p.ErrorReply.of(KernelMissing("no kernel for the layer")).rebuild()
+    assert type(rebuilt) is p.WorkerError
+    assert isinstance(rebuilt, errors.EngineUpdateFailed) and isinstance(rebuilt, RuntimeError)
+    assert rebuilt.remote_type.endswith("KernelMissing")
+    assert str(rebuilt) == f"a vLLM worker raised {rebuilt.remote_type}: no kernel for the layer"
+
+
+def test_the_first_error_of_any_worker_is_raised_even_when_worker_0_succeeded() -> None:
+    answers = [p.Done().to_plain(), p.ErrorReply.of(errors.TransportAborted("rank 2: stream ended")).to_plain()]
+    with pytest.raises(errors.TransportAborted, match=r"^rank 2: stream ended$"):
+        p.reply_of(p.Abort(), answers)
+    assert p.reply_of(p.Finalize(True), [p.FinalizeReply(1, 0.0, 2).to_plain()]) == p.FinalizeReply(1, 0.0, 2)
+
+
+def test_the_worker_side_answers_an_error_instead_of_raising() -> None:
+    def handler(request: p.Receive) -> p.Record:
+        raise errors.RefitLifecycleError(f"receive {request.refit_id} before join")
+
+    answered = p.answer(p.Receive, p.Receive(3).to_plain(), handler)
+    assert p.ErrorReply.from_plain(answered) == p.ErrorReply("RefitLifecycleError", "receive 3 before join")
+    wrong = p.answer(p.Receive, p.Abort().to_plain(), handler)  # another version's request: refused, typed
+    assert p.ErrorReply.from_plain(wrong).type == "WireProtocolError"
+
+
+# --- the extension end to end, through ExtensionWorkers --------------------------------------------
+
+
+def test_a_refit_through_the_extension_equals_the_trainers_weights_and_finalize_is_a_record() -> None:
+    models, llm, engine = extension_engine(workers=2)
+    report = RefitService(FakeTrainer(), engine, fp8_plan(), bucket_bytes=1 << 16).refit()
+    assert report.ok and report.storage.ok and report.kv_scales_reset == 2
+    assert llm.calls == ["rl_refit_fingerprint", "rl_refit_begin", *["rl_refit_load"] * report.buckets,
+                         "rl_refit_finalize", "rl_refit_fingerprint"]
+    assert engine.digests() == p.DigestsReply.from_plain(llm.workers[1].rl_refit_digests(p.Digests().to_plain())).digests
+    assert set(engine.kv_scales()) == {f"layers.{i}.self_attn.attn" for i in range(2)}
+    assert all(v == [1.0] * 4 for v in engine.kv_scales().values())
+    assert torch.equal(engine.live_weights()["lm_head.weight"], models[0].lm_head.weight)
+
+
+def test_a_workers_error_reaches_the_trainer_as_its_own_class_and_the_engine_goes_stale() -> None:
+    models, _, engine = extension_engine(workers=2)
+    models[1].fail_at_call = 1  # the second worker's second load raises RuntimeError
+    with pytest.raises(errors.RefitFailed) as info:
+        RefitService(FakeTrainer(), engine, fp8_plan(), bucket_bytes=1 << 16).refit()
+    assert "RuntimeError: injected failure in load_weights call 1" in str(info.value)
+    assert engine.is_stale
+    engine.workers.begin()
+    with pytest.raises(errors.RefitLifecycleError, match=r"^a vLLM refit is already loading on this worker"):
+        engine.workers.begin()  # a worker's typed error, rebuilt as itself
+
+
+def test_the_multiprocess_engine_carries_every_request_but_the_colocated_load() -> None:
+    _, llm, engine = extension_engine()
+    llm.plain = True  # vLLM's multiprocess engine: msgpack both ways
+    assert engine.workers.call(p.Ready()) == p.ReadyReply(0, "cpu", p.ReadyReply.from_plain(
+        llm.workers[0].rl_refit_ready(p.Ready().to_plain())).pid)
+    engine.workers.begin()
+    assert engine.workers.finalize(True).kv_scales_reset == 2
+    with pytest.raises(AssertionError, match="not a plain value"):  # a bucket's tensors never cross msgpack
+        engine.workers.call(p.Load((("lm_head.weight", torch.zeros(1)),)))
