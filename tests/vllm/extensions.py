@@ -1,17 +1,60 @@
 """A worker extension for the real-engine tests: rl-refit's, plus hooks that break a refit on
 purpose inside the worker (a receiver that fails, one that silently corrupts, the expert redo
 switched off) and one that poisons the KV-cache scales, so that the tests can show each guard
-catching what it is for. Armed through `rl_refit_test_*` methods (collective_rpc by name)."""
+catching what it is for. Armed through `rl_refit_test_*` RPCs, one protocol request record each
+(adapters.vllm.protocol), sent with the engine's workers' `call`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
+from adapters.vllm import protocol as p
 from adapters.vllm.extension import RefitWorkerExtension
+from adapters.vllm.protocol import answer
 from adapters.vllm.worker import KV_SCALE_NAMES
+
+
+@attrs.frozen
+class FailReceiver(p.Request[p.Done]):
+    """The receiver raises on its load number `after_loads` (0-based) of the next refit."""
+
+    METHOD: ClassVar[str] = "rl_refit_test_fail_receiver"
+    REPLY: ClassVar[type[p.Record]] = p.Done
+    after_loads: int = attrs.field(converter=int)
+
+
+@attrs.frozen
+class Corrupt(p.Request[p.Done]):
+    """Every later load multiplies the tensors whose name contains `name_part` by 2 (silently)."""
+
+    METHOD: ClassVar[str] = "rl_refit_test_corrupt"
+    REPLY: ClassVar[type[p.Record]] = p.Done
+    name_part: str = attrs.field(converter=str)
+
+
+@attrs.frozen
+class DisableRedo(p.Request[p.Done]):
+    """Stop redoing the experts' skipped post-processing (what vLLM's reload alone does)."""
+
+    METHOD: ClassVar[str] = "rl_refit_test_disable_redo"
+    REPLY: ClassVar[type[p.Record]] = p.Done
+
+
+@attrs.frozen
+class Layers(p.Record):
+    count: int = attrs.field(converter=int)
+
+
+@attrs.frozen
+class PoisonKv(p.Request[Layers]):
+    """Set every attention layer's q/k/v/prob scale buffers to `value`; replies the layers."""
+
+    METHOD: ClassVar[str] = "rl_refit_test_poison_kv"
+    REPLY: ClassVar[type[p.Record]] = Layers
+    value: float = attrs.field(converter=float)
 
 
 def _no_redo(_model: torch.nn.Module, _written: Any) -> int:
@@ -27,22 +70,32 @@ class TestExtension(RefitWorkerExtension):
             state = self._rl_refit_test = {"fail_at": None, "corrupt": None, "loads": 0}
         return state
 
-    def rl_refit_test_fail_receiver(self, after_loads: int) -> None:
-        """The receiver raises on its load number `after_loads` (0-based) of the next refit."""
-        state = self._rl_refit_test_state()
-        state.update(fail_at=int(after_loads), loads=0)
+    def rl_refit_test_fail_receiver(self, request: dict[str, Any]) -> dict[str, Any]:
+        def arm(r: FailReceiver) -> p.Record:
+            self._rl_refit_test_state().update(fail_at=r.after_loads, loads=0)
+            return p.Done()
 
-    def rl_refit_test_corrupt(self, name_part: str) -> None:
-        """Every later load multiplies the tensors whose name contains `name_part` by 2 (silently)."""
-        self._rl_refit_test_state()["corrupt"] = str(name_part)
+        return answer(FailReceiver, request, arm)
 
-    def rl_refit_test_disable_redo(self) -> None:
-        """Stop redoing the experts' skipped post-processing (what vLLM's reload alone does)."""
-        refit = self._rl_refit_state()
-        refit.hooks = attrs.evolve(refit.hooks, redo_experts=_no_redo)
+    def rl_refit_test_corrupt(self, request: dict[str, Any]) -> dict[str, Any]:
+        def arm(r: Corrupt) -> p.Record:
+            self._rl_refit_test_state()["corrupt"] = r.name_part
+            return p.Done()
 
-    def rl_refit_test_poison_kv(self, value: float) -> int:
-        """Set every attention layer's q/k/v/prob scale buffers to `value`; returns the layers."""
+        return answer(Corrupt, request, arm)
+
+    def rl_refit_test_disable_redo(self, request: dict[str, Any]) -> dict[str, Any]:
+        def arm(_: DisableRedo) -> p.Record:
+            refit = self._rl_refit_state()
+            refit.hooks = attrs.evolve(refit.hooks, redo_experts=_no_redo)
+            return p.Done()
+
+        return answer(DisableRedo, request, arm)
+
+    def rl_refit_test_poison_kv(self, request: dict[str, Any]) -> dict[str, Any]:
+        return answer(PoisonKv, request, lambda r: Layers(self._poison_kv(r.value)))
+
+    def _poison_kv(self, value: float) -> int:
         count = 0
         with torch.no_grad():
             for module in self._rl_refit_state().model.modules():

@@ -25,6 +25,7 @@ import attrs
 
 from adapters.memory.faults import FaultScript
 from adapters.memory.faulty import ScriptedFaultyEngine
+from adapters.vllm.protocol import WorkerRpc
 from app.bootstrap import bootstrap
 from app.cli.demo_engine import engine_overrides
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings, EngineStep
@@ -32,6 +33,7 @@ from app.services.refit import RefitService
 from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
 from domain.errors import RefitError, RefitFailed
 from domain.quant.plan import QuantizationPlan
+from tests.vllm.extensions import Corrupt, DisableRedo, FailReceiver, PoisonKv
 
 EXTENSION = "tests.vllm.extensions.TestExtension"
 
@@ -80,16 +82,11 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     trainer: Any = services.trainer_model()
     svc = services.refit_service(engine=engine, trainer=trainer)
     cache = Path(spec["cold_cache"]) if spec.get("cold_cache") else None
-    comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir, cache)  # type: ignore[arg-type]
-    workers = engine.workers
+    comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir, cache)
+    workers: WorkerRpc = engine.workers  # ExtensionWorkers (colocated) or RemoteWorkers: both answer protocol requests
     out: dict[str, Any] = {"spec": spec, "refused_before_first_refit": comparer.refuses(engine), "steps": []}
     steps = out["steps"]
     fingerprint = engine.storage_fingerprint()
-
-    def rpc(method: str, *args: Any) -> Any:
-        if hasattr(workers, "process"):  # disaggregated
-            return workers.process.rpc(method, *args)[0]
-        return workers.llm.collective_rpc(method, args=args)[0]
 
     def refit_and_compare(label: str, service: RefitService | None = None, **extra: Any) -> None:
         report = _refit(service or svc)
@@ -113,11 +110,11 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                 refit_and_compare(f"fault {point}", faulty)
                 refit_and_compare(f"after {point}")
             trainer.perturb_(len(steps), 0.02)
-            rpc("rl_refit_test_fail_receiver", 1)
+            workers.call(FailReceiver(1))
             refit_and_compare("fault receiver")
             refit_and_compare("after receiver")
         elif scenario == "guards":
-            poisoned = rpc("rl_refit_test_poison_kv", 7.0)
+            poisoned = workers.call(PoisonKv(7.0)).count
             before = engine.kv_scales()
             trainer.perturb_(1, 0.02)
             refit_and_compare("after kv poison", poisoned_layers=poisoned, scales_before=before)
@@ -125,12 +122,12 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                                    probe_batch(trainer.config.vocab_size, 2, 16, 0))
             probed = attrs.evolve(svc, probe=probe, reports=[])
             refit_and_compare("probe, clean", probed)
-            rpc("rl_refit_test_corrupt", "lm_head")  # doubles every logit
+            workers.call(Corrupt("lm_head"))  # doubles every logit
             refit_and_compare("probe, corrupted", probed)
-            rpc("rl_refit_test_corrupt", "\x00")  # matches no name: stop corrupting
+            workers.call(Corrupt("\x00"))  # matches no name: stop corrupting
             refit_and_compare("probe, clean again", probed)
             if plan.moe.name == "BF16" and trainer.config.num_experts:
-                rpc("rl_refit_test_disable_redo")
+                workers.call(DisableRedo())
                 trainer.perturb_(len(steps), 0.02)
                 refit_and_compare("without the expert redo")
         else:
