@@ -300,6 +300,23 @@ def fake_hooks(layerwise: FakeLayerwise) -> VllmHooks:
     )
 
 
+def fake_greedy(model: FakeVllmModel):  # type: ignore[no-untyped-def]
+    """Greedy tokens for the fake: each next token is the argmax of embed(last token) @ lm_head^T."""
+
+    def greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        head = getattr(model.lm_head, "packed", model.lm_head.weight).float()
+        out = []
+        for prompt in prompts:
+            tokens, last = [], prompt[-1]
+            for _ in range(max_tokens):
+                last = int((model.embed_tokens.weight[last].float() @ head.t()).argmax())
+                tokens.append(last)
+            out.append(tokens)
+        return out
+
+    return greedy
+
+
 def fake_log_probs(model: FakeVllmModel):  # type: ignore[no-untyped-def]
     """Serving for the fake: log-softmax of embed(ids) @ lm_head^T."""
 
@@ -422,8 +439,11 @@ def stream_engine(named: list[tuple[str, torch.Tensor]], vocab_size: int):  # ty
         shape = (input_ids.shape[0], input_ids.shape[1] - 1)
         return torch.full(shape, -math.log(vocab_size)), torch.full(shape, math.log(vocab_size))
 
+    def first_token(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return [[0] * max_tokens for _ in prompts]  # the first token of a uniform distribution
+
     return VllmRolloutEngine.in_process(model, None, fake_hooks(layerwise), log_prob_fn=uniform,
-                                        expected_layout=layout_of(named))
+                                        greedy_fn=first_token, expected_layout=layout_of(named))
 
 
 # --- vLLM's worker with rl-refit's extension mixed in, and an LLM whose collective_rpc reaches it ---
@@ -498,4 +518,5 @@ def extension_engine(quantized: bool = True, workers: int = 1, extension: type |
     cls = fake_worker_class(extension or RefitWorkerExtension)
     models = [FakeVllmModel(quantized) for _ in range(workers)]
     llm = FakeLlm([cls(m, FakeLayerwise(), rank) for rank, m in enumerate(models)])
-    return models, llm, VllmRolloutEngine(ExtensionWorkers(llm), log_prob_fn=fake_log_probs(models[0]))
+    return models, llm, VllmRolloutEngine(ExtensionWorkers(llm), log_prob_fn=fake_log_probs(models[0]),
+                                          greedy_fn=fake_greedy(models[0]))
