@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Started as `python -m adapters.vllm.server SPEC`: connects back, proves the token, starts a child
 # in its process group (as vLLM's engine core is), writes the child's pid next to the spec's
-# `pid_file`, answers `Shutdown` with Done and any other request with no tokens.
+# `pid_file`, answers `Shutdown` with Done, a worker request with one worker's error, log-probs
+# with the host's own error, and any other request with no tokens.
 HOST = textwrap.dedent("""
     import json, os, socket, subprocess, sys, time
     sys.path.insert(0, os.environ["ROOT"])
@@ -33,8 +34,9 @@ HOST = textwrap.dedent("""
     open(os.environ["CHILD_PID_FILE"], "w").write(str(child.pid))
     if mode == "silent":
         time.sleep(600)
-    from adapters.vllm.control import Channel, Hello, Tokens
+    from adapters.vllm.control import Channel, Hello, Tokens, WorkerAnswers
     from adapters.vllm.protocol import Done, ErrorReply, ReadyReply
+    from domain.errors import CollectiveTimeout, TransportAborted
     channel = Channel(socket.create_connection((spec["trainer_host"], spec["trainer_port"])), "the trainer")
     if mode == "fail":
         print("ValueError: Failed to find a kernel that can implement the layer. Reasons:", flush=True)
@@ -48,7 +50,13 @@ HOST = textwrap.dedent("""
             channel.send(Done().to_plain())
             child.kill()
             sys.exit(0)
-        channel.send(Tokens([]).to_plain())
+        if message["record"] == "CallWorkers":  # worker 0 answers, worker 1 raised
+            aborted = ErrorReply.of(TransportAborted("rank 2: the source aborted"))
+            channel.send(WorkerAnswers([Done().to_plain(), aborted.to_plain()]).to_plain())
+        elif message["record"] == "HostLogProbs":  # the host's own request failed
+            channel.send(ErrorReply.of(CollectiveTimeout(1, "bucket 3", 5.0, (0,))).to_plain())
+        else:
+            channel.send(Tokens([]).to_plain())
 """)
 
 
@@ -157,3 +165,20 @@ def test_ctrl_c_while_the_engine_starts_stops_it_and_its_processes_at_once(fake_
         timer.cancel()
     assert time.monotonic() - began < 5
     assert _gone(_child(tmp), within_s=2)
+
+
+def test_errors_of_the_host_and_of_any_worker_are_raised_as_their_own_class(fake_host) -> None:  # type: ignore[no-untyped-def]
+    from adapters.vllm.control import HostLogProbs
+    from adapters.vllm.protocol import Abort
+    from domain.errors import CollectiveTimeout, TransportAborted
+
+    start, _ = fake_host
+    process = start("serve")
+    with pytest.raises(TransportAborted, match=r"^rank 2: the source aborted$"):
+        process.workers_call(Abort())  # worker 0 succeeded; worker 1's error is not lost
+    with pytest.raises(CollectiveTimeout) as err:
+        process.call(HostLogProbs([[1, 2, 3]]))
+    assert (err.value.rank, err.value.step, err.value.seconds, err.value.peers) == (1, "bucket 3", 5.0, (0,))
+    assert process.call(HostGreedy([[1]], 1)) == Tokens([])  # the channel is still in step
+    process.close()
+    assert process.proc.returncode == 0
