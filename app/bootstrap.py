@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from adapters.profiles import backend_decision, profile_for
 from app.config import Section, load_config
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from app.services.verification import PostRefitProbe
     from domain.quant.backend_policy import BackendDecision
     from domain.refit.sharding import RefitWorld
+    from ports.engine_profile import EngineProfile
     from ports.environment_probe import EnvironmentProbe
     from ports.refit_collectives import RefitCollectives
     from ports.rollout_engine import RolloutEngine
@@ -384,7 +386,12 @@ class Services:
         """
         from app.services.planning import make_plan
 
-        return make_plan(self.config, checkpoint, purpose=purpose)
+        return make_plan(self.config, checkpoint, purpose=purpose, profile=self.engine_profile())
+
+    def engine_profile(self) -> EngineProfile:
+        """The rollout engine's profile (support table, layouts, rules, backend policy, pins):
+        PROFILES[rollout.name]."""
+        return profile_for(self.config.rollout.name)
 
     # --- refits --------------------------------------------------------------------------------
 
@@ -844,9 +851,7 @@ class Services:
             plan: the resolved plan.
             capability: the GPU's compute capability; None skips the capability gates.
         """
-        from domain.quant.backend_policy import decide_backends
-
-        return decide_backends(engine, plan, capability, opt_out=self.deep_gemm_opt_out(engine))
+        return backend_decision(engine, plan, capability, opt_out=self.deep_gemm_opt_out(engine))
 
     def environment_probe(self, snapshot_file: str | None = None) -> EnvironmentProbe:
         """The EnvironmentProbe `refit doctor` inspects: this machine, or a saved snapshot.

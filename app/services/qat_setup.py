@@ -20,6 +20,7 @@ import attrs
 import structlog
 import torch
 
+from adapters.profiles import profile_for
 from app.config import Section
 from app.services.planning import dispatch_input, with_numerics
 from domain.quant.dispatch import resolve
@@ -85,7 +86,8 @@ def rollout_plan_for(cfg: Section, shapes: list[tuple[str, tuple[int, ...]]],
     Returns:
         The plan, with rollout.quantization.numerics and scale_rule applied.
     """
-    return with_numerics(resolve(dispatch_input(cfg, model_config), shapes).plan, cfg)
+    inp = dispatch_input(cfg, model_config)
+    return with_numerics(resolve(inp, shapes, engine=profile_for(inp.engine).dispatch).plan, cfg)
 
 
 def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend,
