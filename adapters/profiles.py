@@ -15,8 +15,10 @@ from adapters.trtllm.profile import TRTLLM
 from adapters.vllm.profile import VLLM
 from domain import environment
 from domain.errors import ConfigError
+from domain.quant import dispatch
 from domain.quant.backend_policy import BackendDecision, decide_backends
-from domain.quant.dispatch_types import EngineDispatch
+from domain.quant.dispatch_types import DispatchInput, EngineDispatch, Resolution
+from domain.quant.model_rules import Shapes
 from domain.quant.plan import QuantizationPlan
 
 _OWN: tuple[StaticEngineProfile, ...] = (VLLM, SGLANG, TRTLLM, REFERENCE)
@@ -56,6 +58,19 @@ def profile_for(name: str) -> StaticEngineProfile:
 def dispatch_for(name: str) -> EngineDispatch:
     """The engine's part in the dispatch rules (profile_for(name).dispatch)."""
     return profile_for(name).dispatch
+
+
+def resolve(inp: DispatchInput, shapes: Shapes | None = None) -> Resolution:
+    """The dispatch rules for `inp`, with the rules of its engine (rollout.name)'s profile.
+
+    Args:
+        inp: the dispatch input.
+        shapes: the model's (name, shape) pairs, or None.
+
+    Returns:
+        domain.quant.dispatch.resolve's Resolution.
+    """
+    return dispatch.resolve(inp, shapes, engine=dispatch_for(inp.engine))
 
 
 def backend_decision(engine: str, plan: QuantizationPlan, capability: tuple[int, int] | None = None, *,

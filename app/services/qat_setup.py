@@ -20,10 +20,9 @@ import attrs
 import structlog
 import torch
 
-from adapters.profiles import profile_for
+from adapters.profiles import resolve
 from app.config import Section
 from app.services.planning import dispatch_input, with_numerics
-from domain.quant.dispatch import resolve
 from domain.quant.plan import QuantizationPlan
 from domain.quant.qat import QatSummary
 from domain.quant.qat_checks import QatSettings, check_effective_precision, check_qat_plan
@@ -86,8 +85,7 @@ def rollout_plan_for(cfg: Section, shapes: list[tuple[str, tuple[int, ...]]],
     Returns:
         The plan, with rollout.quantization.numerics and scale_rule applied.
     """
-    inp = dispatch_input(cfg, model_config)
-    return with_numerics(resolve(inp, shapes, engine=profile_for(inp.engine).dispatch).plan, cfg)
+    return with_numerics(resolve(dispatch_input(cfg, model_config), shapes).plan, cfg)
 
 
 def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend,

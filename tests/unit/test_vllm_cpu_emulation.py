@@ -18,8 +18,8 @@ from app.bootstrap import bootstrap
 from app.services.doctor_checks import Status, vllm_cpu_checks
 from domain.environment import EnvironmentSnapshot
 from domain.errors import ConfigError
-from domain.quant.backend_policy import decide_backends
 from domain.quant.plan import QuantizationPlan
+from tests.dispatching import decide_backends
 
 LOGS = Path(__file__).resolve().parents[1] / "data" / "vllm_logs"
 NO_AMX = {"FP8_BLOCK": "CPUFp8BlockScaledMMKernel requires AMX tile support", "MXFP8": "none registered",

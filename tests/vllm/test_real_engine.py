@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from domain.quant.support import COMPRESSED_TENSORS, CPU_SERVED, verdicts
+from domain.quant.support import COMPRESSED_TENSORS, CPU_SERVED
+from tests.dispatching import verdicts
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
