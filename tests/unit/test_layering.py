@@ -226,6 +226,21 @@ def test_the_engine_name_check_sees_code_and_skips_docstrings_and_comments(tmp_p
         assert [t for _, t in _names_in_code(module) if ENGINE_NAME.search(t)], code
 
 
+# Configuration keys (`rollout.quantization.linear`, `actor.megatron.qat.mode`, ...) as code spells them.
+CONFIG_KEY = re.compile(r"\b(?:rollout|actor)\.[a-z_]")
+
+
+@pytest.mark.parametrize("path", [p for p in _modules("domain") if p.name != "keys.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_domain_spells_configuration_keys_only_through_the_key_function(path: pathlib.Path) -> None:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = _docstrings(tree)
+    spelled = [f"{path.relative_to(ROOT)}:{n.lineno}: {n.value[:80]!r}" for n in ast.walk(tree)
+               if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+               and CONFIG_KEY.search(n.value)]
+    assert not spelled, "write configuration keys with domain.keys.key(...):\n" + "\n".join(spelled)
+
+
 # --- no import cycle inside the domain ------------------------------------------------------------
 
 
