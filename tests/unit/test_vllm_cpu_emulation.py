@@ -123,3 +123,11 @@ def test_a_saved_snapshot_keeps_the_vllm_cpu_kernels() -> None:
     kernels = {"mode": "on", "emulated": ["FP8_BLOCK"], "native": {"FP8_BLOCK": None}}
     again = FixedEnvironmentProbe.from_dict(_snapshot(kernels).to_dict()).snapshot()
     assert again.engine_cpu_kernels == kernels
+
+
+def test_a_snapshot_saved_under_the_former_key_keeps_the_vllm_cpu_kernels() -> None:
+    kernels = {"mode": "on", "emulated": ["FP8_BLOCK"], "native": {"FP8_BLOCK": None}}
+    saved = _snapshot(None).to_dict()
+    del saved["engine_cpu_kernels"]
+    saved["vllm_cpu_kernels"] = kernels  # `refit doctor --json` before the field was named for every engine
+    assert FixedEnvironmentProbe.from_dict(saved).snapshot().engine_cpu_kernels == kernels
