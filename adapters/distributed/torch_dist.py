@@ -50,8 +50,8 @@ from adapters.distributed.wire import (
 )
 from domain.errors import CollectiveTimeout, PeerLost, TransportAborted, WireProtocolError
 from domain.refit.buckets import Bucket, TensorMeta
-from domain.refit.sharding import RefitWorld
 from domain.refit.status import RankStatus, TransferStats
+from domain.refit.topology import RefitWorld
 
 _STATUS_PAD = 16  # bytes in front of a gathered piece: its holder's failure flag
 _TAIL = 16  # canary bytes checked after the announced bytes and planted at their end

@@ -143,7 +143,7 @@ def bad_peer_rank(rank: int, scenarios: list[str]) -> list[dict[str, Any]]:
     then one refit whose stream rank 0 corrupts. Returns, per scenario, what this rank raised
     and (engine) whether its live weights stayed those of before the bad refit."""
     from adapters.distributed.torch_dist import TorchDistCollectives
-    from domain.refit.sharding import RefitWorld
+    from domain.refit.topology import RefitWorld
 
     world = RefitWorld()
     p = support.plan("FP8_BLOCK", "NVFP4")

@@ -13,7 +13,7 @@ from adapters.memory.faults import RankFault
 from adapters.reference.config import MICRO_MOE, hf_weight_shapes
 from adapters.reference.trainer import ReferenceTrainer
 from domain.quant.plan import QuantizationPlan
-from domain.refit.sharding import ParallelLayout, RefitWorld
+from domain.refit.topology import ParallelLayout, RefitWorld
 
 MODEL = "micro-moe"
 BUCKET_MB = 1 / 16  # 64 KiB: the micro model's refit takes several buckets
@@ -69,7 +69,7 @@ def _service(world: RefitWorld, rank: int, comm: Any, p: QuantizationPlan, full:
     from adapters.distributed.sliced_trainer import SlicedTrainer
     from adapters.memory.faulty import RankPorts, wrap_rank
     from app.services.distributed_refit import DistributedRefitService
-    from domain.refit.sharding import ShardMap
+    from domain.refit.shard_map import ShardMap
 
     shapes = hf_weight_shapes(MICRO_MOE)
     trainer = SlicedTrainer(full, world.layout, rank) if full is not None else None
