@@ -547,7 +547,7 @@ class Services:
         if own_model and trainer is not None:
             trainer.check(shard_map.placements)  # what the rank holds = where the refit places it
         if comm is None:
-            from adapters.distributed.torch_dist import TorchDistCollectives
+            from adapters.distributed.collectives import TorchDistCollectives
 
             comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)
         try:

@@ -407,7 +407,7 @@ class RemoteWorkers:
 
     def _join(self) -> None:
         from adapters.distributed.side_group import SideGroup
-        from adapters.distributed.torch_dist import TorchDistTransport
+        from adapters.distributed.transport import TorchDistTransport
 
         rv, store = SideGroup.serve(self.host, 1 + len(self.process.workers), backend=self.backend,
                                     timeout_s=self.timeout_s)

@@ -78,7 +78,7 @@ def _in_memory() -> list[dict[str, Any]]:
 
 
 def _torch_dist_rank(rank: int) -> dict[str, Any]:
-    from adapters.distributed.torch_dist import TorchDistCollectives
+    from adapters.distributed.collectives import TorchDistCollectives
 
     return scenario(rank, TorchDistCollectives(WORLD, rank, step_timeout_s=20, phase_timeout_s=20, bucket_bytes=1024))
 
