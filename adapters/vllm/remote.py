@@ -37,16 +37,17 @@ import torch
 
 from adapters.distributed.launch import listen_socket
 from adapters.vllm.control import Channel
+from adapters.vllm.errors import EngineProcessError, EngineRefitUnsupported
 from adapters.vllm.worker import FinalizeStats
 from domain import errors
-from domain.errors import EngineProcessError, EngineUpdateFailed
+from domain.errors import EngineUpdateFailed
 from domain.refit.buckets import Bucket
 from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
 
 # Errors a worker may raise whose type the trainer re-raises (the message crosses as text).
-_TYPED = {cls.__name__: cls for cls in (errors.EngineRefitUnsupported, errors.RefitLifecycleError,
+_TYPED = {cls.__name__: cls for cls in (EngineRefitUnsupported, errors.RefitLifecycleError,
                                         errors.TransportAborted, errors.WireProtocolError)}
 
 
