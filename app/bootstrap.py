@@ -118,7 +118,7 @@ def _engine_start(services: Services, engine: str,
     the engine is started with); a caller asking for another `plan` gets a ConfigError rather than
     an engine set up for one plan and sent another.
     """
-    from app.services.lifecycle import describe_plan
+    from app.services.transaction import describe_plan
 
     report = services.plan_report(services.checkpoint())
     if plan is not None and plan != report.plan:

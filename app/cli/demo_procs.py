@@ -28,7 +28,7 @@ from app.bootstrap import Services
 from app.cli.demo_settings import demo_services, raise_typed_failure
 from app.services.demo import DemoSettings
 from app.services.distributed_demo import demo_world, judge, weights_digest
-from app.services.lifecycle import describe_plan
+from app.services.transaction import describe_plan
 from domain.errors import CollectiveTimeout, ConfigError, DistributedRefitFailed, PeerLost
 from domain.refit.report import RefitReport
 from domain.refit.sharding import RefitWorld, Role
