@@ -104,6 +104,8 @@ class DistributedRefitService:
         if self.trainer is not None and [tuple(x) for x in self.trainer.weight_shapes()] != [tuple(x) for x in self.shapes]:
             raise ConfigError("distributed refit", f"rank {self.rank}: the trainer's weights differ from the model "
                               "the refit was configured with (names or shapes); give every rank the same model")
+        if self.restore is not None and self.engine is not None:
+            self.restore.check(self.engine.commit_mode)
         self.shard_map = ShardMap.build(self.world.layout, self.shapes, self.plan)
         self._replay = ReplayCopy.for_buckets(self.bucket_bytes)
         # One planner for every refit: its `window` buffers stay allocated (validated sizes, too).
@@ -256,13 +258,11 @@ class DistributedRefitService:
             nonlocal next_index
             run.where = f"bucket {bucket.index}"
             tx.load(bucket if not keep else attrs.evolve(bucket, retained=True), owned=keep)
-            next_index, run.tensors = bucket.index + 1, run.tensors + len(bucket.metas)
+            next_index = bucket.index + 1
 
         try:
             stats = self.comm.transport(source, run.refit_id).receive(consume, tx.replay.allocate if keep and tx.replay
                                                                      else None)
-            run.buckets += stats.buckets
-            run.bytes_sent += stats.payload_bytes
             run.add_times({"stream": stats.seconds, "wire": stats.blocked_seconds, "load": stats.consume_seconds})
         except WORLD_BROKEN:
             raise

@@ -76,6 +76,8 @@ class RefitService:
 
     def __attrs_post_init__(self) -> None:
         self.ownership.planner(self.bucket_bytes, self.alignment)  # validate the sizes now, not mid-refit
+        if self.restore is not None:
+            self.restore.check(self.engine.commit_mode)
 
     @property
     def restore_policy(self) -> Restore:
@@ -135,7 +137,6 @@ class RefitService:
         planner = self.ownership.planner(self.bucket_bytes, self.alignment)
         for bucket in clock.timed("pack", planner.pack(quantized)):
             tx.load(bucket, owned=self.ownership is Ownership.OWNED)
-            run.count(bucket)
             if self.progress is not None:
                 self.progress(run.source_bytes, total)
             del bucket  # the engine keeps what it needs; the next bucket is built without this one

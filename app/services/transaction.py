@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from app.services.verification import PostRefitProbe, require
-from domain.errors import CollectiveTimeout, PeerLost
+from domain.errors import CollectiveTimeout, ConfigError, PeerLost
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import Bucket, BucketPlanner
 from domain.refit.report import RefitReport
@@ -88,6 +88,13 @@ class Restore(enum.Enum):
         if commit_mode is CommitMode.TRANSACTIONAL:
             return cls.REPLAY if ownership is Ownership.OWNED else cls.ENGINE
         return cls.STALE
+
+    def check(self, commit_mode: CommitMode) -> None:
+        """ConfigError when this restore cannot work with an engine of `commit_mode`."""
+        if self is Restore.ENGINE and commit_mode is not CommitMode.TRANSACTIONAL:
+            raise ConfigError("restore", f"restore=engine relies on the engine's own backup, but a "
+                              f"{commit_mode.value} engine keeps none (it writes its live weights as buckets "
+                              "arrive); use restore=replay (a host copy of the previous refit) or restore=stale")
 
 
 class Agreement(Protocol):
@@ -274,6 +281,7 @@ class RefitTransaction:
             bucket = self.replay.keep(bucket, owned)
         with self.run.phase("load", where=f"bucket {bucket.index}"):
             engine.load_bucket(bucket)  # returns once the engine copied the bucket or kept views
+        self.run.count(bucket)  # what this engine loaded, in every shape
 
     def staged(self) -> bool:
         """Every source sent its buckets and every engine loaded them: agree."""
@@ -331,7 +339,8 @@ class RefitTransaction:
         elif self.restore is Restore.REPLAY and self.replay is not None and self.replay.previous is not None:
             state = self._replay_previous(engine, reason)
         else:
-            engine.mark_stale(reason)
+            if not engine.is_stale:  # a per-layer engine's abort already said why it is stale
+                engine.mark_stale(reason)
             state = EngineState.STALE
         self.run.engine = state
         self.status = attrs.evolve(self.status, engine=state)
