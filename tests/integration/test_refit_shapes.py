@@ -269,3 +269,28 @@ def test_the_engines_own_backup_is_refused_for_a_per_layer_engine() -> None:
 def test_the_default_restore_costs_no_copy(mode: CommitMode, ownership: Ownership, want: Restore) -> None:
     assert Restore.default(mode, ownership) is want
 
+
+
+def test_the_composition_root_wires_the_probe_into_distributed_refits() -> None:
+    """rollout.verify.enabled probes every engine rank's refit, as it probes a single-process one;
+    an engine rank without the trainer's weights to compare with is refused, naming the key."""
+    from app.bootstrap import bootstrap
+
+    services = bootstrap(overrides=["reference.model=micro-moe", "rollout.verify.enabled=true",
+                                    "rollout.checkpoint_engine.update_weights_bucket_megabytes=0.0625"])
+    world = RefitWorld(ParallelLayout(1, 1, 1, 1), 1)
+    shared = InMemoryWorld(world, step_timeout_s=20.0, phase_timeout_s=60.0)
+    trainer = services.trainer_model()
+    with pytest.raises(ConfigError, match="rollout.verify.enabled"):
+        services.distributed_refit(world, 1, comm=shared.collectives(1))
+    ranks = [services.distributed_refit(world, r, comm=shared.collectives(r), reference=trainer if r else None)
+             for r in range(world.size)]
+    reports: dict[int, RefitReport] = {}
+    threads = [threading.Thread(target=lambda r=r: reports.__setitem__(r, ranks[r].refit()), daemon=True)
+               for r in range(world.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert reports[1].ok and reports[1].probe is not None and reports[1].probe.passed
+    assert reports[0].probe is None  # trainer ranks have no engine to probe
