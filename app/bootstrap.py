@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from app.services.refit import Progress, RefitService
     from app.services.verification import PostRefitProbe
     from domain.quant.backend_policy import BackendDecision
-    from domain.refit.sharding import RefitWorld
+    from domain.refit.topology import RefitWorld
     from ports.environment_probe import EnvironmentProbe
     from ports.refit_collectives import RefitCollectives
     from ports.rollout_engine import RolloutEngine
@@ -528,7 +528,8 @@ class Services:
         from adapters.memory.faulty import RankPorts, wrap_rank
         from adapters.reference.config import hf_weight_shapes, preset
         from app.services.distributed_refit import DistributedRefitService
-        from domain.refit.sharding import Role, ShardMap
+        from domain.refit.shard_map import ShardMap
+        from domain.refit.topology import Role
 
         plan = plan or self.plan
         cfg = preset(self.config.reference.model)
@@ -559,7 +560,7 @@ class Services:
         if own_model and trainer is not None:
             trainer.check(shard_map.placements)  # what the rank holds = where the refit places it
         if comm is None:
-            from adapters.distributed.torch_dist import TorchDistCollectives
+            from adapters.distributed.collectives import TorchDistCollectives
 
             comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)
         try:
@@ -601,7 +602,7 @@ class Services:
         Raises:
             ShardingError: sizes that do not form a layout (naming the key).
         """
-        from domain.refit.sharding import ParallelLayout, RefitWorld
+        from domain.refit.topology import ParallelLayout, RefitWorld
 
         m = self.config.actor.megatron
         tp = m.tensor_model_parallel_size

@@ -44,8 +44,9 @@ from domain.refit.buckets import DEFAULT_ALIGNMENT, Bucket, BucketPlanner
 from domain.refit.report import RefitReport
 from domain.refit.run import RefitRun, StageClock
 from domain.refit.session import CommitMode
-from domain.refit.sharding import ExportUnit, RefitWorld, Role, ShardMap
+from domain.refit.shard_map import ExportUnit, ShardMap
 from domain.refit.status import RankStatus, failure_summary
+from domain.refit.topology import RefitWorld, Role
 from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine
 from ports.sharded_trainer import ShardedTrainerModel

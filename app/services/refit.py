@@ -25,8 +25,8 @@ from domain.quant.stream import quantize_stream
 from domain.refit.buckets import DEFAULT_ALIGNMENT
 from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.run import RefitRun, StageClock
-from domain.refit.sharding import Role
 from domain.refit.status import EngineState, RankStatus
+from domain.refit.topology import Role
 from ports.rollout_engine import RolloutEngine
 from ports.trainer_model import TrainerModel
 

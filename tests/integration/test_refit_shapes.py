@@ -32,8 +32,8 @@ from app.services.verification import PostRefitProbe, TrainerReference, probe_ba
 from domain.errors import ConfigError, EngineStale, RefitFailed
 from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.session import CommitMode
-from domain.refit.sharding import ParallelLayout, RefitWorld
 from domain.refit.status import EngineState
+from domain.refit.topology import ParallelLayout, RefitWorld
 from tests import refit_support as rs
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 
@@ -281,7 +281,7 @@ def test_the_composition_root_wires_the_probe_into_distributed_refits() -> None:
     world = RefitWorld(ParallelLayout(1, 1, 1, 1), 1)
     shared = InMemoryWorld(world, step_timeout_s=20.0, phase_timeout_s=60.0)
     trainer = services.trainer_model()
-    with pytest.raises(ConfigError, match="rollout.verify.enabled"):
+    with pytest.raises(ConfigError, match=r"rollout\.verify\.enabled"):
         services.distributed_refit(world, 1, comm=shared.collectives(1))
     ranks = [services.distributed_refit(world, r, comm=shared.collectives(r), reference=trainer if r else None)
              for r in range(world.size)]
