@@ -120,7 +120,7 @@ def _engine_start(services: Services, engine: str,
     the engine is started with); a caller asking for another `plan` gets a ConfigError rather than
     an engine set up for one plan and sent another.
     """
-    from app.services.lifecycle import describe_plan
+    from app.services.transaction import describe_plan
 
     report = services.plan_report(services.checkpoint())
     if plan is not None and plan != report.plan:
@@ -433,6 +433,7 @@ class Services:
         inject_fault: str | None = None,
         fault_after: int = 0,
         kv_cache_scheme: Mapping[str, object] | None = None,
+        restore: str | None = None,
     ) -> RefitService:
         """A RefitService from the trainer into the engine.
 
@@ -444,11 +445,16 @@ class Services:
                 engine, wrapped in ScriptedFaultyEngine, fails there once (demos, tests).
             fault_after: refits that succeed before the injected fault fires.
             kv_cache_scheme: the quantization config's kv_cache_scheme (None = uncalibrated).
+            restore: `replay`, `engine` or `stale` (None: the default for the engine's commit
+                mode, app.services.transaction.Restore.default).
 
         Returns:
-            The RefitService.
+            The RefitService: buckets by reference to an engine in this process
+            (`rollout.deployment: colocated`), packed into one reused buffer for an engine in
+            processes of its own (`disaggregated`: its transport copies each bucket out).
         """
         from app.services.refit import RefitService
+        from app.services.transaction import Ownership
 
         plan = plan or self.plan
         engine = engine or self.rollout_engine(plan, kv_cache_scheme=kv_cache_scheme)
@@ -462,8 +468,10 @@ class Services:
                 raise ConfigError("--inject-fault", str(err)) from None
             engine = ScriptedFaultyEngine(engine, script)
         trainer = trainer or self.trainer_model()
+        colocated = self.config.rollout.deployment == "colocated"
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
-                            probe=self.post_refit_probe(trainer))
+                            probe=self.post_refit_probe(trainer), restore=restore,
+                            ownership=Ownership.BY_REFERENCE if colocated else Ownership.REUSED)
 
     def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
         """A MismatchProbe over a refit service's trainer and engine."""
@@ -487,6 +495,7 @@ class Services:
         model: object | None = None,
         shapes: Sequence[tuple[str, tuple[int, ...]]] | None = None,
         engine: RolloutEngine | None = None,
+        reference: TrainerModel | None = None,
     ) -> DistributedRefitService:
         """This rank's DistributedRefitService: the call every rank of a refit world makes.
 
@@ -515,6 +524,10 @@ class Services:
             shapes: the model's (name, full shape) list, for engine ranks that do not receive it
                 over torch.distributed (a `comm` of your own).
             engine: engine ranks: the engine to refit (default: a new one from ENGINES).
+            reference: engine ranks, with `rollout.verify.enabled`: a full trainer model holding
+                the weights each refit sends (in-process worlds, or ranks that replay the same
+                training steps), whose forward is the post-refit probe's reference, as in a
+                single-process refit.
 
         Returns:
             The DistributedRefitService.
@@ -562,9 +575,16 @@ class Services:
                               shard_map, hang_s)
         except ValueError as err:
             raise ConfigError("--fault-rank", str(err)) from None
+        probe = None
+        if role is Role.ENGINE and self.config.rollout.verify.enabled:
+            if reference is None:
+                raise ConfigError("rollout.verify.enabled", f"rank {rank} is an engine rank: its post-refit probe "
+                                  "needs the trainer's weights; pass distributed_refit(..., reference=<a full trainer "
+                                  "model>), or set rollout.verify.enabled=false")
+            probe = self.post_refit_probe(reference)
         return DistributedRefitService(
             world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
-            bucket_bytes=bucket_bytes, window=window, restore=restore,
+            bucket_bytes=bucket_bytes, window=window, restore=restore, probe=probe,
         )
 
     def _sharded_trainer(self, model: object | None, world: RefitWorld, rank: int) -> ShardedTrainerModel:

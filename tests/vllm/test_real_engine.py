@@ -32,14 +32,6 @@ MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 TIMEOUT_S = 1500
 
 
-@pytest.fixture(scope="session")
-def cold_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.getbasetemp()
-    if root.name.startswith("popen-gw"):  # pytest-xdist: one directory per worker, the session's above them
-        root = root.parent
-    return root / "rl-refit-cold-starts"
-
-
 def _python(deployment: str) -> str:
     if deployment == "colocated":
         return sys.executable
