@@ -20,6 +20,7 @@ from domain.quant.backend_policy import BackendDecision, decide_backends
 from domain.quant.dispatch_types import DispatchInput, EngineDispatch, Resolution
 from domain.quant.model_rules import Shapes
 from domain.quant.plan import QuantizationPlan
+from ports.engine_profile import EngineProfile
 
 _OWN: tuple[StaticEngineProfile, ...] = (VLLM, SGLANG, TRTLLM, REFERENCE)
 _ENGINE_RULES = tuple(r for p in _OWN for r in p.dispatch.rules)
@@ -29,7 +30,8 @@ def _with_every_rule(profile: StaticEngineProfile) -> StaticEngineProfile:
     return attrs.evolve(profile, dispatch=attrs.evolve(profile.dispatch, rules=_ENGINE_RULES))
 
 
-PROFILES: dict[str, StaticEngineProfile] = {p.name: _with_every_rule(p) for p in _OWN}
+# Typed as the port, so that mypy checks each profile satisfies it.
+PROFILES: dict[str, EngineProfile] = {p.name: _with_every_rule(p) for p in _OWN}
 ENGINES = tuple(PROFILES)
 # Versions the adapters are pinned to, by engine (the engines that have one).
 PINNED_ENGINES: dict[str, str] = {p.name: p.pinned_version for p in _OWN if p.pinned_version is not None}
@@ -41,7 +43,7 @@ SUPPORT_ENGINES = tuple(p.name for p in _OWN if p.support is not None)
 POLICY_ENGINES = tuple(p.name for p in _OWN if p.backend_policy is not None)
 
 
-def profile_for(name: str) -> StaticEngineProfile:
+def profile_for(name: str) -> EngineProfile:
     """The profile of rollout.name.
 
     Args:
