@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from adapters.profiles import backend_decision, profile_for
 from app.config import Section, load_config
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
     from app.services.refit import Progress, RefitService
     from app.services.verification import PostRefitProbe
     from domain.quant.backend_policy import BackendDecision
-    from domain.refit.sharding import RefitWorld
+    from domain.refit.topology import RefitWorld
+    from ports.engine_profile import EngineProfile
     from ports.environment_probe import EnvironmentProbe
     from ports.refit_collectives import RefitCollectives
     from ports.rollout_engine import RolloutEngine
@@ -118,7 +120,7 @@ def _engine_start(services: Services, engine: str,
     the engine is started with); a caller asking for another `plan` gets a ConfigError rather than
     an engine set up for one plan and sent another.
     """
-    from app.services.lifecycle import describe_plan
+    from app.services.transaction import describe_plan
 
     report = services.plan_report(services.checkpoint())
     if plan is not None and plan != report.plan:
@@ -384,7 +386,12 @@ class Services:
         """
         from app.services.planning import make_plan
 
-        return make_plan(self.config, checkpoint, purpose=purpose)
+        return make_plan(self.config, checkpoint, purpose=purpose, profile=self.engine_profile())
+
+    def engine_profile(self) -> EngineProfile:
+        """The rollout engine's profile (support table, layouts, rules, backend policy, pins):
+        PROFILES[rollout.name]."""
+        return profile_for(self.config.rollout.name)
 
     # --- refits --------------------------------------------------------------------------------
 
@@ -426,6 +433,7 @@ class Services:
         inject_fault: str | None = None,
         fault_after: int = 0,
         kv_cache_scheme: Mapping[str, object] | None = None,
+        restore: str | None = None,
     ) -> RefitService:
         """A RefitService from the trainer into the engine.
 
@@ -437,11 +445,16 @@ class Services:
                 engine, wrapped in ScriptedFaultyEngine, fails there once (demos, tests).
             fault_after: refits that succeed before the injected fault fires.
             kv_cache_scheme: the quantization config's kv_cache_scheme (None = uncalibrated).
+            restore: `replay`, `engine` or `stale` (None: the default for the engine's commit
+                mode, app.services.transaction.Restore.default).
 
         Returns:
-            The RefitService.
+            The RefitService: buckets by reference to an engine in this process
+            (`rollout.deployment: colocated`), packed into one reused buffer for an engine in
+            processes of its own (`disaggregated`: its transport copies each bucket out).
         """
         from app.services.refit import RefitService
+        from app.services.transaction import Ownership
 
         plan = plan or self.plan
         engine = engine or self.rollout_engine(plan, kv_cache_scheme=kv_cache_scheme)
@@ -455,8 +468,10 @@ class Services:
                 raise ConfigError("--inject-fault", str(err)) from None
             engine = ScriptedFaultyEngine(engine, script)
         trainer = trainer or self.trainer_model()
+        colocated = self.config.rollout.deployment == "colocated"
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
-                            probe=self.post_refit_probe(trainer))
+                            probe=self.post_refit_probe(trainer), restore=restore,
+                            ownership=Ownership.BY_REFERENCE if colocated else Ownership.REUSED)
 
     def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
         """A MismatchProbe over a refit service's trainer and engine."""
@@ -480,6 +495,7 @@ class Services:
         model: object | None = None,
         shapes: Sequence[tuple[str, tuple[int, ...]]] | None = None,
         engine: RolloutEngine | None = None,
+        reference: TrainerModel | None = None,
     ) -> DistributedRefitService:
         """This rank's DistributedRefitService: the call every rank of a refit world makes.
 
@@ -508,6 +524,10 @@ class Services:
             shapes: the model's (name, full shape) list, for engine ranks that do not receive it
                 over torch.distributed (a `comm` of your own).
             engine: engine ranks: the engine to refit (default: a new one from ENGINES).
+            reference: engine ranks, with `rollout.verify.enabled`: a full trainer model holding
+                the weights each refit sends (in-process worlds, or ranks that replay the same
+                training steps), whose forward is the post-refit probe's reference, as in a
+                single-process refit.
 
         Returns:
             The DistributedRefitService.
@@ -515,7 +535,8 @@ class Services:
         from adapters.memory.faulty import RankPorts, wrap_rank
         from adapters.reference.config import hf_weight_shapes, preset
         from app.services.distributed_refit import DistributedRefitService
-        from domain.refit.sharding import Role, ShardMap
+        from domain.refit.shard_map import ShardMap
+        from domain.refit.topology import Role
 
         plan = plan or self.plan
         cfg = preset(self.config.reference.model)
@@ -546,7 +567,7 @@ class Services:
         if own_model and trainer is not None:
             trainer.check(shard_map.placements)  # what the rank holds = where the refit places it
         if comm is None:
-            from adapters.distributed.torch_dist import TorchDistCollectives
+            from adapters.distributed.collectives import TorchDistCollectives
 
             comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)
         try:
@@ -554,9 +575,16 @@ class Services:
                               shard_map, hang_s)
         except ValueError as err:
             raise ConfigError("--fault-rank", str(err)) from None
+        probe = None
+        if role is Role.ENGINE and self.config.rollout.verify.enabled:
+            if reference is None:
+                raise ConfigError("rollout.verify.enabled", f"rank {rank} is an engine rank: its post-refit probe "
+                                  "needs the trainer's weights; pass distributed_refit(..., reference=<a full trainer "
+                                  "model>), or set rollout.verify.enabled=false")
+            probe = self.post_refit_probe(reference)
         return DistributedRefitService(
             world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
-            bucket_bytes=bucket_bytes, window=window, restore=restore,
+            bucket_bytes=bucket_bytes, window=window, restore=restore, probe=probe,
         )
 
     def _sharded_trainer(self, model: object | None, world: RefitWorld, rank: int) -> ShardedTrainerModel:
@@ -581,7 +609,7 @@ class Services:
         Raises:
             ShardingError: sizes that do not form a layout (naming the key).
         """
-        from domain.refit.sharding import ParallelLayout, RefitWorld
+        from domain.refit.topology import ParallelLayout, RefitWorld
 
         m = self.config.actor.megatron
         tp = m.tensor_model_parallel_size
@@ -844,9 +872,7 @@ class Services:
             plan: the resolved plan.
             capability: the GPU's compute capability; None skips the capability gates.
         """
-        from domain.quant.backend_policy import decide_backends
-
-        return decide_backends(engine, plan, capability, opt_out=self.deep_gemm_opt_out(engine))
+        return backend_decision(engine, plan, capability, opt_out=self.deep_gemm_opt_out(engine))
 
     def environment_probe(self, snapshot_file: str | None = None) -> EnvironmentProbe:
         """The EnvironmentProbe `refit doctor` inspects: this machine, or a saved snapshot.

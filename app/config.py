@@ -22,12 +22,12 @@ from typing import Any
 
 import attrs
 
+from adapters.profiles import ENGINES
 from adapters.system.files import read_regular
 from app.config_yaml import quote_hint, read_yaml
 from domain.errors import ConfigError, ConfigTypeError, RemovedConfigKey, UnknownConfigKey
 from domain.forward.mode import parse_fused_forward_mode
 from domain.quant import naming
-from domain.quant.dispatch import ENGINES
 from domain.quant.formats import FORMATS, ActivationScheme, ElementRule, MxScaleRule
 from domain.quant.qat_modes import canonical_qat_mode
 from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS

@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from adapters.vllm.engine_args import EXTENSION
+from adapters.vllm.profile import VLLM_RANGE
 from adapters.vllm.protocol import (
     Abort,
     Begin,
@@ -24,7 +25,6 @@ from adapters.vllm.protocol import (
     WorkerQueries,
     reply_of,
 )
-from domain.environment import VLLM_RANGE
 from domain.refit.buckets import Bucket, unpack_bucket
 
 

@@ -16,8 +16,8 @@ from typing import Any, ClassVar, Generic
 
 import attrs
 
+from adapters.vllm.errors import EngineProcessError
 from adapters.vllm.protocol import Done, R, Record, tuple_of
-from domain.errors import EngineProcessError
 
 
 @attrs.frozen

@@ -14,7 +14,7 @@ Two ways in:
 - disaggregated (the engine in its own process): `rl_refit_join` joins a side process group
   with the trainer (adapters.distributed.side_group, gloo on CPU, NCCL on GPU), and
   `rl_refit_receive` receives one refit's whole bucket stream over it
-  (adapters.distributed.torch_dist.TorchDistTransport) and loads each bucket as it lands.
+  (adapters.distributed.transport.TorchDistTransport) and loads each bucket as it lands.
 
 Either way the buckets go through WorkerRefit: vLLM's layerwise reload, the expert redo, the
 written/unwritten count and the KV-cache scale reset.
@@ -169,7 +169,7 @@ class RefitWorkerExtension:
 
     def _rl_refit_on_join(self, request: p.Join) -> p.JoinReply:
         from adapters.distributed.side_group import Rendezvous, SideGroup
-        from adapters.distributed.torch_dist import TorchDistTransport
+        from adapters.distributed.transport import TorchDistTransport
 
         self._rl_refit_leave()
         rank = 1 + int(getattr(self, "rank", 0))

@@ -30,6 +30,7 @@ import attrs
 import structlog
 import torch
 
+from adapters.vllm.errors import EngineProcessError, EngineRefitUnsupported, WorkerError
 from domain import errors
 from domain.refit.storage import StorageFingerprint
 
@@ -332,22 +333,13 @@ REQUESTS: tuple[type[Request[Any]], ...] = (Ready, Begin, Load, Finalize, Abort,
 
 # --- errors --------------------------------------------------------------------------------------
 
-class WorkerError(errors.EngineUpdateFailed):
-    """A worker raised an error of a type that does not cross as itself (not in ERRORS); carries
-    that type's name (`remote_type`) and the worker's message."""
-
-    def __init__(self, remote_type: str, message: str) -> None:
-        self.remote_type = remote_type
-        super().__init__(f"a vLLM worker raised {remote_type}: {message}")
-
-
 # The error classes that cross as themselves: what a worker's refit steps, its side group and its
 # transport raise on purpose, and the builtins vLLM's loaders and torch raise. Rebuilt with the
 # worker's message and plain attributes, whatever their constructor takes.
 _CROSSING: tuple[type[BaseException], ...] = (
     errors.RefitError, errors.RefitLifecycleError, errors.BucketSequenceError, errors.BucketLayoutError,
-    errors.EngineRefitUnsupported, errors.EngineTensorMismatch, errors.EngineStale, errors.EngineBusy,
-    errors.EngineUpdateFailed, errors.EngineProcessError, errors.RefitVerificationFailed, errors.RefitIncomplete,
+    EngineRefitUnsupported, errors.EngineTensorMismatch, errors.EngineStale, errors.EngineBusy,
+    errors.EngineUpdateFailed, EngineProcessError, errors.RefitVerificationFailed, errors.RefitIncomplete,
     errors.StorageRebound, errors.InjectedFault, errors.TransportAborted, errors.WireProtocolError,
     errors.CollectiveTimeout, errors.PeerLost, errors.PeerFailed, errors.UnsupportedCombination, errors.ConfigError,
     errors.InvalidTensor, errors.UnsupportedQuantMethod,

@@ -38,6 +38,7 @@ import torch
 
 from adapters.distributed.launch import listen_socket
 from adapters.vllm.control import CallWorkers, Channel, Hello, HostGreedy, HostLogProbs, HostRequest, Shutdown
+from adapters.vllm.errors import EngineProcessError
 from adapters.vllm.protocol import (
     TAG,
     Abort,
@@ -56,7 +57,6 @@ from adapters.vllm.protocol import (
     reply_of,
 )
 from domain import errors
-from domain.errors import EngineProcessError
 from domain.refit.buckets import Bucket
 
 log = structlog.get_logger()
@@ -424,7 +424,7 @@ class RemoteWorkers(WorkerQueries):
 
     def _join(self) -> None:
         from adapters.distributed.side_group import SideGroup
-        from adapters.distributed.torch_dist import TorchDistTransport
+        from adapters.distributed.transport import TorchDistTransport
 
         rv, store = SideGroup.serve(self.host, 1 + len(self.process.workers), backend=self.backend,
                                     timeout_s=self.timeout_s)

@@ -86,7 +86,7 @@ def _handle(llm: Any, message: dict[str, Any]) -> tuple[Record, bool]:
 
 def serve(llm: Any, channel: Channel) -> None:
     """Answer requests until `Shutdown` or until the trainer closes the connection."""
-    from domain.errors import EngineProcessError
+    from adapters.vllm.errors import EngineProcessError
 
     while True:
         try:

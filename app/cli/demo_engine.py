@@ -15,7 +15,7 @@ from rich.table import Table
 from app.bootstrap import bootstrap
 from app.cli.demo_settings import is_directory, model_overrides
 from app.services.engine_demo import EngineDemoResult, EngineDemoSettings, EngineStep, run_engine_demo
-from app.services.lifecycle import describe_plan
+from app.services.transaction import describe_plan
 from domain.quant.plan import QuantizationPlan
 
 DEFAULT_PRESET = "FP8_BLOCK"  # served by vLLM's CPU build, dense and MoE (NVFP4 and MX are not)

@@ -26,7 +26,6 @@ from rich.table import Table
 from app.bootstrap import bootstrap
 from app.cli.demo_settings import raise_typed_failure
 from app.services.demo import DemoSettings
-from app.services.lifecycle import describe_plan
 from app.services.megatron_demo import (
     BF16,
     MEGATRON_K3_BOUND,
@@ -38,6 +37,7 @@ from app.services.megatron_demo import (
     unsharded_rank,
     verdict,
 )
+from app.services.transaction import describe_plan
 from domain.errors import ConfigError
 
 MAX_TRAINER_RANKS = 4  # this machine: 2 cores
@@ -69,7 +69,7 @@ def check_layout(services: Any, world: Any, settings: DemoSettings) -> None:
     """The embedded model's heads, experts and tensors split evenly over the layout: checked here,
     before any rank starts, so that a layout Megatron-Core refuses ends in one line naming the
     option (each rank's own check would end in a traceback per rank)."""
-    from domain.refit.sharding import ShardMap
+    from domain.refit.shard_map import ShardMap
 
     cfg, layout = services.reference_config(), world.layout
     for flag, size, count, what in (("--tp", layout.tp, cfg.num_heads, "attention heads"),

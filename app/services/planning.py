@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from adapters.profiles import profile_for
 from adapters.system.files import read_regular
 from app.config import Section
 from domain.errors import ConfigError
@@ -17,6 +18,7 @@ from domain.quant.dispatch import DispatchInput, Resolution, resolve
 from domain.quant.native_config import is_compressed_tensors, override_quantization_config
 from domain.quant.native_layout import check_native_tensors
 from domain.quant.plan import QuantizationPlan, TensorDecision, parse_numerics, parse_scale_rule
+from ports.engine_profile import EngineProfile
 
 
 class _Checkpoint(Protocol):
@@ -115,7 +117,8 @@ def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose
         raise ConfigError(f"rollout.quantization.{key}", "is set but rollout.quantization.linear and moe are null")
     engine = cfg.rollout.name
     overrides_key = f"rollout.engine_kwargs.{engine}.hf_overrides"
-    hf_overrides = cfg[overrides_key] if engine in ("vllm", "sglang") else None
+    # the engines driven through their own package take hf_overrides; the others have none
+    hf_overrides = cfg[overrides_key] if profile_for(engine).package is not None else None
     config_file = read_config_file(q.config_file) if q.config_file else None
     check_user_configs(config_file, hf_overrides, overrides_key)
     te = cfg.actor.megatron.override_transformer_config
@@ -219,7 +222,8 @@ def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tupl
     return sorted(kept)
 
 
-def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit") -> PlanReport:
+def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit",
+              profile: EngineProfile | None = None) -> PlanReport:
     """Resolve the rollout quantization for a configuration (and a model, when given).
 
     Args:
@@ -227,13 +231,15 @@ def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: s
         checkpoint: the model (only headers are read), or None.
         purpose: "refit" (default: `refit plan`, the services) or "export" (`refit export`, which
             copies a native layout the trainer cannot produce instead of refusing it).
+        profile: the engine's profile (the composition root's pick); None looks rollout.name up
+            in adapters.profiles.PROFILES.
 
     Returns:
         The PlanReport. Raises the dispatch rule's typed error when the configuration is rejected.
     """
     shapes = tuple(checkpoint.tensor_shapes()) if checkpoint is not None else None
     inp = dispatch_input(cfg, checkpoint.config if checkpoint is not None else None, purpose)
-    res = resolve(inp, shapes)
+    res = resolve(inp, shapes, engine=(profile or profile_for(inp.engine)).dispatch)
     plan = with_numerics(res.plan, cfg)
     if plan is not res.plan:
         res = attrs.evolve(res, plan=plan)
@@ -290,7 +296,7 @@ _HOW = {"read": "code read", "cpu": "CPU test", "gpu-script": "GPU script", "cpu
 
 
 def support_matrix_rows(engine: str) -> list[str]:
-    """docs/support-matrix.md's table of cells for one engine, from domain.quant.support.
+    """docs/support-matrix.md's table of cells for one engine, from its profile's support table.
 
     Args:
         engine: "vllm" or "sglang".
@@ -299,13 +305,10 @@ def support_matrix_rows(engine: str) -> list[str]:
         One markdown table row per cell: role, preset, activations, layout, verdict, how it was
         shown, what the engine does (and why a rejected cell is rejected), the code locations.
     """
-    from domain.quant.support import verdicts
-
+    table = profile_for(engine).support
     rows = []
-    for v in verdicts().values():
+    for v in table.verdicts.values() if table is not None else ():
         c = v.cell
-        if c.engine != engine:
-            continue
         note = v.note[:1].upper() + v.note[1:]
         what = f"{v.engine_path}. " + (f"{note}." if v.shown and v.note else "" if v.shown else
                                       f"Rejected: {v.reason}. Instead: {v.instead}.")

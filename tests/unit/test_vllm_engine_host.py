@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from adapters.vllm.control import HostGreedy, Tokens
+from adapters.vllm.errors import EngineProcessError
 from adapters.vllm.remote import EngineProcess
-from domain.errors import EngineProcessError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,6 +25,7 @@ from adapters.vllm.control import (
     _decode,
     _encode,
 )
+from adapters.vllm.errors import WorkerError
 from app.services.refit import RefitService
 from domain import errors
 from domain.refit.storage import StorageFingerprint
@@ -110,7 +111,7 @@ def _instance(cls: type[BaseException]) -> BaseException:
         errors.CollectiveTimeout: errors.CollectiveTimeout(2, "bucket 4", 30.0, (0, 1)),
         errors.ConfigError: errors.ConfigError("rollout.name", "no such engine"),
         errors.InvalidTensor: errors.InvalidTensor("lm_head.weight", "holds NaN", "fix the trainer"),
-        p.WorkerError: p.WorkerError("torch.OutOfMemoryError", "CUDA out of memory"),
+        WorkerError: WorkerError("torch.OutOfMemoryError", "CUDA out of memory"),
         KeyError: KeyError("model.layers.0.mlp.gate_proj.weight"),
     }
     return special.get(cls) or cls(f"{cls.__name__} raised in the worker")
@@ -131,7 +132,7 @@ def test_an_error_of_another_type_becomes_a_worker_error_naming_it() -> None:
         pass
 
     rebuilt = p.ErrorReply.of(KernelMissing("no kernel for the layer")).rebuild()
-    assert type(rebuilt) is p.WorkerError
+    assert type(rebuilt) is WorkerError
     assert isinstance(rebuilt, errors.EngineUpdateFailed) and isinstance(rebuilt, RuntimeError)
     assert rebuilt.remote_type.endswith("KernelMissing")
     assert str(rebuilt) == f"a vLLM worker raised {rebuilt.remote_type}: no kernel for the layer"
