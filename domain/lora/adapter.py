@@ -27,8 +27,8 @@ _A, _B = ".lora_A.weight", ".lora_B.weight"
 class LoraWeights:
     """One module's adapter: `lora_A` [r, K] and `lora_B` [N, r]."""
 
-    lora_A: Tensor  # noqa: N815 (PEFT's name)
-    lora_B: Tensor  # noqa: N815
+    lora_A: Tensor
+    lora_B: Tensor
 
     @property
     def nbytes(self) -> int:

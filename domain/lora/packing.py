@@ -32,11 +32,11 @@ class PackedLora:
 
     module: str
     slices: tuple[str, ...]
-    lora_A: tuple[Tensor | None, ...]  # noqa: N815
-    lora_B: tuple[Tensor | None, ...]  # noqa: N815
+    lora_A: tuple[Tensor | None, ...]
+    lora_B: tuple[Tensor | None, ...]
     scaling: float
 
-    def scaled_lora_B(self) -> tuple[Tensor | None, ...]:  # noqa: N802
+    def scaled_lora_B(self) -> tuple[Tensor | None, ...]:
         """lora_B * scaling per slice, as new tensors (the form an engine serves with scaling 1)."""
         return tuple(None if b is None else b * self.scaling for b in self.lora_B)
 
