@@ -10,7 +10,7 @@ the engine); the tensors here are never pre-scaled.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import attrs
 import torch
@@ -33,6 +33,10 @@ class LoraWeights:
     @property
     def nbytes(self) -> int:
         return self.lora_A.numel() * self.lora_A.element_size() + self.lora_B.numel() * self.lora_B.element_size()
+
+
+def _names(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(names)
 
 
 def _short(module: str) -> str:
@@ -74,7 +78,7 @@ class LoraAdapter:
 
     r: int
     lora_alpha: float
-    target_modules: tuple[str, ...] = attrs.field(converter=tuple)
+    target_modules: tuple[str, ...] = attrs.field(converter=_names)
     modules: Mapping[str, LoraWeights]
     use_rslora: bool = False
 
@@ -119,7 +123,7 @@ class LoraAdapter:
 
     @classmethod
     def from_named_tensors(cls, tensors: Mapping[str, Tensor], *, r: int, lora_alpha: float,
-                           target_modules: tuple[str, ...] | list[str], use_rslora: bool = False,
+                           target_modules: Iterable[str], use_rslora: bool = False,
                            prefix: str = PEFT_PREFIX) -> LoraAdapter:
         """Build an adapter from PEFT's names (`<prefix><module>.lora_A.weight` / `.lora_B.weight`).
 
@@ -142,7 +146,7 @@ class LoraAdapter:
                 missing = "lora_B" if _A in parts else "lora_A"
                 raise LoraShapeMismatch(module, f"{missing} is missing", "save both tensors of every module")
             modules[module] = LoraWeights(parts[_A], parts[_B])
-        return cls(r=r, lora_alpha=lora_alpha, target_modules=tuple(target_modules), modules=modules,
+        return cls(r=r, lora_alpha=lora_alpha, target_modules=target_modules, modules=modules,
                    use_rslora=use_rslora)
 
 
