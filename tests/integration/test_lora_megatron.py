@@ -1,0 +1,90 @@
+"""The Megatron LoRA wrapper: its adapter in Hugging Face names equals the one it was given, and its
+forward adds exactly PEFT's delta (the domain's `delta_weight`) to each slice's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from domain.lora import LoraAdapter, LoraUnknownTarget, LoraWeights, delta_weight
+from tests.megatron_cpu import megatron_cpu_env, tiny_gpt_model  # noqa: F401
+
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("megatron_cpu_env")]
+
+HIDDEN, FFN, R = 32, 64, 4
+
+
+def _hf_adapter(seed: int = 1) -> LoraAdapter:
+    """A random adapter in PEFT's names for the tiny GPT (MHA, 4 heads of 8, gated MLP of 64)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN, HIDDEN),
+              "self_attn.v_proj": (HIDDEN, HIDDEN), "self_attn.o_proj": (HIDDEN, HIDDEN),
+              "mlp.gate_proj": (FFN, HIDDEN), "mlp.up_proj": (FFN, HIDDEN), "mlp.down_proj": (HIDDEN, FFN)}
+    modules = {f"model.layers.{i}.{m}": LoraWeights(torch.randn(R, k, generator=g), torch.randn(n, R, generator=g))
+               for i in range(2) for m, (n, k) in shapes.items()}
+    targets = sorted({m.rsplit(".", 1)[1] for m in modules})
+    return LoraAdapter(r=R, lora_alpha=8.0, target_modules=tuple(targets), modules=modules)
+
+
+def _model() -> torch.nn.Module:
+    return tiny_gpt_model(hidden_size=HIDDEN, ffn_hidden_size=FFN, gated_linear_unit=True,
+                          activation_func=torch.nn.functional.silu, add_bias_linear=False)
+
+
+def test_adapter_round_trips_through_the_wrapper_in_hf_names() -> None:
+    from adapters.megatron.lora import MegatronLora
+
+    want = _hf_adapter()
+    lora = MegatronLora.attach(_model(), r=R, lora_alpha=8.0)
+    lora.load(want)
+    got = lora.adapter()
+    assert sorted(got.modules) == sorted(want.modules)  # in Megatron's module order
+    assert got.scaling == want.scaling
+    for m, w in want.modules.items():
+        assert torch.equal(got.modules[m].lora_A, w.lora_A), m
+        assert torch.equal(got.modules[m].lora_B, w.lora_B), m
+
+
+def test_forward_adds_each_slice_s_delta_to_its_rows() -> None:
+    from adapters.megatron.hf_names import hf_parts
+    from adapters.megatron.lora import MegatronLora
+
+    model = _model()
+    adapter = _hf_adapter(seed=2)
+    lora = MegatronLora.attach(model, r=R, lora_alpha=8.0)
+    lora.load(adapter)
+    x = torch.randn(3, 2, HIDDEN)
+    for name in ("decoder.layers.0.self_attention.linear_qkv", "decoder.layers.1.mlp.linear_fc1"):
+        linear = model.get_submodule(name)
+        with_lora, _ = linear(x)
+        lora.detach()
+        base, _ = linear(x)
+        lora = MegatronLora.attach(model, r=R, lora_alpha=8.0)
+        lora.load(adapter)
+        fused_delta = torch.zeros_like(linear.weight)
+        for hf, rows in hf_parts(model, f"{name}.weight", torch.arange(linear.weight.shape[0])):
+            fused_delta[rows] = delta_weight(adapter.modules[hf.removesuffix(".weight")], adapter.scaling)
+        torch.testing.assert_close(with_lora - base, x @ fused_delta.t(), rtol=1e-5, atol=1e-5)
+        assert (with_lora - base).abs().max() > 1e-3  # the adapter did something
+
+
+def test_model_state_dict_is_untouched_and_grads_reach_the_adapter() -> None:
+    from adapters.megatron.lora import MegatronLora
+
+    model = _model()
+    names = list(model.state_dict())
+    lora = MegatronLora.attach(model, r=R, lora_alpha=8.0, use_rslora=True)
+    assert list(model.state_dict()) == names
+    out, _ = model.get_submodule("decoder.layers.0.mlp.linear_fc2")(torch.randn(2, 1, FFN))
+    out.sum().backward()
+    branch = lora.branches["decoder.layers.0.mlp.linear_fc2"]
+    assert branch.lora_B.grad is not None and branch.lora_B.grad.abs().sum() > 0
+
+
+def test_loading_a_module_without_branch_is_refused() -> None:
+    from adapters.megatron.lora import MegatronLora
+
+    lora = MegatronLora.attach(_model(), r=R, lora_alpha=8.0, targets=("linear_qkv",))
+    with pytest.raises(LoraUnknownTarget, match="has no LoRA branch") as info:
+        lora.load(_hf_adapter())
+    assert info.value.module == "model.layers.0.mlp.down_proj"  # the first one, in name order
