@@ -23,7 +23,7 @@ PEFT_PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # tensors: identity, not elementwise, equality
 class LoraWeights:
     """One module's adapter: `lora_A` [r, K] and `lora_B` [N, r]."""
 
@@ -61,7 +61,7 @@ def _check_module(module: str, w: LoraWeights, r: int, targets: tuple[str, ...])
                                 "do not sync a diverged adapter: roll back to the last good step")
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # tensors: identity, not elementwise, equality
 class LoraAdapter:
     """A LoRA adapter: its configuration and, per full module name, its weights.
 

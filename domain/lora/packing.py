@@ -26,7 +26,7 @@ PACKED_MODULES: Mapping[str, tuple[str, ...]] = {
 }
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # tensors: identity, not elementwise, equality
 class PackedLora:
     """One engine module's adapter, per slice; None where the adapter leaves a slice alone."""
 
