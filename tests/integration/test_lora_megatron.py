@@ -88,3 +88,27 @@ def test_loading_a_module_without_branch_is_refused() -> None:
     with pytest.raises(LoraUnknownTarget, match="has no LoRA branch") as info:
         lora.load(_hf_adapter())
     assert info.value.module == "model.layers.0.mlp.down_proj"  # the first one, in name order
+
+
+def test_a_peft_adapter_passes_through_the_wrapper_unchanged() -> None:
+    """A real PEFT adapter (a Qwen3 of the tiny GPT's shapes) loaded into the wrapper reads back equal."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (the `hf` extra)")
+    peft = pytest.importorskip("peft", reason="needs peft (the `hf` extra)")
+    from adapters.hf.lora import adapter_from_peft
+    from adapters.megatron.lora import MegatronLora
+
+    config = transformers.AutoConfig.for_model(
+        "qwen3", vocab_size=64, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8)
+    torch.manual_seed(3)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    pm = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                             peft.LoraConfig(r=R, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    want = adapter_from_peft(pm)
+    lora = MegatronLora.attach(_model(), r=R, lora_alpha=8.0)
+    lora.load(want)
+    got = lora.adapter()
+    assert sorted(got.modules) == sorted(want.modules) and len(got.modules) == 14
+    assert got.target_modules == want.target_modules
+    for m, w in want.modules.items():
+        assert torch.equal(got.modules[m].lora_A, w.lora_A) and torch.equal(got.modules[m].lora_B, w.lora_B), m
