@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from app.config import Section, load_config
+from app.config import load_config
+from app.config_sections import RefitConfig, VllmEngineConfig
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
 from domain.refit.session import CommitMode
@@ -105,11 +106,6 @@ def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any
                            kv_cache_scheme=options.get("kv_cache_scheme"))
 
 
-# Keys of rollout.engine_kwargs.<engine> that are rl-refit's, not the engine's arguments.
-_OWN_ENGINE_KEYS = ("use_deep_gemm", "kv_cache_dtype", "engine_args", "environment", "python", "start_timeout_s",
-                    "cpu_emulation")
-
-
 def _engine_start(services: Services, engine: str,
                   plan: QuantizationPlan | None = None) -> tuple[dict[str, Any] | None, Any, dict[str, Any]]:
     """The quantization_config, backend decision and user engine arguments of a real engine.
@@ -126,9 +122,10 @@ def _engine_start(services: Services, engine: str,
                           f"({describe_plan(report.plan)}), not the {describe_plan(plan)} it was asked for: set "
                           "rollout.quantization to the plan you refit with, or build the services for it")
     decision = services.backend_decision(engine, report.plan)
-    section = services.config.rollout.engine_kwargs.to_dict().get(engine) or {}
-    base = dict(section.get("engine_args") or {})
-    base.update({k: v for k, v in section.items() if k not in _OWN_ENGINE_KEYS and v is not None})
+    section = services.config.rollout.engine_kwargs.engine(engine)
+    base = dict(section.engine_args) if isinstance(section, VllmEngineConfig) else {}
+    if section is not None and section.hf_overrides is not None:
+        base["hf_overrides"] = section.hf_overrides
     if services.config.model.path:
         base.setdefault("model", services.config.model.path)
     return report.engine_config, decision, base
@@ -192,7 +189,8 @@ def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> 
         kwargs.setdefault("load_format", "dummy")
         owned = (kwargs["model"],)
     colocated = services.config.rollout.deployment == "colocated"
-    env = {**vllm_environment(decision, colocated=colocated, cpu_emulation=section.cpu_emulation), **{k: str(v) for k, v in section.environment.to_dict().items()}}
+    env = {**vllm_environment(decision, colocated=colocated, cpu_emulation=section.cpu_emulation),
+           **{k: str(v) for k, v in section.environment.items()}}
     if colocated:
         from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
 
@@ -220,7 +218,7 @@ def _vllm_cold_start(services: Services, directory: str) -> Any:
     base.pop("load_format", None)
     kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
     env = {**os.environ, **vllm_environment(decision, colocated=False, cpu_emulation=section.cpu_emulation),
-           **{k: str(v) for k, v in section.environment.to_dict().items()}}
+           **{k: str(v) for k, v in section.environment.items()}}
     return ColdEngine(EngineProcess.start(_host_python(services), kwargs, env=env,
                                           start_timeout_s=float(section.start_timeout_s)))
 
@@ -338,7 +336,7 @@ class Services:
         progress: refit progress, (source bytes so far, total), e.g. the CLI's progress bar.
     """
 
-    config: Section
+    config: RefitConfig
     environ: Mapping[str, str]
     trainer: TrainerModel | None = None
     engine: RolloutEngine | None = None
@@ -829,7 +827,8 @@ class Services:
             True to opt out. Raises ConfigError naming the key or variable on a value that is not
             a switch.
         """
-        value = self.config.get(f"rollout.engine_kwargs.{engine}.use_deep_gemm")
+        section = self.config.rollout.engine_kwargs.engine(engine)
+        value = None if section is None else section.use_deep_gemm
         env = (self.environ if environ is None else environ).get("VERL_ROLLOUT_USE_DEEP_GEMM")
         if env is not None and env.strip().lower() not in _ON + _OFF:
             raise ConfigError("VERL_ROLLOUT_USE_DEEP_GEMM", f"expected 1 or 0 (true/false), got {env!r}")
@@ -881,7 +880,7 @@ class Services:
 
 
 def bootstrap(
-    config: Mapping[str, Any] | str | Path | Section | None = None,
+    config: Mapping[str, Any] | str | Path | RefitConfig | None = None,
     *,
     overrides: Sequence[str] = (),
     trainer: TrainerModel | None = None,
@@ -893,7 +892,7 @@ def bootstrap(
     """The application services for a configuration.
 
     Args:
-        config: a configuration dict, a YAML file, an already validated Section, or None
+        config: a configuration dict, a YAML file, an already validated RefitConfig, or None
             (defaults: the embedded reference trainer and engine).
         overrides: dotted `KEY=VALUE` overrides applied after `config`.
         trainer: a TrainerModel to refit from instead of building one.
@@ -905,6 +904,6 @@ def bootstrap(
     Returns:
         The Services. Raises the configuration's typed errors (ConfigError naming the key).
     """
-    cfg = config if isinstance(config, Section) and not overrides else load_config(
-        config.to_dict() if isinstance(config, Section) else config, overrides)
+    cfg = config if isinstance(config, RefitConfig) and not overrides else load_config(
+        config.to_dict() if isinstance(config, RefitConfig) else config, overrides)
     return Services(cfg, read_environment(environ), trainer=trainer, engine=engine, model=model, progress=progress)

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from app.config import Section, load_config
+from app.config import RefitConfig, load_config
 from app.services.planning import PlanReport
 from domain.errors import ConfigError, RefitError
 from domain.quant import naming
@@ -30,7 +30,7 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> Section:
+def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> RefitConfig:
     """Load the configuration named by the positional arguments (file first, then overrides)."""
     source, overrides = split_config_args(args)
     return load_config(source, [*overrides, *(extra or [])])

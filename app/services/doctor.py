@@ -9,11 +9,11 @@ settings can run here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from app.config_sections import RefitConfig
 from app.services.doctor_checks import (
     MEGATRON_NATIVE_HOOK,
     Check,
@@ -176,8 +176,8 @@ def _kernel_check(env: EnvironmentSnapshot, engine: str, plan: Any, opt_out: boo
                  + "; ".join(decision.notes))
 
 
-def config_checks(env: EnvironmentSnapshot, cfg: Any, *, deep_gemm_opt_out: bool = False) -> list[Check]:
-    """Can this configuration run here? A loaded configuration (app.config.Section) in, checks out."""
+def config_checks(env: EnvironmentSnapshot, cfg: RefitConfig, *, deep_gemm_opt_out: bool = False) -> list[Check]:
+    """Can this configuration run here? A loaded configuration in, checks out."""
     from app.services.planning import make_plan
 
     out = []
@@ -202,13 +202,13 @@ def config_checks(env: EnvironmentSnapshot, cfg: Any, *, deep_gemm_opt_out: bool
 
 
 def diagnose(
-    env: EnvironmentSnapshot, config: Mapping[str, Any] | None = None, *, deep_gemm_opt_out: bool = False
+    env: EnvironmentSnapshot, config: RefitConfig | None = None, *, deep_gemm_opt_out: bool = False
 ) -> DoctorReport:
     """The doctor's report for one machine and, optionally, one configuration.
 
     Args:
         env: the machine (EnvironmentProbe.snapshot()).
-        config: a loaded configuration (app.config.Section), or None.
+        config: a loaded configuration (app.config.load_config), or None.
         deep_gemm_opt_out: DeepGEMM requests switched off (the composition root's
             `deep_gemm_opt_out`, from the configuration and VERL_ROLLOUT_USE_DEEP_GEMM).
 
@@ -219,7 +219,7 @@ def diagnose(
     fused_value = None
     if config is not None:
         checks += config_checks(env, config, deep_gemm_opt_out=deep_gemm_opt_out)
-        fused_value = config["actor"]["fused_forward"]
+        fused_value = config.actor.fused_forward
     fused = fused_forward_decision(env, fused_value)
     checks.append(_fused_check(fused))
     return DoctorReport(env, tuple(checks), fused, config is not None)

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import attrs
 
 from adapters.system.files import read_regular
-from app.config import Section
+from app.config_sections import RefitConfig
 from domain.errors import ConfigError
 from domain.quant import naming
 from domain.quant.dispatch import DispatchInput, Resolution, resolve
@@ -92,7 +92,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data.get("quantization_config", data) if isinstance(data.get("quantization_config"), dict) else data
 
 
-def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose: str = "refit") -> DispatchInput:
+def dispatch_input(cfg: RefitConfig, model_config: Mapping[str, Any] | None, purpose: str = "refit") -> DispatchInput:
     """Translate the configuration into the dispatch rules' input.
 
     Args:
@@ -115,7 +115,8 @@ def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose
         raise ConfigError(f"rollout.quantization.{key}", "is set but rollout.quantization.linear and moe are null")
     engine = cfg.rollout.name
     overrides_key = f"rollout.engine_kwargs.{engine}.hf_overrides"
-    hf_overrides = cfg[overrides_key] if engine in ("vllm", "sglang") else None
+    section = cfg.rollout.engine_kwargs.engine(engine)
+    hf_overrides = None if section is None else section.hf_overrides
     config_file = read_config_file(q.config_file) if q.config_file else None
     check_user_configs(config_file, hf_overrides, overrides_key)
     te = cfg.actor.megatron.override_transformer_config
@@ -165,7 +166,7 @@ def check_user_configs(config_file: Mapping[str, Any] | None, hf_overrides: Mapp
             check_user_config(qc, key)
 
 
-def with_numerics(plan: QuantizationPlan, cfg: Section) -> QuantizationPlan:
+def with_numerics(plan: QuantizationPlan, cfg: RefitConfig) -> QuantizationPlan:
     """The plan with rollout.quantization.numerics and scale_rule applied, whatever chose its presets
     (linear/moe, a config_file or the checkpoint's own quantization_config).
 
@@ -219,7 +220,7 @@ def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tupl
     return sorted(kept)
 
 
-def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit") -> PlanReport:
+def make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit") -> PlanReport:
     """Resolve the rollout quantization for a configuration (and a model, when given).
 
     Args:
@@ -256,7 +257,7 @@ def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: s
     return PlanReport(cfg.rollout.name, res, decisions, tuple(shapes or ()), engine_config, cfg.unused, decoded)
 
 
-def check_quantizes_something(cfg: Section, res: Resolution, decisions: Sequence[TensorDecision]) -> None:
+def check_quantizes_something(cfg: RefitConfig, res: Resolution, decisions: Sequence[TensorDecision]) -> None:
     """A quantized plan must quantize some tensor of the model: otherwise the engine would be told
     to serve a format that no tensor is in (e.g. `moe: NVFP4` on a dense model).
 

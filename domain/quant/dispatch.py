@@ -9,7 +9,7 @@ the engines' support matrix, in domain.quant.support.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -59,6 +59,10 @@ PURPOSES = ("refit", "export")
 CONFIG_FILE_KEY = "rollout.quantization.config_file"
 
 
+
+def _names(items: Iterable[str]) -> tuple[str, ...]:
+    return tuple(items)
+
 @attrs.frozen
 class DispatchInput:
     """Everything the dispatch rules look at, as plain values (built by app from the config).
@@ -84,14 +88,14 @@ class DispatchInput:
 
     engine: str = attrs.field(default="reference", validator=attrs.validators.in_(ENGINES))
     requested: QuantizationPlan | None = None
-    ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    ignore: tuple[str, ...] = attrs.field(default=(), converter=_names)
     config_file: Mapping[str, Any] | None = None
     hf_overrides: Mapping[str, Any] | str | None = None
     hf_overrides_key: str = "rollout.engine_kwargs.vllm.hf_overrides"
     model_config: Mapping[str, Any] | None = None
     qat_enable: bool = False
     qat_mode: str | None = None
-    qat_ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    qat_ignore: tuple[str, ...] = attrs.field(default=(), converter=_names)
     te_fp8: object = None
     te_fp4: object = None
     first_last_layers_bf16: bool = False
