@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from app.config import load_config
-from app.config_sections import RefitConfig, VllmEngineConfig
+from app.config_sections import RefitConfig
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
 from domain.refit.session import CommitMode
@@ -30,8 +30,10 @@ from domain.refit.session import CommitMode
 if TYPE_CHECKING:
     import torch
 
+    from adapters.engine_start import EngineStart
     from adapters.hf_checkpoint.reader import HfCheckpoint
     from adapters.megatron.packed_gdn import PackedGdnReport
+    from adapters.vllm.factory import VllmHost
     from app.services.distributed_refit import DistributedRefitService
     from app.services.logprob import LogProbService
     from app.services.mismatch_probe import MismatchProbe
@@ -99,36 +101,28 @@ class AdapterEntry:
 
 
 def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.reference.engine import ReferenceEngine
+    from adapters.reference.factory import build_reference_engine
 
-    mode = options.get("commit_mode") or CommitMode.TRANSACTIONAL
-    return ReferenceEngine(services.reference_config(), plan, commit_mode=mode,
-                           kv_cache_scheme=options.get("kv_cache_scheme"))
+    return build_reference_engine(services.reference_config(), plan, commit_mode=options.get("commit_mode"),
+                                  kv_cache_scheme=options.get("kv_cache_scheme"))
 
 
-def _engine_start(services: Services, engine: str,
-                  plan: QuantizationPlan | None = None) -> tuple[dict[str, Any] | None, Any, dict[str, Any]]:
-    """The quantization_config, backend decision and user engine arguments of a real engine.
+def _engine_start(services: Services, engine: str, plan: QuantizationPlan | None = None) -> EngineStart:
+    """What a real engine starts with for `plan` (default: the configuration's): its
+    quantization_config and layout for that plan, the backend decision, the model."""
+    from adapters.engine_start import EngineStart
 
-    A real engine is configured from the configuration's plan (its quantization_config is what
-    the engine is started with); a caller asking for another `plan` gets a ConfigError rather than
-    an engine set up for one plan and sent another.
-    """
-    from app.services.lifecycle import describe_plan
+    report = services.plan_report(services.checkpoint(), plan=plan)
+    return EngineStart(report.plan, report.engine_config, report.resolution.layout,
+                       services.backend_decision(engine, report.plan), services.config.model.path)
 
-    report = services.plan_report(services.checkpoint())
-    if plan is not None and plan != report.plan:
-        raise ConfigError("rollout.quantization", f"the {engine} engine is configured from the configuration's plan "
-                          f"({describe_plan(report.plan)}), not the {describe_plan(plan)} it was asked for: set "
-                          "rollout.quantization to the plan you refit with, or build the services for it")
-    decision = services.backend_decision(engine, report.plan)
-    section = services.config.rollout.engine_kwargs.engine(engine)
-    base = dict(section.engine_args) if isinstance(section, VllmEngineConfig) else {}
-    if section is not None and section.hf_overrides is not None:
-        base["hf_overrides"] = section.hf_overrides
-    if services.config.model.path:
-        base.setdefault("model", services.config.model.path)
-    return report.engine_config, decision, base
+
+def _vllm_host(services: Services) -> VllmHost:
+    from adapters.vllm.factory import VllmHost
+
+    return VllmHost(python=lambda: _host_python(services), environ=dict(os.environ),
+                    export_environment=os.environ.update, embedded_model_dir=services.embedded_model_dir,
+                    bucket_bytes=services.bucket_bytes)
 
 
 def _configured_python(services: Services) -> tuple[str, str] | None:
@@ -176,76 +170,20 @@ def _check_executable(key: str, program: str) -> None:
 
 
 def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.vllm.engine import VllmRolloutEngine
-    from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
+    from adapters.vllm.factory import build_vllm_engine
 
-    _check_commit_mode(options.get("commit_mode"), CommitMode.PER_LAYER, "vllm")
-    qc, decision, base = _engine_start(services, "vllm", plan)
-    section = services.config.rollout.engine_kwargs.vllm
-    kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
-    owned: tuple[str, ...] = ()
-    if "model" not in kwargs:  # the embedded model: its config.json, weights from the first refit
-        kwargs["model"] = str(services.embedded_model_dir())
-        kwargs.setdefault("load_format", "dummy")
-        owned = (kwargs["model"],)
-    colocated = services.config.rollout.deployment == "colocated"
-    env = {**vllm_environment(decision, colocated=colocated, cpu_emulation=section.cpu_emulation),
-           **{k: str(v) for k, v in section.environment.items()}}
-    if colocated:
-        from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
-
-        os.environ.update(env)  # vLLM reads these when it starts, in this process
-        local = ExtensionWorkers.launch(**kwargs)
-        return VllmRolloutEngine(local, log_prob_fn=LlmLogProbs(local.llm), greedy_fn=LlmGreedy(local.llm),
-                                 owned_dirs=owned)
-    from adapters.vllm.remote import EngineProcess, RemoteGreedy, RemoteLogProbs, RemoteWorkers
-
-    process = EngineProcess.start(_host_python(services), kwargs, env={**os.environ, **env},
-                                  start_timeout_s=float(section.start_timeout_s))
-    return VllmRolloutEngine(RemoteWorkers(process, services.bucket_bytes), log_prob_fn=RemoteLogProbs(process),
-                             greedy_fn=RemoteGreedy(process), owned_dirs=owned)
-
-
-def _vllm_cold_start(services: Services, directory: str) -> Any:
-    """A vLLM engine host started from a checkpoint directory (its own process, whatever the
-    deployment), with the configuration's engine arguments."""
-    from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
-    from adapters.vllm.remote import ColdEngine, EngineProcess
-
-    qc, decision, base = _engine_start(services, "vllm")
-    section = services.config.rollout.engine_kwargs.vllm
-    base = {**base, "model": str(directory)}
-    base.pop("load_format", None)
-    kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
-    env = {**os.environ, **vllm_environment(decision, colocated=False, cpu_emulation=section.cpu_emulation),
-           **{k: str(v) for k, v in section.environment.items()}}
-    return ColdEngine(EngineProcess.start(_host_python(services), kwargs, env=env,
-                                          start_timeout_s=float(section.start_timeout_s)))
+    return build_vllm_engine(services.config.rollout.engine_kwargs.vllm, _engine_start(services, "vllm", plan),
+                             _vllm_host(services), deployment=services.config.rollout.deployment,
+                             commit_mode=options.get("commit_mode"))
 
 
 def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.sglang.client import EngineClient
-    from adapters.sglang.engine import SglangRolloutEngine
-    from adapters.sglang.engine_args import sglang_engine_kwargs
+    from adapters.sglang.factory import build_sglang_engine
 
-    _check_commit_mode(options.get("commit_mode"), CommitMode.TRANSACTIONAL, "sglang")
-    qc, decision, base = _engine_start(services, "sglang", plan)
-    if "hf_overrides" in base:  # SGLang's name for the model-config overrides
-        base["json_model_override_args"] = base.pop("hf_overrides")
-    kv_dtype = services.config.rollout.engine_kwargs.sglang.kv_cache_dtype
-    kwargs = sglang_engine_kwargs(qc, decision, kv_cache_dtype=kv_dtype, base=base)
-    report = services.plan_report(services.checkpoint())
-    return SglangRolloutEngine(
-        EngineClient.launch(**kwargs), report.plan, native_mxfp8=report.resolution.layout == "sglang-mxfp8",
-        sync_backend=services.config.rollout.checkpoint_engine.backend,
-        wire_format=services.config.rollout.wire_format,
-    )
-
-
-def _check_commit_mode(asked: CommitMode | None, engine_mode: CommitMode, engine: str) -> None:
-    if asked is not None and asked is not engine_mode:
-        raise ConfigError("rollout.commit_mode", f"{engine} commits {engine_mode.value} only; leave it unset or "
-                          f"set {engine_mode.value}")
+    rollout = services.config.rollout
+    return build_sglang_engine(rollout.engine_kwargs.sglang, _engine_start(services, "sglang", plan),
+                               sync_backend=rollout.checkpoint_engine.backend, wire_format=rollout.wire_format,
+                               commit_mode=options.get("commit_mode"))
 
 
 def _reference_trainer(services: Services, model: object | None) -> TrainerModel:
@@ -372,17 +310,20 @@ class Services:
 
         return HfCheckpoint(path)
 
-    def plan_report(self, checkpoint: HfCheckpoint | None = None, *, purpose: str = "refit") -> PlanReport:
+    def plan_report(self, checkpoint: HfCheckpoint | None = None, *, purpose: str = "refit",
+                    plan: QuantizationPlan | None = None) -> PlanReport:
         """Every decision of the rollout quantization, for the configuration (and a checkpoint).
 
         Args:
             checkpoint: the model (only its headers are read), or None.
             purpose: "refit" (a refit will send these tensors) or "export" (`refit export`: a
                 native layout the trainer cannot produce is copied untouched).
+            plan: the plan refits send, when it is not the configuration's (the report is then
+                that plan's).
         """
         from app.services.planning import make_plan
 
-        return make_plan(self.config, checkpoint, purpose=purpose)
+        return make_plan(self.config, checkpoint, purpose=purpose, plan=plan)
 
     # --- refits --------------------------------------------------------------------------------
 
@@ -668,7 +609,10 @@ class Services:
         name = self.config.rollout.name
         if name != "vllm":
             raise ConfigError("rollout.name", f"cold starts for comparison are built for vllm only, not {name!r}")
-        return _vllm_cold_start(self, str(directory))
+        from adapters.vllm.factory import vllm_cold_start
+
+        return vllm_cold_start(self.config.rollout.engine_kwargs.vllm, _engine_start(self, "vllm"), _vllm_host(self),
+                               str(directory))
 
     def post_refit_probe(self, trainer: TrainerModel) -> PostRefitProbe | None:
         """The post-refit probe of rollout.verify (None when off): the trainer's log-probs as the

@@ -220,7 +220,8 @@ def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tupl
     return sorted(kept)
 
 
-def make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit") -> PlanReport:
+def make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit",
+              plan: QuantizationPlan | None = None) -> PlanReport:
     """Resolve the rollout quantization for a configuration (and a model, when given).
 
     Args:
@@ -228,14 +229,28 @@ def make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None = None, *, purpos
         checkpoint: the model (only headers are read), or None.
         purpose: "refit" (default: `refit plan`, the services) or "export" (`refit export`, which
             copies a native layout the trainer cannot produce instead of refusing it).
+        plan: the plan a refit sends, when it is not the configuration's (a demo's arms): the
+            report is then that plan's, every rule applied to it as if rollout.quantization
+            requested it (a config_file or hf_overrides quantization_config gives way to it).
 
     Returns:
-        The PlanReport. Raises the dispatch rule's typed error when the configuration is rejected.
+        The PlanReport. Raises the dispatch rule's typed error when the configuration (or `plan`)
+        is rejected.
     """
+    report = _make_plan(cfg, checkpoint, purpose, None)
+    if plan is None or plan == report.plan:
+        return report
+    return _make_plan(cfg, checkpoint, purpose, plan)
+
+
+def _make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None, purpose: str,
+               requested: QuantizationPlan | None) -> PlanReport:
     shapes = tuple(checkpoint.tensor_shapes()) if checkpoint is not None else None
     inp = dispatch_input(cfg, checkpoint.config if checkpoint is not None else None, purpose)
+    if requested is not None:  # the plan carries its own ignore list and numerics
+        inp = attrs.evolve(inp, requested=requested, ignore=(), config_file=None, hf_overrides=None)
     res = resolve(inp, shapes)
-    plan = with_numerics(res.plan, cfg)
+    plan = with_numerics(res.plan, cfg) if requested is None else res.plan
     if plan is not res.plan:
         res = attrs.evolve(res, plan=plan)
     from adapters.compressed_tensors.quantization_config import engine_quantization_config
