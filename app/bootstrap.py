@@ -13,6 +13,7 @@ with fakes (`trainer=`, `engine=`).
 from __future__ import annotations
 
 import importlib.util
+import operator
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from adapters.engine_start import EngineStart
     from adapters.hf_checkpoint.reader import HfCheckpoint
     from adapters.megatron.packed_gdn import PackedGdnReport
+    from adapters.memory.faults import RankFault
     from adapters.vllm.factory import VllmHost
     from app.services.distributed_refit import DistributedRefitService
     from app.services.logprob import LogProbService
@@ -41,9 +43,11 @@ if TYPE_CHECKING:
     from app.services.qat_setup import QatSession
     from app.services.refit import Progress, RefitService
     from app.services.verification import PostRefitProbe
+    from domain.forward.mode import FusedForwardRequest
     from domain.quant.backend_policy import BackendDecision
-    from domain.refit.sharding import RefitWorld
+    from domain.refit.sharding import ParallelLayout, RefitWorld
     from ports.environment_probe import EnvironmentProbe
+    from ports.qat_backend import QatBackend
     from ports.refit_collectives import RefitCollectives
     from ports.rollout_engine import RolloutEngine
     from ports.sharded_trainer import ShardedTrainerModel
@@ -119,54 +123,18 @@ def _engine_start(services: Services, engine: str, plan: QuantizationPlan | None
 
 def _vllm_host(services: Services) -> VllmHost:
     from adapters.vllm.factory import VllmHost
+    from adapters.vllm.interpreter import host_python
 
-    return VllmHost(python=lambda: _host_python(services), environ=dict(os.environ),
+    return VllmHost(python=lambda: host_python(_configured_python(services)), environ=dict(os.environ),
                     export_environment=os.environ.update, embedded_model_dir=services.embedded_model_dir,
                     bucket_bytes=services.bucket_bytes)
 
 
 def _configured_python(services: Services) -> tuple[str, str] | None:
-    """(key, value) of the engine host's python as configured, the configuration before the
-    environment; None when neither sets it."""
-    configured = services.config.rollout.engine_kwargs.vllm.python
-    if configured:
-        return "rollout.engine_kwargs.vllm.python", str(configured)
-    if services.environ.get("RL_REFIT_VLLM_PYTHON"):
-        return "RL_REFIT_VLLM_PYTHON", services.environ["RL_REFIT_VLLM_PYTHON"]
-    return None
+    from adapters.vllm.interpreter import configured_python
 
-
-def _host_python(services: Services) -> str:
-    """The python an engine host is started with; ConfigError naming the setting when the
-    configured one cannot be run."""
-    configured = _configured_python(services)
-    if configured is not None:
-        _check_executable(*configured)
-    return _vllm_python(services)
-
-
-def _vllm_python(services: Services) -> str:
-    """The interpreter of a disaggregated vLLM engine host."""
-
-    configured = _configured_python(services)
-    if configured is not None:
-        return configured[1]
-    # ./.venv-vllm, or the one beside this checkout (scripts/setup-vllm-env.sh makes it)
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        local = root / ".venv-vllm" / "bin" / "python"
-        if local.exists():
-            return str(local)
-    return sys.executable
-
-
-def _check_executable(key: str, program: str) -> None:
-    """ConfigError naming `key` unless `program` (a path, or a name on PATH) can be run."""
-    import shutil
-
-    if shutil.which(program) is None:
-        why = "does not exist" if not Path(program).exists() else "is not an executable file"
-        raise ConfigError(key, f"{program!r} {why}; point it to the python of an environment with vLLM and "
-                          "rl-refit installed (scripts/setup-vllm-env.sh makes .venv-vllm), or unset it")
+    return configured_python(services.config.rollout.engine_kwargs.vllm.python,
+                             services.environ.get("RL_REFIT_VLLM_PYTHON"))
 
 
 def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
@@ -200,15 +168,12 @@ def _reference_trainer(services: Services, model: object | None) -> TrainerModel
 
 
 def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
-    from adapters.megatron.trainer_model import MegatronTrainerModel
-    from domain.forward.mode import FusedForwardRequest
+    from adapters.megatron.factory import megatron_trainer
 
     if model is None:
         raise ConfigError("actor.strategy", "megatron: pass the built Megatron model, bootstrap(config, model=...)")
-    request = FusedForwardRequest.from_settings(services.config.actor.fused_forward,
-                                                services.environ.get("VERL_FUSED_USE_OP_HOOK"))
-    services.packed_gdn(model)  # a no-op without GatedDeltaNet layers
-    return MegatronTrainerModel.build(model, request.mode)  # type: ignore[arg-type]
+    return megatron_trainer(model, services.fused_forward_request().mode,
+                            gdn_kernels=services.config.actor.megatron.gdn_kernels)
 
 
 def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
@@ -228,13 +193,10 @@ def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
     return HfCheckpointTrainer.open(path)
 
 
-def _megatron_sharded(services: Services, model: object, layout: Any, rank: int) -> ShardedTrainerModel:
-    import torch
+def _megatron_sharded(services: Services, model: object, layout: ParallelLayout, rank: int) -> ShardedTrainerModel:
+    from adapters.megatron.factory import megatron_sharded
 
-    from adapters.megatron.sharded_model import MegatronShardedModel
-
-    # The rollout serves BF16 weights: float32 master weights are read as BF16, tensor by tensor.
-    return MegatronShardedModel.build(model, layout, rank, dtype=torch.bfloat16)  # type: ignore[arg-type]
+    return megatron_sharded(model, layout, rank)
 
 
 # rollout.name -> the engine adapter; actor.strategy -> the trainer adapter.
@@ -249,6 +211,20 @@ TRAINERS: dict[str, AdapterEntry] = {
                              "megatron.core", "megatron", sharded=_megatron_sharded),
     "hf": AdapterEntry("adapters.hf.module.HfModuleTrainer", _hf_trainer, "transformers", "hf"),
 }
+
+
+def _qat_backend(backend: str, numerics: str, layout: str) -> QatBackend:
+    if backend == "reference":
+        from adapters.qat_reference.backend import ReferenceQatBackend
+
+        return ReferenceQatBackend(layout=layout)
+    if backend == "modelopt":
+        AdapterEntry("adapters.modelopt.backend.ModelOptQatBackend", lambda: None, "modelopt",
+                     "modelopt").require("qat backend", "modelopt")
+        from adapters.modelopt.backend import ModelOptQatBackend
+
+        return ModelOptQatBackend(numerics=numerics, layout=layout)
+    raise ConfigError("qat backend", f"{backend!r} is not one of reference, modelopt")
 
 
 # --- the services ------------------------------------------------------------------------------
@@ -413,7 +389,7 @@ class Services:
         window: int = 2,
         step_timeout_s: float = 60.0,
         phase_timeout_s: float = 600.0,
-        fault: object | None = None,
+        fault: RankFault | None = None,
         restore: str | None = None,
         hang_s: float = 60.0,
         model: object | None = None,
@@ -451,52 +427,41 @@ class Services:
         Returns:
             The DistributedRefitService.
         """
-        from adapters.memory.faulty import RankPorts, wrap_rank
-        from adapters.reference.config import hf_weight_shapes, preset
+        from adapters.distributed.rank_wiring import RankTimeouts, wire_rank
         from app.services.distributed_refit import DistributedRefitService
-        from domain.refit.sharding import Role, ShardMap
+        from domain.refit.sharding import Role
 
         plan = plan or self.plan
-        cfg = preset(self.config.reference.model)
-        bucket_bytes = self.bucket_bytes
-        role = world.role(rank)
         own_model = model is not None or self.config.actor.strategy != "reference"
-        trainer: Any = None
-        if role is Role.TRAINER and own_model:
-            trainer = self._sharded_trainer(model, world, rank)
-            shapes = trainer.weight_shapes()
-        elif role is Role.TRAINER:
-            from adapters.distributed.sliced_trainer import SlicedTrainer
-            from adapters.reference.trainer import ReferenceTrainer
-
-            full = self.trainer or ReferenceTrainer.from_seed(cfg, self.config.reference.seed)
-            trainer = SlicedTrainer(full, world.layout, rank)
+        trainer: ShardedTrainerModel | None = None
+        if world.role(rank) is Role.TRAINER:
+            trainer = self._sharded_trainer(model, world, rank) if own_model else self._sliced_trainer(world, rank)
         else:
             engine = engine or self.rollout_engine(plan)
-        if own_model and comm is None:  # engine ranks learn the tensor list from trainer rank 0
-            from adapters.distributed.objects import broadcast_object
-
-            shapes = broadcast_object(shapes if rank == 0 else None, src=0)
-        if shapes is None and own_model:
-            raise ConfigError("distributed refit", f"rank {rank} is an engine rank of an actor.strategy="
-                              f"{self.config.actor.strategy} world with collectives of your own: pass shapes=")
-        shapes = shapes if shapes is not None else hf_weight_shapes(cfg)
-        shard_map = ShardMap.build(world.layout, shapes, plan)
-        if own_model and trainer is not None:
-            trainer.check(shard_map.placements)  # what the rank holds = where the refit places it
-        if comm is None:
-            from adapters.distributed.torch_dist import TorchDistCollectives
-
-            comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)
-        try:
-            ports = wrap_rank(fault, RankPorts(comm, trainer, engine), role,  # type: ignore[arg-type]
-                              shard_map, hang_s)
-        except ValueError as err:
-            raise ConfigError("--fault-rank", str(err)) from None
+        ports, shapes = wire_rank(
+            world, rank, plan, trainer=trainer, engine=engine, own_model=own_model,
+            strategy=self.config.actor.strategy, shapes=shapes, default_shapes=self._preset_shapes, comm=comm,
+            bucket_bytes=self.bucket_bytes, timeouts=RankTimeouts(step_timeout_s, phase_timeout_s, window),
+            fault=fault, hang_s=hang_s,
+        )
         return DistributedRefitService(
             world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
-            bucket_bytes=bucket_bytes, window=window, restore=restore,
+            bucket_bytes=self.bucket_bytes, window=window, restore=restore,
         )
+
+    def _preset_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        from adapters.reference.config import hf_weight_shapes, preset
+
+        return hf_weight_shapes(preset(self.config.reference.model))
+
+    def _sliced_trainer(self, world: RefitWorld, rank: int) -> ShardedTrainerModel:
+        """This trainer rank's slice of the embedded reference model (or of the trainer given)."""
+        from adapters.distributed.sliced_trainer import SlicedTrainer
+        from adapters.reference.config import preset
+        from adapters.reference.trainer import ReferenceTrainer
+
+        full = self.trainer or ReferenceTrainer.from_seed(preset(self.config.reference.model), self.config.reference.seed)
+        return SlicedTrainer(full, world.layout, rank)
 
     def _sharded_trainer(self, model: object | None, world: RefitWorld, rank: int) -> ShardedTrainerModel:
         """This trainer rank's ShardedTrainerModel from TRAINERS[actor.strategy]."""
@@ -601,7 +566,9 @@ class Services:
         """The interpreter a disaggregated vLLM engine host runs with: rollout.engine_kwargs.vllm.python,
         else RL_REFIT_VLLM_PYTHON, else ./.venv-vllm/bin/python (or the one beside this checkout),
         else this interpreter."""
-        return _vllm_python(self)
+        from adapters.vllm.interpreter import vllm_python
+
+        return vllm_python(_configured_python(self))
 
     def cold_start(self, directory: str | Path) -> Any:
         """An engine of rollout.name started from a checkpoint directory in its own process, for
@@ -629,7 +596,7 @@ class Services:
 
         plan = self.plan
         engine_way = self.config.rollout.name == "reference" and plan.linear.name == plan.moe.name == "BF16"
-        vocab = int(trainer.config.vocab_size)  # type: ignore[attr-defined]
+        vocab = int(operator.attrgetter("config.vocab_size")(trainer))  # the port has none; every trainer adapter does
         reference = TrainerReference(trainer, name="the trainer's forward (the engine's own)" if engine_way
                                      else "the trainer's BF16 forward", engine_way=engine_way)
         return PostRefitProbe(reference, probe_batch(vocab, verify.batch, verify.seq_len),
@@ -664,11 +631,18 @@ class Services:
 
         return EmbeddedModule.from_seed(preset(self.config.reference.model), self.config.reference.seed)
 
+    def fused_forward_request(self) -> FusedForwardRequest:
+        """The fused-forward mode asked for: `actor.fused_forward` wins; else `VERL_FUSED_USE_OP_HOOK`
+        as read by bootstrap; else auto (FusedForwardModeError names the key or the variable)."""
+        from domain.forward.mode import FusedForwardRequest
+
+        return FusedForwardRequest.from_settings(self.config.actor.fused_forward,
+                                                 self.environ.get("VERL_FUSED_USE_OP_HOOK"))
+
     def logprob_service(self, model: object | None = None, *, chunk_size: int | None = None) -> LogProbService:
         """A LogProbService over a Megatron GPTModel (wrappers allowed) or any TrainerModel.
 
-        The fused-forward mode is decided here, once: `actor.fused_forward` wins; else
-        `VERL_FUSED_USE_OP_HOOK` as read by bootstrap; else auto. A Megatron model with
+        The fused-forward mode is decided once (`fused_forward_request`). A Megatron model with
         GatedDeltaNet layers also gets packed (THD) GDN input made safe (`packed_gdn`).
 
         Args:
@@ -680,19 +654,17 @@ class Services:
             The LogProbService. Raises FusedForwardModeError (a value that is not a mode, naming
             the key or the variable) and FusedHookUnavailable (hook required, forward lacks it).
         """
-        from app.services.logprob import LogProbService
-        from domain.forward.mode import FusedForwardRequest
+        from app.services.logprob import LogProbService, is_trainer_model
 
         model = model if model is not None else self.model
-        request = FusedForwardRequest.from_settings(self.config.actor.fused_forward,
-                                                    self.environ.get("VERL_FUSED_USE_OP_HOOK"))
-        if callable(getattr(model, "log_probs", None)) and callable(getattr(model, "named_weights", None)):
-            return LogProbService(model, mode="none", source=request.source)  # type: ignore[arg-type]
+        request = self.fused_forward_request()
+        if is_trainer_model(model):
+            return LogProbService(model, mode="none", source=request.source)
         TRAINERS["megatron"].require("actor.strategy", "megatron")
-        from adapters.megatron.trainer_model import MegatronTrainerModel
+        from adapters.megatron.factory import megatron_trainer
 
-        self.packed_gdn(model)  # a no-op without GatedDeltaNet layers
-        trainer = MegatronTrainerModel.build(model, request.mode, chunk_size=chunk_size)  # type: ignore[arg-type]
+        trainer = megatron_trainer(model, request.mode, gdn_kernels=self.config.actor.megatron.gdn_kernels,
+                                   chunk_size=chunk_size)
         return LogProbService(trainer, mode=trainer.mode.value, source=request.source)
 
     def packed_gdn(self, model: object) -> PackedGdnReport:
@@ -701,25 +673,16 @@ class Services:
         A no-op without GDN layers; validation hooks only on Megatron-Core >= 0.18; the
         packed-aware forward before that, with the kernels of `actor.megatron.gdn_kernels`.
         """
-        from adapters.megatron.packed_gdn import apply_packed_gdn
+        from adapters.megatron.factory import packed_gdn
 
-        return apply_packed_gdn(model, kernels=self.config.actor.megatron.gdn_kernels)  # type: ignore[arg-type]
+        return packed_gdn(model, self.config.actor.megatron.gdn_kernels)
 
-    def qat(
-        self,
-        model: torch.nn.Module,
-        *,
-        backend: str = "reference",
-        numerics: str = "exporter",
-        layout: str = "auto",
-        model_config: Mapping[str, object] | None = None,
-        qat_backend: object | None = None,
-    ) -> QatSession | None:
-        """QAT for a built trainer model, per actor.megatron.qat.* and the rollout quantization.
-
-        Resolves the rollout plan on the model's tensors, checks the QAT settings against it
-        (mode, Transformer Engine recipe, ignore patterns, first/last BF16 layers), applies the
-        backend, and checks every linear and expert layer's effective precision against the plan.
+    def qat(self, model: torch.nn.Module, *, backend: str = "reference", numerics: str = "exporter",
+            layout: str = "auto", model_config: Mapping[str, object] | None = None,
+            qat_backend: QatBackend | None = None) -> QatSession | None:
+        """QAT for a built trainer model, per actor.megatron.qat.* and the rollout quantization
+        (app.services.qat_setup.prepare_qat: the plan on the model's tensors, the settings checked
+        against it, the backend applied, every layer's effective precision checked).
 
         Args:
             model: the trainer model (torch / transformers module, Megatron-Core model on one
@@ -734,28 +697,14 @@ class Services:
             The QatSession (call its refresh() after every optimizer step), or None when
             actor.megatron.qat.enable is false.
         """
+        from adapters.qat_reference.layouts import weight_shapes
         from app.services.qat_setup import prepare_qat
 
         if not self.config.actor.megatron.qat.enable:
             return None
         if qat_backend is None:
-            if backend == "reference":
-                from adapters.qat_reference.backend import ReferenceQatBackend
-
-                qat_backend = ReferenceQatBackend(layout=layout)
-            elif backend == "modelopt":
-                AdapterEntry("adapters.modelopt.backend.ModelOptQatBackend", lambda: None, "modelopt",
-                             "modelopt").require("qat backend", "modelopt")
-                from adapters.modelopt.backend import ModelOptQatBackend
-
-                qat_backend = ModelOptQatBackend(numerics=numerics, layout=layout)
-            else:
-                raise ConfigError("qat backend", f"{backend!r} is not one of reference, modelopt")
-        from adapters.qat_reference.layouts import select_layout
-
-        chosen = select_layout(model, layout)
-        shapes = [(p.name, p.shape) for t in chosen.tensors(chosen.root(model)) for p in t.parts]
-        return prepare_qat(self.config, model, qat_backend, shapes, model_config=model_config)  # type: ignore[arg-type]
+            qat_backend = _qat_backend(backend, numerics, layout)
+        return prepare_qat(self.config, model, qat_backend, weight_shapes(model, layout), model_config=model_config)
 
     # --- engines' kernels and the machine ------------------------------------------------------
 
@@ -801,7 +750,7 @@ class Services:
         if snapshot_file is None:
             from adapters.system.probe import SystemProbe
 
-            vllm_python: str | None = _vllm_python(self)
+            vllm_python: str | None = self.vllm_python()
             if vllm_python == sys.executable and importlib.util.find_spec("vllm") is None:
                 vllm_python = None  # no vLLM environment to ask
             return SystemProbe(environ=dict(self.environ), vllm_python=vllm_python,

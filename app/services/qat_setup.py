@@ -120,3 +120,4 @@ def prepare_qat(cfg: RefitConfig, model: torch.nn.Module, backend: QatBackend,
     log.info("qat ready", backend=summary.backend, mode=cfg.actor.megatron.qat.mode,
              fake_quantized=len(summary.quantized), layers=len(summary.precision))
     return QatSession(backend, model, plan, rollout_plan, summary)
+

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from app import bootstrap as root
 from app.bootstrap import bootstrap
 from domain.errors import ConfigError
 
@@ -79,16 +78,20 @@ def test_a_bad_deployment_is_named() -> None:
 
 
 def test_the_engine_hosts_python(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from adapters.vllm.interpreter import vllm_python
+
     services = bootstrap(overrides=BASE, environ={"RL_REFIT_VLLM_PYTHON": "/opt/vllm/bin/python"})
-    assert root._vllm_python(services) == "/opt/vllm/bin/python"
+    assert services.vllm_python() == "/opt/vllm/bin/python"
+    configured = bootstrap(overrides=[*BASE, "rollout.engine_kwargs.vllm.python=/srv/py"],
+                           environ={"RL_REFIT_VLLM_PYTHON": "/opt/vllm/bin/python"})
+    assert configured.vllm_python() == "/srv/py"  # the configuration before the environment
     monkeypatch.chdir(tmp_path)
     local = tmp_path / ".venv-vllm" / "bin" / "python"
     local.parent.mkdir(parents=True)
     local.write_text("")
-    assert root._vllm_python(bootstrap(overrides=BASE, environ={})) == str(local)
-    monkeypatch.setattr(root, "__file__", str(tmp_path / "nowhere" / "app" / "bootstrap.py"))
+    assert bootstrap(overrides=BASE, environ={}).vllm_python() == str(local)
     local.unlink()
-    assert root._vllm_python(bootstrap(overrides=BASE, environ={})) == sys.executable
+    assert vllm_python(None, roots=[tmp_path, tmp_path / "nowhere"]) == sys.executable
 
 
 @pytest.mark.parametrize(("key", "value", "match"), [
