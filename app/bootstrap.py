@@ -13,7 +13,6 @@ with fakes (`trainer=`, `engine=`).
 from __future__ import annotations
 
 import importlib.util
-import operator
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -582,25 +581,11 @@ class Services:
                                str(directory))
 
     def post_refit_probe(self, trainer: TrainerModel) -> PostRefitProbe | None:
-        """The post-refit probe of rollout.verify (None when off): the trainer's log-probs as the
-        reference, the plan's bound unless max_abs_logp_diff is set.
+        """The post-refit probe of rollout.verify (app.services.verification.trainer_probe)."""
+        from app.services.verification import trainer_probe
 
-        The embedded engine runs the trainer's own forward, so with a BF16 plan the trainer's
-        log-probs are computed the engine's way and the bound is exactly 0; otherwise the
-        plan's per-format bound (domain.refit.probe.TRAINER_BOUNDS).
-        """
-        verify = self.config.rollout.verify
-        if not verify.enabled:
-            return None
-        from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
-
-        plan = self.plan
-        engine_way = self.config.rollout.name == "reference" and plan.linear.name == plan.moe.name == "BF16"
-        vocab = int(operator.attrgetter("config.vocab_size")(trainer))  # the port has none; every trainer adapter does
-        reference = TrainerReference(trainer, name="the trainer's forward (the engine's own)" if engine_way
-                                     else "the trainer's BF16 forward", engine_way=engine_way)
-        return PostRefitProbe(reference, probe_batch(vocab, verify.batch, verify.seq_len),
-                              bound=verify.max_abs_logp_diff)
+        return trainer_probe(trainer, self.config.rollout.verify, self.plan,
+                             embedded_engine=self.config.rollout.name == "reference")
 
     def rank_fault(self, text: str, rank: int, refit: int) -> Any:
         """An adapters.memory.faults.RankFault from its spelling; ConfigError names --inject-fault."""
@@ -755,21 +740,9 @@ class Services:
                 vllm_python = None  # no vLLM environment to ask
             return SystemProbe(environ=dict(self.environ), vllm_python=vllm_python,
                                cpu_emulation=self.config.rollout.engine_kwargs.vllm.cpu_emulation)
-        import json
+        from app.services.doctor import snapshot_probe
 
-        from adapters.memory.environment import FixedEnvironmentProbe
-        from adapters.system.files import read_regular
-
-        try:
-            data = json.loads(read_regular(snapshot_file).decode("utf-8"))
-            data = data.get("environment", data) if isinstance(data, dict) else data
-            if not isinstance(data, dict):
-                raise TypeError(f"it holds a JSON {type(data).__name__}, not an object")
-            return FixedEnvironmentProbe.from_dict(data)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else err
-            raise ConfigError("--environment", f"cannot read an environment snapshot from {snapshot_file}: {reason}; "
-                              "pass the JSON that `refit doctor --json` prints") from None
+        return snapshot_probe(snapshot_file)
 
 
 def bootstrap(

@@ -9,7 +9,7 @@ settings can run here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -24,7 +24,7 @@ from app.services.doctor_checks import (
     transport_checks,
 )
 from domain.environment import EnvironmentSnapshot, version_at_least
-from domain.errors import FusedHookUnavailable, RefitError
+from domain.errors import ConfigError, FusedHookUnavailable, RefitError
 from domain.forward.mode import (
     ENV_VAR,
     FusedForwardMode,
@@ -32,6 +32,9 @@ from domain.forward.mode import (
     select_fused_forward_mode,
 )
 from domain.quant.backend_policy import POLICY_ENGINES, decide_backends
+
+if TYPE_CHECKING:
+    from adapters.memory.environment import FixedEnvironmentProbe
 
 
 @attrs.frozen
@@ -234,3 +237,26 @@ def _fused_check(fused: FusedForwardDecision) -> Check:
     fix = (f"set actor.fused_forward (or {ENV_VAR}) to auto or legacy, or upgrade megatron-core to 0.18+"
            if fused.reason is Reason.VERSION_TOO_OLD else "use auto, hook or legacy (see docs/configuration.md)")
     return Check("trainer", "fused forward", Status.ERROR, text, fused.reason, fix)
+
+
+def snapshot_probe(snapshot_file: str) -> FixedEnvironmentProbe:
+    """The machine a saved `refit doctor --json` output describes (its `environment` object).
+
+    Raises:
+        ConfigError: naming `--environment` when the file cannot be read as such a snapshot.
+    """
+    import json
+
+    from adapters.memory.environment import FixedEnvironmentProbe
+    from adapters.system.files import read_regular
+
+    try:
+        data = json.loads(read_regular(snapshot_file).decode("utf-8"))
+        data = data.get("environment", data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            raise TypeError(f"it holds a JSON {type(data).__name__}, not an object")
+        return FixedEnvironmentProbe.from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else err
+        raise ConfigError("--environment", f"cannot read an environment snapshot from {snapshot_file}: {reason}; "
+                          "pass the JSON that `refit doctor --json` prints") from None
