@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from app.services.verification import PostRefitProbe
     from domain.forward.mode import FusedForwardRequest
     from domain.quant.backend_policy import BackendDecision
-    from domain.refit.sharding import ParallelLayout, RefitWorld
+    from domain.refit.topology import ParallelLayout, RefitWorld
     from ports.environment_probe import EnvironmentProbe
     from ports.qat_backend import QatBackend
     from ports.refit_collectives import RefitCollectives
@@ -428,7 +428,7 @@ class Services:
         """
         from adapters.distributed.rank_wiring import RankTimeouts, wire_rank
         from app.services.distributed_refit import DistributedRefitService
-        from domain.refit.sharding import Role
+        from domain.refit.topology import Role
 
         plan = plan or self.plan
         own_model = model is not None or self.config.actor.strategy != "reference"
@@ -484,7 +484,7 @@ class Services:
         Raises:
             ShardingError: sizes that do not form a layout (naming the key).
         """
-        from domain.refit.sharding import ParallelLayout, RefitWorld
+        from domain.refit.topology import ParallelLayout, RefitWorld
 
         m = self.config.actor.megatron
         tp = m.tensor_model_parallel_size

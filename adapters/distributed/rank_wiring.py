@@ -11,7 +11,8 @@ from adapters.memory.faults import RankFault
 from adapters.memory.faulty import RankPorts, wrap_rank
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
-from domain.refit.sharding import RefitWorld, ShardMap
+from domain.refit.shard_map import ShardMap
+from domain.refit.topology import RefitWorld
 from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine
 from ports.sharded_trainer import ShardedTrainerModel
@@ -59,7 +60,7 @@ def wire_rank(world: RefitWorld, rank: int, plan: QuantizationPlan, *, trainer: 
     if own_model and callable(check):
         check(shard_map.placements)  # what the rank holds = where the refit places it
     if comm is None:
-        from adapters.distributed.torch_dist import TorchDistCollectives
+        from adapters.distributed.collectives import TorchDistCollectives
 
         comm = TorchDistCollectives(world, rank, timeouts.step_timeout_s, timeouts.phase_timeout_s, bucket_bytes,
                                     timeouts.window)

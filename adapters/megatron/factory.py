@@ -15,7 +15,7 @@ from adapters.megatron.packed_gdn import PackedGdnReport, apply_packed_gdn
 from adapters.megatron.sharded_model import MegatronShardedModel
 from adapters.megatron.trainer_model import MegatronTrainerModel
 from domain.forward.mode import FusedForwardMode
-from domain.refit.sharding import ParallelLayout
+from domain.refit.topology import ParallelLayout
 
 
 def packed_gdn(model: object, kernels: str) -> PackedGdnReport:

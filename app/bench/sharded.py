@@ -28,7 +28,7 @@ import attrs
 from app.bench.memory import process_kib, reset_peak_rss
 from app.bench.report import BenchReport
 from domain.quant.plan import QuantizationPlan
-from domain.refit.sharding import ParallelLayout, RefitWorld
+from domain.refit.topology import ParallelLayout, RefitWorld
 
 QUICK = ("tiny-moe", 4.0, 3, [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)])
 FULL = ("bench-moe", 64.0, 5, [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (2, 2, 1), (2, 2, 2)])

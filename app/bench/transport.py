@@ -34,7 +34,7 @@ import torch
 from app.bench.report import BenchReport
 from app.bootstrap import Services, bootstrap
 from app.config_sections import CheckpointEngineConfig, ReferenceConfig, RefitConfig, RolloutConfig
-from domain.refit.sharding import RefitWorld
+from domain.refit.topology import RefitWorld
 
 TARGET = 0.8  # the distributed refit should reach 80% of the raw broadcast's throughput
 

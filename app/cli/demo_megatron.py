@@ -71,7 +71,7 @@ def check_layout(services: Any, world: Any, settings: DemoSettings) -> None:
     """The embedded model's heads, experts and tensors split evenly over the layout: checked here,
     before any rank starts, so that a layout Megatron-Core refuses ends in one line naming the
     option (each rank's own check would end in a traceback per rank)."""
-    from domain.refit.sharding import ShardMap
+    from domain.refit.shard_map import ShardMap
 
     cfg, layout = services.reference_config(), world.layout
     for flag, size, count, what in (("--tp", layout.tp, cfg.num_heads, "attention heads"),

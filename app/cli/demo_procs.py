@@ -31,7 +31,7 @@ from app.services.distributed_demo import demo_world, judge, weights_digest
 from app.services.lifecycle import describe_plan
 from domain.errors import CollectiveTimeout, ConfigError, DistributedRefitFailed, PeerLost
 from domain.refit.report import RefitReport
-from domain.refit.sharding import RefitWorld, Role
+from domain.refit.topology import RefitWorld, Role
 
 STEP_TIMEOUT_S, PHASE_TIMEOUT_S = 10.0, 30.0
 

@@ -42,9 +42,10 @@ from domain.refit.buckets import DEFAULT_ALIGNMENT, Bucket, BucketPlanner
 from domain.refit.report import RefitReport
 from domain.refit.run import RefitRun, StageClock
 from domain.refit.session import CommitMode
-from domain.refit.sharding import ExportUnit, RefitWorld, Role, ShardMap
+from domain.refit.shard_map import ExportUnit, ShardMap
 from domain.refit.status import EngineState, RankStatus, failure_summary
 from domain.refit.storage import StorageFingerprint
+from domain.refit.topology import RefitWorld, Role
 from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine
 from ports.sharded_trainer import ShardedTrainerModel
