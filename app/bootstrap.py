@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from adapters.profiles import backend_decision, profile_for
 from app.config import load_config
 from app.config_sections import RefitConfig
 from domain.errors import ConfigError
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from domain.forward.mode import FusedForwardRequest
     from domain.quant.backend_policy import BackendDecision
     from domain.refit.topology import ParallelLayout, RefitWorld
+    from ports.engine_profile import EngineProfile
     from ports.environment_probe import EnvironmentProbe
     from ports.qat_backend import QatBackend
     from ports.refit_collectives import RefitCollectives
@@ -298,7 +300,12 @@ class Services:
         """
         from app.services.planning import make_plan
 
-        return make_plan(self.config, checkpoint, purpose=purpose, plan=plan)
+        return make_plan(self.config, checkpoint, purpose=purpose, profile=self.engine_profile(), plan=plan)
+
+    def engine_profile(self) -> EngineProfile:
+        """The rollout engine's profile (support table, layouts, rules, backend policy, pins):
+        PROFILES[rollout.name]."""
+        return profile_for(self.config.rollout.name)
 
     # --- refits --------------------------------------------------------------------------------
 
@@ -340,6 +347,7 @@ class Services:
         inject_fault: str | None = None,
         fault_after: int = 0,
         kv_cache_scheme: Mapping[str, object] | None = None,
+        restore: str | None = None,
     ) -> RefitService:
         """A RefitService from the trainer into the engine.
 
@@ -351,11 +359,16 @@ class Services:
                 engine, wrapped in ScriptedFaultyEngine, fails there once (demos, tests).
             fault_after: refits that succeed before the injected fault fires.
             kv_cache_scheme: the quantization config's kv_cache_scheme (None = uncalibrated).
+            restore: `replay`, `engine` or `stale` (None: the default for the engine's commit
+                mode, app.services.transaction.Restore.default).
 
         Returns:
-            The RefitService.
+            The RefitService: buckets by reference to an engine in this process
+            (`rollout.deployment: colocated`), packed into one reused buffer for an engine in
+            processes of its own (`disaggregated`: its transport copies each bucket out).
         """
         from app.services.refit import RefitService
+        from app.services.transaction import Ownership
 
         plan = plan or self.plan
         engine = engine or self.rollout_engine(plan, kv_cache_scheme=kv_cache_scheme)
@@ -369,8 +382,10 @@ class Services:
                 raise ConfigError("--inject-fault", str(err)) from None
             engine = ScriptedFaultyEngine(engine, script)
         trainer = trainer or self.trainer_model()
+        colocated = self.config.rollout.deployment == "colocated"
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
-                            probe=self.post_refit_probe(trainer))
+                            probe=self.post_refit_probe(trainer), restore=restore,
+                            ownership=Ownership.BY_REFERENCE if colocated else Ownership.REUSED)
 
     def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
         """A MismatchProbe over a refit service's trainer and engine."""
@@ -394,6 +409,7 @@ class Services:
         model: object | None = None,
         shapes: Sequence[tuple[str, tuple[int, ...]]] | None = None,
         engine: RolloutEngine | None = None,
+        reference: TrainerModel | None = None,
     ) -> DistributedRefitService:
         """This rank's DistributedRefitService: the call every rank of a refit world makes.
 
@@ -422,6 +438,10 @@ class Services:
             shapes: the model's (name, full shape) list, for engine ranks that do not receive it
                 over torch.distributed (a `comm` of your own).
             engine: engine ranks: the engine to refit (default: a new one from ENGINES).
+            reference: engine ranks, with `rollout.verify.enabled`: a full trainer model holding
+                the weights each refit sends (in-process worlds, or ranks that replay the same
+                training steps), whose forward is the post-refit probe's reference, as in a
+                single-process refit.
 
         Returns:
             The DistributedRefitService.
@@ -443,9 +463,16 @@ class Services:
             bucket_bytes=self.bucket_bytes, timeouts=RankTimeouts(step_timeout_s, phase_timeout_s, window),
             fault=fault, hang_s=hang_s,
         )
+        probe = None
+        if world.role(rank) is Role.ENGINE and self.config.rollout.verify.enabled:
+            if reference is None:
+                raise ConfigError("rollout.verify.enabled", f"rank {rank} is an engine rank: its post-refit probe "
+                                  "needs the trainer's weights; pass distributed_refit(..., reference=<a full trainer "
+                                  "model>), or set rollout.verify.enabled=false")
+            probe = self.post_refit_probe(reference)
         return DistributedRefitService(
             world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
-            bucket_bytes=self.bucket_bytes, window=window, restore=restore,
+            bucket_bytes=self.bucket_bytes, window=window, restore=restore, probe=probe,
         )
 
     def _preset_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -721,9 +748,7 @@ class Services:
             plan: the resolved plan.
             capability: the GPU's compute capability; None skips the capability gates.
         """
-        from domain.quant.backend_policy import decide_backends
-
-        return decide_backends(engine, plan, capability, opt_out=self.deep_gemm_opt_out(engine))
+        return backend_decision(engine, plan, capability, opt_out=self.deep_gemm_opt_out(engine))
 
     def environment_probe(self, snapshot_file: str | None = None) -> EnvironmentProbe:
         """The EnvironmentProbe `refit doctor` inspects: this machine, or a saved snapshot.

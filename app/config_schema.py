@@ -14,10 +14,10 @@ from typing import Any
 
 import attrs
 
+from adapters.profiles import ENGINES
 from domain.errors import ConfigError, ConfigTypeError
 from domain.forward.mode import parse_fused_forward_mode
 from domain.quant import naming
-from domain.quant.dispatch import ENGINES
 from domain.quant.formats import FORMATS, ActivationScheme, ElementRule, MxScaleRule
 from domain.quant.qat_modes import canonical_qat_mode
 from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS

@@ -13,8 +13,8 @@ import attrs
 import torch
 
 from adapters.vllm.engine_args import EXTENSION
+from adapters.vllm.profile import VLLM_RANGE
 from adapters.vllm.worker import FinalizeStats
-from domain.environment import VLLM_RANGE
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.storage import StorageFingerprint
 

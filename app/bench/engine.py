@@ -380,10 +380,9 @@ class _Bench:
     def load_weights(self) -> None:
         """The refit's buckets, through the same workers, with the worker in `load_weights` mode."""
         from domain.quant.stream import quantize_stream
-        from domain.refit.buckets import BucketPlanner
 
         svc, workers = self.svc, self.engine.workers
-        planner = BucketPlanner(svc.bucket_bytes, svc.alignment, svc.reuse_buffer, by_reference=svc.by_reference)
+        planner = svc.ownership.planner(svc.bucket_bytes, svc.alignment)
         workers.begin()
         for bucket in planner.pack(quantize_stream(svc.plan, svc.trainer.named_weights())):
             workers.load(bucket)

@@ -26,7 +26,7 @@ from app.config_sections import (
     VllmEngineConfig,
 )
 from app.services.engine_demo import EngineDemoResult, EngineDemoSettings, EngineStep, run_engine_demo
-from app.services.lifecycle import describe_plan
+from app.services.transaction import describe_plan
 from domain.quant.plan import QuantizationPlan
 
 DEFAULT_PRESET = "FP8_BLOCK"  # served by vLLM's CPU build, dense and MoE (NVFP4 and MX are not)

@@ -28,7 +28,6 @@ from app.bootstrap import bootstrap
 from app.cli.demo_settings import demo_config, raise_typed_failure
 from app.config_sections import ActorConfig, MegatronConfig, ReferenceConfig, RefitConfig
 from app.services.demo import DemoSettings
-from app.services.lifecycle import describe_plan
 from app.services.megatron_demo import (
     BF16,
     MEGATRON_K3_BOUND,
@@ -40,6 +39,7 @@ from app.services.megatron_demo import (
     unsharded_rank,
     verdict,
 )
+from app.services.transaction import describe_plan
 from domain.errors import ConfigError
 
 MAX_TRAINER_RANKS = 4  # this machine: 2 cores

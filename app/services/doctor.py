@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from adapters.profiles import POLICY_ENGINES, backend_decision
 from app.config_sections import RefitConfig
 from app.services.doctor_checks import (
     MEGATRON_NATIVE_HOOK,
@@ -31,7 +32,6 @@ from domain.forward.mode import (
     FusedForwardRequest,
     select_fused_forward_mode,
 )
-from domain.quant.backend_policy import POLICY_ENGINES, decide_backends
 
 if TYPE_CHECKING:
     from adapters.memory.environment import FixedEnvironmentProbe
@@ -171,7 +171,7 @@ def _kernel_check(env: EnvironmentSnapshot, engine: str, plan: Any, opt_out: boo
         return Check("config", "kernels", Status.ERROR, f"{engine} serving {plan.linear.name}/{plan.moe.name} needs "
                      "a GPU; none is visible", Reason.NO_GPU, "run on a GPU machine")
     try:
-        decision = decide_backends(engine, plan, env.capability, opt_out=opt_out)
+        decision = backend_decision(engine, plan, env.capability, opt_out=opt_out)
     except RefitError as err:
         return Check("config", "kernels", Status.ERROR, f"{type(err).__name__}: {err}", Reason.GPU_TOO_OLD,
                      "use a newer GPU or the presets the message names")

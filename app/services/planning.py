@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from adapters.profiles import profile_for
 from adapters.system.files import read_regular
 from app.config_sections import RefitConfig
 from domain.errors import ConfigError
@@ -17,6 +18,7 @@ from domain.quant.dispatch import DispatchInput, Resolution, resolve
 from domain.quant.native_config import is_compressed_tensors, override_quantization_config
 from domain.quant.native_layout import check_native_tensors
 from domain.quant.plan import QuantizationPlan, TensorDecision, parse_numerics, parse_scale_rule
+from ports.engine_profile import EngineProfile
 
 
 class _Checkpoint(Protocol):
@@ -115,6 +117,7 @@ def dispatch_input(cfg: RefitConfig, model_config: Mapping[str, Any] | None, pur
         raise ConfigError(f"rollout.quantization.{key}", "is set but rollout.quantization.linear and moe are null")
     engine = cfg.rollout.name
     overrides_key = f"rollout.engine_kwargs.{engine}.hf_overrides"
+    # the engines driven through their own package take hf_overrides; the others have none
     section = cfg.rollout.engine_kwargs.engine(engine)
     hf_overrides = None if section is None else section.hf_overrides
     config_file = read_config_file(q.config_file) if q.config_file else None
@@ -221,7 +224,7 @@ def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tupl
 
 
 def make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit",
-              plan: QuantizationPlan | None = None) -> PlanReport:
+              profile: EngineProfile | None = None, plan: QuantizationPlan | None = None) -> PlanReport:
     """Resolve the rollout quantization for a configuration (and a model, when given).
 
     Args:
@@ -229,6 +232,8 @@ def make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None = None, *, purpos
         checkpoint: the model (only headers are read), or None.
         purpose: "refit" (default: `refit plan`, the services) or "export" (`refit export`, which
             copies a native layout the trainer cannot produce instead of refusing it).
+        profile: the engine's profile (the composition root's pick); None looks rollout.name up
+            in adapters.profiles.PROFILES.
         plan: the plan a refit sends, when it is not the configuration's (a demo's arms): the
             report is then that plan's, every rule applied to it as if rollout.quantization
             requested it (a config_file or hf_overrides quantization_config gives way to it).
@@ -237,19 +242,19 @@ def make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None = None, *, purpos
         The PlanReport. Raises the dispatch rule's typed error when the configuration (or `plan`)
         is rejected.
     """
-    report = _make_plan(cfg, checkpoint, purpose, None)
+    report = _make_plan(cfg, checkpoint, purpose, profile, None)
     if plan is None or plan == report.plan:
         return report
-    return _make_plan(cfg, checkpoint, purpose, plan)
+    return _make_plan(cfg, checkpoint, purpose, profile, plan)
 
 
-def _make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None, purpose: str,
+def _make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None, purpose: str, profile: EngineProfile | None,
                requested: QuantizationPlan | None) -> PlanReport:
     shapes = tuple(checkpoint.tensor_shapes()) if checkpoint is not None else None
     inp = dispatch_input(cfg, checkpoint.config if checkpoint is not None else None, purpose)
     if requested is not None:  # the plan carries its own ignore list and numerics
         inp = attrs.evolve(inp, requested=requested, ignore=(), config_file=None, hf_overrides=None)
-    res = resolve(inp, shapes)
+    res = resolve(inp, shapes, engine=(profile or profile_for(inp.engine)).dispatch)
     plan = with_numerics(res.plan, cfg) if requested is None else res.plan
     if plan is not res.plan:
         res = attrs.evolve(res, plan=plan)
@@ -306,7 +311,7 @@ _HOW = {"read": "code read", "cpu": "CPU test", "gpu-script": "GPU script", "cpu
 
 
 def support_matrix_rows(engine: str) -> list[str]:
-    """docs/support-matrix.md's table of cells for one engine, from domain.quant.support.
+    """docs/support-matrix.md's table of cells for one engine, from its profile's support table.
 
     Args:
         engine: "vllm" or "sglang".
@@ -315,13 +320,10 @@ def support_matrix_rows(engine: str) -> list[str]:
         One markdown table row per cell: role, preset, activations, layout, verdict, how it was
         shown, what the engine does (and why a rejected cell is rejected), the code locations.
     """
-    from domain.quant.support import verdicts
-
+    table = profile_for(engine).support
     rows = []
-    for v in verdicts().values():
+    for v in table.verdicts.values() if table is not None else ():
         c = v.cell
-        if c.engine != engine:
-            continue
         note = v.note[:1].upper() + v.note[1:]
         what = f"{v.engine_path}. " + (f"{note}." if v.shown and v.note else "" if v.shown else
                                       f"Rejected: {v.reason}. Instead: {v.instead}.")

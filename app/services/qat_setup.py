@@ -20,9 +20,9 @@ import attrs
 import structlog
 import torch
 
+from adapters.profiles import resolve
 from app.config_sections import RefitConfig
 from app.services.planning import dispatch_input, with_numerics
-from domain.quant.dispatch import resolve
 from domain.quant.plan import QuantizationPlan
 from domain.quant.qat import QatSummary
 from domain.quant.qat_checks import QatSettings, check_effective_precision, check_qat_plan

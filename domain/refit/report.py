@@ -61,6 +61,9 @@ class RefitReport:
         parameters_written: engine parameters the refit wrote (None: the engine does not count).
         unwritten: engine parameters it left unwritten (a refit with any fails: RefitIncomplete).
         probe: the post-refit verification (None when not run).
+        engine_state: what this side's engine holds afterwards: `live`, `kept` (its previous
+            weights, untouched), `restored` (its previous weights, replayed), `stale`, or `-` (no
+            engine on this side).
     """
 
     refit_id: int
@@ -80,6 +83,7 @@ class RefitReport:
     parameters_written: int | None = None
     unwritten: tuple[str, ...] = ()
     probe: ProbeCheck | None = None
+    engine_state: str = "-"
 
     @property
     def ok(self) -> bool:

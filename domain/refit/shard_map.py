@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from domain.errors import ShardingError
+from domain.keys import key as config_key
 from domain.quant import naming
 from domain.quant.plan import QuantizationPlan, TensorDecision
 from domain.quant.units import export_units
@@ -231,14 +232,14 @@ def place_tensors(layout: ParallelLayout, shapes: Sequence[tuple[str, tuple[int,
     num_layers = max(known) + 1 if known else 1
     if layout.pp > num_layers:
         raise ShardingError(
-            "actor.megatron.pipeline_model_parallel_size",
+            config_key("megatron", "pipeline_model_parallel_size"),
             f"pp={layout.pp} exceeds the model's {num_layers} layers; use at most {num_layers} stages",
         )
     experts = [e for n, _ in shapes if (e := expert_index(n)) is not None]
     num_experts = max(experts) + 1 if experts else 0
     if layout.ep > 1 and (num_experts == 0 or num_experts % layout.ep):
         raise ShardingError(
-            "actor.megatron.expert_model_parallel_size",
+            config_key("megatron", "expert_model_parallel_size"),
             f"ep={layout.ep} does not divide the model's {num_experts} routed experts; use a divisor of it"
             if num_experts else f"ep={layout.ep} but the model has no routed (per-expert) weights; use ep=1",
         )
@@ -258,14 +259,14 @@ def place_tensors(layout: ParallelLayout, shapes: Sequence[tuple[str, tuple[int,
         if layout.ep > 1 and naming.classify(name, shape).fused_experts:
             raise ShardingError(
                 name, "a fused 3-D expert tensor cannot be split across expert-parallel ranks; "
-                "export per-expert weights or use ep=1 (actor.megatron.expert_model_parallel_size)"
+                f"export per-expert weights or use ep=1 ({config_key('megatron', 'expert_model_parallel_size')})"
             )
         if expert is not None:
             group = layout.expert_ranks(stage, expert // (num_experts // layout.ep) if layout.ep > 1 else 0)
-            key, size = "actor.megatron.expert_tensor_parallel_size", f"etp={layout.etp}"
+            key, size = config_key("megatron", "expert_tensor_parallel_size"), f"etp={layout.etp}"
         else:
             group = layout.dense_ranks(stage)
-            key, size = "actor.megatron.tensor_model_parallel_size", f"tp={layout.tp}"
+            key, size = config_key("megatron", "tensor_model_parallel_size"), f"tp={layout.tp}"
         dim = split_dimension(name, shape) if len(group) > 1 else None
         sections = gdn_sections(name, shape, by_name) if dim is not None else ()
         for extent in sections or ((shape[dim],) if dim is not None else ()):

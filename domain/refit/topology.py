@@ -20,6 +20,7 @@ import math
 import attrs
 
 from domain.errors import ShardingError
+from domain.keys import key as config_key
 
 
 class Role(enum.StrEnum):
@@ -77,7 +78,7 @@ class ParallelLayout:
     def __attrs_post_init__(self) -> None:
         if self.tp > 1 and self.etp > 1 and self.etp != self.tp:
             raise ShardingError(
-                "actor.megatron.expert_tensor_parallel_size",
+                config_key("megatron", "expert_tensor_parallel_size"),
                 f"etp={self.etp} with tp={self.tp}: a source would export dense and expert shards over two "
                 "different groups; use etp=1 or etp=tp",
             )

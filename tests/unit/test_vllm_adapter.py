@@ -19,10 +19,10 @@ from domain.errors import (
     RefitFailed,
     StorageRebound,
 )
-from domain.quant.backend_policy import decide_backends
 from domain.refit.buckets import pack_buckets, unpack_bucket
 from domain.refit.report import RefitOutcome
 from domain.refit.session import CommitMode
+from tests.dispatching import decide_backends
 from tests.engine_fakes.vllm import (
     DUMMY_KV,
     FakeLayerwise,

@@ -9,6 +9,9 @@ stdout; vLLM logs to stderr).
 - matrix: refit, perturb and refit, back to the first weights and refit; no tensor rebound.
 - faults: a fault at a bucket (trainer side), at finalize, and in the receiver (worker side),
   each followed by a full refit that must recover.
+- shapes: the fault table of tests/integration/test_refit_shapes.py (begin, a bucket, finalize,
+  the storage check, the probe) with each restore (stale, replay): the failed refit's outcome
+  and engine state, what the engine serves afterwards, and the recovery.
 - guards: the KV-cache scales poisoned then reset by a refit; a silently corrupted refit
   caught by the post-refit probe; the BF16 expert redo switched off (what vLLM alone does).
 """
@@ -112,6 +115,9 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
             rpc("rl_refit_test_fail_receiver", 1)
             refit_and_compare("fault receiver")
             refit_and_compare("after receiver")
+        elif scenario == "shapes":
+            out["shapes"] = _shapes(services, engine, trainer, rpc, comparer)
+            refit_and_compare("after every fault")
         elif scenario == "guards":
             poisoned = rpc("rl_refit_test_poison_kv", 7.0)
             before = engine.kv_scales()
@@ -134,6 +140,36 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
         out["rebound"] = fingerprint.differences(engine.storage_fingerprint())
     finally:
         engine.close()
+    return out
+
+
+SHAPE_POINTS = ("begin", "bucket:1", "finalize", "storage", "probe")
+
+
+def _shapes(services: Any, engine: Any, trainer: Any, rpc: Any, comparer: Any) -> list[dict[str, Any]]:
+    """Per restore and fault point: a refit, a training-like step, a refit failing at the point,
+    then a refit that must recover; through one service each (its replay copy is its own)."""
+    from tests.integration.test_refit_shapes import FlakyReference
+
+    out = []
+    for restore in ("stale", "replay"):
+        for point in SHAPE_POINTS:
+            wrapped = engine if point == "probe" else ScriptedFaultyEngine(engine, attrs.evolve(FaultScript.parse(point),
+                                                                                              after=1))
+            reference = FlakyReference(TrainerReference(trainer), fail_at=1 if point == "probe" else -1)
+            probe = PostRefitProbe(reference, probe_batch(trainer.config.vocab_size, 2, 16, 0))  # type: ignore[arg-type]
+            svc = attrs.evolve(services.refit_service(engine=wrapped, trainer=trainer, restore=restore), probe=probe)
+            first = _refit(svc)
+            before = rpc("rl_refit_digests")
+            trainer.perturb_(len(out) + 1, 0.02)
+            failed = _refit(svc)
+            after = rpc("rl_refit_digests")
+            refuses = comparer.refuses(engine)
+            again = _refit(svc)
+            out.append({"restore": restore, "point": point, "first_ok": first.ok, "outcome": failed.outcome.value,
+                        "engine_state": failed.engine_state, "error": failed.error,
+                        "serves_previous": after == before and not refuses, "refuses": refuses,
+                        "recovered": again.ok, "recovered_error": again.error})
     return out
 
 
