@@ -359,8 +359,9 @@ class Services:
                 engine, wrapped in ScriptedFaultyEngine, fails there once (demos, tests).
             fault_after: refits that succeed before the injected fault fires.
             kv_cache_scheme: the quantization config's kv_cache_scheme (None = uncalibrated).
-            restore: `replay`, `engine` or `stale` (None: the default for the engine's commit
-                mode, app.services.transaction.Restore.default).
+            restore: `replay`, `engine` or `stale` (default: `rollout.checkpoint_engine.restore`;
+                null there: the default for the engine's commit mode and the bucket ownership,
+                app.services.transaction.Restore.default).
 
         Returns:
             The RefitService: buckets by reference to an engine in this process
@@ -384,7 +385,8 @@ class Services:
         trainer = trainer or self.trainer_model()
         colocated = self.config.rollout.deployment == "colocated"
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
-                            probe=self.post_refit_probe(trainer), restore=restore,
+                            probe=self.post_refit_probe(trainer),
+                            restore=restore or self.config.rollout.checkpoint_engine.restore,
                             ownership=Ownership.BY_REFERENCE if colocated else Ownership.REUSED)
 
     def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
@@ -431,7 +433,8 @@ class Services:
             phase_timeout_s: bound on turns and agreements (they include other ranks' work).
             fault: an adapters.memory.faults.RankFault (tests, demos): the ports of the rank it
                 hits are wrapped to fail there.
-            restore: `replay` or `stale` (None: by commit mode).
+            restore: `replay`, `engine` or `stale` (default: `rollout.checkpoint_engine.restore`;
+                null there: replay for transactional engines, stale for per-layer ones).
             hang_s: how long an injected hang sleeps.
             model: trainer ranks of `actor.strategy: megatron`: this rank's built model (wrappers
                 allowed; its parameters are read in place at every refit).
@@ -472,7 +475,8 @@ class Services:
             probe = self.post_refit_probe(reference)
         return DistributedRefitService(
             world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
-            bucket_bytes=self.bucket_bytes, window=window, restore=restore, probe=probe,
+            bucket_bytes=self.bucket_bytes, window=window,
+            restore=restore or self.config.rollout.checkpoint_engine.restore, probe=probe,
         )
 
     def _preset_shapes(self) -> list[tuple[str, tuple[int, ...]]]:

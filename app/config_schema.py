@@ -262,6 +262,10 @@ SCHEMA: tuple[Key, ...] = (
     Key("rollout.checkpoint_engine.backend", (str,), "naive", "weight-sync backend", choices=SYNC_BACKENDS),
     Key("rollout.checkpoint_engine.update_weights_bucket_megabytes", (int, float), 512,
         "size bound of one weight-sync bucket, MiB", check=_bucket_mib),
+    Key("rollout.checkpoint_engine.restore", (str, NoneType), None,
+        "what brings an engine back when a refit fails after it lost its weights: replay (re-stream the "
+        "previous refit's buckets from a host copy), engine (its own backup; transactional engines only) or "
+        "stale; null = the one that costs no copy (docs/refit.md)", choices=(None, "replay", "engine", "stale")),
     Key("rollout.wire_format", (str,), "bucketed", "how buckets travel", choices=WIRE_FORMATS),
     Key("actor.megatron.qat.enable", (bool,), False, "QAT fake-quantization in training"),
     Key("actor.megatron.qat.mode", (str, NoneType), None,

@@ -100,6 +100,7 @@ class CheckpointEngineConfig:
 
     backend: str = _key("rollout.checkpoint_engine.backend")
     update_weights_bucket_megabytes: float = _key("rollout.checkpoint_engine.update_weights_bucket_megabytes")
+    restore: str | None = _key("rollout.checkpoint_engine.restore")
 
 
 @attrs.frozen(kw_only=True)
