@@ -29,7 +29,7 @@ import attrs
 from adapters.memory.faults import FaultScript
 from adapters.memory.faulty import ScriptedFaultyEngine
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_overrides
+from app.cli.demo_engine import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings, EngineStep
 from app.services.refit import RefitService
 from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
@@ -70,12 +70,8 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                                          linear_activation=spec.get("linear_activation"),
                                          moe_activation=spec.get("moe_activation"))
     settings = EngineDemoSettings(deployment=spec["deployment"], plan=plan, model=spec.get("model", "micro-moe"))
-    overrides = [
-        *engine_overrides(settings, 0.25),
-        f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}",
-        "rollout.engine_kwargs.vllm.start_timeout_s=900",  # two engines starting at once on 2 loaded cores
-    ]
-    services = bootstrap(overrides=overrides)
+    # start_timeout_s: two engines starting at once on 2 loaded cores
+    services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900, worker_extension_cls=EXTENSION))
     try:
         engine: Any = services.rollout_engine()
     except Exception as err:  # the engine did not start: the test decides whether that may be so
