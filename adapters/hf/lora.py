@@ -8,7 +8,8 @@ the base model's weights without the adapter (PEFT's `.base_layer` removed from 
 
 PEFT is read through its modules' attributes, not imported: a plain `transformers` model with
 PEFT layers injected (`inject_adapter_in_model`) works too. Variants the refit does not carry
-(DoRA, lora_bias, fan_in_fan_out, embedding or conv LoRA, per-module rank or alpha patterns)
+(DoRA, lora_bias, fan_in_fan_out, embedding or conv LoRA, per-module rank or alpha patterns,
+modules_to_save)
 are refused with `LoraUnsupported`, naming the module.
 """
 
@@ -80,6 +81,9 @@ def adapter_from_peft(model: torch.nn.Module, adapter_name: str = "default") -> 
     """
     cfg = _config(model, adapter_name)
     r, alpha = int(cfg.r), float(cfg.lora_alpha)
+    if getattr(cfg, "modules_to_save", None):
+        raise LoraUnsupported(",".join(cfg.modules_to_save), "modules_to_save (fully trained modules next to the "
+                              "adapter) is not carried", "train those modules as LoRA targets or leave them frozen")
     modules: dict[str, LoraWeights] = {}
     for name, layer in _lora_layers(model, adapter_name):
         _refuse_variants(name, layer, adapter_name, r, alpha)

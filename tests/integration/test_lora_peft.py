@@ -133,12 +133,13 @@ def test_packing_groups_qkv_and_gate_up_per_layer() -> None:
 
 
 @pytest.mark.parametrize(("lora", "what"), [({"use_dora": True}, "DoRA"), ({"lora_bias": True}, "lora_bias"),
-                                            ({"rank_pattern": {"q_proj": 4}}, "rank_pattern")])
+                                            ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+                                            ({"modules_to_save": ["lm_head"]}, "modules_to_save")])
 def test_peft_variants_the_refit_does_not_carry_are_refused(lora: dict[str, object], what: str) -> None:
     pm = _peft_model(torch.float32, **lora)
     with pytest.raises(LoraUnsupported, match=what) as info:
         adapter_from_peft(pm)
-    assert info.value.module.startswith("model.layers.0.")
+    assert info.value.module.startswith(("model.layers.0.", "lm_head"))
 
 
 def test_unknown_adapter_name_is_refused() -> None:
