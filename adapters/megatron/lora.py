@@ -58,14 +58,16 @@ class LoraBranch(torch.nn.Module):
     order: torch.Tensor  # output position -> position in the slices' concatenation
 
     def __init__(self, parallel: str, rows: list[torch.Tensor], in_features: int, out_features: int, r: int,
-                 scaling: float, dtype: torch.dtype) -> None:
+                 scaling: float, dtype: torch.dtype, generator: torch.Generator | None = None) -> None:
         super().__init__()
         self.parallel = parallel
         self.scaling = scaling
-        self.lora_A = torch.nn.Parameter(torch.empty(len(rows), r, in_features, dtype=dtype))
+        # PEFT's default: kaiming-uniform A (bound 1/sqrt(fan_in)), zero B. A seeded generator
+        # gives every tensor-parallel rank the same replicated A of a column-parallel branch.
+        bound = 1 / math.sqrt(in_features)
+        a = torch.rand(len(rows), r, in_features, generator=generator, dtype=torch.float32) * (2 * bound) - bound
+        self.lora_A = torch.nn.Parameter(a.to(dtype))
         self.lora_B = torch.nn.Parameter(torch.zeros(out_features, r, dtype=dtype))
-        for a in self.lora_A:  # PEFT's default: kaiming-uniform A, zero B
-            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
         self.rows = [r_.clone() for r_ in rows]
         self.register_buffer("order", torch.argsort(torch.cat(self.rows)), persistent=False)
 
@@ -78,8 +80,10 @@ class LoraBranch(torch.nn.Module):
         if self.parallel == "row":
             h = reduce_from_tensor_model_parallel_region(x @ self.lora_A[0].t())
             return (h @ self.lora_B.t()) * self.scaling
-        x = copy_to_tensor_model_parallel_region(x)
-        parts = [(x @ self.lora_A[s].t()) @ self.lora_B[rows].t() for s, rows in enumerate(self.rows)]
+        # the rank-r activations are replicated: their gradient is all-reduced over the rank's
+        # rows of lora_B, so the replicated lora_A gets the whole gradient on every rank
+        parts = [copy_to_tensor_model_parallel_region(x @ self.lora_A[s].t()) @ self.lora_B[rows].t()
+                 for s, rows in enumerate(self.rows)]
         return torch.cat(parts, dim=-1)[..., self.order] * self.scaling
 
 
@@ -125,8 +129,11 @@ class MegatronLora:
 
     @classmethod
     def attach(cls, model: torch.nn.Module, *, r: int, lora_alpha: float, targets: Iterable[str] = DEFAULT_TARGETS,
-               use_rslora: bool = False) -> MegatronLora:
+               use_rslora: bool = False, seed: int = 0) -> MegatronLora:
         """Put a LoRA branch on every parallel linear whose last name component is in `targets`.
+
+        `lora_A` is drawn from a generator seeded with `seed` (the same on every rank), `lora_B`
+        is zero, as PEFT initializes it: the model computes as before until the adapter trains.
 
         Raises:
             LoraUnsupported: a targeted module is not a supported parallel linear.
@@ -135,6 +142,7 @@ class MegatronLora:
         targets = tuple(targets)
         scaling = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
         lora = cls(model=model, r=r, lora_alpha=lora_alpha, use_rslora=use_rslora, branches={})
+        generator = torch.Generator().manual_seed(seed)
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] not in targets:
                 continue
@@ -142,7 +150,7 @@ class MegatronLora:
             weight = module.weight
             rows = [idx for _, idx in hf_parts(model, f"{name}.weight", torch.arange(weight.shape[0]))]
             branch = LoraBranch(parallel, rows if parallel == "column" else [torch.arange(weight.shape[0])],
-                                weight.shape[1], weight.shape[0], r, scaling, weight.dtype)
+                                weight.shape[1], weight.shape[0], r, scaling, weight.dtype, generator)
             lora.branches[name] = branch
             lora._handles.append(module.register_forward_hook(_hook(branch)))
         if not lora.branches:

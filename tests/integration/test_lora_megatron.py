@@ -112,3 +112,20 @@ def test_a_peft_adapter_passes_through_the_wrapper_unchanged() -> None:
     assert got.target_modules == want.target_modules
     for m, w in want.modules.items():
         assert torch.equal(got.modules[m].lora_A, w.lora_A) and torch.equal(got.modules[m].lora_B, w.lora_B), m
+
+
+def test_a_fresh_branch_leaves_the_model_unchanged_and_is_seeded() -> None:
+    from adapters.megatron.lora import MegatronLora
+
+    model = _model()
+    linear = model.get_submodule("decoder.layers.0.self_attention.linear_qkv")
+    x = torch.randn(2, 1, HIDDEN)
+    base, _ = linear(x)
+    first = MegatronLora.attach(model, r=R, lora_alpha=8.0, seed=5)
+    with_lora, _ = linear(x)
+    assert torch.equal(with_lora, base)  # lora_B starts at zero, as in PEFT
+    first.detach()
+    again = MegatronLora.attach(model, r=R, lora_alpha=8.0, seed=5)
+    name = "decoder.layers.0.self_attention.linear_qkv"
+    assert torch.equal(first.branches[name].lora_A, again.branches[name].lora_A)
+    assert first.branches[name].lora_A.abs().max() <= 1 / HIDDEN ** 0.5
