@@ -129,3 +129,54 @@ def test_a_fresh_branch_leaves_the_model_unchanged_and_is_seeded() -> None:
     name = "decoder.layers.0.self_attention.linear_qkv"
     assert torch.equal(first.branches[name].lora_A, again.branches[name].lora_A)
     assert first.branches[name].lora_A.abs().max() <= 1 / HIDDEN ** 0.5
+
+
+QKV, PROJ = "decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.self_attention.linear_proj"
+
+
+def _tp2_rank(rank: int) -> dict[str, list[float]]:
+    """One rank of a tensor-parallel world of 2: its branches' tensors, gradients and deltas."""
+    from megatron.core import parallel_state
+
+    from adapters.megatron.cpu import megatron_on_cpu
+    from adapters.megatron.lora import MegatronLora
+
+    with megatron_on_cpu():
+        parallel_state.initialize_model_parallel(2, 1)
+        model = _model()
+        lora = MegatronLora.attach(model, r=R, lora_alpha=8.0, seed=5)
+        qkv, proj = lora.branches[QKV], lora.branches[PROJ]
+        with torch.no_grad():  # each rank its own rows of B; the row-parallel B is replicated
+            qkv.lora_B.copy_(torch.randn(qkv.lora_B.shape, generator=torch.Generator().manual_seed(100 + rank)))
+            proj.lora_B.copy_(torch.randn(proj.lora_B.shape, generator=torch.Generator().manual_seed(9)))
+        x = torch.randn(3, 2, HIDDEN, generator=torch.Generator().manual_seed(7))
+        out, _ = model.get_submodule(QKV)(x)
+        out.sum().backward()
+        half = HIDDEN // 2
+        x_local = x[..., rank * half:(rank + 1) * half]
+        with_lora, _ = model.get_submodule(PROJ)(x_local)
+        lora.detach()
+        base, _ = model.get_submodule(PROJ)(x_local)
+        assert qkv.lora_A.grad is not None
+        return {"qkv_A": qkv.lora_A.detach().flatten().tolist(), "qkv_A_grad": qkv.lora_A.grad.flatten().tolist(),
+                "proj_A": proj.lora_A[0].detach().flatten().tolist(), "proj_B": proj.lora_B.detach().flatten().tolist(),
+                "x": x.flatten().tolist(), "row_delta": (with_lora - base).detach().flatten().tolist()}
+
+
+def test_tensor_parallel_branches_reduce_what_they_must() -> None:
+    """At TP=2: the replicated lora_A of a column-parallel branch is the same on both ranks and gets
+    the whole gradient (all-reduced over the ranks' rows of lora_B); a row-parallel branch adds
+    x @ (B @ A).T with A gathered over the ranks' columns."""
+    from adapters.distributed.launch import launch_world
+
+    results = launch_world(_tp2_rank, 2, timeout_s=240, start_method="forkserver")
+    failed = [f"rank {r.rank}: {r.error}\n{r.traceback or ''}\n{r.output or ''}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    r0, r1 = (r.value for r in results)
+    assert r0["qkv_A"] == r1["qkv_A"]
+    assert r0["qkv_A_grad"] == r1["qkv_A_grad"] and any(g != 0 for g in r0["qkv_A_grad"])
+    a_full = torch.cat([torch.tensor(r["proj_A"]).reshape(R, HIDDEN // 2) for r in (r0, r1)], dim=1)
+    b = torch.tensor(r0["proj_B"]).reshape(HIDDEN, R)
+    want = torch.tensor(r0["x"]).reshape(3, 2, HIDDEN) @ (b @ a_full).t() * 2.0
+    for r in (r0, r1):
+        torch.testing.assert_close(torch.tensor(r["row_delta"]).reshape(3, 2, HIDDEN), want, rtol=1e-5, atol=1e-5)
