@@ -15,9 +15,10 @@ computes PEFT's `lora_B(lora_A(x)) * scaling`, with `scaling = lora_alpha / r` (
 ..., `mlp.down_proj`), splitting rows with the same maps as the base weights (`hf_parts` applied
 to row indices); `load(adapter)` is the inverse. A column-parallel branch holds the rank's rows
 of `lora_B` (`lora_A` replicated); a row-parallel one the rank's columns of `lora_A` (`lora_B`
-replicated), with the rank-r activations all-reduced. On more than one tensor-parallel rank the
-adapter read here is the rank's shard; gathering it is not done yet. Sequence parallelism and
-`gather_output` are refused.
+replicated), with the rank-r activations all-reduced. On tensor-parallel ranks `adapter()` gathers
+the shards and `load()` takes them (a rank's rows of q, k, v, gate and up are a contiguous chunk
+of each); pipeline stages each read their own layers. Sequence parallelism and `gather_output`
+are refused.
 
 Megatron-Bridge's PEFT (`megatron.bridge.peft.lora`, not installed here) wraps the same linears
 with `linear_in` / `linear_out` adapters and can be a source later: read those two weights per
@@ -103,6 +104,37 @@ def _parallel(module: torch.nn.Module, name: str) -> str:
                           "use the local layer spec (Transformer Engine linears are not wrapped yet)")
 
 
+def _tp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1, None
+    return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_group())
+
+
+def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The tensor-parallel ranks' shards of `t`, concatenated along `dim` in rank order."""
+    _, size, group = _tp()
+    if size == 1:
+        return t
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _shard(w: LoraWeights, parallel: str) -> LoraWeights:
+    """This tensor-parallel rank's part of a whole module's adapter."""
+    rank, size, _ = _tp()
+    if size == 1:
+        return w
+    if parallel == "column":
+        return LoraWeights(w.lora_A, w.lora_B.chunk(size, dim=0)[rank])
+    return LoraWeights(w.lora_A.chunk(size, dim=1)[rank], w.lora_B)
+
+
 def _hook(branch: LoraBranch) -> Any:
     def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
         out, bias = output
@@ -175,18 +207,30 @@ class MegatronLora:
             yield (s if branch.parallel == "column" else 0), hf.removesuffix(".weight"), idx
 
     def adapter(self) -> LoraAdapter:
-        """The adapter in PEFT's Hugging Face module names (detached copies of this rank's tensors)."""
+        """The whole adapter in PEFT's Hugging Face module names (detached copies).
+
+        On a tensor-parallel rank the shards are gathered over the tensor-parallel group (every
+        rank of the group must call it): a column-parallel slice's `lora_B` rows, a row-parallel
+        `lora_A`'s columns.
+        """
         modules: dict[str, LoraWeights] = {}
         for name, branch in self.branches.items():
             for s, hf, idx in self._slices(name):
-                modules[hf] = LoraWeights(branch.lora_A[s].detach().clone(), branch.lora_B[idx].detach().clone())
+                a, b = branch.lora_A[s].detach(), branch.lora_B[idx].detach()
+                if branch.parallel == "column":
+                    b = _gather(b, dim=0)
+                else:
+                    a = _gather(a, dim=1)
+                modules[hf] = LoraWeights(a.clone(), b.clone())
         targets = sorted({m.rsplit(".", 1)[-1] for m in modules})
         return LoraAdapter(r=self.r, lora_alpha=self.lora_alpha, target_modules=tuple(targets), modules=modules,
                            use_rslora=self.use_rslora)
 
     @torch.no_grad()
     def load(self, adapter: LoraAdapter) -> None:
-        """Copy an adapter in Hugging Face names into the branches; slices it leaves out get zeros.
+        """Copy a whole adapter in Hugging Face names into the branches; slices it leaves out get
+        zeros. On a tensor-parallel rank each branch takes its shard (the rank's rows of a
+        column-parallel `lora_B`, its columns of a row-parallel `lora_A`).
 
         Raises:
             LoraUnsupported: the adapter's r, lora_alpha or rsLoRA differ from the branches'.
@@ -205,6 +249,7 @@ class MegatronLora:
                     branch.lora_A[s].zero_()
                     branch.lora_B[idx] = 0
                     continue
+                w = _shard(w, branch.parallel)
                 if w.lora_A.shape != branch.lora_A[s].shape or w.lora_B.shape != (len(idx), self.r):
                     raise LoraShapeMismatch(hf, f"lora_A {tuple(w.lora_A.shape)} / lora_B {tuple(w.lora_B.shape)} "
                                             f"do not fit {name}'s slice ({tuple(branch.lora_A[s].shape)}, "

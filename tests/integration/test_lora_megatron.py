@@ -3,6 +3,8 @@ forward adds exactly PEFT's delta (the domain's `delta_weight`) to each slice's 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -134,7 +136,7 @@ def test_a_fresh_branch_leaves_the_model_unchanged_and_is_seeded() -> None:
 QKV, PROJ = "decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.self_attention.linear_proj"
 
 
-def _tp2_rank(rank: int) -> dict[str, list[float]]:
+def _tp2_rank(rank: int) -> dict[str, Any]:
     """One rank of a tensor-parallel world of 2: its branches' tensors, gradients and deltas."""
     from megatron.core import parallel_state
 
@@ -158,13 +160,28 @@ def _tp2_rank(rank: int) -> dict[str, list[float]]:
         lora.detach()
         base, _ = model.get_submodule(PROJ)(x_local)
         assert qkv.lora_A.grad is not None
-        return {"qkv_A": qkv.lora_A.detach().flatten().tolist(), "qkv_A_grad": qkv.lora_A.grad.flatten().tolist(),
+        out_ = {"qkv_A": qkv.lora_A.detach().flatten().tolist(), "qkv_A_grad": qkv.lora_A.grad.flatten().tolist(),
                 "proj_A": proj.lora_A[0].detach().flatten().tolist(), "proj_B": proj.lora_B.detach().flatten().tolist(),
-                "x": x.flatten().tolist(), "row_delta": (with_lora - base).detach().flatten().tolist()}
+                "x": x.flatten().tolist(), "row_delta": (with_lora - base).detach().flatten().tolist(),
+                "local_qkv_B_rows": qkv.lora_B.shape[0]}
+        want = _hf_adapter()
+        lora.load(want)
+        got = lora.adapter()
+        differ = [m for m, w in want.modules.items() if not (
+            torch.equal(got.modules[m].lora_A, w.lora_A) and torch.equal(got.modules[m].lora_B, w.lora_B))]
+        from adapters.megatron.hf_names import hf_parts
+
+        fused = torch.zeros(3 * HIDDEN, HIDDEN)  # the whole linear_qkv's delta, in Megatron's row order
+        for hf, rows in hf_parts(model, f"{QKV}.weight", torch.arange(3 * HIDDEN)):
+            fused[rows] = delta_weight(want.modules[hf.removesuffix(".weight")], want.scaling)
+        local = fused.chunk(2, dim=0)[rank]  # the rows ColumnParallelLinear gives this rank
+        shard_error = (qkv(x) - x @ local.t()).abs().max().item()
+        return {**out_, "round_trip": (sorted(got.modules) == sorted(want.modules), differ),
+                "shard_error": shard_error}
 
 
 def test_tensor_parallel_branches_reduce_what_they_must() -> None:
-    """At TP=2: the replicated lora_A of a column-parallel branch is the same on both ranks and gets
+    """At TP=2: an adapter in Hugging Face names loads as shards and is gathered back unchanged; the replicated lora_A of a column-parallel branch is the same on both ranks and gets
     the whole gradient (all-reduced over the ranks' rows of lora_B); a row-parallel branch adds
     x @ (B @ A).T with A gathered over the ranks' columns."""
     from adapters.distributed.launch import launch_world
@@ -173,6 +190,10 @@ def test_tensor_parallel_branches_reduce_what_they_must() -> None:
     failed = [f"rank {r.rank}: {r.error}\n{r.traceback or ''}\n{r.output or ''}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     r0, r1 = (r.value for r in results)
+    for r in (r0, r1):  # each rank holds half of the rows and reads the whole adapter back
+        assert r["local_qkv_B_rows"] == 3 * HIDDEN // 2
+        assert r["round_trip"] == (True, [])
+        assert r["shard_error"] < 1e-4  # the loaded shard computes the rank's rows of the whole delta
     assert r0["qkv_A"] == r1["qkv_A"]
     assert r0["qkv_A_grad"] == r1["qkv_A_grad"] and any(g != 0 for g in r0["qkv_A_grad"])
     a_full = torch.cat([torch.tensor(r["proj_A"]).reshape(R, HIDDEN // 2) for r in (r0, r1)], dim=1)
