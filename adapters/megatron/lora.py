@@ -17,11 +17,12 @@ to row indices); `load(adapter)` is the inverse. A column-parallel branch holds 
 of `lora_B` (`lora_A` replicated); a row-parallel one the rank's columns of `lora_A` (`lora_B`
 replicated), with the rank-r activations all-reduced. On tensor-parallel ranks `adapter()` gathers
 the shards and `load()` takes them (a rank's rows of q, k, v, gate and up are a contiguous chunk
-of each); pipeline stages each read their own layers. Sequence parallelism and `gather_output`
+of each); with pipeline stages each stage would read its own layers (not tested). Sequence parallelism and `gather_output`
 are refused.
 
-Megatron-Bridge's PEFT (`megatron.bridge.peft.lora`, not installed here) wraps the same linears
-with `linear_in` / `linear_out` adapters and can be a source later: read those two weights per
+Megatron-Bridge's PEFT (`megatron.bridge.peft.lora.LoRA`; not installed here, so this reads its
+published code and was not run) wraps the same linears (`to_wrap`) with `linear_in` /
+`linear_out` adapters and can be a source later: read those two weights per
 wrapped module and split the rows with the same `hf_parts` maps. What it takes: Megatron-Bridge
 in the trainer's environment, a map of its module names (its wrapper renames the base linear's
 parameters, so the base stream needs the prefix removed), and its fused layout: by default one
