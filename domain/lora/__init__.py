@@ -6,9 +6,7 @@ Pure (stdlib, attrs, torch). The trainer sources that build a `LoraAdapter` live
 
 from __future__ import annotations
 
-from domain.lora.accounting import WIRE_BUDGET_FACTOR, LoraBytes
-from domain.lora.adapter import PEFT_PREFIX, LoraAdapter, LoraWeights, check_fits
-from domain.lora.errors import (
+from domain.errors import (
     LoraError,
     LoraNonFinite,
     LoraRankMismatch,
@@ -16,6 +14,8 @@ from domain.lora.errors import (
     LoraUnknownTarget,
     LoraUnsupported,
 )
+from domain.lora.accounting import WIRE_BUDGET_FACTOR, LoraBytes
+from domain.lora.adapter import PEFT_PREFIX, LoraAdapter, LoraWeights, check_fits
 from domain.lora.merge import delta_weight, merge_weight, merged_stream
 from domain.lora.packing import PACKED_MODULES, PackedLora, pack
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import attrs
 import torch
 
-from domain.lora.errors import LoraNonFinite, LoraRankMismatch, LoraShapeMismatch, LoraUnknownTarget
+from domain.errors import LoraNonFinite, LoraRankMismatch, LoraShapeMismatch, LoraUnknownTarget
 
 Tensor = torch.Tensor
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from domain.errors import LoraUnknownTarget
 from domain.lora.adapter import LoraAdapter, LoraWeights, check_fits
-from domain.lora.errors import LoraUnknownTarget
 
 Tensor = torch.Tensor
 

@@ -1,7 +1,6 @@
 """LoRA errors: an adapter whose tensors do not fit its configuration or the model it targets.
 
-They live with the LoRA room (imported as `domain.lora.errors`); each names the module and says
-what to do.
+Each names the module and says what to do.
 """
 
 from __future__ import annotations
