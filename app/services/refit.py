@@ -17,12 +17,14 @@ import torch
 
 from app.services.lifecycle import begin_engine, commit_engine, describe_plan, settle_engine
 from app.services.verification import PostRefitProbe, require
-from domain.errors import RefitFailed
+from domain.errors import ConfigError, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
 from domain.refit.buckets import DEFAULT_ALIGNMENT, BucketPlanner
+from domain.refit.delta_sync import DeltaSender
 from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.run import RefitRun, StageClock
+from ports.delta_engine import DeltaEngine
 from ports.rollout_engine import RolloutEngine
 from ports.trainer_model import TrainerModel
 
@@ -50,6 +52,8 @@ class RefitService:
             bar the CLI draws; None: nothing is reported.
         probe: the post-refit probe (the engine's log-probs against a reference after each
             commit; a mismatch fails the refit and leaves the engine stale); None: not run.
+        delta: the delta sender of a `layout_delta` refit (the engine must be a DeltaEngine);
+            None: every refit sends every tensor whole.
         reports: every refit's report, oldest first.
     """
 
@@ -62,11 +66,15 @@ class RefitService:
     by_reference: bool = True
     progress: Progress | None = None
     probe: PostRefitProbe | None = None
+    delta: DeltaSender | None = None
     reports: list[RefitReport] = attrs.field(factory=list)
     _next_id: int = attrs.field(init=False, default=1)
 
     def __attrs_post_init__(self) -> None:
         BucketPlanner(self.bucket_bytes, self.alignment)  # validate the sizes now, not mid-refit
+        if self.delta is not None and not isinstance(self.engine, DeltaEngine):
+            raise ConfigError("rollout.checkpoint_engine.backend", f"layout_delta needs an engine with a delta "
+                              f"receiver (reference, vllm); {type(self.engine).__name__} has none: use 'naive'")
 
     def refit(self) -> RefitReport:
         """Run one full refit.
@@ -83,6 +91,8 @@ class RefitService:
         clock = StageClock()
         try:
             run.open()
+            if self.delta is not None:  # full or delta, from the engine's base copy
+                self.delta.begin(self.engine.delta_base())  # type: ignore[attr-defined]
             before = begin_engine(self.engine, run)
             self._stream(run, clock)
             run.finalizing()
@@ -92,15 +102,19 @@ class RefitService:
                     run.probe = self.probe.measure(self.engine, self.plan)
                 require(run.probe, refit_id)
             run.live()
+            if self.delta is not None:
+                self.delta.commit()
         except Exception as err:
-            run.add_times(clock.exclusive(("export", "quantize", "pack")))
+            run.add_times(clock.exclusive(self._stages()))
             run.fail(run.where, err)
+            if self.delta is not None:
+                self.delta.discard(run.error or "")
             settle_engine(self.engine, run, run.error or "")
             report = self._failed(run)
             log.error("refit", **report.log_fields())
             raise RefitFailed(report.error or "", report=report) from err
-        run.add_times(clock.exclusive(("export", "quantize", "pack")))
-        report = run.report()
+        run.add_times(clock.exclusive(self._stages()))
+        report = self._with_delta(run.report())
         self.reports.append(report)
         log.info("refit", **report.log_fields())
         return report
@@ -110,6 +124,8 @@ class RefitService:
         total = self._total_bytes()
         exported = clock.timed("export", self._counted(run, self.trainer.named_weights()))
         quantized = clock.timed("quantize", quantize_stream(self.plan, exported))
+        if self.delta is not None:
+            quantized = clock.timed("delta", self.delta.stage(quantized))
         planner = BucketPlanner(self.bucket_bytes, self.alignment, self.reuse_buffer, by_reference=self.by_reference)
         for bucket in clock.timed("pack", planner.pack(quantized)):
             with run.phase("load", where=f"bucket {bucket.index}"):
@@ -125,6 +141,14 @@ class RefitService:
             run.source_bytes += t.numel() * t.element_size()
             yield name, t
 
+    def _stages(self) -> tuple[str, ...]:
+        return ("export", "quantize", "delta", "pack") if self.delta is not None else ("export", "quantize", "pack")
+
+    def _with_delta(self, report: RefitReport) -> RefitReport:
+        if self.delta is None:
+            return report
+        return attrs.evolve(report, delta=self.delta.report(self.engine.delta_base()))  # type: ignore[attr-defined]
+
     def _total_bytes(self) -> int:
         num_bytes = getattr(self.trainer, "num_bytes", None)
         return int(num_bytes()) if callable(num_bytes) else 0
@@ -134,6 +158,6 @@ class RefitService:
             "the engine is stale and refuses to serve until a full refit succeeds"
             if run.outcome() is RefitOutcome.STALE else "the engine kept its previous weights, bit for bit"
         )
-        report = run.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}")
+        report = self._with_delta(run.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}"))
         self.reports.append(report)
         return report

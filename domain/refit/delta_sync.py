@@ -16,7 +16,8 @@ side (they travel under UNKEPT_SUFFIX).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 
 import attrs
 import torch
@@ -231,6 +232,11 @@ class DeltaReceiver:
     _digests: dict[str, bytes] = attrs.field(init=False, factory=dict)
     _seen: set[str] = attrs.field(init=False, factory=set)
     _seconds: float = attrs.field(init=False, default=0.0)
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """The copy by checkpoint name (read-only use: tests, checks)."""
+        return MappingProxyType(self._copy)
 
     def base(self) -> DeltaBase:
         """The digest and bytes of the copy, and the last refit's receiving time."""
