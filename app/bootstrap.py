@@ -24,6 +24,8 @@ import attrs
 from app.config import Section, load_config
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
+from domain.quant.rules import LAYOUT_DELTA_BACKEND
+from domain.refit.delta_sync import DeltaSender
 from domain.refit.session import CommitMode
 
 if TYPE_CHECKING:
@@ -456,7 +458,14 @@ class Services:
             engine = ScriptedFaultyEngine(engine, script)
         trainer = trainer or self.trainer_model()
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
-                            probe=self.post_refit_probe(trainer))
+                            probe=self.post_refit_probe(trainer), delta=self.delta_sender())
+
+    def delta_sender(self) -> DeltaSender | None:
+        """The trainer's delta sender when `rollout.checkpoint_engine.backend` is layout_delta, else None."""
+        ce = self.config.rollout.checkpoint_engine
+        if ce.backend != LAYOUT_DELTA_BACKEND:
+            return None
+        return DeltaSender(full_every=ce.delta.full_every, max_host_bytes=ce.delta.max_host_bytes)
 
     def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
         """A MismatchProbe over a refit service's trainer and engine."""
@@ -516,6 +525,10 @@ class Services:
         from adapters.reference.config import hf_weight_shapes, preset
         from app.services.distributed_refit import DistributedRefitService
         from domain.refit.sharding import Role, ShardMap
+
+        if self.config.rollout.checkpoint_engine.backend == LAYOUT_DELTA_BACKEND:
+            raise ConfigError("rollout.checkpoint_engine.backend", "layout_delta runs on the single-process refit "
+                              "(refit_service); the distributed refit sends every tensor: use 'naive'")
 
         plan = plan or self.plan
         cfg = preset(self.config.reference.model)

@@ -173,3 +173,49 @@ def test_an_engine_without_a_receiver_is_refused():
 
     with pytest.raises(ConfigError, match="layout_delta needs an engine with a delta receiver"):
         RefitService(rs.trainer(), RecordingEngine({}), rs.DEFAULT_PLAN, delta=DeltaSender())
+
+
+MICRO = ["reference.model=micro-moe", "rollout.quantization.linear=FP8_BLOCK", "rollout.quantization.moe=NVFP4"]
+
+
+def test_bootstrap_builds_a_delta_service_from_the_configuration():
+    from app.bootstrap import bootstrap
+
+    services = bootstrap(overrides=[*MICRO, "rollout.checkpoint_engine.backend=layout_delta",
+                                    "rollout.checkpoint_engine.delta.full_every=4",
+                                    "rollout.checkpoint_engine.delta.max_host_bytes=1000000"])
+    svc = services.refit_service()
+    assert svc.delta is not None and svc.delta.full_every == 4 and svc.delta.max_host_bytes == 1_000_000
+    assert svc.refit().delta.mode == "full" and svc.refit().delta.mode == "delta"
+    assert bootstrap(overrides=MICRO).refit_service().delta is None  # the default backend sends full refits
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    ("rollout.checkpoint_engine.delta.full_every=0", "full_every: must be 1 or more"),
+    ("rollout.checkpoint_engine.delta.max_host_bytes=-1", "max_host_bytes: must be 0 or more"),
+])
+def test_bad_delta_keys_are_refused_by_name(override, match):
+    from app.bootstrap import bootstrap
+
+    with pytest.raises(ConfigError, match=match):
+        bootstrap(overrides=[*MICRO, "rollout.checkpoint_engine.backend=layout_delta", override])
+
+
+def test_the_distributed_refit_refuses_layout_delta():
+    from app.bootstrap import bootstrap
+
+    services = bootstrap(overrides=[*MICRO, "rollout.checkpoint_engine.backend=layout_delta"])
+    with pytest.raises(ConfigError, match="layout_delta runs on the single-process refit"):
+        services.distributed_refit(None, 0)  # type: ignore[arg-type]
+
+
+def test_rule_4_accepts_layout_delta_and_still_refuses_verls_delta_backends():
+    from domain.errors import QuantizedDeltaSync
+    from domain.quant.rules import check_sync_backend
+
+    check_sync_backend(True, backend="layout_delta", wire_format="bucketed")
+    check_sync_backend(False, backend="layout_delta", wire_format="bucketed")
+    with pytest.raises(QuantizedDeltaSync, match="dispatch rule 4"):
+        check_sync_backend(True, backend="delta_sharded", wire_format="bucketed")
+    with pytest.raises(QuantizedDeltaSync, match="dispatch rule 4"):
+        check_sync_backend(True, backend="layout_delta", wire_format="delta_flush")
