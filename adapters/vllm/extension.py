@@ -122,6 +122,12 @@ class RefitWorkerExtension:
         with self._rl_refit_context():
             self._rl_refit_state().abort()
 
+    def rl_refit_delta_base(self) -> list[object]:
+        """The worker's delta receiver as [digest, host bytes, seconds] (the first call turns it on)."""
+        from adapters.vllm.delta import base_to_plain
+
+        return base_to_plain(self._rl_refit_state().delta_base())
+
     # --- the side group (disaggregated) --------------------------------------------------------
 
     def rl_refit_join(self, rendezvous: dict[str, Any], bucket_bytes: int, timeout_s: float) -> int:

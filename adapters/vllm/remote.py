@@ -37,10 +37,12 @@ import torch
 
 from adapters.distributed.launch import listen_socket
 from adapters.vllm.control import Channel
+from adapters.vllm.delta import base_from_plain
 from adapters.vllm.worker import FinalizeStats
 from domain import errors
 from domain.errors import EngineProcessError, EngineUpdateFailed
 from domain.refit.buckets import Bucket
+from domain.refit.delta_sync import DeltaBase
 from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
@@ -452,6 +454,9 @@ class RemoteWorkers:
 
     def fingerprint(self) -> StorageFingerprint:
         return StorageFingerprint.from_plain(self.process.rpc("rl_refit_fingerprint")[0])
+
+    def delta_base(self) -> DeltaBase:
+        return base_from_plain(self.process.rpc("rl_refit_delta_base"))
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         from adapters.vllm.extension import tensors_from_plain

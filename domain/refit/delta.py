@@ -48,6 +48,13 @@ class Coding(enum.IntEnum):
     RUNS64 = 2
 
 
+def checkpoint_name(sent: str) -> tuple[str, bool]:
+    """The checkpoint name of a tensor as sent, and whether it is a delta record."""
+    if sent.endswith(DELTA_SUFFIX):
+        return sent.removesuffix(DELTA_SUFFIX), True
+    return sent.removesuffix(UNKEPT_SUFFIX), False
+
+
 def tensor_digest(t: torch.Tensor) -> bytes:
     """16 bytes of SHA-256 over a tensor's dtype, shape and bytes.
 
