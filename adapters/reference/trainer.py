@@ -188,9 +188,28 @@ class AdamLikeSteps:
         """One step: every master element += lr or -= lr (signs from `seed`), then the weights."""
         g = torch.Generator().manual_seed(seed)
         for t, m in zip(self.tensors, self.masters, strict=True):
-            sign = torch.randint(0, 2, m.shape, generator=g, dtype=torch.int8).float().mul_(2).sub_(1)
-            m.add_(sign, alpha=lr)
-            t.copy_(m)
+            _signed_step_(t, m, g, lr)
+
+
+def _signed_step_(t: torch.Tensor, master: torch.Tensor, g: torch.Generator, lr: float) -> None:
+    sign = torch.randint(0, 2, master.shape, generator=g, dtype=torch.int8).float().mul_(2).sub_(1)
+    master.add_(sign, alpha=lr)
+    t.copy_(master)
+
+
+@torch.no_grad()
+def adam_like_step_(tensors: Iterable[torch.Tensor], seed: int, lr: float) -> None:
+    """One AdamLikeSteps step from masters equal to the weights themselves, holding no masters
+    (one tensor's FP32 copy at a time): the first step of a run, for large models.
+
+    Args:
+        tensors: the trainer's weights (updated in place).
+        seed: seed of the signs.
+        lr: the step per element.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        _signed_step_(t, t.float(), g, lr)
 
 
 def hf_state_dict(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:

@@ -2,9 +2,9 @@
 
 For each model (the embedded presets, and with `--model DIR` a checkpoint's shapes, e.g. the
 Qwen3-0.6B fixture of `python -m app.bench.fixtures`) and each format (BF16, FP8_BLOCK, MXFP8,
-NVFP4 on every quantized layer), a full refit is followed by Adam-like steps (every FP32 master
-element moves by +-lr, then BF16; one step at lr 1e-6, then one at 1e-5), each sent as a delta
-refit into the embedded engine (transactional). Rows:
+NVFP4 on every quantized layer), a full refit is followed by Adam-like steps (every element moves
+by +-lr in FP32 from the BF16 weights, then back to BF16; one step at lr 1e-6, then one at 1e-5),
+each sent as a delta refit into the embedded engine (transactional). Rows:
 - bytes on the wire against a full refit of the same format and against a full BF16 refit;
 - the delta refit's seconds against the full refit's, and its diff (trainer) and patch (engine)
   seconds, which the total includes;
@@ -13,13 +13,14 @@ refit into the embedded engine (transactional). Rows:
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
 import torch
 
 from adapters.reference.engine import ReferenceEngine
-from adapters.reference.trainer import AdamLikeSteps, ReferenceTrainer
+from adapters.reference.trainer import ReferenceTrainer, adam_like_step_
 from app.bench.report import BenchReport
 from app.services.refit import RefitService
 from domain.quant.plan import QuantizationPlan
@@ -53,9 +54,8 @@ def _rows(report: BenchReport, name: str, trainer: ReferenceTrainer, fmt: str, b
                        delta=DeltaSender(full_every=1000))
     full = svc.refit()
     bf16_bytes = full.source_bytes  # a full BF16 refit sends the trainer's BF16 weights
-    adam = AdamLikeSteps.of(trainer.weights.values())
     for lr in LRS:
-        adam.step_(seed=int(1 / lr), lr=lr)
+        adam_like_step_(trainer.weights.values(), seed=int(1 / lr), lr=lr)
         r = svc.refit()
         d = r.delta
         if d is None or d.mode != "delta":
@@ -77,7 +77,6 @@ def _rows(report: BenchReport, name: str, trainer: ReferenceTrainer, fmt: str, b
         report.add(case, "tensors sent as delta records", float(d.tensors_delta), "tensors")
         report.add(case, "tensors sent whole", float(d.tensors_whole), "tensors")
         del r
-    adam.masters.clear()
 
 
 def run(quick: bool = False, model_dir: str | None = None) -> BenchReport:
@@ -106,12 +105,14 @@ def run(quick: bool = False, model_dir: str | None = None) -> BenchReport:
                                 f"{trainer.num_bytes() / 1e9:.3f} GB of BF16 weights")
             for fmt in FORMATS:
                 _rows(report, name, trainer, fmt, 64 * MiB)
+                gc.collect()  # the format's engine and both copies, before the next format's
             del trainer
     finally:
         torch.set_num_threads(threads)
     report.notes.extend([
-        "each format: one full refit, then an Adam-like step at lr 1e-6 and one at 1e-5 (each element of the "
-        "FP32 masters +-lr, then BF16), each sent as a delta refit; ratio = full bytes (or seconds) / delta's",
+        "each format: one full refit, then an Adam-like step at lr 1e-6 and one at 1e-5 (each element +-lr in "
+        "FP32 from the BF16 weights, then BF16), each sent as a delta refit; ratio = full bytes (or seconds) / "
+        "delta's",
         "a full BF16 refit sends the trainer's BF16 weights (the report's source bytes)",
         "the refit seconds include the diff and the patch (SHA-256 of every kept tensor on each side) and run on "
         "one thread in one process: no link; add bytes / link speed for a real transfer (docs/refit.md)",

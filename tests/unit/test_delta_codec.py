@@ -69,14 +69,42 @@ def test_bits_not_values_are_compared():
     assert torch.equal(_bytes(apply("w", base, record)), _bytes(new))
 
 
-def test_clustered_changes_use_runs_and_scattered_ones_a_bitmap():
-    base = _random((4096,), torch.uint8, 1)
+def test_the_smallest_index_coding_is_chosen():
+    base = _random((1 << 20,), torch.uint8, 1)
     clustered = _diff(base, _flip(base, torch.arange(100, 140)))
-    scattered = _diff(base, _flip(base, torch.arange(0, 4096, 13)))
-    assert clustered is not None and clustered.coding is Coding.RUNS32 and clustered.runs == 1
-    assert scattered is not None and scattered.coding is Coding.BITMAP and scattered.runs == 0
+    dense = _diff(base, _flip(base, torch.arange(0, 1 << 20, 3)))
+    scattered = _diff(base, _flip(base, torch.arange(0, 1 << 20, 50)))  # gaps of 49: one byte each
+    sparse = _diff(base, _flip(base, torch.arange(0, 1 << 20, 1000)))  # gaps of 999: 2 bytes, not 4
+    assert clustered.coding is Coding.RUNS32 and clustered.runs == 1
     assert clustered.nbytes == HEADER_BYTES + 8 + 40  # one (start, length) pair, 40 new bytes
-    assert scattered.nbytes == HEADER_BYTES + 4096 // 8 + scattered.count
+    assert dense.coding is Coding.BITMAP and dense.nbytes == HEADER_BYTES + (1 << 17) + dense.count
+    assert scattered.coding is Coding.GAPS8 and scattered.runs == scattered.count
+    assert sparse.coding is Coding.GAPS16 and sparse.nbytes == HEADER_BYTES + _pad8(2 * sparse.count) + sparse.count
+    for record, new_index in ((scattered, torch.arange(0, 1 << 20, 50)), (sparse, torch.arange(0, 1 << 20, 1000))):
+        assert torch.equal(_bytes(apply("w", base, record)), _bytes(_flip(base, new_index)))
+
+
+@pytest.mark.parametrize("index", [[0], [65534], [65535], [70000, 70001, 299999], [254, 255, 256, 600]])
+@pytest.mark.parametrize("coding", [Coding.GAPS8, Coding.GAPS16, Coding.RUNS32])
+def test_every_index_coding_round_trips_long_gaps(index, coding):
+    import domain.refit.delta as codec
+
+    base = torch.zeros(300_000, dtype=torch.uint8)
+    new = _flip(base, torch.tensor(index))
+    record = _diff(base, new)
+    idx = torch.tensor(index)
+    if coding is Coding.RUNS32:
+        starts, lengths = codec._runs(idx)
+        coded, runs = torch.cat([starts, lengths]).to(torch.int32).view(torch.uint8), starts.numel()
+    else:
+        coded = codec._encode_gaps(idx, coding)
+        runs = coded.numel() // (1 if coding is Coding.GAPS8 else 2)
+    forced = attrs.evolve(record, coding=coding, index=coded, runs=runs)
+    assert torch.equal(apply("w", base, DeltaRecord.from_tensor("w", forced.to_tensor())), new)
+
+
+def _pad8(n: int) -> int:
+    return -(-n // 8) * 8
 
 
 def test_a_tensor_that_changed_too_much_goes_whole():
