@@ -150,15 +150,18 @@ class RefitWorkerExtension:
                  backend=group.rendezvous.backend)
         return rank
 
-    def rl_refit_receive(self, refit_id: int) -> int:
+    def rl_refit_receive(self, refit_id: int, relearn: bool = False) -> int:
         """Receive one refit's bucket stream from the trainer and load every bucket; returns the
-        tensors loaded. Raises what the stream or a load raised (after draining the stream)."""
+        tensors loaded. Raises what the stream or a load raised (after draining the stream).
+        `relearn`: the stream carries its metadata again (its layout may differ: delta refits)."""
         transport = getattr(self, "_rl_refit_transport", None)
         if transport is None:
             from domain.errors import RefitLifecycleError
 
             raise RefitLifecycleError("receive before join: call rl_refit_join first")
         transport.refit_id = int(refit_id)
+        if relearn:
+            transport.forget_layout()
         loaded = 0
 
         def consume(bucket: Bucket) -> None:

@@ -262,7 +262,7 @@ def diff(base: torch.Tensor, new: torch.Tensor, *, base_digest: bytes, new_diges
     if b is None or n is None or base.shape != new.shape or base.dtype != new.dtype or whole <= HEADER_BYTES:
         return None
     mask = torch.ne(b, n)
-    count = int(mask.sum())
+    count = int(torch.count_nonzero(mask))
     values_bytes = count * new.element_size()
     if HEADER_BYTES + values_bytes >= whole:
         return None
