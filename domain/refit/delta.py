@@ -268,23 +268,28 @@ def diff(base: torch.Tensor, new: torch.Tensor, *, base_digest: bytes, new_diges
         return None
     numel = n.numel()
     index = mask.nonzero().reshape(-1)
-    starts, lengths = _runs(index)
+    del mask  # every size below comes from the unchanged runs before each change (one pass each)
+    gaps = torch.diff(index, prepend=index.new_tensor([-1])) - 1
     wide = numel > 2**31 - 1
     runs_coding = Coding.RUNS64 if wide else Coding.RUNS32
+    runs_count = int(torch.count_nonzero(gaps[1:])) + 1 if count else 0
     sizes = {Coding.BITMAP: _index_bytes(Coding.BITMAP, numel, 0),
-             runs_coding: _index_bytes(runs_coding, numel, starts.numel())}
-    for gaps in _GAP_TOKEN:
-        skips, _ = _gap_tokens(index, _GAP_TOKEN[gaps][1])
-        sizes[gaps] = _index_bytes(gaps, numel, int((skips + 1).sum()))
+             runs_coding: _index_bytes(runs_coding, numel, runs_count)}
+    for gaps_coding, (_, top) in _GAP_TOKEN.items():
+        sizes[gaps_coding] = _index_bytes(gaps_coding, numel, count + int(torch.div(gaps, top, rounding_mode="floor").sum()))
+    del gaps
     coding = min(sizes, key=lambda c: (sizes[c], c))
     if coding is runs_coding:
+        starts, lengths = _runs(index)
         coded = torch.cat([starts, lengths]).to(torch.int64 if wide else torch.int32).view(torch.uint8)
         runs = starts.numel()
     elif coding in _GAP_TOKEN:
         coded = _encode_gaps(index, coding)
         runs = coded.numel() // (1 if coding is Coding.GAPS8 else 2)
     else:
-        coded, runs = _pack_bits(mask), 0
+        flags = torch.zeros(numel, dtype=torch.bool)
+        flags[index] = True
+        coded, runs = _pack_bits(flags), 0
     record = DeltaRecord(coding, numel, new.element_size(), count, runs, base_digest, new_digest, coded,
                          n[index].view(torch.uint8))
     return record if record.nbytes < whole else None
