@@ -15,15 +15,14 @@ from typing import Any
 import attrs
 
 # Distributions `refit doctor` reports, by the name the checks use. Each lists the distribution
-# names it may be installed under (the first installed one counts).
+# names it may be installed under (the first installed one counts). The engines' own come with
+# their profiles (adapters.profiles.DISTRIBUTIONS adds them).
 DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "torch": ("torch",),
     "compressed-tensors": ("compressed-tensors",),
     "safetensors": ("safetensors",),
     "megatron-core": ("megatron-core",),
     "transformer-engine": ("transformer-engine", "transformer-engine-torch", "transformer-engine-cu12"),
-    "vllm": ("vllm",),
-    "sglang": ("sglang",),
     "nvidia-modelopt": ("nvidia-modelopt",),
     "flash-linear-attention": ("flash-linear-attention", "fla-core"),
     "causal-conv1d": ("causal-conv1d",),
@@ -31,16 +30,6 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "torchao": ("torchao",),
     "transformers": ("transformers",),
 }
-
-# The engine releases the vLLM and SGLang adapters are written and checked against
-# (tests/integration/test_engine_conformance.py reads the pinned wheels).
-PINNED_VLLM = "0.33.0"
-PINNED_SGLANG = "0.5.23"
-# The vLLM releases the adapter supports: 0.32 (run for real on the CPU build, tests/vllm) and
-# 0.33 (its reload code is byte-identical; checked statically against the wheel).
-SUPPORTED_VLLM = ("0.32", "0.33")
-VLLM_RANGE = ">=0.32,<0.34"
-PINNED_ENGINES: dict[str, str] = {"vllm": PINNED_VLLM, "sglang": PINNED_SGLANG}
 
 _RELEASE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)")
 
@@ -133,7 +122,7 @@ class EnvironmentSnapshot:
         nccl: torch.distributed has the NCCL backend.
         environ: the environment variables rl-refit honours that are set (name -> value).
         platform: the operating system, in words.
-        vllm_cpu_kernels: what the vLLM adapter's CPU emulation plugin reports in the engine's
+        engine_cpu_kernels: what the vLLM adapter's CPU emulation plugin reports in the engine's
             environment (adapters.vllm.cpu_emulation.status: `native`, format -> None or vLLM's
             reason; `emulated`; `mode`), or None when no vLLM environment was probed.
     """
@@ -145,7 +134,7 @@ class EnvironmentSnapshot:
     nccl: bool = False
     environ: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_map, validator=_text_map(False))
     platform: str = ""
-    vllm_cpu_kernels: Mapping[str, Any] | None = None
+    engine_cpu_kernels: Mapping[str, Any] | None = None
 
     def version(self, distribution: str) -> str | None:
         """The installed version of a distribution, None when it is not installed."""
@@ -165,5 +154,5 @@ class EnvironmentSnapshot:
             "nccl": self.nccl,
             "packages": dict(self.packages),
             "environ": dict(self.environ),
-            "vllm_cpu_kernels": dict(self.vllm_cpu_kernels) if self.vllm_cpu_kernels is not None else None,
+            "engine_cpu_kernels": dict(self.engine_cpu_kernels) if self.engine_cpu_kernels is not None else None,
         }

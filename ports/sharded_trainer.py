@@ -15,7 +15,7 @@ class ShardedTrainerModel(Protocol):
         """Every tensor of the full model, as (Hugging Face name, full shape), in layer order.
 
         Returns:
-            The same list on every rank (the refit places tensors from it with domain.refit.sharding).
+            The same list on every rank (the refit places tensors from it with domain.refit.shard_map).
         """
         ...
 

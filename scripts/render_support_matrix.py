@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Rewrite the cell tables of docs/support-matrix.md from domain/quant/support_*.py.
+"""Rewrite the cell tables of docs/support-matrix.md from the engine profiles' support tables
+(adapters/<engine>/profile.py).
 
     PYTHONPATH=. python scripts/render_support_matrix.py
 
@@ -14,8 +15,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from adapters.profiles import SUPPORT_ENGINES  # noqa: E402
 from app.services.planning import support_matrix_rows  # noqa: E402
-from domain.quant.support import SUPPORT_ENGINES  # noqa: E402
 
 
 def render(text: str) -> str:

@@ -41,6 +41,7 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised only without 
         name="compressed_tensors",
     ) from err
 
+from adapters.engine_profile import SGLANG_MXFP8
 from domain.errors import ConfigError
 from domain.quant import naming
 from domain.quant.ct_config import unignored
@@ -48,6 +49,7 @@ from domain.quant.dispatch import Resolution
 from domain.quant.formats import ActivationScheme, PrecisionFormat
 from domain.quant.numerics import numerics_metadata
 from domain.quant.plan import QuantizationPlan
+from domain.quant.support import NATIVE_FP8
 
 EXPERTS_TARGET = naming.EXPERTS_PATTERN
 # The element and MX scale rules the exporter used, recorded in the quantization_config under a key
@@ -284,9 +286,9 @@ def engine_quantization_config(
     if resolution.as_written and native is not None:
         return _ignoring(as_written_config(native.config, extra_ignore), bf16_modules)
     kept = list(bf16_modules) if bf16_modules is not None else [*naming.DEFAULT_IGNORE, *plan.ignore]
-    if layout == "sglang-mxfp8":
+    if layout == SGLANG_MXFP8:
         config = sglang_mxfp8_config(kept)
-    elif layout == "native-fp8":
+    elif layout == NATIVE_FP8:
         config = deepseek_fp8_config(kept)
     else:
         config = _ignoring(to_config_json(compressed_tensors_config(plan)), bf16_modules)

@@ -1,7 +1,9 @@
 """The refit across processes: bucket transports, the collectives of a refit world, trainer shards.
 
 - inprocess: InProcessTransport, zero-copy between two threads of one process (colocated use, tests).
-- torch_dist: TorchDistTransport and TorchDistCollectives over torch.distributed (gloo / NCCL).
+- transport: TorchDistTransport, a bucket stream over torch.distributed (gloo / NCCL).
+- collectives: TorchDistCollectives, the process groups of a refit world, its agreement, turns and
+  tensor-parallel collectives; it hands out the transports.
 - launch: launch_world, a bounded world of local processes over gloo on 127.0.0.1.
 - sliced_trainer: SlicedTrainer, any full TrainerModel presented as one rank of a TP / PP / EP layout.
 

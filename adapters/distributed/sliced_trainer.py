@@ -1,7 +1,7 @@
 """Any full TrainerModel presented as one rank of a tensor / pipeline / expert parallel layout.
 
 Each rank keeps views of the full model's tensors and hands out the slices its placement gives it
-(domain.refit.sharding). It is what a trainer rank holds after a Megatron-style split, without a
+(domain.refit.shard_map). It is what a trainer rank holds after a Megatron-style split, without a
 Megatron: tests, `refit demo --procs N`, and trainers that keep full weights on every rank.
 The full trainer must update its tensors in place (as training does): the views follow them.
 """
@@ -14,7 +14,8 @@ import attrs
 import torch
 
 from domain.errors import ShardingError
-from domain.refit.sharding import ParallelLayout, Placement, place_tensors
+from domain.refit.shard_map import Placement, place_tensors
+from domain.refit.topology import ParallelLayout
 from ports.trainer_model import TrainerModel
 
 

@@ -7,7 +7,8 @@ message of its own) and the flat buffer. The stream ends with an END header, or 
 header followed by the source's error text. Once both ends know a stream's layout, a bucket
 travels as one message with a lead record in front. At each agreement point every rank
 contributes one fixed-size status record, so all ranks learn who failed, where, and why, from one
-all-gather. All of it is pure encoding: the collectives that move these bytes are in torch_dist.
+all-gather. All of it is pure encoding: the collectives that move these bytes are in transport
+and collectives.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from adapters.megatron.hf_names import hf_named_weights
 from adapters.megatron.reference_gpt import build_reference_gpt
 from adapters.megatron.train_step import causal_mask, train_step
 from adapters.reference.config import ReferenceModelConfig
-from domain.refit.sharding import ParallelLayout
+from domain.refit.topology import ParallelLayout
 
 try:
     from megatron.core import parallel_state

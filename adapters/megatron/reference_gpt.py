@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.reference.config import ReferenceModelConfig
-from domain.refit.sharding import ParallelLayout
+from domain.refit.topology import ParallelLayout
 
 
 def gpt_config(cfg: ReferenceModelConfig, layout: ParallelLayout, **overrides: Any) -> Any:

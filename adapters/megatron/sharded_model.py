@@ -16,7 +16,7 @@ Build it on every trainer rank at the same time:
     trainer = MegatronShardedModel.build(model, layout, torch.distributed.get_rank())
 
 The layout is Megatron's default rank order (`tp-cp-ep-dp-pp`) with cp = 1 and no virtual
-pipeline stages, layers split evenly over the stages (`domain.refit.sharding`); `check` compares
+pipeline stages, layers split evenly over the stages (`domain.refit.topology`, `domain.refit.shard_map`); `check` compares
 what the rank holds with where the refit places every tensor and names any difference.
 """
 
@@ -33,7 +33,8 @@ from adapters.megatron.fused_forward import unwrap_model
 from adapters.megatron.hf_names import hf_parts, hf_tensors
 from domain.errors import MegatronModelUnsupported, ShardingError
 from domain.quant import naming
-from domain.refit.sharding import ParallelLayout, Placement
+from domain.refit.shard_map import Placement
+from domain.refit.topology import ParallelLayout
 
 try:
     from megatron.core import parallel_state

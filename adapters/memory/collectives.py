@@ -22,8 +22,8 @@ import torch
 from adapters.distributed.inprocess import InProcessBroadcast
 from domain.errors import CollectiveTimeout
 from domain.refit.buckets import Bucket
-from domain.refit.sharding import RefitWorld
 from domain.refit.status import RankStatus, TransferStats
+from domain.refit.topology import RefitWorld
 
 
 @attrs.define

@@ -34,5 +34,6 @@ class FixedEnvironmentProbe:
             nccl=bool(data.get("nccl", False)),
             environ=data.get("environ", {}),
             platform=str(data.get("platform", "")),
-            vllm_cpu_kernels=data.get("vllm_cpu_kernels"),
+            # snapshots saved before the field was named for every engine call it vllm_cpu_kernels
+            engine_cpu_kernels=data.get("engine_cpu_kernels", data.get("vllm_cpu_kernels")),
         ))

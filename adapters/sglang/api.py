@@ -5,7 +5,7 @@ tests/integration/test_engine_conformance.py. Entry kinds as in adapters/vllm/ap
 
 from __future__ import annotations
 
-from domain.environment import PINNED_SGLANG
+from adapters.sglang.profile import PINNED_SGLANG
 
 PACKAGE, VERSION = "sglang", PINNED_SGLANG
 

@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from adapters.sglang.engine import NamedTensors
-from domain.environment import PINNED_SGLANG
+from adapters.sglang.profile import PINNED_SGLANG
 from domain.refit.storage import StorageFingerprint
 
 

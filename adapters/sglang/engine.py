@@ -20,6 +20,7 @@ import attrs
 import structlog
 import torch
 
+from adapters.sglang.profile import check_plan
 from adapters.sglang.staging import (
     ABORT_MARKER,
     BEGIN_MARKER,
@@ -29,8 +30,8 @@ from adapters.sglang.staging import (
     marker,
 )
 from domain.errors import EngineUpdateFailed
-from domain.quant.dispatch import check_sglang, check_sync_backend
 from domain.quant.plan import QuantizationPlan
+from domain.quant.rules import check_sync_backend
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.engine_layout import Layout, check_bucket
 from domain.refit.guard import EngineGuard
@@ -93,7 +94,7 @@ class SglangRolloutEngine:
 
     def __attrs_post_init__(self) -> None:
         self._guard = EngineGuard(on_fail=self._fail)
-        check_sglang("sglang", self.plan)
+        check_plan(self.plan)
         check_sync_backend(self.plan.is_quantized, backend=self.sync_backend, wire_format=self.wire_format)
         self._rule = StagingRule.for_plan(self.plan, native_mxfp8=self.native_mxfp8)
 

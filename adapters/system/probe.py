@@ -17,7 +17,8 @@ from typing import Any
 
 import attrs
 
-from domain.environment import DISTRIBUTIONS, EnvironmentSnapshot, GpuInfo
+from adapters.profiles import DISTRIBUTIONS
+from domain.environment import EnvironmentSnapshot, GpuInfo
 
 
 def installed_version(candidates: tuple[str, ...]) -> str | None:
@@ -72,7 +73,7 @@ class SystemProbe:
             nccl=nccl,
             environ=self.environ,
             platform=platform.platform(),
-            vllm_cpu_kernels=vllm_cpu_kernels(self.vllm_python, self.cpu_emulation) if not gpus else None,
+            engine_cpu_kernels=vllm_cpu_kernels(self.vllm_python, self.cpu_emulation) if not gpus else None,
         )
 
 

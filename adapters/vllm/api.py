@@ -12,7 +12,7 @@ Entries: (kind, "module:qualname", details). Kinds:
 
 from __future__ import annotations
 
-from domain.environment import PINNED_VLLM
+from adapters.vllm.profile import PINNED_VLLM
 
 PACKAGE, VERSION = "vllm", PINNED_VLLM
 VERSIONS = ("0.32.0", PINNED_VLLM)  # 0.32 also runs for real in tests/vllm (the CPU build)

@@ -14,8 +14,8 @@ import torch
 
 from adapters.vllm.delta import base_from_plain
 from adapters.vllm.engine_args import EXTENSION
+from adapters.vllm.profile import VLLM_RANGE
 from adapters.vllm.worker import FinalizeStats
-from domain.environment import VLLM_RANGE
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.delta_sync import DeltaBase
 from domain.refit.storage import StorageFingerprint

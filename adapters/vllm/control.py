@@ -12,7 +12,7 @@ import json
 import socket
 from typing import Any
 
-from domain.errors import EngineProcessError
+from adapters.vllm.errors import EngineProcessError
 
 MAX_LINE = 1 << 31  # a line is one message; diagnostics (live weights) can be large
 

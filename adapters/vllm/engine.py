@@ -23,9 +23,9 @@ import attrs
 import structlog
 import torch
 
+from adapters.vllm.errors import EngineRefitUnsupported
 from adapters.vllm.hooks import VllmHooks
 from adapters.vllm.worker import FinalizeStats, WorkerRefit
-from domain.errors import EngineRefitUnsupported
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.delta_sync import DeltaBase
 from domain.refit.engine_layout import Layout, check_bucket

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from domain.errors import EngineRefitUnsupported
+from adapters.vllm.errors import EngineRefitUnsupported
 
 _EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
 

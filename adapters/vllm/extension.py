@@ -13,7 +13,7 @@ Two ways in:
 - disaggregated (the engine in its own process): `rl_refit_join` joins a side process group
   with the trainer (adapters.distributed.side_group, gloo on CPU, NCCL on GPU), and
   `rl_refit_receive` receives one refit's whole bucket stream over it
-  (adapters.distributed.torch_dist.TorchDistTransport) and loads each bucket as it lands.
+  (adapters.distributed.transport.TorchDistTransport) and loads each bucket as it lands.
 
 Either way the buckets go through WorkerRefit: vLLM's layerwise reload, the expert redo, the
 written/unwritten count and the KV-cache scale reset.
@@ -136,7 +136,7 @@ class RefitWorkerExtension:
         Blocks until every member has joined (the trainer constructs its end meanwhile).
         """
         from adapters.distributed.side_group import Rendezvous, SideGroup
-        from adapters.distributed.torch_dist import TorchDistTransport
+        from adapters.distributed.transport import TorchDistTransport
 
         self.rl_refit_leave()
         rank = 1 + int(getattr(self, "rank", 0))

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 import attrs
 import torch
 
-from domain.environment import VLLM_RANGE
+from adapters.vllm.profile import VLLM_RANGE
 
 
 def _no_context() -> AbstractContextManager[None]:

@@ -38,9 +38,10 @@ import torch
 from adapters.distributed.launch import listen_socket
 from adapters.vllm.control import Channel
 from adapters.vllm.delta import base_from_plain
+from adapters.vllm.errors import EngineProcessError, EngineRefitUnsupported
 from adapters.vllm.worker import FinalizeStats
 from domain import errors
-from domain.errors import EngineProcessError, EngineUpdateFailed
+from domain.errors import EngineUpdateFailed
 from domain.refit.buckets import Bucket
 from domain.refit.delta_sync import DeltaBase
 from domain.refit.storage import StorageFingerprint
@@ -48,7 +49,7 @@ from domain.refit.storage import StorageFingerprint
 log = structlog.get_logger()
 
 # Errors a worker may raise whose type the trainer re-raises (the message crosses as text).
-_TYPED = {cls.__name__: cls for cls in (errors.EngineRefitUnsupported, errors.RefitLifecycleError,
+_TYPED = {cls.__name__: cls for cls in (EngineRefitUnsupported, errors.RefitLifecycleError,
                                         errors.TransportAborted, errors.WireProtocolError)}
 
 
@@ -410,7 +411,7 @@ class RemoteWorkers:
 
     def _join(self) -> None:
         from adapters.distributed.side_group import SideGroup
-        from adapters.distributed.torch_dist import TorchDistTransport
+        from adapters.distributed.transport import TorchDistTransport
 
         rv, store = SideGroup.serve(self.host, 1 + len(self.process.workers), backend=self.backend,
                                     timeout_s=self.timeout_s)

@@ -56,7 +56,7 @@ def _handle(llm: Any, message: dict[str, Any]) -> tuple[Any, bool]:
 
 def serve(llm: Any, channel: Channel) -> None:
     """Answer requests until `shutdown` or until the trainer closes the connection."""
-    from domain.errors import EngineProcessError
+    from adapters.vllm.errors import EngineProcessError
 
     while True:
         try:

@@ -43,12 +43,15 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from app.bench.report import BenchReport
+
+if TYPE_CHECKING:
+    from app.config_sections import RefitConfig
 
 EXTENSION = "adapters.vllm.bench_extension.BenchExtension"
 DEPLOYMENTS = ("auto", "colocated", "disaggregated")
@@ -323,16 +326,16 @@ def _python_has_vllm(python: str) -> bool:
         return False
 
 
-def _overrides(settings: EngineBenchSettings, deployment: str) -> list[str]:
-    from app.cli.demo_engine import engine_overrides
+def _config(settings: EngineBenchSettings, deployment: str) -> RefitConfig:
+    from app.cli.demo_engine import engine_config, with_vllm
     from app.services.engine_demo import EngineDemoSettings
     from domain.quant.plan import QuantizationPlan
 
     preset = None if settings.preset.upper() == "BF16" else settings.preset.upper()
     demo = EngineDemoSettings(deployment=deployment, plan=QuantizationPlan.from_presets(preset, preset),
                               model=settings.model)
-    return [*engine_overrides(demo, settings.bucket_mb),
-            f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}"]
+    config = engine_config(demo, settings.bucket_mb)
+    return with_vllm(config, worker_extension_cls=EXTENSION)
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -377,10 +380,9 @@ class _Bench:
     def load_weights(self) -> None:
         """The refit's buckets, through the same workers, with the worker in `load_weights` mode."""
         from domain.quant.stream import quantize_stream
-        from domain.refit.buckets import BucketPlanner
 
         svc, workers = self.svc, self.engine.workers
-        planner = BucketPlanner(svc.bucket_bytes, svc.alignment, svc.reuse_buffer, by_reference=svc.by_reference)
+        planner = svc.ownership.planner(svc.bucket_bytes, svc.alignment)
         workers.begin()
         for bucket in planner.pack(quantize_stream(svc.plan, svc.trainer.named_weights())):
             workers.load(bucket)
@@ -441,7 +443,7 @@ def measure(settings: EngineBenchSettings) -> EngineTimings:
 
     here = _vllm_here()
     deployment = resolve_deployment(settings.deployment, here)
-    services = bootstrap(overrides=_overrides(settings, deployment))
+    services = bootstrap(_config(settings, deployment))
     python = services.vllm_python() if deployment == "disaggregated" else None
     reason = skip_reason(deployment, vllm_here=here, engine_python=python,
                          engine_python_has_vllm=_python_has_vllm(python) if python else None)

@@ -31,6 +31,7 @@ from adapters.reference.layout import EngineLayout
 from adapters.reference.trainer import ReferenceTrainer
 from app.bench.report import BenchReport
 from app.services.refit import RefitService
+from app.services.transaction import Ownership
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
 from domain.refit.report import RefitReport
@@ -133,7 +134,7 @@ def _throughput_rows(report: BenchReport, trainer: ReferenceTrainer, model: str,
             bound = _bound(svc.engine.layout, mode, svc.bucket_bytes)  # type: ignore[attr-defined]
             # By reference (the default in one process) there is no bucket buffer: the engine keeps
             # views of the exported tensors, which the tracked row below counts.
-            buffers = 0 if svc.by_reference else min(svc.bucket_bytes, r.bytes_sent)
+            buffers = 0 if svc.ownership is Ownership.BY_REFERENCE else min(svc.bucket_bytes, r.bytes_sent)
             _memory_row(report, case, "peak extra memory (engine staging + bucket buffers)",
                         r.peak_staging_bytes + buffers, bound, label)
             tracked = _tracked_peak(svc)

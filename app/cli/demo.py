@@ -23,7 +23,7 @@ from rich.table import Table
 from app.cli import options
 from app.cli.demo_settings import EMBEDDED_MODELS, arm_factory, is_directory, settings_from_args
 from app.services.demo import DemoResult, StepRecord, run_demo
-from app.services.lifecycle import describe_plan
+from app.services.transaction import describe_plan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -28,10 +28,10 @@ from app.bootstrap import Services
 from app.cli.demo_settings import demo_services, raise_typed_failure
 from app.services.demo import DemoSettings
 from app.services.distributed_demo import demo_world, judge, weights_digest
-from app.services.lifecycle import describe_plan
+from app.services.transaction import describe_plan
 from domain.errors import CollectiveTimeout, ConfigError, DistributedRefitFailed, PeerLost
 from domain.refit.report import RefitReport
-from domain.refit.sharding import RefitWorld, Role
+from domain.refit.topology import RefitWorld, Role
 
 STEP_TIMEOUT_S, PHASE_TIMEOUT_S = 10.0, 30.0
 
@@ -47,11 +47,14 @@ def demo_rank(rank: int, run: _Run) -> list[dict[str, Any]]:
     """One process of the demo world: every step's refit on this rank."""
     s = run.settings
     services = demo_services(s)
-    # A trainer rank's full model, which its shards are views of (whatever wraps them: a fault's port).
-    full = services.trainer_model() if run.world.role(rank) is Role.TRAINER else None
+    # A trainer rank's full model, which its shards are views of (whatever wraps them: a fault's
+    # port). Engine ranks hold one too when the post-refit probe is on (rollout.verify.enabled):
+    # they take the same training-like steps, so its forward is the probe's reference.
+    engine_rank = run.world.role(rank) is Role.ENGINE
+    full = services.trainer_model() if not engine_rank or services.config.rollout.verify.enabled else None
     svc = services.distributed_refit(
         run.world, rank, plan=s.plan, fault=run.fault, step_timeout_s=STEP_TIMEOUT_S,
-        phase_timeout_s=PHASE_TIMEOUT_S, hang_s=STEP_TIMEOUT_S + 5,
+        phase_timeout_s=PHASE_TIMEOUT_S, hang_s=STEP_TIMEOUT_S + 5, reference=full if engine_rank else None,
     )
     records = []
     for step in range(s.steps + 1):

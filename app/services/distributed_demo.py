@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from domain.errors import ConfigError
-from domain.refit.sharding import ParallelLayout, RefitWorld
+from domain.refit.topology import ParallelLayout, RefitWorld
 
 
 def demo_world(procs: int, moe: bool) -> RefitWorld:

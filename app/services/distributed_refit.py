@@ -10,41 +10,43 @@ Every rank of a RefitWorld runs `refit()` at the same time. The ranks agree thre
 Between 1 and 2 the sources take turns, stage by stage (a turn is a small collective of the
 source's TP group and the engines, which also carries the next bucket index and stops later
 sources once anything failed). When any rank reports a failure at any agreement, every rank
-settles the same refit (app.services.lifecycle): engines that had not committed abort it (live
+settles the same refit (app.services.transaction): engines that had not committed abort it (live
 weights kept; per-layer engines that wrote some layers become stale); engines that had committed
 replay the previous refit's buckets (kept on the host for that purpose) or mark themselves
 stale; then a fourth agreement, `settled`, tells every rank what each engine did and all raise the
-same DistributedRefitFailed. A collective that times out (a hung peer) or loses its peer ends the
+same DistributedRefitFailed. Each rank's side is one RefitTransaction (app.services.transaction)
+whose agreement is the world's collectives: begin, commit, the probe, the audit, settling and the
+report are the single-process refit's own. A collective that times out (a hung peer) or loses its peer ends the
 refit on this rank at once with CollectiveTimeout / PeerLost; the world is unusable afterwards.
 """
 
 from __future__ import annotations
 
-import enum
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 import structlog
-import torch
 
-from app.services.lifecycle import begin_engine, commit_engine, describe_plan, settle_engine
 from app.services.shard_export import ShardExporter
-from domain.errors import (
-    CollectiveTimeout,
-    ConfigError,
-    DistributedRefitFailed,
-    PeerLost,
-    RefitLifecycleError,
+from app.services.transaction import (
+    WORLD_BROKEN,
+    Ownership,
+    RefitTransaction,
+    ReplayCopy,
+    Restore,
+    describe_plan,
 )
+from app.services.verification import PostRefitProbe
+from domain.errors import ConfigError, DistributedRefitFailed, RefitLifecycleError
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import DEFAULT_ALIGNMENT, Bucket, BucketPlanner
 from domain.refit.report import RefitReport
 from domain.refit.run import RefitRun, StageClock
 from domain.refit.session import CommitMode
-from domain.refit.sharding import ExportUnit, RefitWorld, Role, ShardMap
-from domain.refit.status import EngineState, RankStatus, failure_summary
-from domain.refit.storage import StorageFingerprint
+from domain.refit.shard_map import ExportUnit, ShardMap
+from domain.refit.status import RankStatus, failure_summary
+from domain.refit.topology import RefitWorld, Role
 from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine
 from ports.sharded_trainer import ShardedTrainerModel
@@ -52,47 +54,7 @@ from ports.sharded_trainer import ShardedTrainerModel
 log = structlog.get_logger()
 PHASES = ("export", "pack", "stream", "wire", "load", "finalize", "verify", "agree", "total")
 
-
-class Restore(enum.Enum):
-    """What an engine that committed a refit does when the refit fails elsewhere."""
-
-    REPLAY = "replay"  # replay the previous refit's buckets (host memory: one quantized copy)
-    STALE = "stale"  # mark itself stale until a full refit succeeds (no extra memory)
-
-
-@attrs.define
-class _Rank:
-    """One refit's state on this rank: the shared run, plus what the agreements need."""
-
-    run: RefitRun
-    status: RankStatus
-    next_index: int = 0
-    before: StorageFingerprint | None = None
-    incoming: list[Bucket] = attrs.field(factory=list)
-
-    def fail(self, step: str, err: BaseException | str) -> None:
-        self.status = self.status.failed(step, err)
-        self.run.fail(step, err)
-
-
-@attrs.define
-class _BufferPool:
-    """Receive buffers an engine keeps as its replay copy, recycled from one refit to the next:
-    the bytes land once, where they are kept, with no copy and (after the first refits) no
-    allocation."""
-
-    capacity: int
-    free: list[torch.Tensor] = attrs.field(factory=list)
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        for i, b in enumerate(self.free):
-            if b.numel() >= nbytes:
-                return self.free.pop(i)[:nbytes]
-        return torch.empty(max(nbytes, self.capacity), dtype=torch.uint8)[:nbytes]
-
-    def give(self, buckets: Iterable[Bucket]) -> None:
-        for b in buckets:  # the whole allocation behind the bucket's view
-            self.free.append(torch.empty(0, dtype=torch.uint8).set_(b.buffer.untyped_storage()))
+__all__ = ["DistributedRefitService", "Restore"]
 
 
 @attrs.define
@@ -109,8 +71,10 @@ class DistributedRefitService:
         bucket_bytes: bucket capacity.
         alignment: byte alignment in buckets.
         window: buckets in flight per stream (2 = double buffering, 1 = none).
-        restore: what an engine that committed does when the refit fails elsewhere; None = replay
-            for transactional engines, stale for per-layer ones (bounded memory).
+        restore: what an engine that lost its weights does when the refit fails; None:
+            `Restore.default` for the engine's commit mode with owned receive buffers (replay for
+            transactional engines, stale for per-layer ones: bounded memory).
+        probe: engine ranks: the post-refit probe, run after the engine committed (None: not run).
         reports: this rank's report of every refit.
     """
 
@@ -124,11 +88,11 @@ class DistributedRefitService:
     alignment: int = DEFAULT_ALIGNMENT
     window: int = 2
     restore: Restore | None = attrs.field(default=None, converter=attrs.converters.optional(Restore))
+    probe: PostRefitProbe | None = None
     reports: list[RefitReport] = attrs.field(factory=list)
     shard_map: ShardMap = attrs.field(init=False)
     _next_id: int = attrs.field(init=False, default=1)
-    _replay: list[Bucket] | None = attrs.field(init=False, default=None)
-    _pool: _BufferPool = attrs.field(init=False)
+    _replay: ReplayCopy = attrs.field(init=False)
     _planner: BucketPlanner = attrs.field(init=False)
     _broken: str | None = attrs.field(init=False, default=None)
 
@@ -141,13 +105,15 @@ class DistributedRefitService:
         if self.trainer is not None and [tuple(x) for x in self.trainer.weight_shapes()] != [tuple(x) for x in self.shapes]:
             raise ConfigError("distributed refit", f"rank {self.rank}: the trainer's weights differ from the model "
                               "the refit was configured with (names or shapes); give every rank the same model")
+        if self.restore is not None and self.engine is not None:
+            self.restore.check(self.engine.commit_mode)
         self.shard_map = ShardMap.build(self.world.layout, self.shapes, self.plan)
-        self._pool = _BufferPool(self.bucket_bytes)
+        self._replay = ReplayCopy.for_buckets(self.bucket_bytes)
         # One planner for every refit: its `window` buffers stay allocated (validated sizes, too).
         # Packed buckets leave the room the transport asks for in front (its lead record: one
-        # message per bucket).
-        self._planner = BucketPlanner(self.bucket_bytes, self.alignment, reuse_buffer=True, buffers=self.window,
-                                      lead_bytes=self.comm.lead_bytes)
+        # message per bucket). The transport copies each bucket out before its buffer is reused.
+        self._planner = Ownership.REUSED.planner(self.bucket_bytes, self.alignment, window=self.window,
+                                                 lead_bytes=self.comm.lead_bytes)
 
     @property
     def rank(self) -> int:
@@ -167,7 +133,7 @@ class DistributedRefitService:
         if self.restore is not None:
             return self.restore
         mode = self.engine.commit_mode if self.engine is not None else CommitMode.TRANSACTIONAL
-        return Restore.REPLAY if mode is CommitMode.TRANSACTIONAL else Restore.STALE
+        return Restore.default(mode, Ownership.OWNED)  # receivers keep their own buffers
 
     def _fingerprint(self, refit_id: int) -> str:
         key = repr((refit_id, self.plan, self.world, tuple(self.shapes), self.bucket_bytes, self.alignment))
@@ -190,185 +156,120 @@ class DistributedRefitService:
         if self._broken is not None:
             raise RefitLifecycleError(f"rank {self.rank}: the refit world is unusable ({self._broken}); restart it")
         refit_id, self._next_id = self._next_id, self._next_id + 1
-        commit_mode = self.engine.commit_mode.value if self.engine is not None else None
-        run = RefitRun(refit_id, describe_plan(self.plan), self.bucket_bytes, commit_mode, PHASES)
-        r = _Rank(run, RankStatus(self.rank, self.role.value, fingerprint=self._fingerprint(refit_id)))
+        tx = self._transaction(refit_id)
+        run = tx.run
         try:
-            run.open()
-            self._begin(r)
-            ok = self._agree(r, "begin")
-            if ok:
-                self._stream(r)
-                ok = self._agree(r, "staged")
-            if ok:
-                run.finalizing()
-                self._finalize(r)
-                ok = self._agree(r, "finalized")
-            if ok:
-                return self._succeeded(r)
-            self._settle(r)
-            statuses = self.comm.agree("settled", r.status)
+            if tx.begin():
+                self._stream(tx)
+            if tx.staged() and tx.commit():
+                report = tx.succeed()  # on every rank: the refit is live on every engine
+                self.reports.append(report)
+                log.info("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
+                return report
+            tx.settle(f"refit {refit_id} failed ({tx.status.error or 'on another rank'})")
+            statuses = tx.settled()
         except Exception as err:  # a timeout, a lost peer, or a bug: peers' positions are unknown
             self._broken = f"{type(err).__name__} at {getattr(err, 'step', run.where)!r}"
-            r.fail(run.where or "collective", err)
-            self._settle(r)
+            tx.fail(run.where or "collective", err)
+            tx.settle(f"refit {refit_id} failed ({tx.status.error})")
             report = run.report()
             self.reports.append(report)
-            if isinstance(err, CollectiveTimeout | PeerLost):
+            if isinstance(err, WORLD_BROKEN):
                 err.report = report
             log.error("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
             raise
-        report = run.report(failure_summary(refit_id, statuses), statuses)
+        report = tx.report(failure_summary(refit_id, statuses))
         self.reports.append(report)
         log.error("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
         raise DistributedRefitFailed(report.error or "", report=report, statuses=statuses)
 
-    def _agree(self, r: _Rank, step: str) -> bool:
-        with r.run.phase("agree", where=f"agreement {step!r}"):
-            statuses = self.comm.agree(step, r.status)
-        if step == "begin":
-            reference = statuses[0].fingerprint
-            odd = [s.rank for s in statuses if s.fingerprint != reference]
-            if odd and self.rank in odd:
-                r.fail("begin", f"configured differently from rank 0 (refit id, plan, layout, model or "
-                       f"bucket size differ on ranks {odd}); start every rank with the same settings")
-            return not odd and all(s.ok for s in statuses)
-        return all(s.ok for s in statuses)
+    def _transaction(self, refit_id: int) -> RefitTransaction:
+        commit_mode = self.engine.commit_mode.value if self.engine is not None else None
+        run = RefitRun(refit_id, describe_plan(self.plan), self.bucket_bytes, commit_mode, PHASES)
+        status = RankStatus(self.rank, self.role.value, fingerprint=self._fingerprint(refit_id))
+        restore = self.restore_policy
+        replay = self._replay if restore is Restore.REPLAY and self.engine is not None else None
+        return RefitTransaction(run, status, self.comm, self.plan, self.engine, restore, replay,
+                                self.probe if self.engine is not None else None)
 
-    def _begin(self, r: _Rank) -> None:
-        if self.engine is None:
-            return
-        try:
-            r.before = begin_engine(self.engine, r.run)
-        except Exception as err:
-            r.fail("begin", err)
-
-    def _stream(self, r: _Rank) -> None:
+    def _stream(self, tx: RefitTransaction) -> None:
         segments = self.shard_map.segments()
         layout = self.world.layout
+        next_index = 0
         for source, units in segments:
             c = layout.coords(source)
             tp = layout.tp_ranks(c.stage, c.ep_rank)
             if self.rank not in tp and self.role is not Role.ENGINE:
                 continue
-            with r.run.phase("agree", where=f"turn of rank {source}"):
-                failed, offset = self.comm.turn(source, r.run.where, not r.status.ok, r.next_index)
+            with tx.run.phase("agree", where=f"turn of rank {source}"):
+                failed, offset = self.comm.turn(source, tx.run.where, not tx.ok, next_index)
             if failed:
                 continue  # a rank already failed: nobody sends more
             if self.rank == source:
-                self._send(r, units, offset, final=source == segments[-1][0])
+                self._send(tx, units, offset, final=source == segments[-1][0])
             elif self.rank in tp:
-                self._serve(r, source, units)
+                self._serve(tx, source, units)
             else:
-                self._receive(r, source)
+                next_index = self._receive(tx, source, next_index)
 
     def _exporter(self) -> ShardExporter:
-        return ShardExporter(self.plan, self.shard_map, self.trainer, self.comm)  # type: ignore[arg-type]
+        assert self.trainer is not None  # trainer ranks only (the role was checked at construction)
+        return ShardExporter(self.plan, self.shard_map, self.trainer, self.comm)
 
-    def _send(self, r: _Rank, units: Sequence[ExportUnit], offset: int, final: bool) -> None:
+    def _send(self, tx: RefitTransaction, units: Sequence[ExportUnit], offset: int, final: bool) -> None:
         exporter = self._exporter()
         gen = exporter.stream(units)
         clock = StageClock()
         packed = self._planner.pack(clock.timed("export", gen))
         buckets = _numbered(exporter, clock.timed("pack", packed), offset, final)
         stats = None
+        run = tx.run
         try:
-            stats = self.comm.transport(self.rank, r.run.refit_id).send(_counted(r.run, buckets))
-        except (CollectiveTimeout, PeerLost):
+            stats = self.comm.transport(self.rank, run.refit_id).send(_counted(run, buckets))
+        except WORLD_BROKEN:
             raise
         except Exception as err:
-            r.fail(exporter.where, err)
+            tx.fail(exporter.where, err)
         finally:
             gen.close()  # an unfinished export tells its TP peers to stop
-            r.run.source_bytes += exporter.source_bytes
-            r.run.add_times(clock.exclusive(("export", "pack")))
+            run.source_bytes += exporter.source_bytes
+            run.add_times(clock.exclusive(("export", "pack")))
             if stats is not None:
-                r.run.bytes_sent, r.run.buckets = stats.payload_bytes, stats.buckets
-                r.run.add_times({"stream": stats.seconds, "wire": stats.blocked_seconds})
+                run.bytes_sent, run.buckets = stats.payload_bytes, stats.buckets
+                run.add_times({"stream": stats.seconds, "wire": stats.blocked_seconds})
 
-    def _serve(self, r: _Rank, source: int, units: Sequence[ExportUnit]) -> None:
+    def _serve(self, tx: RefitTransaction, source: int, units: Sequence[ExportUnit]) -> None:
         exporter = self._exporter()
         try:
-            with r.run.phase("export"):
+            with tx.run.phase("export"):
                 exporter.serve(source, units)
-        except (CollectiveTimeout, PeerLost):
+        except WORLD_BROKEN:
             raise
         except Exception as err:
-            r.fail(exporter.where, err)
+            tx.fail(exporter.where, err)
         finally:
-            r.run.source_bytes += exporter.source_bytes
+            tx.run.source_bytes += exporter.source_bytes
 
-    def _receive(self, r: _Rank, source: int) -> None:
-        keep = self.restore_policy is Restore.REPLAY
-        engine = self.engine
-        assert engine is not None  # engine ranks only (the role was checked at construction)
+    def _receive(self, tx: RefitTransaction, source: int, next_index: int) -> int:
+        """Receive one source's buckets into the engine; returns the next bucket index."""
+        keep = tx.keeps_buckets
+        run = tx.run
 
         def consume(bucket: Bucket) -> None:
-            r.run.where = f"bucket {bucket.index}"
-            if keep:  # our own buffer, kept until the next refit succeeds: the engine may stage views
-                bucket = attrs.evolve(bucket, retained=True)
-            engine.load_bucket(bucket)
-            r.next_index, r.run.tensors = bucket.index + 1, r.run.tensors + len(bucket.metas)
-            if keep:  # received into a buffer of our own: kept for a replay if a later step fails
-                r.incoming.append(bucket)
+            nonlocal next_index
+            run.where = f"bucket {bucket.index}"
+            tx.load(bucket if not keep else attrs.evolve(bucket, retained=True), owned=keep)
+            next_index = bucket.index + 1
 
         try:
-            stats = self.comm.transport(source, r.run.refit_id).receive(consume, self._pool.take if keep else None)
-            r.run.buckets += stats.buckets
-            r.run.bytes_sent += stats.payload_bytes
-            r.run.add_times({"stream": stats.seconds, "wire": stats.blocked_seconds, "load": stats.consume_seconds})
-        except (CollectiveTimeout, PeerLost):
+            stats = self.comm.transport(source, run.refit_id).receive(consume, tx.replay.allocate if keep and tx.replay
+                                                                     else None)
+            run.add_times({"stream": stats.seconds, "wire": stats.blocked_seconds, "load": stats.consume_seconds})
+        except WORLD_BROKEN:
             raise
         except Exception as err:
-            r.fail(r.run.where if r.run.where.startswith("bucket") else f"bucket {r.next_index}", err)
-
-    def _finalize(self, r: _Rank) -> None:
-        if self.engine is None or r.before is None:
-            return
-        try:
-            commit_engine(self.engine, r.run, r.before)
-        except Exception as err:
-            r.fail(r.run.where, err)
-
-    # --- endings ---------------------------------------------------------------------------
-
-    def _settle(self, r: _Rank) -> None:
-        """After a failure anywhere: leave this engine with its previous weights, or stale."""
-        if self.engine is None:
-            return
-        self._pool.give(r.incoming)  # this refit's bytes will not be replayed
-        r.incoming = []
-        reason = f"refit {r.run.refit_id} failed ({r.status.error or 'on another rank'})"
-        state = settle_engine(self.engine, r.run, reason, lambda engine, _run, why: self._replay_previous(engine, r, why))
-        r.status = attrs.evolve(r.status, engine=state)
-
-    def _replay_previous(self, engine: RolloutEngine, r: _Rank, reason: str) -> EngineState | None:
-        """Bring back the previous refit's weights by replaying its buckets; None: cannot (stale)."""
-        if self.restore_policy is Restore.STALE or self._replay is None:
-            return None
-        try:
-            engine.begin_refit(r.run.refit_id)
-            for bucket in self._replay:
-                engine.load_bucket(bucket)
-            engine.finalize_refit()
-        except Exception as err:
-            engine.abort_refit(f"replay failed: {err}")
-            engine.mark_stale(f"{reason}; replaying the previous refit failed: {err}")
-            return EngineState.STALE
-        if r.before is not None and r.before.differences(engine.storage_fingerprint()):
-            engine.mark_stale(f"{reason}; the replay rebound captured storage")
-            return EngineState.STALE
-        return EngineState.RESTORED
-
-    def _succeeded(self, r: _Rank) -> RefitReport:
-        r.run.live()  # on every rank: the refit is live on every engine
-        if self.engine is not None and self.restore_policy is Restore.REPLAY:
-            self._pool.give(self._replay or [])
-            self._replay, r.incoming = r.incoming, []
-        report = r.run.report()
-        self.reports.append(report)
-        log.info("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
-        return report
+            tx.fail(run.where if run.where.startswith("bucket") else f"bucket {next_index}", err)
+        return next_index
 
 
 def _numbered(exporter: ShardExporter, buckets: Iterable[Bucket], offset: int, final: bool) -> Iterator[Bucket]:

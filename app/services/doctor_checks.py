@@ -11,7 +11,8 @@ import enum
 
 import attrs
 
-from domain.environment import PINNED_ENGINES, EnvironmentSnapshot, parse_version, version_at_least
+from adapters.profiles import PINNED_ENGINES
+from domain.environment import EnvironmentSnapshot, parse_version, version_at_least
 from domain.quant.backend_policy import MIN_CAPABILITY
 
 MIN_PYTHON = (3, 11)
@@ -150,7 +151,7 @@ def vllm_cpu_checks(env: EnvironmentSnapshot) -> list[Check]:
     """Which formats vLLM's CPU build serves here: with vLLM's own kernel, with the matmul emulated
     (the vLLM adapter's CPU emulation plugin), or not (vLLM's reason). Empty when no vLLM
     environment was probed."""
-    found = env.vllm_cpu_kernels
+    found = env.engine_cpu_kernels
     if found is None:
         return []
     area = "rollout kernels (vLLM CPU)"

@@ -37,7 +37,7 @@ from app.services.mismatch_probe import response_mask, token_batch
 from domain.errors import CollectiveTimeout, DistributedRefitFailed, PeerLost
 from domain.mismatch import mismatch_metrics
 from domain.quant.plan import QuantizationPlan
-from domain.refit.sharding import RefitWorld
+from domain.refit.topology import RefitWorld
 
 if TYPE_CHECKING:
     from app.bootstrap import Services

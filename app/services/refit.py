@@ -1,10 +1,12 @@
 """RefitService: trainer weights -> quantized checkpoint tensors -> buckets -> engine lifecycle.
 
-One call to `refit()` runs a whole refit in this process: it opens the refit on the engine,
+One call to `refit()` runs a whole refit in this process, as one RefitTransaction
+(app.services.transaction) with the agreement of a single side: it opens the refit on the engine,
 streams the trainer's weights through the quantizer and the bucket planner into the engine,
-finalizes once, checks that no captured live tensor was rebound, and returns the RefitReport. On
-any failure the engine is settled (it keeps its previous weights, or is marked stale) and
-RefitFailed carries the report. One canonical log line per refit.
+finalizes once, audits what the engine wrote, checks that no captured live tensor was rebound,
+runs the post-refit probe, and returns the RefitReport. On any failure the engine is settled (it
+keeps its previous weights, is restored from the previous refit's buckets, or is marked stale)
+and RefitFailed carries the report. One canonical log line per refit.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import attrs
 import structlog
 import torch
 
-from app.services.lifecycle import begin_engine, commit_engine, describe_plan, settle_engine
-from app.services.verification import PostRefitProbe, require
+from app.services.transaction import Alone, Ownership, RefitTransaction, ReplayCopy, Restore, describe_plan
+from app.services.verification import PostRefitProbe
 from domain.errors import ConfigError, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
-from domain.refit.buckets import DEFAULT_ALIGNMENT, BucketPlanner
-from domain.refit.delta_sync import DeltaSender
+from domain.refit.buckets import DEFAULT_ALIGNMENT
+from domain.refit.delta_sync import DeltaBase, DeltaSender
 from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.run import RefitRun, StageClock
+from domain.refit.status import EngineState, RankStatus
+from domain.refit.topology import Role
 from ports.delta_engine import DeltaEngine
 from ports.rollout_engine import RolloutEngine
 from ports.trainer_model import TrainerModel
@@ -43,11 +47,15 @@ class RefitService:
         plan: the rollout quantization plan (BF16 = send the weights as they are).
         bucket_bytes: capacity of one bucket.
         alignment: byte alignment of every tensor in a bucket.
-        reuse_buffer: pack every bucket into one sender buffer (memory: one bucket).
-        by_reference: the engine lives in this process: hand it the exported tensors themselves,
-            grouped into buckets but never packed (`Bucket.tensors`, retained until the refit
-            ends). An engine that stages by reference then copies each byte once, into its live
-            tensors; others copy in `load_bucket`. False: pack each bucket into a buffer.
+        ownership: who owns the buckets' memory. BY_REFERENCE (the engine lives in this process):
+            hand it the exported tensors themselves, grouped into buckets but never packed
+            (retained until the refit ends); an engine that stages by reference then copies each
+            byte once, into its live tensors. REUSED: pack every bucket into one sender buffer
+            (memory: one bucket), for an engine whose transport copies the bytes out (an engine in
+            processes of its own). OWNED: a buffer per bucket, valid until the refit ends.
+        restore: what brings the engine back when a refit fails after it lost its weights; None:
+            `Restore.default` (the engine's own backup for transactional engines, stale for
+            per-layer ones). REPLAY keeps the last live refit's buckets on the host.
         progress: called after every bucket with (source bytes so far, total), e.g. a progress
             bar the CLI draws; None: nothing is reported.
         probe: the post-refit probe (the engine's log-probs against a reference after each
@@ -62,75 +70,94 @@ class RefitService:
     plan: QuantizationPlan = attrs.field(factory=QuantizationPlan.bf16)
     bucket_bytes: int = 64 << 20
     alignment: int = DEFAULT_ALIGNMENT
-    reuse_buffer: bool = True
-    by_reference: bool = True
+    ownership: Ownership = attrs.field(default=Ownership.BY_REFERENCE, converter=Ownership)
+    restore: Restore | None = attrs.field(default=None, converter=attrs.converters.optional(Restore))
     progress: Progress | None = None
     probe: PostRefitProbe | None = None
     delta: DeltaSender | None = None
     reports: list[RefitReport] = attrs.field(factory=list)
     _next_id: int = attrs.field(init=False, default=1)
+    _replay: ReplayCopy | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        BucketPlanner(self.bucket_bytes, self.alignment)  # validate the sizes now, not mid-refit
-        if self.delta is not None and not isinstance(self.engine, DeltaEngine):
-            raise ConfigError("rollout.checkpoint_engine.backend", f"layout_delta needs an engine with a delta "
-                              f"receiver (reference, vllm); {type(self.engine).__name__} has none: use 'naive'")
+        self.ownership.planner(self.bucket_bytes, self.alignment)  # validate the sizes now, not mid-refit
+        if self.restore is not None:
+            self.restore.check(self.engine.commit_mode)
+        if self.delta is not None:
+            key = "rollout.checkpoint_engine.backend"
+            if not isinstance(self.engine, DeltaEngine):
+                raise ConfigError(key, f"layout_delta needs an engine with a delta receiver (reference, vllm); "
+                                  f"{type(self.engine).__name__} has none: use 'naive'")
+            if self.restore_policy is Restore.REPLAY:  # the previous refit's records need the dropped copies
+                raise ConfigError(key, "layout_delta cannot restore by replaying the previous refit's buckets "
+                                  "(they hold deltas); use rollout.checkpoint_engine.restore: engine or stale")
+
+    @property
+    def restore_policy(self) -> Restore:
+        """The restore in force (the configured one, or the default for the engine's commit mode)."""
+        return self.restore if self.restore is not None else Restore.default(self.engine.commit_mode, self.ownership)
 
     def refit(self) -> RefitReport:
         """Run one full refit.
 
         Returns:
-            The RefitReport of a refit that is LIVE (committed and storage-checked).
+            The RefitReport of a refit that is LIVE (committed, audited, storage-checked, probed).
 
         Raises:
             RefitFailed: carrying the report (outcome ROLLED_BACK or STALE), the cause chained.
         """
         refit_id, self._next_id = self._next_id, self._next_id + 1
         log = structlog.get_logger().bind(refit_id=refit_id, plan=describe_plan(self.plan))
-        run = RefitRun(refit_id, describe_plan(self.plan), self.bucket_bytes, self.engine.commit_mode.value, PHASES)
+        tx = self._transaction(refit_id)
         clock = StageClock()
-        try:
-            run.open()
-            if self.delta is not None:  # full or delta, from the engine's base copy
-                self.delta.begin(self.engine.delta_base())  # type: ignore[attr-defined]
-            before = begin_engine(self.engine, run)
-            self._stream(run, clock)
-            run.finalizing()
-            commit_engine(self.engine, run, before)
-            if self.probe is not None:
-                with run.phase("verify", where="probe"):
-                    run.probe = self.probe.measure(self.engine, self.plan)
-                require(run.probe, refit_id)
-            run.live()
+        if self.delta is not None:  # full or delta, from the engine's copy (asked before it begins)
+            self.delta.begin(self._delta_base())
+        if tx.begin():
+            with tx.guard():
+                self._stream(tx, clock)
+        tx.run.add_times(clock.exclusive(self._stages()))
+        if tx.staged() and tx.commit():
             if self.delta is not None:
                 self.delta.commit()
-        except Exception as err:
-            run.add_times(clock.exclusive(self._stages()))
-            run.fail(run.where, err)
-            if self.delta is not None:
-                self.delta.discard(run.error or "")
-            settle_engine(self.engine, run, run.error or "")
-            report = self._failed(run)
-            log.error("refit", **report.log_fields())
-            raise RefitFailed(report.error or "", report=report) from err
-        run.add_times(clock.exclusive(self._stages()))
-        report = self._with_delta(run.report())
+            report = self._with_delta(tx.succeed())
+            self.reports.append(report)
+            log.info("refit", **report.log_fields())
+            return report
+        run = tx.run
+        tx.settle(run.error or "")
+        tx.settled()
+        if self.delta is not None:
+            self.delta.discard(run.error or "")
+        state = (
+            "the engine is stale and refuses to serve until a full refit succeeds"
+            if run.outcome() is RefitOutcome.STALE else
+            "the engine's previous weights were restored, bit for bit"
+            if run.engine is EngineState.RESTORED else "the engine kept its previous weights, bit for bit"
+        )
+        report = self._with_delta(tx.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}"))
         self.reports.append(report)
-        log.info("refit", **report.log_fields())
-        return report
+        log.error("refit", **report.log_fields())
+        raise RefitFailed(report.error or "", report=report) from tx.cause
 
-    def _stream(self, run: RefitRun, clock: StageClock) -> None:
+    def _transaction(self, refit_id: int) -> RefitTransaction:
+        restore = self.restore_policy
+        if restore is Restore.REPLAY and self._replay is None:
+            self._replay = ReplayCopy.for_buckets(self.bucket_bytes)
+        run = RefitRun(refit_id, describe_plan(self.plan), self.bucket_bytes, self.engine.commit_mode.value, PHASES)
+        return RefitTransaction(run, RankStatus(0, Role.ENGINE), Alone(), self.plan, self.engine, restore,
+                                self._replay if restore is Restore.REPLAY else None, self.probe)
+
+    def _stream(self, tx: RefitTransaction, clock: StageClock) -> None:
+        run = tx.run
         run.where = "export"
         total = self._total_bytes()
         exported = clock.timed("export", self._counted(run, self.trainer.named_weights()))
         quantized = clock.timed("quantize", quantize_stream(self.plan, exported))
         if self.delta is not None:
             quantized = clock.timed("delta", self.delta.stage(quantized))
-        planner = BucketPlanner(self.bucket_bytes, self.alignment, self.reuse_buffer, by_reference=self.by_reference)
+        planner = self.ownership.planner(self.bucket_bytes, self.alignment)
         for bucket in clock.timed("pack", planner.pack(quantized)):
-            with run.phase("load", where=f"bucket {bucket.index}"):
-                self.engine.load_bucket(bucket)  # returns once the engine copied the bucket or kept views
-            run.count(bucket)
+            tx.load(bucket, owned=self.ownership is Ownership.OWNED)
             if self.progress is not None:
                 self.progress(run.source_bytes, total)
             del bucket  # the engine keeps what it needs; the next bucket is built without this one
@@ -144,20 +171,20 @@ class RefitService:
     def _stages(self) -> tuple[str, ...]:
         return ("export", "quantize", "delta", "pack") if self.delta is not None else ("export", "quantize", "pack")
 
+    def _delta_base(self) -> DeltaBase:
+        """The engine's delta copy; an engine that cannot say gets a full refit."""
+        try:
+            return self.engine.delta_base()  # type: ignore[attr-defined]
+        except Exception as err:
+            structlog.get_logger().warning("the engine's delta base is unknown; a full refit",
+                                           error=f"{type(err).__name__}: {err}")
+            return DeltaBase()
+
     def _with_delta(self, report: RefitReport) -> RefitReport:
         if self.delta is None:
             return report
-        return attrs.evolve(report, delta=self.delta.report(self.engine.delta_base()))  # type: ignore[attr-defined]
+        return attrs.evolve(report, delta=self.delta.report(self._delta_base()))
 
     def _total_bytes(self) -> int:
         num_bytes = getattr(self.trainer, "num_bytes", None)
         return int(num_bytes()) if callable(num_bytes) else 0
-
-    def _failed(self, run: RefitRun) -> RefitReport:
-        state = (
-            "the engine is stale and refuses to serve until a full refit succeeds"
-            if run.outcome() is RefitOutcome.STALE else "the engine kept its previous weights, bit for bit"
-        )
-        report = self._with_delta(run.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}"))
-        self.reports.append(report)
-        return report

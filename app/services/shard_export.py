@@ -26,6 +26,7 @@ import torch
 from domain.errors import CollectiveTimeout, PeerFailed, PeerLost, ShardingError
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
+from domain.refit.shard_map import ExportUnit, Placement, ShardMap
 from domain.refit.shard_quant import (
     checkpoint_items,
     concat_shards,
@@ -36,7 +37,6 @@ from domain.refit.shard_quant import (
     quantize_shard,
     unflatten_piece,
 )
-from domain.refit.sharding import ExportUnit, Placement, ShardMap
 from ports.refit_collectives import RefitCollectives
 from ports.sharded_trainer import ShardedTrainerModel
 

@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from domain.errors import InvalidPackedBoundaries, PackedGdnDeterministic
+from domain.keys import key as config_key
 
 CU_SEQLENS_Q = "cu_seqlens_q"
 CU_SEQLENS_Q_PADDED = "cu_seqlens_q_padded"
@@ -263,6 +264,6 @@ def reject_packed_deterministic(deterministic_mode: bool, *, layer: str = "Gated
         raise PackedGdnDeterministic(
             f"{layer}: packed (thd) sequences cannot run with deterministic_mode=True: the deterministic "
             "GDN fallback (torch conv1d and chunked gated delta rule) is not varlen-aware, so samples "
-            "would leak into each other. Set actor.megatron.override_transformer_config.deterministic_mode"
+            f"would leak into each other. Set {config_key('te', 'deterministic_mode')}"
             "=false, or turn sequence packing off (padded bshd batches, e.g. use_remove_padding=false)."
         )

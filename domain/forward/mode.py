@@ -12,8 +12,9 @@ import enum
 import attrs
 
 from domain.errors import FusedForwardModeError, FusedHookUnavailable
+from domain.keys import key
 
-CONFIG_KEY = "actor.fused_forward"
+CONFIG_KEY = key("actor", "fused_forward")
 ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
 
 

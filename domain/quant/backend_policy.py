@@ -1,29 +1,25 @@
 """Backend policy (ARCHITECTURE.md section 5): which kernels a rollout engine is asked to use.
 
-A pure function of (engine, plan, layout, GPU capability, opt-out) that returns a BackendDecision:
-one choice per role (dense Linear layers, routed experts), engine-specific switches, and the
-reason for each, in words (what `refit plan` and docs/engines.md show). The choices follow what
-the pinned engines' code does with each cell of the support matrix (domain.quant.support):
-
-vLLM: DeepGEMM for FP8 block (W8A8, both roles) and MXFP8 experts, where the engine honours it.
-MXFP8 and MXFP4 Linear layers have no DeepGEMM kernel, compressed-tensors MXFP4 experts ignore
-`moe_backend` (W4A4) or would compute FP8 1x128 activations under DeepGEMM (W4A8), and NVFP4 is
-served weight-only: all automatic. On Hopper, FP8 block weights with FP32 checkpoint scales turn
-DeepGEMM's E8M0 scale packing off (packing rounds every scale to a power of two); on Blackwell
-DeepGEMM requantizes them to power-of-two scales at load and the decision says so.
-SGLang: DeepGEMM for FP8 block Linear layers and for the experts of its native layouts; its
-compressed-tensors FP8 experts have no DeepGEMM runner (Triton, automatic) and NVFP4 runs FP4 Marlin.
-DeepGEMM is never requested when the GPU's capability is unknown. Capability gates: FP8 block
-needs SM90+, MX formats and NVFP4 need SM100+. The opt-out restores automatic selection.
+A pure function of (engine policy, plan, layout, GPU capability, opt-out) that returns a
+BackendDecision: one choice per role (dense Linear layers, routed experts), engine-specific
+switches, and the reason for each, in words (what `refit plan` and docs/engines.md show). What
+each engine does with each cell of its support table is its own BackendPolicy, written by its
+adapter's profile (adapters/<engine>/profile.py); this module holds the decision's types, the
+capability gates and the steps every engine shares: BF16 and the opt-out choose nothing,
+DeepGEMM is never requested when the GPU's capability is unknown, and the E8M0 rule for FP8 block
+weights with FP32 checkpoint scales. Capability gates: FP8 block needs SM90+, MX formats and
+NVFP4 need SM100+. The opt-out restores automatic selection.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import attrs
 
-from domain.errors import ConfigError, GpuCapabilityTooLow
+from domain.errors import GpuCapabilityTooLow
+from domain.keys import key
 from domain.quant.formats import (
     FP8_BLOCK,
     MXFP4,
@@ -34,13 +30,10 @@ from domain.quant.formats import (
     ScaleEncoding,
 )
 from domain.quant.plan import QuantizationPlan
+from domain.quant.support import is_engine_native
 
 AUTO = "auto"
 DEEP_GEMM = "deep_gemm"
-POLICY_ENGINES = ("vllm", "sglang")
-# Layouts served through the engine's own Fp8Config (`quant_method: fp8` / `mxfp8`) rather than
-# its compressed-tensors schemes (dispatch.layout_for).
-NATIVE_LAYOUTS = ("native-fp8", "sglang-mxfp8")
 # The oldest GPU (compute capability) that has kernels for each preset.
 MIN_CAPABILITY: dict[str, tuple[int, int]] = {
     FP8_BLOCK.name: (9, 0),
@@ -49,7 +42,7 @@ MIN_CAPABILITY: dict[str, tuple[int, int]] = {
     NVFP4.name: (10, 0),
 }
 _ARCH = {(9, 0): "Hopper (SM90)", (10, 0): "Blackwell (SM100)"}
-_ROLE_KEY = {"linear": "rollout.quantization.linear", "moe": "rollout.quantization.moe"}
+_ROLE_KEY = {role: key("quantization", role) for role in ("linear", "moe")}
 
 
 # The two roles a rollout engine picks kernels for: dense Linear layers and routed experts.
@@ -80,7 +73,7 @@ class BackendDecision:
     """What the policy decided for one engine and plan.
 
     Attributes:
-        engine: "vllm" or "sglang".
+        engine: the engine's name (rollout.name).
         linear: the dense layers' backend.
         moe: the routed experts' backend.
         deep_gemm_e8m0: False when DeepGEMM's E8M0 scale packing must be off; None = engine default.
@@ -148,56 +141,52 @@ def check_capability(plan: QuantizationPlan, capability: tuple[int, int] | None)
 _NO_CAPABILITY = "GPU capability unknown: DeepGEMM not requested, the engine selects automatically"
 
 
-def _deep_gemm(role: KernelRole, reason: str, cap: tuple[int, int] | None) -> BackendChoice:
-    # Requesting a kernel the GPU may not have fails at start-up: only with a known capability.
+def deep_gemm(role: KernelRole, reason: str, cap: tuple[int, int] | None) -> BackendChoice:
+    """DeepGEMM for a role, when the GPU's capability is known; else the engine's automatic choice.
+
+    Args:
+        role: "linear" or "moe".
+        reason: why DeepGEMM, in words.
+        cap: the GPU's compute capability, or None when unknown.
+
+    Returns:
+        The choice: requesting a kernel the GPU may not have fails at start-up, so only with a
+        known capability.
+    """
     return BackendChoice(role, DEEP_GEMM, reason) if cap is not None else BackendChoice(role, AUTO, _NO_CAPABILITY)
 
 
-def _vllm_role(role: KernelRole, fmt: PrecisionFormat, act: ActivationScheme,
-               cap: tuple[int, int] | None) -> BackendChoice:
-    if fmt.name == FP8_BLOCK.name:
-        if act is ActivationScheme.NONE:
-            return BackendChoice(role, AUTO, "FP8_BLOCK weight-only (W8A16): DeepGEMM has no W8A16 kernel; vLLM "
-                                             "picks Humming or Marlin")
-        return _deep_gemm(role, "FP8_BLOCK: DeepGEMM, the kernels training's numerics match", cap)
-    if fmt.name == MXFP8.name:
-        if role == "moe":
-            return _deep_gemm(role, "MXFP8 experts: DeepGEMM (MXFP8 1x32 activations)", cap)
-        return BackendChoice(role, AUTO, "MXFP8 Linear has no DeepGEMM kernel: automatic choice")
-    if fmt.name == MXFP4.name:
-        if role == "linear":
-            return BackendChoice(role, AUTO, "MXFP4 Linear has no DeepGEMM kernel: automatic choice (FlashInfer "
-                                             "MXFP4 on SM100)")
-        if act is ActivationScheme.MXFP8:
-            return BackendChoice(role, AUTO, "W4A8 experts: automatic choice puts TRT-LLM MXFP4 x MXFP8 first; "
-                                             "DeepGEMM would compute FP8 1x128 activations instead of MXFP8")
-        return BackendChoice(role, AUTO, "MXFP4 experts: vLLM ignores moe_backend=deep_gemm here and runs CUTLASS "
-                                         "MXFP4 x MXFP4 where the GPU has it")
-    return BackendChoice(role, AUTO, f"{fmt.name} weight-only: vLLM's W4A16 kernels (FlashInfer TRT-LLM has none)")
+# An engine's choice for one quantized role: (role, preset, activations, engine-native layout,
+# GPU capability) -> the choice.
+RoleChooser = Callable[[KernelRole, PrecisionFormat, ActivationScheme, bool, tuple[int, int] | None], BackendChoice]
 
 
-def _sglang_role(role: KernelRole, fmt: PrecisionFormat, native: bool, cap: tuple[int, int] | None) -> BackendChoice:
-    if fmt.name == NVFP4.name:
-        return BackendChoice(role, AUTO, "NVFP4 weight-only: left to SGLang (FP4 Marlin, FlashInfer for Linear "
-                                         "layers on SM100; the expert scheme always runs the Marlin runner)")
-    if fmt.name == MXFP4.name or (fmt.name == MXFP8.name and not native):
-        return BackendChoice(role, AUTO, f"{fmt.name} as compressed-tensors is not served by SGLang (see the "
-                                         "support matrix): nothing requested")
-    if role == "moe" and not native:
-        return BackendChoice(role, AUTO, "compressed-tensors FP8 experts have no DeepGEMM runner in SGLang: "
-                                         "automatic choice (Triton)")
-    return _deep_gemm(role, f"{fmt.name}: DeepGEMM pinned", cap)
+@attrs.frozen
+class BackendPolicy:
+    """One engine's backend policy (built by its adapter's profile).
+
+    Attributes:
+        engine: the engine's name (rollout.name).
+        choose: the choice for one quantized role, opt-out not set (see RoleChooser).
+        hopper_e8m0_off: turn DeepGEMM's E8M0 scale packing off for FP8 block weights with FP32
+            scales on Hopper (SM90).
+        ue8m0_where: the engine code that requantizes FP8 block weights to power-of-two scales
+            under DeepGEMM on Blackwell (SM100, SM120), cited in the decision's note.
+    """
+
+    engine: str
+    choose: RoleChooser
+    hopper_e8m0_off: bool = False
+    ue8m0_where: str = ""
 
 
-def _choose(engine: str, role: KernelRole, fmt: PrecisionFormat, act: ActivationScheme, native: bool,
+def _choose(policy: BackendPolicy, role: KernelRole, fmt: PrecisionFormat, act: ActivationScheme, native: bool,
             cap: tuple[int, int] | None, opted_out: bool) -> BackendChoice:
     if not fmt.is_quantized:
         return BackendChoice(role, AUTO, "BF16: nothing quantized to choose a kernel for")
     if opted_out:
         return BackendChoice(role, AUTO, "DeepGEMM opt-out: the engine selects automatically")
-    if engine == "vllm":
-        return _vllm_role(role, fmt, act, cap)
-    return _sglang_role(role, fmt, native, cap)
+    return policy.choose(role, fmt, act, native, cap)
 
 
 def _fp8_block_w8a8(plan: QuantizationPlan) -> bool:
@@ -205,26 +194,25 @@ def _fp8_block_w8a8(plan: QuantizationPlan) -> bool:
                for f, a in ((plan.linear, plan.effective_linear_activation), (plan.moe, plan.effective_moe_activation)))
 
 
-def _e8m0(engine: str, plan: QuantizationPlan, cap: tuple[int, int] | None) -> tuple[bool | None, list[str]]:
-    """DeepGEMM's power-of-two scales: off on vLLM/Hopper; said where the engine requantizes anyway."""
+def _e8m0(policy: BackendPolicy, plan: QuantizationPlan, cap: tuple[int, int] | None) -> tuple[bool | None, list[str]]:
+    """DeepGEMM's power-of-two scales: off where the engine's policy says; said where it requantizes anyway."""
     if not _fp8_block_w8a8(plan):
         return None, []
     if cap is None:
         return None, ["GPU capability unknown: the E8M0 rule is not applied; if the engine's own choice runs "
                       "FP8_BLOCK on DeepGEMM with E8M0 scales, it requantizes them to powers of two"]
-    if engine == "vllm" and cap[0] == 9:
+    if policy.hopper_e8m0_off and cap[0] == 9:
         return False, ["E8M0 scale packing off: Hopper FP8 block with FP32 checkpoint scales (packing would "
                        "round the scales to powers of two)"]
     if cap[0] in (10, 12):
-        where = ("vllm 0.33.0 vllm/model_executor/layers/quantization/utils/fp8_utils.py:1213-1214" if engine == "vllm"
-                 else "sglang 0.5.23 sglang/srt/layers/quantization/fp8_utils.py:2147-2181")
         return None, [f"FP8_BLOCK on SM{cap[0]}{cap[1]}: DeepGEMM requantizes the weights and block scales to "
-                      f"power-of-two (UE8M0) scales at load ({where}); the served bytes are not the exported ones"]
+                      f"power-of-two (UE8M0) scales at load ({policy.ue8m0_where}); the served bytes are not the "
+                      "exported ones"]
     return None, []
 
 
 def decide_backends(
-    engine: str,
+    policy: BackendPolicy,
     plan: QuantizationPlan,
     capability: tuple[int, int] | None = None,
     *,
@@ -234,27 +222,25 @@ def decide_backends(
     """Choose the kernel backends for a rollout engine.
 
     Args:
-        engine: "vllm" or "sglang" (rollout.name).
+        policy: the engine's backend policy (its adapter profile's).
         plan: the resolved rollout quantization plan.
         capability: the GPU's compute capability (major, minor), or None when unknown (then
             DeepGEMM is never requested).
         opt_out: restore automatic selection everywhere
-            (`rollout.engine_kwargs.vllm.use_deep_gemm: false` or `VERL_ROLLOUT_USE_DEEP_GEMM=0`).
+            (`rollout.engine_kwargs.<engine>.use_deep_gemm: false` or `VERL_ROLLOUT_USE_DEEP_GEMM=0`).
         layout: the resolution's checkpoint layout; None reads it from the plan (scales named
             `weight_scale_inv` are the engine's native Fp8Config layouts).
 
     Returns:
         The BackendDecision with its reasons. Raises GpuCapabilityTooLow when the GPU lacks the
-        kernels of a preset the plan uses, and ConfigError for an engine without a policy.
+        kernels of a preset the plan uses.
     """
-    if engine not in POLICY_ENGINES:
-        raise ConfigError("rollout.name", f"no backend policy for {engine!r}; engines with one: vllm, sglang")
     notes = check_capability(plan, capability)
     cap = None if capability is None else (int(capability[0]), int(capability[1]))
-    native = layout in NATIVE_LAYOUTS if layout is not None else plan.scale_name == "weight_scale_inv"
-    linear = _choose(engine, "linear", plan.linear, plan.effective_linear_activation, native, cap, opt_out)
-    moe = _choose(engine, "moe", plan.moe, plan.effective_moe_activation, native, cap, opt_out)
-    e8m0, e8m0_notes = _e8m0(engine, plan, cap)
+    native = is_engine_native(layout) if layout is not None else plan.scale_name == "weight_scale_inv"
+    linear = _choose(policy, "linear", plan.linear, plan.effective_linear_activation, native, cap, opt_out)
+    moe = _choose(policy, "moe", plan.moe, plan.effective_moe_activation, native, cap, opt_out)
+    e8m0, e8m0_notes = _e8m0(policy, plan, cap)
     if opt_out and plan.is_quantized:
         notes.append("opt-out: DeepGEMM is not requested; the engine chooses every kernel")
-    return BackendDecision(engine, linear, moe, e8m0, cap, opt_out, tuple(notes + e8m0_notes))
+    return BackendDecision(policy.engine, linear, moe, e8m0, cap, opt_out, tuple(notes + e8m0_notes))

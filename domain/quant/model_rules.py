@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import attrs
 
 from domain.errors import BoundaryLayersMismatch, FusedGroupSplit, NonDivisibleTensors, QatModeMismatch
+from domain.keys import key
 from domain.quant import naming
 from domain.quant.plan import QuantizationPlan, TensorDecision
 
@@ -32,9 +33,9 @@ def check_qat_ignore(plan: QuantizationPlan, shapes: Shapes, qat_ignore: Sequenc
     if bad:
         entries = sorted({e for _, e in bad})
         raise QatModeMismatch(
-            f"actor.megatron.qat.ignore_patterns {entries} keep {len(bad)} tensor(s) in BF16 during training "
+            f"{key('qat', 'ignore_patterns')} {entries} keep {len(bad)} tensor(s) in BF16 during training "
             f"(e.g. {bad[0][0]}) but the rollout quantizes them; add the same entries to "
-            "rollout.quantization.ignore"
+            f"{key('quantization', 'ignore')}"
         )
 
 
@@ -75,7 +76,7 @@ def check_boundary_layers(plan: QuantizationPlan, shapes: Shapes, training_bf16:
         entry = layer_ignore_entry(sorted(training_bf16))
         raise BoundaryLayersMismatch(
             f"training keeps layers {sorted(training_bf16)} in BF16 (first_last_layers_bf16) but the rollout "
-            f"quantizes layers {quantized}; add {entry!r} to rollout.quantization.ignore, or turn "
+            f"quantizes layers {quantized}; add {entry!r} to {key('quantization', 'ignore')}, or turn "
             "first_last_layers_bf16 off"
         )
 
@@ -99,7 +100,7 @@ def check_fused_groups(plan: QuantizationPlan, shapes: Shapes) -> None:
         if len(set(members.values())) > 1:
             kept = sorted(m for m, q in members.items() if not q)
             raise FusedGroupSplit(
-                f"rollout.quantization.ignore keeps {kept} in BF16 but not the rest of fused group {group!r} "
+                f"{key('quantization', 'ignore')} keeps {kept} in BF16 but not the rest of fused group {group!r} "
                 f"({sorted(members)}); engines load these as one layer: ignore all of them or none"
             )
 
@@ -133,7 +134,7 @@ def check_divisible(decision: TensorDecision, shape: tuple[int, ...]) -> None:
     pattern = misaligned_pattern(module)
     raise NonDivisibleTensors(
         f"tensor {decision.name!r} has K={shape[-1]}, not a multiple of {fmt.k_multiple} "
-        f"({fmt.name} blocks along K); keep it in BF16 with rollout.quantization.ignore: {naming.yaml_list([pattern])}",
+        f"({fmt.name} blocks along K); keep it in BF16 with {key('quantization', 'ignore')}: {naming.yaml_list([pattern])}",
         tensors=(decision.name,),
         patterns=(pattern,),
     )
@@ -161,7 +162,7 @@ def check_block_divisible(plan: QuantizationPlan, shapes: Shapes) -> None:
         more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
         raise NonDivisibleTensors(
             f"{len(bad)} tensor(s) cannot be quantized because K is not a multiple of the block: {listing}{more}; "
-            f"keep them in BF16 with rollout.quantization.ignore: {naming.yaml_list(patterns)}",
+            f"keep them in BF16 with {key('quantization', 'ignore')}: {naming.yaml_list(patterns)}",
             tensors=tensors,
             patterns=patterns,
         )

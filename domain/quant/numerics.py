@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from domain.keys import key
 from domain.quant.formats import (
     FP8_BLOCK,
     MXFP4,
@@ -35,9 +36,9 @@ ACTIVATION_FORMATS: dict[ActivationScheme, PrecisionFormat] = {
 }
 
 _WHY = {
-    ElementRule.ENGINE: "rollout.quantization.numerics = engine: the operation order of the engine's own "
+    ElementRule.ENGINE: f"{key('quantization', 'numerics')} = engine: the operation order of the engine's own "
                         "quantizer and of the QAT kernels",
-    ElementRule.COMPRESSED_TENSORS: "rollout.quantization.numerics = compressed-tensors: byte-compatible with "
+    ElementRule.COMPRESSED_TENSORS: f"{key('quantization', 'numerics')} = compressed-tensors: byte-compatible with "
                                     "llm-compressor checkpoints",
 }
 
@@ -82,7 +83,7 @@ class NumericsDecision:
 
 def _scale_reason(plan: QuantizationPlan, fmt: PrecisionFormat, rule: MxScaleRule) -> str:
     if plan.scale_rule is not None:
-        return "set by rollout.quantization.scale_rule"
+        return f"set by {key('quantization', 'scale_rule')}"
     if plan.numerics is ElementRule.ENGINE:
         return f"the rule of {fmt.name}'s engine quantizer"
     return "compressed-tensors' rule"

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import attrs
 
 from domain.errors import ConfigError
+from domain.keys import key as config_key
 from domain.quant import naming
 from domain.quant.formats import (
     BF16,
@@ -113,7 +114,7 @@ def _check_ignore(instance: object, attribute: attrs.Attribute, value: tuple[str
     for entry in value:
         problem = naming.validate_ignore_entry(entry)
         if problem:
-            raise ConfigError("rollout.quantization.ignore", f"{problem} (entry {entry!r})")
+            raise ConfigError(config_key('quantization', 'ignore'), f"{problem} (entry {entry!r})")
 
 
 def _check_activation(plan: QuantizationPlan, attribute: attrs.Attribute, value: object) -> None:
@@ -121,11 +122,11 @@ def _check_activation(plan: QuantizationPlan, attribute: attrs.Attribute, value:
         return
     role = attribute.name.removesuffix("_activation")
     fmt: PrecisionFormat = getattr(plan, role)
-    key = f"rollout.quantization.{attribute.name}"
+    key = config_key("quantization", attribute.name)
     if not isinstance(value, ActivationScheme):
         raise ConfigError(key, f"expected an activation scheme, got {value!r}")
     if not fmt.is_quantized:
-        raise ConfigError(key, f"{value.value!r} is set but rollout.quantization.{role} is null; set {role} or drop it")
+        raise ConfigError(key, f"{value.value!r} is set but {config_key('quantization', role)} is null; set {role} or drop it")
     allowed = ACTIVATIONS[fmt.name]
     if value not in allowed:
         raise ConfigError(
@@ -134,7 +135,7 @@ def _check_activation(plan: QuantizationPlan, attribute: attrs.Attribute, value:
 
 
 def parse_activation(
-    value: str | ActivationScheme | None, key: str = "rollout.quantization.moe_activation"
+    value: str | ActivationScheme | None, key: str = config_key("quantization", "moe_activation")
 ) -> ActivationScheme | None:
     """Read an activation scheme by its value (`nvfp4_per_token`), case-insensitively.
 
@@ -170,7 +171,7 @@ def parse_scale_rule(value: str | MxScaleRule | None) -> MxScaleRule | None:
         return MxScaleRule(str(value).strip().lower())
     except ValueError:
         valid = ", ".join(r.value for r in MxScaleRule)
-        raise ConfigError("rollout.quantization.scale_rule", f"unknown rule {value!r}; valid: {valid} "
+        raise ConfigError(config_key('quantization', 'scale_rule'), f"unknown rule {value!r}; valid: {valid} "
                           "(or null for the element rule's choice)") from None
 
 
@@ -189,7 +190,7 @@ def parse_numerics(value: str | ElementRule) -> ElementRule:
         return ElementRule(str(value).strip().lower().replace("_", "-"))
     except ValueError:
         valid = ", ".join(r.value for r in ElementRule)
-        raise ConfigError("rollout.quantization.numerics", f"unknown element rule {value!r}; valid: {valid}") from None
+        raise ConfigError(config_key('quantization', 'numerics'), f"unknown element rule {value!r}; valid: {valid}") from None
 
 
 def parse_format(key: str, value: str | PrecisionFormat | None) -> PrecisionFormat:
@@ -274,10 +275,10 @@ class QuantizationPlan:
             The validated plan. Raises ConfigError naming the key on a bad value.
         """
         return cls(
-            linear=parse_format("rollout.quantization.linear", linear),
-            moe=parse_format("rollout.quantization.moe", moe),
-            moe_activation=parse_activation(moe_activation, "rollout.quantization.moe_activation"),
-            linear_activation=parse_activation(linear_activation, "rollout.quantization.linear_activation"),
+            linear=parse_format(config_key("quantization", "linear"), linear),
+            moe=parse_format(config_key("quantization", "moe"), moe),
+            moe_activation=parse_activation(moe_activation, config_key("quantization", "moe_activation")),
+            linear_activation=parse_activation(linear_activation, config_key("quantization", "linear_activation")),
             ignore=tuple(ignore),
             scale_rule=parse_scale_rule(scale_rule),
             scale_name=scale_name,
@@ -324,7 +325,7 @@ class QuantizationPlan:
         key = "linear" if cls.kind == "dense" else "moe"
         fmt = self.linear if cls.kind == "dense" else self.moe
         if not fmt.is_quantized:
-            return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; rollout.quantization.{key} is null")
+            return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; {config_key('quantization', key)} is null")
         entry = naming.first_match(self.ignore, name)
         if entry is not None:
             return TensorDecision(name, BF16, cls.kind, None, f"{cls.reason}; ignored by '{entry}'")
@@ -333,4 +334,4 @@ class QuantizationPlan:
         group = cls.group if fmt is NVFP4 or fmt.name == NVFP4.name else None
         if cls.fused_experts:
             group = None  # one tensor: its per-expert global scales are computed from it alone
-        return TensorDecision(name, fmt, cls.kind, group, f"{cls.reason}; rollout.quantization.{key} = {fmt.name}")
+        return TensorDecision(name, fmt, cls.kind, group, f"{cls.reason}; {config_key('quantization', key)} = {fmt.name}")

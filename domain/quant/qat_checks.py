@@ -8,11 +8,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
 from domain.errors import FusedGroupSplit, QatPrecisionMismatch
+from domain.keys import key
 from domain.quant import dispatch, model_rules, naming
 from domain.quant.plan import QuantizationPlan
 from domain.quant.qat import HfPart, LayerPrecision, TrainerTensor, activation_scheme
@@ -48,7 +49,7 @@ def tensor_precision(plan: QuantizationPlan, tensor: TrainerTensor) -> LayerPrec
     if len(formats) > 1 or len(schemes) > 1:
         raise FusedGroupSplit(
             f"trainer tensor {tensor.name!r} holds {[p.name for p in tensor.parts]}, which the plan puts in "
-            f"{formats} with activations {schemes}; keep all of them in BF16 with rollout.quantization.ignore "
+            f"{formats} with activations {schemes}; keep all of them in BF16 with {key('quantization', 'ignore')} "
             "or none of them"
         )
     return LayerPrecision(tensor.name, formats[0], schemes[0])
@@ -107,13 +108,17 @@ def check_effective_precision(
         more = f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""
         raise QatPrecisionMismatch(
             f"{len(diffs)} layer(s) would train in another precision than the rollout serves: {listing}{more}; "
-            "QAT must fake-quantize exactly the layers the rollout quantizes (check rollout.quantization.ignore, "
-            "actor.megatron.qat.ignore_patterns and the backend's name mapping)",
+            f"QAT must fake-quantize exactly the layers the rollout quantizes (check {key('quantization', 'ignore')}, "
+            f"{key('qat', 'ignore_patterns')} and the backend's name mapping)",
             layers=tuple(diffs),
         )
 
 
 # --- agreement of the QAT settings with the rollout plan --------------------------------------
+
+
+def _names(items: Iterable[str]) -> tuple[str, ...]:
+    return tuple(items)
 
 
 @attrs.frozen
@@ -129,7 +134,7 @@ class QatSettings:
     """
 
     mode: str | None
-    ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    ignore: tuple[str, ...] = attrs.field(default=(), converter=_names)
     te_fp8: object = None
     te_fp4: object = None
     first_last_layers_bf16: bool = False

@@ -12,9 +12,10 @@ from __future__ import annotations
 import attrs
 
 from domain.errors import ConfigError
+from domain.keys import key
 from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, PrecisionFormat
 
-KEY = "actor.megatron.qat.mode"
+KEY = key("qat", "mode")
 
 
 @attrs.frozen

@@ -1,19 +1,19 @@
-"""The dispatch rules on single settings (ARCHITECTURE.md section 4: rules 2, 4, 5, 7 and
-static activations): pure functions of plain values, each raising a typed error that names the
-key. domain.quant.dispatch applies them to every resolution; rule 6, the engines' support matrix,
-is domain.quant.support (check_sglang below is the part of it the SGLang adapter checks itself).
+"""The dispatch rules on single settings (ARCHITECTURE.md section 4: rules 2, 4, 5 and static
+activations): pure functions of plain values, each raising a typed error that names the key.
+domain.quant.dispatch applies them to every resolution; rule 6, an engine's support table, is
+domain.quant.support; the rules only some engines have come with their adapter's profile.
 """
 
 from __future__ import annotations
 
 from domain.errors import (
-    EngineRejectsQuantization,
     QatModeMismatch,
     QatWithTeRecipe,
     QuantizedDeltaSync,
     UnsupportedCombination,
 )
-from domain.quant.formats import MXFP4, MXFP8, NVFP4, ActivationScheme
+from domain.keys import key
+from domain.quant.formats import ActivationScheme
 from domain.quant.plan import QuantizationPlan
 from domain.quant.qat_modes import QAT_MODES, parse_qat_mode
 
@@ -46,26 +46,26 @@ def check_qat_mode(plan: QuantizationPlan | None, *, qat_enable: bool, qat_mode:
     mode = parse_qat_mode(qat_mode)
     if plan is None:
         raise QatModeMismatch(
-            f"actor.megatron.qat.mode={qat_mode!r}: the rollout serves the checkpoint's native layout, which no QAT "
-            "mode reproduces; disable QAT or serve a preset (rollout.quantization.linear / moe)"
+            f"{key('qat', 'mode')}={qat_mode!r}: the rollout serves the checkpoint's native layout, which no QAT "
+            f"mode reproduces; disable QAT or serve a preset ({key('quantization', 'linear')} / moe)"
         )
     pairs = _role_pairs(plan)
     formats = list(dict.fromkeys(fmt for _, fmt, _ in pairs))
     if mode is None or formats != [mode.format.name]:
         raise QatModeMismatch(
-            f"actor.megatron.qat.mode={qat_mode!r} does not match the rollout quantization "
-            f"(rollout.quantization: {', '.join(formats) or 'BF16'}); QAT must train in the one format "
+            f"{key('qat', 'mode')}={qat_mode!r} does not match the rollout quantization "
+            f"({key('rollout', 'quantization')}: {', '.join(formats) or 'BF16'}); QAT must train in the one format "
             f"the rollout serves: set qat.mode to {_mode_for(*pairs[0][1:]) if len(formats) == 1 else 'that format'}, "
-            "or change rollout.quantization, or disable QAT"
+            f"or change {key('rollout', 'quantization')}, or disable QAT"
         )
     for role, fmt, act in pairs:
         if act is not mode.activation:
             fit = _mode_for(fmt, act)
             instead = f"set qat.mode={fit}" if fit else f"no QAT mode trains {fmt} with {act.value} activations"
             raise QatModeMismatch(
-                f"actor.megatron.qat.mode={qat_mode!r} trains {mode.describe()}, but the rollout serves "
-                f"rollout.quantization.{role}={fmt} with {act.value} activations; {instead}, or set "
-                f"rollout.quantization.{role}_activation={mode.activation.value}"
+                f"{key('qat', 'mode')}={qat_mode!r} trains {mode.describe()}, but the rollout serves "
+                f"{key('quantization', role)}={fmt} with {act.value} activations; {instead}, or set "
+                f"{key('quantization', role + '_activation')}={mode.activation.value}"
             )
 
 
@@ -88,13 +88,13 @@ def check_sync_backend(quantized: bool, *, backend: str | None, wire_format: str
         return
     if backend in DELTA_BACKENDS:
         raise QuantizedDeltaSync(
-            f"rollout.checkpoint_engine.backend={backend!r} sends partial updates, but a quantized rollout "
+            f"{key('checkpoint_engine', 'backend')}={backend!r} sends partial updates, but a quantized rollout "
             "post-processes once after the complete bucket sequence (dispatch rule 4); use a full-sync backend "
             "(e.g. 'nccl')"
         )
     if wire_format in DELTA_WIRE_FORMATS:
         raise QuantizedDeltaSync(
-            f"rollout.wire_format={wire_format!r} flushes deltas, but a quantized rollout needs every bucket "
+            f"{key('rollout', 'wire_format')}={wire_format!r} flushes deltas, but a quantized rollout needs every bucket "
             "before finalizing (dispatch rule 4); use the 'bucketed' wire format"
         )
 
@@ -112,55 +112,10 @@ def check_qat_te_recipe(*, qat_enable: bool, te_fp8: object, te_fp4: object) -> 
     """
     on = [k for k, v in (("fp8", te_fp8), ("fp4", te_fp4)) if v not in (None, False, "")]
     if qat_enable and on:
-        keys = ", ".join(f"actor.megatron.override_transformer_config.{k}" for k in on)
+        keys = ", ".join(key("te", k) for k in on)
         raise QatWithTeRecipe(
-            f"actor.megatron.qat.enable is true together with {keys}: QAT fake-quantizes BF16 weights and "
+            f"{key('qat', 'enable')} is true together with {keys}: QAT fake-quantizes BF16 weights and "
             "cannot run inside a Transformer Engine low-precision recipe; disable one of them"
-        )
-
-
-def check_sglang(engine: str, plan: QuantizationPlan) -> None:
-    """The SGLang adapter's own part of rule 6: no MXFP8-linear + MXFP4-MoE combination and no
-    per-token NVFP4. `refit plan` applies the whole support matrix (domain.quant.support.check_cells).
-
-    Args:
-        engine: rollout.name.
-        plan: the resolved plan.
-
-    Returns:
-        None. Raises EngineRejectsQuantization.
-    """
-    if engine != "sglang":
-        return
-    if plan.linear.name == MXFP8.name and plan.moe.name == MXFP4.name:
-        raise EngineRejectsQuantization(
-            "rollout.name=sglang does not serve rollout.quantization.linear=MXFP8 with moe=MXFP4; "
-            "use moe=MXFP8 (or linear=null), or rollout.name=vllm"
-        )
-    for role, fmt, act in (("linear", plan.linear, plan.effective_linear_activation),
-                           ("moe", plan.moe, plan.effective_moe_activation)):
-        if fmt.name == NVFP4.name and act is ActivationScheme.NVFP4_PER_TOKEN:
-            raise EngineRejectsQuantization(
-                f"rollout.name=sglang has no per-token NVFP4 activation path (rollout.quantization.{role}=NVFP4): its "
-                "NVFP4 W4A4 schemes quantize activations with a static input_global_scale the trainer does not "
-                f"export; serve NVFP4 weight-only (rollout.quantization.{role}_activation: none) or another preset"
-            )
-
-
-def check_trtllm(engine: str, quantized: bool) -> None:
-    """Rule 7: TRT-LLM accepts no rollout quantization.
-
-    Args:
-        engine: rollout.name.
-        quantized: whether the rollout is quantized.
-
-    Returns:
-        None. Raises EngineRejectsQuantization naming vLLM and SGLang.
-    """
-    if engine == "trtllm" and quantized:
-        raise EngineRejectsQuantization(
-            "rollout.name=trtllm accepts no rollout quantization; use rollout.name=vllm or "
-            "rollout.name=sglang, or set rollout.quantization.linear and moe to null"
         )
 
 
@@ -176,7 +131,7 @@ def check_static_activations(plan: QuantizationPlan) -> None:
     for role, act in (("linear", plan.effective_linear_activation), ("moe", plan.effective_moe_activation)):
         if act is ActivationScheme.NVFP4_STATIC:
             raise UnsupportedCombination(
-                f"rollout.quantization.{role} uses static NVFP4 activations, which need a calibrated "
+                f"{key('quantization', role)} uses static NVFP4 activations, which need a calibrated "
                 "input_global_scale the trainer-side export cannot compute; use nvfp4_per_token "
-                f"(rollout.quantization.{role}_activation) instead"
+                f"({key('quantization', role + '_activation')}) instead"
             )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from domain.errors import ShardingError
-from domain.refit.sharding import split_dimension
+from domain.refit.split_rules import split_dimension
 
 GLOBAL_SCALE = "weight_global_scale"
 

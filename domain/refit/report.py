@@ -62,6 +62,9 @@ class RefitReport:
         parameters_written: engine parameters the refit wrote (None: the engine does not count).
         unwritten: engine parameters it left unwritten (a refit with any fails: RefitIncomplete).
         probe: the post-refit verification (None when not run).
+        engine_state: what this side's engine holds afterwards: `live`, `kept` (its previous
+            weights, untouched), `restored` (its previous weights, replayed), `stale`, or `-` (no
+            engine on this side).
         delta: a `layout_delta` refit's figures: full or delta and why, bytes sent against a full
             refit's, both sides' host copies (None for other backends).
     """
@@ -83,6 +86,7 @@ class RefitReport:
     parameters_written: int | None = None
     unwritten: tuple[str, ...] = ()
     probe: ProbeCheck | None = None
+    engine_state: str = "-"
     delta: DeltaReport | None = None
 
     @property

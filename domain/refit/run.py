@@ -220,5 +220,5 @@ class RefitRun:
             timings=dict(self.timings), peak_staging_bytes=self.peak_staging_bytes, bucket_bytes=self.bucket_bytes,
             storage=self.storage, kv_scales_reset=self.kv_scales_reset,
             error=error if error is not None else self.error, parameters_written=self.parameters_written,
-            unwritten=self.unwritten, probe=self.probe,
+            unwritten=self.unwritten, probe=self.probe, engine_state=self.engine.value,
         )

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from domain.refit.sharding import Role
+from domain.refit.topology import Role
 
 
 @attrs.frozen

@@ -120,8 +120,8 @@ def _inprocess(scenario: str, window: int) -> tuple[dict, dict]:
 
 def world_rank(rank: int, window: int, lead_bytes: int) -> list[dict[str, Any]]:
     """Rank 0 sends, rank 1 receives, the SEQUENCE in turn (one refit id each)."""
-    from adapters.distributed.torch_dist import TorchDistCollectives
-    from domain.refit.sharding import RefitWorld
+    from adapters.distributed.collectives import TorchDistCollectives
+    from domain.refit.topology import RefitWorld
 
     comm = TorchDistCollectives(RefitWorld(), rank, step_timeout_s=20, phase_timeout_s=20, bucket_bytes=BUCKET,
                                 window=window)

@@ -14,8 +14,9 @@ import platform
 import pytest
 
 from adapters.memory.environment import FixedEnvironmentProbe
+from adapters.profiles import DISTRIBUTIONS
 from adapters.system.probe import SystemProbe
-from domain.environment import DISTRIBUTIONS, EnvironmentSnapshot, GpuInfo
+from domain.environment import EnvironmentSnapshot, GpuInfo
 
 ENVIRON = {"VERL_FUSED_USE_OP_HOOK": "1"}
 PROBES = ("system", "fixed-gpu-machine", "fixed-from-this-machine")

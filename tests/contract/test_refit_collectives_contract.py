@@ -20,8 +20,8 @@ import torch
 from adapters.memory.collectives import InMemoryWorld
 from domain.errors import CollectiveTimeout
 from domain.refit.buckets import BucketPlanner
-from domain.refit.sharding import ParallelLayout, RefitWorld
 from domain.refit.status import RankStatus
+from domain.refit.topology import ParallelLayout, RefitWorld
 
 WORLD = RefitWorld(ParallelLayout(tp=2), engines=1)
 TENSORS = [(f"t{i}", torch.arange(64 * (i + 1), dtype=torch.float32).reshape(-1, 8) * (i + 1)) for i in range(5)]
@@ -78,7 +78,7 @@ def _in_memory() -> list[dict[str, Any]]:
 
 
 def _torch_dist_rank(rank: int) -> dict[str, Any]:
-    from adapters.distributed.torch_dist import TorchDistCollectives
+    from adapters.distributed.collectives import TorchDistCollectives
 
     return scenario(rank, TorchDistCollectives(WORLD, rank, step_timeout_s=20, phase_timeout_s=20, bucket_bytes=1024))
 

@@ -142,8 +142,8 @@ def bad_peer_rank(rank: int, scenarios: list[str]) -> list[dict[str, Any]]:
     """Per scenario, on fresh process groups: a good refit first for known-layout scenarios,
     then one refit whose stream rank 0 corrupts. Returns, per scenario, what this rank raised
     and (engine) whether its live weights stayed those of before the bad refit."""
-    from adapters.distributed.torch_dist import TorchDistCollectives
-    from domain.refit.sharding import RefitWorld
+    from adapters.distributed.collectives import TorchDistCollectives
+    from domain.refit.topology import RefitWorld
 
     world = RefitWorld()
     p = support.plan("FP8_BLOCK", "NVFP4")

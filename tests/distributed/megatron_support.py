@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from domain.refit.sharding import ParallelLayout
+from domain.refit.topology import ParallelLayout
 
 MODELS = ("moe", "dense-tied", "hybrid")
 
@@ -81,7 +81,7 @@ def capture_rank(rank: int, cases: Sequence[Case]) -> list[dict[str, Any]]:
     from adapters.megatron.cpu import megatron_on_cpu
     from adapters.megatron.global_weights import megatron_pieces
     from adapters.megatron.sharded_model import MegatronShardedModel, megatron_layout
-    from domain.refit.sharding import place_tensors
+    from domain.refit.shard_map import place_tensors
 
     out = []
     with megatron_on_cpu(), torch.compiler.set_stance("force_eager"):
@@ -132,7 +132,7 @@ def _refusals(model: torch.nn.Module, trainer: Any, layout: ParallelLayout, rank
     """What the adapter says when the refit's view differs from Megatron's: a layout that is not
     parallel_state's, a layer the refit places on another stage, a shard split another way."""
     from adapters.megatron.sharded_model import MegatronShardedModel
-    from domain.refit.sharding import place_tensors
+    from domain.refit.shard_map import place_tensors
 
     out = {}
     try:

@@ -13,7 +13,7 @@ from adapters.memory.faults import RankFault
 from adapters.reference.config import MICRO_MOE, hf_weight_shapes
 from adapters.reference.trainer import ReferenceTrainer
 from domain.quant.plan import QuantizationPlan
-from domain.refit.sharding import ParallelLayout, RefitWorld
+from domain.refit.topology import ParallelLayout, RefitWorld
 
 MODEL = "micro-moe"
 BUCKET_MB = 1 / 16  # 64 KiB: the micro model's refit takes several buckets
@@ -69,7 +69,7 @@ def _service(world: RefitWorld, rank: int, comm: Any, p: QuantizationPlan, full:
     from adapters.distributed.sliced_trainer import SlicedTrainer
     from adapters.memory.faulty import RankPorts, wrap_rank
     from app.services.distributed_refit import DistributedRefitService
-    from domain.refit.sharding import ShardMap
+    from domain.refit.shard_map import ShardMap
 
     shapes = hf_weight_shapes(MICRO_MOE)
     trainer = SlicedTrainer(full, world.layout, rank) if full is not None else None
@@ -112,7 +112,7 @@ def layouts_rank(rank: int, cases: Sequence[tuple[dict[str, int], int, tuple[str
     Returns, per case: every rank's outcomes, the trainer sources' NVFP4 global scales as they
     computed them, and the engines' digests after each refit.
     """
-    from adapters.distributed.torch_dist import TorchDistCollectives
+    from adapters.distributed.collectives import TorchDistCollectives
 
     out = []
     for layout_kwargs, engines, presets in cases:
@@ -142,7 +142,7 @@ def faults_rank(rank: int, layout_kwargs: dict[str, int], engines: int, presets:
                 commit_mode: str, faults: Sequence[RankFault]) -> list[dict[str, Any]]:
     """For each fault: refit 0 (step 0) succeeds, refit 1 (step 1) fails as scripted, refit 2
     (step 2) succeeds. Returns per fault: outcomes, error texts and the engine's digests."""
-    from adapters.distributed.torch_dist import TorchDistCollectives
+    from adapters.distributed.collectives import TorchDistCollectives
     from domain.errors import DistributedRefitFailed
 
     world = RefitWorld(ParallelLayout(**layout_kwargs), engines)
@@ -175,7 +175,7 @@ def hang_rank(rank: int, layout_kwargs: dict[str, int], engines: int, fault: Ran
     """One good refit, then one where `fault` hangs its rank. Returns what this rank raised."""
     import time
 
-    from adapters.distributed.torch_dist import TorchDistCollectives
+    from adapters.distributed.collectives import TorchDistCollectives
 
     world = RefitWorld(ParallelLayout(**layout_kwargs), engines)
     comm = TorchDistCollectives(world, rank, step_timeout_s=step_timeout_s, phase_timeout_s=phase_timeout_s,

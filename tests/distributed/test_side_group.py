@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from adapters.distributed.side_group import Rendezvous, SideGroup
-from adapters.distributed.torch_dist import TorchDistTransport
+from adapters.distributed.transport import TorchDistTransport
 from domain.errors import TransportAborted
 from domain.refit.buckets import pack_buckets, unpack_bucket
 

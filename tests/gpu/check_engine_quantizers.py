@@ -40,7 +40,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def pinned_vllm() -> str:
-    text = (ROOT / "domain" / "environment.py").read_text()
+    text = (ROOT / "adapters" / "vllm" / "profile.py").read_text()
     return re.search(r'PINNED_VLLM = "([^"]+)"', text).group(1)  # type: ignore[union-attr]
 
 

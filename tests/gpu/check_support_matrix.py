@@ -77,7 +77,7 @@ _EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|u
 
 
 def pinned_vllm() -> str:
-    text = (ROOT / "domain" / "environment.py").read_text()
+    text = (ROOT / "adapters" / "vllm" / "profile.py").read_text()
     return re.search(r'PINNED_VLLM = "([^"]+)"', text).group(1)  # type: ignore[union-attr]
 
 
@@ -237,8 +237,9 @@ def _export(out: pathlib.Path, arm: str) -> tuple[list, dict, object]:  # pragma
     from safetensors.torch import load_file
 
     from adapters.compressed_tensors.quantization_config import engine_quantization_config
+    from adapters.profiles import resolve
     from app.services.planning import bf16_linear_modules
-    from domain.quant.dispatch import DispatchInput, resolve
+    from domain.quant.dispatch import DispatchInput
     from domain.quant.naming import natural_key
     from domain.quant.stream import quantize_stream
 
@@ -293,7 +294,7 @@ def _worker_kernels(worker) -> dict:  # type: ignore[no-untyped-def]  # pragma: 
 def _decision(plan):  # type: ignore[no-untyped-def]  # pragma: no cover - needs CUDA
     import torch
 
-    from domain.quant.backend_policy import decide_backends
+    from adapters.profiles import backend_decision as decide_backends
 
     cap = torch.cuda.get_device_capability()
     # Below SM100 the gates refuse MX and NVFP4: decide without a capability (vLLM chooses).

@@ -47,7 +47,7 @@ BOUNDS = {"fp8": {"mean_abs_logp": 0.10, "max_abs_logp": 1.0, "greedy_agreement"
 
 
 def pinned_vllm() -> str:
-    text = (ROOT / "domain" / "environment.py").read_text()
+    text = (ROOT / "adapters" / "vllm" / "profile.py").read_text()
     return re.search(r'PINNED_VLLM = "([^"]+)"', text).group(1)  # type: ignore[union-attr]
 
 
@@ -134,8 +134,8 @@ def stage_bf16(out: pathlib.Path) -> dict:
 def stage_fp8(out: pathlib.Path, kv_cache_dtype: str) -> dict:
     import torch
 
+    from adapters.profiles import backend_decision as decide_backends
     from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
-    from domain.quant.backend_policy import decide_backends
     from domain.quant.plan import QuantizationPlan
 
     plan = QuantizationPlan.from_presets(linear="FP8_BLOCK")

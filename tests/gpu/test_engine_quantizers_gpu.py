@@ -51,6 +51,6 @@ def test_verdict_passes_only_when_every_comparison_that_ran_matched() -> None:
 
 
 def test_the_script_names_the_pinned_vllm() -> None:
-    from domain.environment import PINNED_VLLM
+    from adapters.vllm.profile import PINNED_VLLM
 
     assert _script().pinned_vllm() == PINNED_VLLM

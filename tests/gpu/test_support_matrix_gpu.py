@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from domain.quant.dispatch import DispatchInput, resolve
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
-from domain.quant.support import COMPRESSED_TENSORS, GPU_SCRIPT, plan_cells, verdicts
+from domain.quant.support import COMPRESSED_TENSORS, GPU_SCRIPT, plan_cells
+from tests.dispatching import DispatchInput, resolve, verdicts
 
 HERE = pathlib.Path(__file__).resolve().parent
 SCRIPT = HERE / "check_support_matrix.py"
@@ -185,6 +185,6 @@ def test_compare_serving_is_bit_identical_only_when_everything_is_equal() -> Non
 
 
 def test_the_script_names_the_pinned_vllm() -> None:
-    from domain.environment import PINNED_VLLM
+    from adapters.vllm.profile import PINNED_VLLM
 
     assert S.pinned_vllm() == PINNED_VLLM

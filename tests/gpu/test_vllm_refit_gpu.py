@@ -65,7 +65,7 @@ def test_verdict_fails_on_rebound_storage_unreset_kv_scales_or_a_crashed_arm() -
 
 
 def test_the_pinned_version_and_quantization_config_are_current() -> None:
-    from domain.environment import PINNED_VLLM
+    from adapters.vllm.profile import PINNED_VLLM
 
     s = _script()
     assert s.pinned_vllm() == PINNED_VLLM

@@ -20,7 +20,7 @@ import torch
 from adapters.memory.collectives import InMemoryWorld
 from adapters.memory.faults import RankFault
 from domain.errors import CollectiveTimeout, DistributedRefitFailed, EngineStale, PeerLost
-from domain.refit.sharding import ParallelLayout, RefitWorld
+from domain.refit.topology import ParallelLayout, RefitWorld
 from tests.distributed import support
 
 PRESETS = ("FP8_BLOCK", "NVFP4")

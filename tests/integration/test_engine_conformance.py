@@ -100,7 +100,7 @@ def test_a_mutated_copy_fails_when_used_symbols_disappear(engine) -> None:  # ty
 
 
 def test_the_pins_match_the_packaging_extras() -> None:
-    from domain.environment import VLLM_RANGE
+    from adapters.vllm.profile import VLLM_RANGE
 
     text = (ROOT / "pyproject.toml").read_text()
     assert f'vllm = ["vllm{VLLM_RANGE}"]' in text

@@ -33,7 +33,8 @@ from domain.errors import DistributedRefitFailed
 from domain.quant import naming
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
-from domain.refit.sharding import RefitWorld, ShardMap, place_tensors
+from domain.refit.shard_map import ShardMap, place_tensors
+from domain.refit.topology import RefitWorld
 from tests.distributed.megatron_support import (
     Case,
     RecordedShards,

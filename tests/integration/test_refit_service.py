@@ -13,6 +13,7 @@ from adapters.reference.config import MICRO_MOE
 from adapters.reference.engine import KV_PLACEHOLDER, ReferenceEngine
 from app.bootstrap import bootstrap
 from app.services.refit import PHASES, RefitService
+from app.services.transaction import Ownership
 from domain.errors import ConfigError, EngineBusy, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.refit.report import RefitOutcome
@@ -92,7 +93,7 @@ def test_per_layer_staging_is_bounded_by_one_commit_group():
     peaks = {}
     for mode in CommitMode:
         svc = _service(commit_mode=mode)
-        svc.by_reference = False  # packed buckets: the engine copies into staging
+        svc.ownership = Ownership.REUSED  # packed buckets: the engine copies into staging
         peaks[mode] = svc.refit().peak_staging_bytes
         layout = svc.engine.layout
     group_bytes = {}
@@ -166,7 +167,7 @@ def test_by_reference_the_engine_stages_only_the_fused_global_scales(mode):
     engine keeps views of them: the live bits equal a packed refit's, and the only staging the
     engine allocates is the per-shard global-scale slots it post-processes."""
     packed, by_ref = _service(commit_mode=mode), _service(commit_mode=mode)
-    packed.by_reference = False
+    packed.ownership = Ownership.REUSED
     packed.refit()
     report = by_ref.refit()
     assert rs.same_bits(rs.bits(by_ref.engine.live_weights()), rs.bits(packed.engine.live_weights()))

@@ -10,9 +10,9 @@ from domain.quant.backend_policy import (
     DEEP_GEMM,
     MIN_CAPABILITY,
     check_capability,
-    decide_backends,
 )
 from domain.quant.plan import QuantizationPlan
+from tests.dispatching import decide_backends
 
 HOPPER, BLACKWELL, AMPERE = (9, 0), (10, 0), (8, 0)
 
@@ -230,7 +230,7 @@ def _role(text: str) -> tuple[str | None, str | None]:
 
 def test_docs_backend_table_matches_the_dispatch_and_the_policy() -> None:
     from domain.errors import EngineCellUnsupported
-    from domain.quant.dispatch import DispatchInput, resolve
+    from tests.dispatching import DispatchInput, resolve
 
     rows = _matrix_rows()
     assert len(rows) >= 10

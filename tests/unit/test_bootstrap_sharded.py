@@ -8,7 +8,7 @@ import pytest
 from adapters.memory.collectives import InMemoryWorld
 from app.bootstrap import TRAINERS, bootstrap
 from domain.errors import ConfigError, ShardingError
-from domain.refit.sharding import ParallelLayout, RefitWorld
+from domain.refit.topology import ParallelLayout, RefitWorld
 
 
 def test_the_world_follows_the_configured_parallel_sizes() -> None:

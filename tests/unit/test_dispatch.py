@@ -21,10 +21,10 @@ from domain.errors import (
     UnsupportedCombination,
     UnsupportedQuantMethod,
 )
-from domain.quant import dispatch, model_rules
-from domain.quant.dispatch import DispatchInput, resolve
+from domain.quant import model_rules
 from domain.quant.formats import FP8_BLOCK, MXFP8, ActivationScheme
 from domain.quant.plan import QuantizationPlan
+from tests.dispatching import DispatchInput, layout_for, resolve
 
 GPT_OSS = {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}}
 DEEPSEEK_FP8 = {"model_type": "deepseek_v3", "quantization_config": {
@@ -336,8 +336,8 @@ def test_static_nvfp4_activations_are_rejected() -> None:
 
 
 def test_layout_for_the_plan() -> None:
-    assert dispatch.layout_for("vllm", QuantizationPlan.bf16(), None) == "bf16"
-    assert dispatch.layout_for("sglang", QuantizationPlan(linear=MXFP8, moe=MXFP8), None) == "sglang-mxfp8"
+    assert layout_for("vllm", QuantizationPlan.bf16(), None) == "bf16"
+    assert layout_for("sglang", QuantizationPlan(linear=MXFP8, moe=MXFP8), None) == "sglang-mxfp8"
     assert QuantizationPlan(moe=MXFP8, moe_activation=ActivationScheme.NONE).effective_moe_activation is ActivationScheme.NONE
 
 

@@ -89,7 +89,7 @@ def test_find_and_override_lookup() -> None:
 
 from domain.errors import ConfigNotHonoured  # noqa: E402
 from domain.quant.ct_config import model_differences, read_compressed_tensors  # noqa: E402
-from domain.quant.dispatch import DispatchInput, resolve  # noqa: E402
+from tests.dispatching import DispatchInput, resolve  # noqa: E402
 
 A_MXFP8 = {**W_MXFP8, "dynamic": True}
 

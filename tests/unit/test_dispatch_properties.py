@@ -13,11 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adapters.profiles import ENGINES, dispatch_for, profile_for
 from domain.errors import RefitError
 from domain.quant import dispatch
-from domain.quant.dispatch import DispatchInput, resolve
+from domain.quant.dispatch_types import DispatchContext
 from domain.quant.native_config import override_quantization_config
 from domain.quant.plan import QuantizationPlan
+from tests.dispatching import DispatchInput, resolve
 from tests.unit.test_dispatch import CT_NVFP4, DEEPSEEK_FP8, DEEPSEEK_V4, GPT_OSS
 
 # (label, value, quantizes the rollout)
@@ -50,7 +52,7 @@ def configurations(draw: st.DrawFn) -> tuple[DispatchInput, bool]:
     requested, requested_q = draw(st.sampled_from(REQUESTS[1:])) if kind == "linear/moe" else (None, False)
     override, override_q = draw(st.sampled_from(OVERRIDES[1:])) if kind == "hf_overrides" else (None, False)
     inp = DispatchInput(
-        engine=draw(st.sampled_from(dispatch.ENGINES)),
+        engine=draw(st.sampled_from(ENGINES)),
         requested=requested,
         config_file=CT_NVFP4 if kind == "config_file" else None,
         hf_overrides=override,
@@ -77,8 +79,12 @@ def _rules_accept(inp: DispatchInput, res: dispatch.Resolution) -> None:
     dispatch.check_qat_mode(res.served, qat_enable=inp.qat_enable, qat_mode=inp.qat_mode)
     dispatch.check_sync_backend(res.is_quantized, backend=inp.sync_backend, wire_format=inp.wire_format)
     if res.served is not None:
-        dispatch.check_sglang(inp.engine, res.served)
-    dispatch.check_trtllm(inp.engine, res.is_quantized)
+        profile_for(inp.engine).check_plan(res.served)
+    engine = dispatch_for(inp.engine)
+    ctx = DispatchContext(inp, engine, plan=res.plan, served=res.served, layout=res.layout, quantized=res.is_quantized)
+    for rule in engine.rules:
+        if rule.applies(ctx):
+            rule.check(ctx)
     dispatch.check_static_activations(res.plan)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import adapters.vllm.errors
 import domain.errors as errors
 from app.cli.main import COMMANDS, build_parser, main
 
@@ -61,9 +62,22 @@ def test_every_command_and_option_is_in_the_cli_page() -> None:
     assert not missing, f"docs/cli.md lacks: {', '.join(missing)}"
 
 
+# Where error classes are defined: the domain's package, and the adapters that keep errors only they raise.
+ERROR_MODULES = (errors, adapters.vllm.errors)
+
+
+def _defined_in(cls: type, module: object) -> bool:
+    name = getattr(module, "__name__", "")
+    return cls.__module__ == name or cls.__module__.startswith(name + ".")
+
+
+def _error_types() -> dict[str, type[errors.RefitError]]:
+    return {name: cls for module in ERROR_MODULES for name, cls in inspect.getmembers(module, inspect.isclass)
+            if issubclass(cls, errors.RefitError) and _defined_in(cls, module)}
+
+
 def _error_classes() -> list[str]:
-    return [name for name, cls in inspect.getmembers(errors, inspect.isclass)
-            if issubclass(cls, errors.RefitError) and cls.__module__ == errors.__name__]
+    return sorted(_error_types())
 
 
 def test_every_error_class_is_in_the_error_reference() -> None:
@@ -123,7 +137,7 @@ def test_every_error_is_listed_with_the_exit_status_refit_gives_it(monkeypatch: 
     assert sorted(table) == sorted(names), (f"docs/errors.md's exit-status table lacks {sorted(set(names) - set(table))} "
                                             f"and lists unknown {sorted(set(table) - set(names))}")
     for name, code in table.items():
-        cls = getattr(errors, name)
+        cls = _error_types()[name]
         err = cls.__new__(cls)  # constructors differ; the CLI needs only the type and the text
         Exception.__init__(err, f"a {name}")
         _raising(monkeypatch, err)

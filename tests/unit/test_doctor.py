@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from adapters.memory.environment import FixedEnvironmentProbe
+from adapters.profiles import DISTRIBUTIONS
 from adapters.system.probe import SystemProbe, installed_version
 from app.cli.main import main
 from app.config import load_config
 from app.services.doctor import DoctorReport, diagnose, fused_forward_decision
 from app.services.doctor_checks import Reason, Status
-from domain.environment import DISTRIBUTIONS, EnvironmentSnapshot, GpuInfo, parse_version, version_at_least
+from domain.environment import EnvironmentSnapshot, GpuInfo, parse_version, version_at_least
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0))
 B200 = GpuInfo("NVIDIA B200", (10, 0))
@@ -111,7 +112,7 @@ def test_installed_engine_without_gpu_is_unavailable() -> None:
 
 
 def test_engine_version_other_than_the_pinned_one_is_a_warning() -> None:
-    from domain.environment import PINNED_VLLM
+    from adapters.vllm.profile import PINNED_VLLM
 
     c = check(diagnose(machine(vllm="0.11.0")), "vllm", "engines")
     assert (c.status, c.reason) == (Status.WARNING, Reason.VERSION_DIFFERS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import pathlib
+import re
 
 import pytest
 
@@ -69,20 +70,27 @@ DOMAIN_ROOMS = {
     "quant": {"quant"},
     "refit": {"refit", "quant"},
     "forward": {"forward"},
-    "": set(),  # domain/errors.py, mismatch.py, environment.py
+    "errors": set(),  # domain/errors/: a package of modules that import only one another
+    "": set(),  # domain/mismatch.py, environment.py
 }
+# Sub-packages that are leaves: every room may import them, and they import no room.
+DOMAIN_LEAVES = {"errors"}
 # Packages the base install does not have (they come with an extra, or with the engine's own
 # environment). An adapter module that imports one of them, anywhere in it, is imported by the
 # composition root only, in the branch that selects it.
 OPTIONAL_PACKAGES = {"vllm", "sglang", "megatron", "modelopt", "fla", "transformer_engine", "causal_conv1d"}
 
 
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+            for n in ast.walk(node)}
+
+
 def _runtime_imports(path: pathlib.Path) -> set[str]:
     """Full module names imported, also inside functions; `if TYPE_CHECKING:` blocks skipped."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-               and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-               for n in ast.walk(node)}
+    skipped = _type_checking_nodes(tree)
     names: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -104,7 +112,7 @@ def _room(path: pathlib.Path) -> str:
 def test_domain_rooms_import_only_the_rooms_they_build_on(path: pathlib.Path) -> None:
     room = _room(path)
     used = {m.split(".")[1] for m in _runtime_imports(path) if m.startswith("domain.") and m.count(".") >= 1}
-    used = {u for u in used if u in DOMAIN_ROOMS}  # sub-packages, not the leaf modules
+    used = {u for u in used if u in DOMAIN_ROOMS and u not in DOMAIN_LEAVES}  # sub-packages, not the leaves
     assert used <= DOMAIN_ROOMS[room], f"{path} (domain/{room or '.'}) imports domain/{used - DOMAIN_ROOMS[room]}"
     assert not any(m.startswith("torch.distributed") for m in _runtime_imports(path)), (
         f"{path} uses torch.distributed: collectives reach the domain through a seam (an adapter)")
@@ -151,3 +159,152 @@ def test_services_know_no_root_and_the_cli_no_adapter(path: pathlib.Path) -> Non
     else:
         assert not {m for m in imported if m.startswith("adapters")}, (
             f"{path}: the CLI gets every adapter from app.bootstrap")
+
+
+# --- the domain knows no engine -----------------------------------------------------------------
+
+# Engine names, however spelled in code: identifiers, attribute names and string constants.
+ENGINE_NAME = re.compile(r"vllm|sglang|trtllm", re.IGNORECASE)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    nodes = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {id(node.body[0].value) for node in ast.walk(tree) if isinstance(node, nodes) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+            and isinstance(node.body[0].value.value, str)}
+
+
+def _reference_citations(tree: ast.AST) -> set[int]:
+    """The `reference` of each RuleSpec: the function a codec ports bit for bit, cited by name (a
+    citation, like a docstring's, that `refit plan` and the export metadata print)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "RuleSpec":
+            cited = [*node.args[2:3], *(k.value for k in node.keywords if k.arg == "reference")]
+            out.update(id(n) for c in cited for n in ast.walk(c))
+    return out
+
+
+def _names_in_code(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Every identifier, attribute, argument, import and string constant (docstrings and RuleSpec
+    references aside) of a module, with its line."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = _docstrings(tree) | _reference_citations(tree)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute):
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.append((node.lineno, node.name))
+        elif isinstance(node, ast.arg):
+            found.append((node.lineno, node.arg))
+        elif isinstance(node, ast.keyword) and node.arg:
+            found.append((node.value.lineno, node.arg))
+        elif isinstance(node, ast.alias):
+            found.append((node.lineno, f"{node.name} {node.asname or ''}"))
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skipped:
+            found.append((node.lineno, node.value))
+    return found
+
+
+@pytest.mark.parametrize("path", _modules("domain"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_domain_code_names_no_engine(path: pathlib.Path) -> None:
+    named = [f"{path.relative_to(ROOT)}:{line}: {text[:80]!r}" for line, text in _names_in_code(path)
+             if ENGINE_NAME.search(text)]
+    assert not named, ("engine knowledge belongs to the engine's profile (adapters/<engine>/profile.py), not "
+                       "the domain:\n" + "\n".join(named))
+
+
+def test_the_engine_name_check_sees_code_and_skips_docstrings_and_comments(tmp_path: pathlib.Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text('"""About vLLM."""\n# SGLang\ndef f():\n    """TRT-LLM, trtllm."""\n    return 1\n')
+    assert not [t for _, t in _names_in_code(module) if ENGINE_NAME.search(t)]
+    for code in ('X = "sglang"\n', "def check_vllm(): pass\n", "a.vllm_kernels = 1\n", 'f(f"{x} on vLLM")\n',
+                 "import vllm\n", "TRTLLM = 1\n", "def f(sglang_layout): pass\n"):
+        module.write_text(code)
+        assert [t for _, t in _names_in_code(module) if ENGINE_NAME.search(t)], code
+
+
+# Configuration keys (`rollout.quantization.linear`, `actor.megatron.qat.mode`, ...) as code spells them.
+CONFIG_KEY = re.compile(r"\b(?:rollout|actor)\.[a-z_]")
+
+
+@pytest.mark.parametrize("path", [p for p in _modules("domain") if p.name != "keys.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_domain_spells_configuration_keys_only_through_the_key_function(path: pathlib.Path) -> None:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = _docstrings(tree)
+    spelled = [f"{path.relative_to(ROOT)}:{n.lineno}: {n.value[:80]!r}" for n in ast.walk(tree)
+               if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+               and CONFIG_KEY.search(n.value)]
+    assert not spelled, "write configuration keys with domain.keys.key(...):\n" + "\n".join(spelled)
+
+
+# --- no import cycle inside the domain ------------------------------------------------------------
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _domain_graph() -> dict[str, set[str]]:
+    """Domain module -> the domain modules it imports at run time, anywhere in it (function-local
+    imports included; `if TYPE_CHECKING:` blocks, which never run, left out); `from package import
+    module` names the module."""
+    modules = {_module_name(p) for p in _modules("domain")}
+    graph: dict[str, set[str]] = {}
+    for path in _modules("domain"):
+        targets: set[str] = set()
+        tree = ast.parse(path.read_text(), filename=str(path))
+        never_run = _type_checking_nodes(tree)
+        for node in ast.walk(tree):
+            if id(node) in never_run:
+                continue
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                               for a in node.names)
+        graph[_module_name(path)] = {t for t in targets if t in modules} - {_module_name(path)}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of the graph (its modules, the first repeated at the end), or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return []
+
+
+def test_the_domain_has_no_import_cycle() -> None:
+    graph = _domain_graph()
+    assert graph.get("domain.quant.dispatch")  # the graph is read
+    cycle = _cycle(graph)
+    assert not cycle, "import cycle in the domain: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle_through_any_edge() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"x": {"y"}, "y": set(), "p": {"q"}, "q": {"p"}}) == ["p", "q", "p"]

@@ -18,11 +18,11 @@ from domain.errors import (
     RefitFailed,
     StorageRebound,
 )
-from domain.quant.backend_policy import decide_backends
 from domain.quant.stream import quantize_stream
 from domain.refit.buckets import pack_buckets
 from domain.refit.report import RefitOutcome
 from domain.refit.session import CommitMode
+from tests.dispatching import decide_backends
 from tests.engine_fakes.sglang import (
     LAYERS,
     UNSENT,

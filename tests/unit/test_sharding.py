@@ -1,5 +1,6 @@
-"""domain.refit.sharding: layouts, placements, export units, and the shard math against the
-single-process export (quantize_stream) as the independent reference, bit for bit."""
+"""domain.refit.topology, split_rules and shard_map: layouts, placements, export units, and the
+shard math against the single-process export (quantize_stream) as the independent reference, bit
+for bit."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from domain.quant import naming
 from domain.quant.codecs import nvfp4_global_scale
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import checkpoint_names, quantize_stream
+from domain.refit.shard_map import ShardMap, place_tensors
 from domain.refit.shard_quant import (
     checkpoint_items,
     concat_shards,
@@ -22,7 +24,7 @@ from domain.refit.shard_quant import (
     quantize_shard,
     unflatten_piece,
 )
-from domain.refit.sharding import ParallelLayout, RefitWorld, ShardMap, place_tensors
+from domain.refit.topology import ParallelLayout, RefitWorld
 
 SHAPES = hf_weight_shapes(MICRO_MOE)
 

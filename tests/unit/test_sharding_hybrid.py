@@ -1,4 +1,4 @@
-"""domain.refit.sharding on a Qwen3.5-style hybrid (GatedDeltaNet and gated-attention layers,
+"""domain.refit.shard_map and split_rules on a Qwen3.5-style hybrid (GatedDeltaNet and gated-attention layers,
 routed and shared experts, an MTP layer) and on Megatron's expert-tensor-parallel layouts.
 
 The reference is the single-process export (`quantize_stream` on the full tensors), bit for bit:
@@ -13,6 +13,7 @@ import torch
 
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
+from domain.refit.shard_map import ShardMap, place_tensors
 from domain.refit.shard_quant import (
     checkpoint_items,
     concat_shards,
@@ -20,7 +21,7 @@ from domain.refit.shard_quant import (
     local_amax,
     quantize_shard,
 )
-from domain.refit.sharding import ParallelLayout, ShardMap, place_tensors
+from domain.refit.topology import ParallelLayout
 
 H, V, E, MOE_I, SHARED_I = 128, 256, 4, 128, 128
 KD, VD, NV, DV = 128, 256, 4, 64  # GDN: 2 key heads and 4 value heads of 64
@@ -173,7 +174,7 @@ def test_gdn_sections_are_gathered_when_quantized_and_b_a_stay_bf16() -> None:
 
 def test_concat_by_sections_restores_the_section_order() -> None:
     full = torch.arange(12).reshape(12, 1)
-    from domain.refit.sharding import Placement
+    from domain.refit.shard_map import Placement
 
     p = Placement("conv1d.weight", (12, 1), 0, (0, 1), (4, 4, 4))
     shards = [p.shard_of(full, r) for r in (0, 1)]

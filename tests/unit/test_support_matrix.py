@@ -10,16 +10,19 @@ from pathlib import Path
 import attrs
 import pytest
 
-from domain.environment import PINNED_SGLANG, PINNED_VLLM
+from adapters.engine_profile import SGLANG_MXFP8
+from adapters.sglang.profile import PINNED_SGLANG
+from adapters.vllm.profile import PINNED_VLLM
 from domain.errors import EngineCellUnsupported, EngineRejectsQuantization, UnsupportedCombination
 from domain.quant import support
-from domain.quant.dispatch import DispatchInput, resolve
 from domain.quant.formats import FORMATS, ActivationScheme
 from domain.quant.plan import ACTIVATIONS, QuantizationPlan
-from domain.quant.support import COMPRESSED_TENSORS, NATIVE_FP8, SGLANG_MXFP8, Cell, Verdict, check_cells
+from domain.quant.support import COMPRESSED_TENSORS, NATIVE_FP8, Cell, Verdict
+from tests import dispatching
+from tests.dispatching import DispatchInput, check_cells, resolve
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-VERDICTS = support.verdicts()
+VERDICTS = dispatching.verdicts()
 REJECTED = [v for v in VERDICTS.values() if not v.shown]
 SHOWN = [v for v in VERDICTS.values() if v.shown]
 NATIVE_CONFIGS = {
@@ -43,11 +46,11 @@ def _only(cell: Cell) -> QuantizationPlan:
 
 
 def test_every_cell_has_exactly_one_verdict() -> None:
-    cells = support.all_cells()
+    cells = dispatching.all_cells()
     assert len(cells) == len(set(cells)) == len(VERDICTS)
     assert set(cells) == set(VERDICTS)
     # every preset, role and exportable activation scheme of both engines is a compressed-tensors cell
-    for engine in support.SUPPORT_ENGINES:
+    for engine in dispatching.SUPPORT_ENGINES:
         for fmt, acts in ACTIVATIONS.items():
             for act in acts:
                 for role in support.ROLES:
@@ -180,7 +183,7 @@ def test_docs_support_matrix_lists_every_verdict_as_the_code_has_it() -> None:
     from app.services.planning import support_matrix_rows
 
     text = (DOCS / "support-matrix.md").read_text()
-    for engine in support.SUPPORT_ENGINES:
+    for engine in dispatching.SUPPORT_ENGINES:
         section = text.split(f"\n### Cells: {engine}\n", 1)[1].split("\n#", 1)[0]
         documented = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| role")]
         expected = support_matrix_rows(engine)

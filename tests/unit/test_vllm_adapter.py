@@ -19,10 +19,10 @@ from domain.errors import (
     RefitFailed,
     StorageRebound,
 )
-from domain.quant.backend_policy import decide_backends
 from domain.refit.buckets import pack_buckets, unpack_bucket
 from domain.refit.report import RefitOutcome
 from domain.refit.session import CommitMode
+from tests.dispatching import decide_backends
 from tests.engine_fakes.vllm import (
     DUMMY_KV,
     FakeLayerwise,
@@ -354,7 +354,7 @@ def test_activation_scales_of_a_kind_the_checkpoint_never_carries_are_not_expect
 def test_experts_the_reload_cannot_redo_are_refused_before_anything_is_written() -> None:
     import attrs
 
-    from domain.errors import EngineRefitUnsupported
+    from adapters.vllm.errors import EngineRefitUnsupported
 
     _, layerwise, engine = build()
     refit(engine, checkpoint_stream(True), 1)

@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from adapters.vllm.control import Channel
-from domain.errors import EngineProcessError
+from adapters.vllm.errors import EngineProcessError
 
 
 @pytest.fixture

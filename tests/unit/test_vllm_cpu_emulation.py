@@ -18,8 +18,8 @@ from app.bootstrap import bootstrap
 from app.services.doctor_checks import Status, vllm_cpu_checks
 from domain.environment import EnvironmentSnapshot
 from domain.errors import ConfigError
-from domain.quant.backend_policy import decide_backends
 from domain.quant.plan import QuantizationPlan
+from tests.dispatching import decide_backends
 
 LOGS = Path(__file__).resolve().parents[1] / "data" / "vllm_logs"
 NO_AMX = {"FP8_BLOCK": "CPUFp8BlockScaledMMKernel requires AMX tile support", "MXFP8": "none registered",
@@ -87,7 +87,7 @@ def test_a_log_without_an_exception_has_no_root_cause() -> None:
 
 
 def _snapshot(kernels: dict[str, object] | None) -> EnvironmentSnapshot:
-    return EnvironmentSnapshot(python="3.11.7", vllm_cpu_kernels=kernels)
+    return EnvironmentSnapshot(python="3.11.7", engine_cpu_kernels=kernels)
 
 
 def test_doctor_says_which_of_vllms_cpu_kernels_this_machine_has_and_what_is_emulated() -> None:
@@ -122,4 +122,12 @@ def test_the_probe_of_an_environment_without_vllm_reports_its_error(tmp_path: Pa
 def test_a_saved_snapshot_keeps_the_vllm_cpu_kernels() -> None:
     kernels = {"mode": "on", "emulated": ["FP8_BLOCK"], "native": {"FP8_BLOCK": None}}
     again = FixedEnvironmentProbe.from_dict(_snapshot(kernels).to_dict()).snapshot()
-    assert again.vllm_cpu_kernels == kernels
+    assert again.engine_cpu_kernels == kernels
+
+
+def test_a_snapshot_saved_under_the_former_key_keeps_the_vllm_cpu_kernels() -> None:
+    kernels = {"mode": "on", "emulated": ["FP8_BLOCK"], "native": {"FP8_BLOCK": None}}
+    saved = _snapshot(None).to_dict()
+    del saved["engine_cpu_kernels"]
+    saved["vllm_cpu_kernels"] = kernels  # `refit doctor --json` before the field was named for every engine
+    assert FixedEnvironmentProbe.from_dict(saved).snapshot().engine_cpu_kernels == kernels

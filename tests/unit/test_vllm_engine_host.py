@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from adapters.vllm.errors import EngineProcessError
 from adapters.vllm.remote import EngineProcess
-from domain.errors import EngineProcessError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,6 +11,9 @@ stdout; vLLM logs to stderr).
   each followed by a full refit that must recover.
 - delta: layout_delta refits over Adam-like steps, each compared with a full refit of the same
   weights on the same engine (every parameter's digest), and a corrupted base copy on the worker.
+- shapes: the fault table of tests/integration/test_refit_shapes.py (begin, a bucket, finalize,
+  the storage check, the probe) with each restore (stale, replay): the failed refit's outcome
+  and engine state, what the engine serves afterwards, and the recovery.
 - guards: the KV-cache scales poisoned then reset by a refit; a silently corrupted refit
   caught by the post-refit probe; the BF16 expert redo switched off (what vLLM alone does).
 """
@@ -28,7 +31,7 @@ import attrs
 from adapters.memory.faults import FaultScript
 from adapters.memory.faulty import ScriptedFaultyEngine
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_overrides
+from app.cli.demo_engine import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings, EngineStep
 from app.services.refit import RefitService
 from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
@@ -69,12 +72,8 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                                          linear_activation=spec.get("linear_activation"),
                                          moe_activation=spec.get("moe_activation"))
     settings = EngineDemoSettings(deployment=spec["deployment"], plan=plan, model=spec.get("model", "micro-moe"))
-    overrides = [
-        *engine_overrides(settings, 0.25),
-        f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}",
-        "rollout.engine_kwargs.vllm.start_timeout_s=900",  # two engines starting at once on 2 loaded cores
-    ]
-    services = bootstrap(overrides=overrides)
+    # start_timeout_s: two engines starting at once on 2 loaded cores
+    services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900, worker_extension_cls=EXTENSION))
     try:
         engine: Any = services.rollout_engine()
     except Exception as err:  # the engine did not start: the test decides whether that may be so
@@ -118,6 +117,9 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
             rpc("rl_refit_test_fail_receiver", 1)
             refit_and_compare("fault receiver")
             refit_and_compare("after receiver")
+        elif scenario == "shapes":
+            out["shapes"] = _shapes(services, engine, trainer, rpc, comparer)
+            refit_and_compare("after every fault")
         elif scenario == "guards":
             poisoned = rpc("rl_refit_test_poison_kv", 7.0)
             before = engine.kv_scales()
@@ -177,6 +179,36 @@ def _delta_steps(svc: RefitService, engine: Any, trainer: Any, rpc: Any, steps: 
                   "error": failed.error, "mode": failed.delta.mode, "corrupted": corrupted,
                   "serving": "no (stale)" if engine.is_stale else "yes"})
     both("after corrupted copy")
+
+
+SHAPE_POINTS = ("begin", "bucket:1", "finalize", "storage", "probe")
+
+
+def _shapes(services: Any, engine: Any, trainer: Any, rpc: Any, comparer: Any) -> list[dict[str, Any]]:
+    """Per restore and fault point: a refit, a training-like step, a refit failing at the point,
+    then a refit that must recover; through one service each (its replay copy is its own)."""
+    from tests.integration.test_refit_shapes import FlakyReference
+
+    out = []
+    for restore in ("stale", "replay"):
+        for point in SHAPE_POINTS:
+            wrapped = engine if point == "probe" else ScriptedFaultyEngine(engine, attrs.evolve(FaultScript.parse(point),
+                                                                                              after=1))
+            reference = FlakyReference(TrainerReference(trainer), fail_at=1 if point == "probe" else -1)
+            probe = PostRefitProbe(reference, probe_batch(trainer.config.vocab_size, 2, 16, 0))  # type: ignore[arg-type]
+            svc = attrs.evolve(services.refit_service(engine=wrapped, trainer=trainer, restore=restore), probe=probe)
+            first = _refit(svc)
+            before = rpc("rl_refit_digests")
+            trainer.perturb_(len(out) + 1, 0.02)
+            failed = _refit(svc)
+            after = rpc("rl_refit_digests")
+            refuses = comparer.refuses(engine)
+            again = _refit(svc)
+            out.append({"restore": restore, "point": point, "first_ok": first.ok, "outcome": failed.outcome.value,
+                        "engine_state": failed.engine_state, "error": failed.error,
+                        "serves_previous": after == before and not refuses, "refuses": refuses,
+                        "recovered": again.ok, "recovered_error": again.error})
+    return out
 
 
 def _start_failure(err: BaseException) -> str:

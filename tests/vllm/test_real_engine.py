@@ -22,21 +22,14 @@ from typing import Any
 
 import pytest
 
-from domain.quant.support import COMPRESSED_TENSORS, CPU_SERVED, verdicts
+from domain.quant.support import COMPRESSED_TENSORS, CPU_SERVED
+from tests.dispatching import verdicts
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 TIMEOUT_S = 1500
-
-
-@pytest.fixture(scope="session")
-def cold_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.getbasetemp()
-    if root.name.startswith("popen-gw"):  # pytest-xdist: one directory per worker, the session's above them
-        root = root.parent
-    return root / "rl-refit-cold-starts"
 
 
 def _python(deployment: str) -> str:

@@ -1,6 +1,6 @@
 """The vLLM cells of the support matrix against vLLM's own code, on CPU (vLLM 0.32, `.venv-vllm`).
 
-For each compressed-tensors cell the table (domain.quant.support_vllm) marks CPU_VLLM: vLLM's
+For each compressed-tensors cell the table (adapters/vllm/profile.py) marks CPU_ENGINE: vLLM's
 dispatch reads the quantization_config the trainer sends (built by
 adapters.compressed_tensors) and picks the scheme or expert method the table names; for the
 shown cells, that scheme's `create_weights` allocates exactly the tensors the export sends (names,
@@ -33,7 +33,8 @@ from adapters.compressed_tensors.quantization_config import compressed_tensors_c
 from domain.quant.codecs import quantize_weight
 from domain.quant.formats import FORMATS, ActivationScheme
 from domain.quant.plan import QuantizationPlan
-from domain.quant.support import COMPRESSED_TENSORS, CPU_VLLM, Cell, Verdict, verdicts
+from domain.quant.support import COMPRESSED_TENSORS, CPU_ENGINE, Cell, Verdict
+from tests.dispatching import verdicts
 
 _SCH = "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
 _MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
@@ -58,7 +59,7 @@ E, H, INTER = 4, 256, 128
 ATTN = "model.layers.0.self_attn"
 EXPERTS = "model.layers.0.mlp.experts"
 CPU_CELLS = [v for v in verdicts().values()
-             if v.cell.engine == "vllm" and v.cell.layout == COMPRESSED_TENSORS and CPU_VLLM in v.how]
+             if v.cell.engine == "vllm" and v.cell.layout == COMPRESSED_TENSORS and CPU_ENGINE in v.how]
 
 
 def _script():  # type: ignore[no-untyped-def]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from domain.errors import BlockMisaligned, NonFiniteTensor, UnsupportedDtype, UnsupportedShape
+from domain.keys import key
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -20,12 +21,12 @@ def check_weight(w: torch.Tensor, name: str, *, k_multiple: int, fmt_name: str) 
             name,
             f"rank {w.dim()} (shape {tuple(w.shape)}); {fmt_name} quantizes 2-D [N, K] Linear weights "
             "or 3-D [E, N, K] expert weights",
-            "keep this tensor in BF16 (add it to rollout.quantization.ignore)",
+            f"keep this tensor in BF16 (add it to {key('quantization', 'ignore')})",
         )
     if w.numel() == 0:
         raise UnsupportedShape(
             name, f"has no elements (shape {tuple(w.shape)}); {fmt_name} has no blocks to scale",
-            "keep this tensor in BF16 (add it to rollout.quantization.ignore)",
+            f"keep this tensor in BF16 (add it to {key('quantization', 'ignore')})",
         )
     check_last_dim(w, name, k_multiple=k_multiple, fmt_name=fmt_name)
 
@@ -35,7 +36,7 @@ def check_last_dim(x: torch.Tensor, name: str, *, k_multiple: int, fmt_name: str
         raise BlockMisaligned(
             name,
             f"last dimension {x.shape[-1]} is not a multiple of {k_multiple}, the {fmt_name} block",
-            "keep this tensor in BF16 (add it to rollout.quantization.ignore)",
+            f"keep this tensor in BF16 (add it to {key('quantization', 'ignore')})",
         )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from domain.errors import UnsupportedShape
+from domain.keys import key
 from domain.quant.codecs import compile as kernels
 from domain.quant.codecs.checks import check_finite_amax
 from domain.quant.codecs.elements import e2m1_codes, e2m1_values, pack_fp4, to_e4m3, unpack_fp4
@@ -46,7 +47,7 @@ def global_scale(*tensors: torch.Tensor, name: str = "weight", rule: ElementRule
     for t in tensors:
         if t.numel() == 0:
             raise UnsupportedShape(name, f"a member has no elements (shape {tuple(t.shape)}); NVFP4 has no blocks to scale",
-                                   "keep the whole group in BF16 (add it to rollout.quantization.ignore)")
+                                   f"keep the whole group in BF16 (add it to {key('quantization', 'ignore')})")
     amaxes = [t.detach().abs().amax(dim=(-2, -1)).float() for t in tensors]
     amax = torch.stack(amaxes).amax(dim=0)
     check_finite_amax(amax, name)

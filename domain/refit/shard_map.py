@@ -1,24 +1,14 @@
 """Which trainer rank holds and exports each tensor, and the math that keeps a sharded export
 bit-identical to the single-process one.
 
-A trainer is laid out as Megatron-Core lays out one model replica (its default rank order,
-`tp-cp-ep-dp-pp`, with cp = 1): pipeline stages are the outermost blocks of `R = lcm(tp, ep * etp)`
-ranks each; inside a stage, local rank j is tensor-parallel rank `j % tp` of the dense layers and,
-for the routed experts, expert-tensor-parallel rank `j % etp` of expert-parallel rank
-`(j // etp) % ep`. Expert parallelism is carved out of the stage's ranks, as Megatron carves it out
-of data parallelism: with tp = 2, ep = 2, etp = 1 one stage is 2 ranks, each a TP shard of the
-dense layers and the owner of half the experts. Then:
+On a layout (domain.refit.topology), with the split rules of domain.refit.split_rules:
 - pipeline stages own contiguous layers (tensors before the first layer go to stage 0, those after
   the last layer and the multi-token-prediction (MTP) layers to the last stage);
 - expert-parallel ranks own whole routed experts (expert e on ep_rank e // (E / ep)); every other
   tensor belongs to the stage's tensor-parallel group (its first `tp` ranks: data-parallel
   replicas beyond it hold copies and export nothing);
-- tensor parallelism splits column-parallel weights (q/k/v, gate/up, embeddings, LM head, GDN
-  input projections, the MTP input projection, and their biases) along rows, row-parallel
-  weights (o_proj, down_proj, GDN out_proj) along K; GDN's conv1d, A_log and dt_bias follow their
-  heads. The GDN q/k/v projection and conv1d are split section by section (each TP rank holds its
-  share of q, of k and of v); expert tensor parallelism (etp > 1) splits each expert the same way;
-  norms and routers are not split.
+- a tensor the split rules split is spread over its group, section by section where it has
+  sections; every other tensor lives on the group's first rank.
 
 The `source` of a tensor is the first holder of the group that owns it: it packs the tensor
 into buckets and sends them. A TP-split tensor is quantized on every TP rank when its shard
@@ -30,9 +20,6 @@ all-reduce), so the bytes equal the single-process export's. That math is in dom
 
 from __future__ import annotations
 
-import enum
-import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
@@ -40,191 +27,20 @@ import attrs
 import torch
 
 from domain.errors import ShardingError
+from domain.keys import key as config_key
 from domain.quant import naming
 from domain.quant.plan import QuantizationPlan, TensorDecision
 from domain.quant.units import export_units
+from domain.refit.split_rules import expert_index, gdn_sections, is_mtp, split_dimension
+from domain.refit.topology import ParallelLayout
 
 # How a TP-split tensor is exported: each holder quantizes its shard ("local"), or the BF16 shards
 # are gathered on the source, which quantizes ("gather").
 ShardMode = Literal["local", "gather"]
 
 
-class Role(enum.StrEnum):
-    """What a rank of a refit world does."""
-
-    TRAINER = "trainer"
-    ENGINE = "engine"
-
-
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-_ROW_PARALLEL = ("o_proj", "down_proj", "w2", "out_proj")
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3",
-                    "in_proj_z", "in_proj_b", "in_proj_a")
-_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
-_MTP = re.compile(r"^(?:model\.)?mtp\.")  # multi-token prediction layers (Qwen3.5 / DeepSeek-V3 naming)
-_MTP_FC = re.compile(r"^(?:model\.)?mtp\.(?:layers\.\d+\.)?fc$")  # the MTP input projection [H, 2H]
-_GDN_SECTIONED = ("linear_attn.in_proj_qkv", "linear_attn.conv1d")  # [q; k; v] along dim 0
-_GDN_HEADS = ("linear_attn.A_log", "linear_attn.dt_bias")  # one value per value head
-
-
 def _ints(value: Iterable[int]) -> tuple[int, ...]:
     return tuple(value)
-
-
-def _at_least_one(_inst: object, attr: attrs.Attribute, value: int) -> None:
-    if value < 1:
-        raise ShardingError(attr.name, f"must be >= 1, got {value}")
-
-
-@attrs.frozen
-class RankCoords:
-    """A trainer rank's place in the layout.
-
-    Attributes:
-        stage: its pipeline stage.
-        ep_rank: its expert-parallel rank (the experts it owns).
-        tp_rank: its tensor-parallel rank in the dense layers.
-        etp_rank: its expert-tensor-parallel rank (its share of each expert it owns).
-        dp_rank: its data-parallel replica of the dense layers inside the stage (0 exports).
-    """
-
-    stage: int
-    ep_rank: int
-    tp_rank: int
-    etp_rank: int = 0
-    dp_rank: int = 0
-
-
-@attrs.frozen
-class ParallelLayout:
-    """How the trainer is split: Megatron-Core's tensor (tp), pipeline (pp), expert (ep) and expert
-    tensor (etp) parallel sizes, over one model replica.
-
-    Attributes:
-        tp: tensor-parallel ranks of the dense layers (`tensor_model_parallel_size`).
-        pp: pipeline stages (`pipeline_model_parallel_size`).
-        ep: expert-parallel ranks per stage (`expert_model_parallel_size`).
-        etp: tensor-parallel ranks of each expert (`expert_tensor_parallel_size`): 1, or tp.
-        dp: data-parallel replicas of the dense layers (Megatron's data-parallel size); None =
-            the fewest that hold every expert, lcm(tp, ep * etp) / tp. Ranks of further replicas
-            hold copies: they take part in every agreement and export nothing.
-    """
-
-    tp: int = attrs.field(default=1, validator=_at_least_one)
-    pp: int = attrs.field(default=1, validator=_at_least_one)
-    ep: int = attrs.field(default=1, validator=_at_least_one)
-    etp: int = attrs.field(default=1, validator=_at_least_one)
-    dp: int | None = attrs.field(default=None)
-
-    def __attrs_post_init__(self) -> None:
-        if self.tp > 1 and self.etp > 1 and self.etp != self.tp:
-            raise ShardingError(
-                "actor.megatron.expert_tensor_parallel_size",
-                f"etp={self.etp} with tp={self.tp}: a source would export dense and expert shards over two "
-                "different groups; use etp=1 or etp=tp",
-            )
-        if self.dp is not None and (self.dp < 1 or (self.tp * self.dp) % (self.ep * self.etp)):
-            raise ShardingError(
-                "data_parallel_size",
-                f"dp={self.dp}: tp * dp ({self.tp * self.dp}) must be a multiple of ep * etp ({self.ep * self.etp}), "
-                "as Megatron-Core requires",
-            )
-
-    @property
-    def per_stage(self) -> int:
-        """Ranks of one pipeline stage: tp * dp (by default the fewest that hold every dense shard
-        and every expert)."""
-        return self.tp * self.dp if self.dp is not None else math.lcm(self.tp, self.ep * self.etp)
-
-    @property
-    def size(self) -> int:
-        """Trainer ranks."""
-        return self.pp * self.per_stage
-
-    def coords(self, rank: int) -> RankCoords:
-        """The coordinates of trainer `rank`."""
-        if not 0 <= rank < self.size:
-            raise ShardingError("rank", f"trainer rank {rank} is outside [0, {self.size})")
-        j = rank % self.per_stage
-        return RankCoords(rank // self.per_stage, (j // self.etp) % self.ep, j % self.tp, j % self.etp, j // self.tp)
-
-    def dense_ranks(self, stage: int) -> tuple[int, ...]:
-        """The tensor-parallel group that holds (and exports) the dense layers of `stage`."""
-        return tuple(stage * self.per_stage + t for t in range(self.tp))
-
-    def expert_ranks(self, stage: int, ep_rank: int) -> tuple[int, ...]:
-        """The expert-tensor-parallel group that holds the experts of `ep_rank` in `stage`."""
-        first = stage * self.per_stage + ep_rank * self.etp
-        return tuple(first + t for t in range(self.etp))
-
-    def tp_ranks(self, stage: int, ep_rank: int) -> tuple[int, ...]:
-        """The ranks taking part in the segment of (stage, ep_rank), its source first: the dense
-        group together with the expert group of ep_rank 0 (both start at the stage's first rank),
-        the expert group alone for the other ep_ranks."""
-        if ep_rank == 0:
-            first = stage * self.per_stage
-            return tuple(first + t for t in range(max(self.tp, self.etp)))
-        return self.expert_ranks(stage, ep_rank)
-
-    def rank_of(self, stage: int, ep_rank: int, tp_rank: int = 0) -> int:
-        """The `tp_rank`-th rank of the segment of (stage, ep_rank) (0: its source)."""
-        return self.tp_ranks(stage, ep_rank)[tp_rank]
-
-    def describe(self) -> str:
-        text = f"tp={self.tp} pp={self.pp} ep={self.ep}"
-        text += f" etp={self.etp}" if self.etp > 1 else ""
-        return text + (f" dp={self.dp}" if self.dp is not None and self.per_stage != math.lcm(self.tp, self.ep * self.etp) else "")
-
-
-@attrs.frozen
-class RefitWorld:
-    """Every rank of a distributed refit: trainer ranks first, then engine ranks.
-
-    Attributes:
-        layout: the trainer's parallel layout (ranks 0 .. layout.size - 1).
-        engines: engine ranks (layout.size ..), each a full replica that receives every bucket.
-    """
-
-    layout: ParallelLayout = attrs.field(factory=ParallelLayout)
-    engines: int = attrs.field(default=1, validator=_at_least_one)
-
-    @property
-    def size(self) -> int:
-        return self.layout.size + self.engines
-
-    @property
-    def trainer_ranks(self) -> tuple[int, ...]:
-        return tuple(range(self.layout.size))
-
-    @property
-    def engine_ranks(self) -> tuple[int, ...]:
-        return tuple(range(self.layout.size, self.size))
-
-    def role(self, rank: int) -> Role:
-        """`trainer` or `engine`. Raises ShardingError for a rank outside the world."""
-        if not 0 <= rank < self.size:
-            raise ShardingError("rank", f"rank {rank} is outside the refit world of {self.size} ranks")
-        return Role.TRAINER if rank < self.layout.size else Role.ENGINE
-
-    @classmethod
-    def for_procs(cls, procs: int, moe: bool = True) -> RefitWorld:
-        """The default world for `procs` processes (2..4): 2 = one trainer + one engine;
-        3 = two trainer ranks (ep=2 for an MoE model, else tp=2) + one engine; 4 = two trainer
-        ranks + two engine replicas.
-
-        Args:
-            procs: processes in the world.
-            moe: whether the model has routed experts (ep) or not (tp).
-
-        Returns:
-            The RefitWorld.
-        """
-        if not 2 <= procs <= 4:
-            raise ShardingError("--procs", f"must be 2, 3 or 4 on this machine, got {procs}")
-        if procs == 2:
-            return cls(ParallelLayout(), 1)
-        two = ParallelLayout(ep=2) if moe else ParallelLayout(tp=2)
-        return cls(two, procs - 2)
 
 
 @attrs.frozen
@@ -334,46 +150,6 @@ class ExportUnit:
         return any(d.format.has_global_scale for d in self.decisions)
 
 
-# --- placing a model ---------------------------------------------------------------------------
-
-
-def split_dimension(name: str, shape: tuple[int, ...]) -> int | None:
-    """The dimension tensor parallelism splits a (Hugging Face) tensor along (Megatron's
-    `partition_dim`, vLLM's split), or None.
-
-    Experts are judged like dense modules (their holders are the expert group); routers, norms,
-    shared-expert gates and row-parallel biases are replicated.
-    """
-    module = naming.module_name(name)
-    if _VOCAB.search(name):
-        return 0
-    if any(module.endswith(m) for m in (*_GDN_SECTIONED, *_GDN_HEADS)):
-        return 0
-    if _MTP_FC.match(module) and name.endswith(".weight") and len(shape) == 2:
-        return 0
-    proj = module.rsplit(".", 1)[-1]
-    if name.endswith(".weight") and len(shape) == 2:
-        return 0 if proj in _COLUMN_PARALLEL else 1 if proj in _ROW_PARALLEL else None
-    if name.endswith(".bias") and len(shape) == 1 and proj in _COLUMN_PARALLEL:
-        return 0  # a column-parallel layer's bias follows its rows; a row-parallel one is whole
-    return None
-
-
-def _gdn_sections(name: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """[key_dim, key_dim, value_dim] of a GDN q/k/v projection or conv1d, from its layer's
-    in_proj_z (value_dim rows); () for every other tensor."""
-    module = naming.module_name(name)
-    for suffix in _GDN_SECTIONED:
-        if module.endswith(suffix):
-            z = shapes.get(module[: -len(suffix)] + "linear_attn.in_proj_z.weight")
-            if z is None or (shape[0] - z[0]) % 2 or shape[0] <= z[0]:
-                raise ShardingError(name, "a split GDN q/k/v tensor needs its layer's linear_attn.in_proj_z "
-                                    "(value_dim rows) to find its q, k and v sections")
-            key_dim = (shape[0] - z[0]) // 2
-            return (key_dim, key_dim, z[0])
-    return ()
-
-
 def _aligned(decision: TensorDecision, p: Placement) -> bool:
     """Whether each TP shard covers whole blocks, so quantizing shards equals quantizing the whole.
     A placement split section by section is always gathered when quantized (its shards are not
@@ -438,7 +214,8 @@ class ShardMap:
 
 
 def place_tensors(layout: ParallelLayout, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, Placement]:
-    """Place every tensor of a model on the layout (see the module docstring for the rules).
+    """Place every tensor of a model on the layout (see the module docstrings of this module and of
+    domain.refit.split_rules for the rules).
 
     Args:
         layout: tp / pp / ep / etp sizes.
@@ -449,20 +226,20 @@ def place_tensors(layout: ParallelLayout, shapes: Sequence[tuple[str, tuple[int,
         configuration key when a size does not divide the model.
     """
     by_name = {n: tuple(s) for n, s in shapes}
-    mtp = [bool(_MTP.match(n)) for n, _ in shapes]
-    layers = [None if is_mtp else naming.layer_index(n) for (n, _), is_mtp in zip(shapes, mtp, strict=True)]
+    mtp = [is_mtp(n) for n, _ in shapes]
+    layers = [None if in_mtp else naming.layer_index(n) for (n, _), in_mtp in zip(shapes, mtp, strict=True)]
     known = [i for i in layers if i is not None]
     num_layers = max(known) + 1 if known else 1
     if layout.pp > num_layers:
         raise ShardingError(
-            "actor.megatron.pipeline_model_parallel_size",
+            config_key("megatron", "pipeline_model_parallel_size"),
             f"pp={layout.pp} exceeds the model's {num_layers} layers; use at most {num_layers} stages",
         )
-    experts = [int(m[1]) for n, _ in shapes if (m := _EXPERT.search(n))]
+    experts = [e for n, _ in shapes if (e := expert_index(n)) is not None]
     num_experts = max(experts) + 1 if experts else 0
     if layout.ep > 1 and (num_experts == 0 or num_experts % layout.ep):
         raise ShardingError(
-            "actor.megatron.expert_model_parallel_size",
+            config_key("megatron", "expert_model_parallel_size"),
             f"ep={layout.ep} does not divide the model's {num_experts} routed experts; use a divisor of it"
             if num_experts else f"ep={layout.ep} but the model has no routed (per-expert) weights; use ep=1",
         )
@@ -478,20 +255,20 @@ def place_tensors(layout: ParallelLayout, shapes: Sequence[tuple[str, tuple[int,
             stage = layer * layout.pp // num_layers
         else:
             stage = 0 if not known or pos < first else layout.pp - 1
-        m = _EXPERT.search(name)
+        expert = expert_index(name)
         if layout.ep > 1 and naming.classify(name, shape).fused_experts:
             raise ShardingError(
                 name, "a fused 3-D expert tensor cannot be split across expert-parallel ranks; "
-                "export per-expert weights or use ep=1 (actor.megatron.expert_model_parallel_size)"
+                f"export per-expert weights or use ep=1 ({config_key('megatron', 'expert_model_parallel_size')})"
             )
-        if m is not None:
-            group = layout.expert_ranks(stage, int(m[1]) // (num_experts // layout.ep) if layout.ep > 1 else 0)
-            key, size = "actor.megatron.expert_tensor_parallel_size", f"etp={layout.etp}"
+        if expert is not None:
+            group = layout.expert_ranks(stage, expert // (num_experts // layout.ep) if layout.ep > 1 else 0)
+            key, size = config_key("megatron", "expert_tensor_parallel_size"), f"etp={layout.etp}"
         else:
             group = layout.dense_ranks(stage)
-            key, size = "actor.megatron.tensor_model_parallel_size", f"tp={layout.tp}"
+            key, size = config_key("megatron", "tensor_model_parallel_size"), f"tp={layout.tp}"
         dim = split_dimension(name, shape) if len(group) > 1 else None
-        sections = _gdn_sections(name, shape, by_name) if dim is not None else ()
+        sections = gdn_sections(name, shape, by_name) if dim is not None else ()
         for extent in sections or ((shape[dim],) if dim is not None else ()):
             if extent % len(group):
                 raise ShardingError(key, f"{size} does not divide dimension {dim} ({extent}) of {name!r}; use a divisor of it")

@@ -1,28 +1,49 @@
-"""vLLM's verdicts for the support matrix (domain.quant.support), from the pinned vLLM 0.33.0 wheel.
+"""The vLLM engine's profile: its pinned releases, its support table, its backend policy.
 
-The compressed-tensors dispatch picks a scheme from each config group's weights and input
-activations: dense layers in `CompressedTensorsConfig._get_scheme_from_parts`, experts in
+The support table is read from the pinned vLLM 0.33.0 wheel. The compressed-tensors dispatch
+picks a scheme from each config group's weights and input activations: dense layers in
+`CompressedTensorsConfig._get_scheme_from_parts`, experts in
 `CompressedTensorsMoEMethod.get_moe_method`. The scheme allocates the checkpoint tensors and
 chooses the kernels, and through them the activations the engine computes. Line numbers are
 vLLM 0.33.0's; the schemes' `create_weights` are the same in the vLLM 0.32 CPU build that
 tests/vllm/test_support_matrix.py runs.
+
+Backend policy: DeepGEMM for FP8 block (W8A8, both roles) and MXFP8 experts, where the engine
+honours it. MXFP8 and MXFP4 Linear layers have no DeepGEMM kernel, compressed-tensors MXFP4
+experts ignore `moe_backend` (W4A4) or would compute FP8 1x128 activations under DeepGEMM (W4A8),
+and NVFP4 is served weight-only: all automatic. On Hopper, FP8 block weights with FP32 checkpoint
+scales turn DeepGEMM's E8M0 scale packing off (packing rounds every scale to a power of two); on
+Blackwell DeepGEMM requantizes them to power-of-two scales at load and the decision says so.
 """
 
 from __future__ import annotations
 
+from adapters.engine_profile import NATIVE_LAYOUTS, SGLANG_MXFP8, StaticEngineProfile
+from domain.quant.backend_policy import AUTO, BackendChoice, BackendPolicy, KernelRole, deep_gemm
+from domain.quant.dispatch_types import EngineDispatch
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, PrecisionFormat
 from domain.quant.formats import ActivationScheme as A
 from domain.quant.support import (
     COMPRESSED_TENSORS,
+    CPU_ENGINE,
     CPU_SERVED,
-    CPU_VLLM,
     GPU_SCRIPT,
     NATIVE_FP8,
     READ,
-    SGLANG_MXFP8,
     Cell,
+    SupportTable,
     Verdict,
     cite,
 )
+
+NAME = PACKAGE = "vllm"
+# The release the adapter is written and checked against
+# (tests/integration/test_engine_conformance.py reads the pinned wheel).
+PINNED_VLLM = "0.33.0"
+# The vLLM releases the adapter supports: 0.32 (run for real on the CPU build, tests/vllm) and
+# 0.33 (its reload code is byte-identical; checked statically against the wheel).
+SUPPORTED_VLLM = ("0.32", "0.33")
+VLLM_RANGE = ">=0.32,<0.34"
 
 _Q = "vllm/model_executor/layers/quantization/"
 _CTC = _Q + "compressed_tensors/compressed_tensors.py"
@@ -34,11 +55,11 @@ _KERNELS = "vllm/model_executor/kernels/linear/__init__.py"
 
 
 def _v(path: str, lines: str) -> str:
-    return cite("vllm", path, lines)
+    return cite(PACKAGE, PINNED_VLLM, path, lines)
 
 
 def _cell(role: str, fmt: str, act: A, layout: str = COMPRESSED_TENSORS) -> Cell:
-    return Cell("vllm", layout, role, fmt, act)
+    return Cell(NAME, layout, role, fmt, act)
 
 
 _E8M0_NOTE = ("with DeepGEMM and VLLM_USE_DEEP_GEMM_E8M0 on (vLLM's default; the backend policy turns it off on "
@@ -58,21 +79,21 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
              _v(_SCH + "compressed_tensors_w8a8_fp8.py", "114-131"),
              _v("vllm/model_executor/kernels/linear/scaled_mm/deep_gemm.py", "84-100"),
              _v(_Q + "utils/fp8_utils.py", "1195-1214")),
-            (READ, CPU_VLLM, CPU_SERVED), note=_E8M0_NOTE),
+            (READ, CPU_ENGINE, CPU_SERVED), note=_E8M0_NOTE),
     Verdict(_cell("linear", "FP8_BLOCK", A.NONE), True,
             "CompressedTensorsW8A16Fp8: weight e4m3, weight_scale f32 blocks (renamed weight_scale_inv when "
             "processed); Humming or Marlin W8A16 kernels",
             (_v(_CTC, "915-920"), _v(_SCH + "compressed_tensors_w8a16_fp8.py", "88-102"),
              _v(_SCH + "compressed_tensors_w8a16_fp8.py", "120-130"), _v(_KERNELS, "522-526")),
-            (READ, CPU_VLLM), note="DeepGEMM has no W8A16 kernel: vLLM picks Humming or Marlin"),
+            (READ, CPU_ENGINE), note="DeepGEMM has no W8A16 kernel: vLLM picks Humming or Marlin"),
     Verdict(_cell("linear", "MXFP8", A.MXFP8), True,
             "CompressedTensorsW8A8Mxfp8: weight e4m3 [N, K], weight_scale u8 [N, K/32]; activations MXFP8, dynamic",
             (_v(_CTC, "814-815"), _v(_SCH + "compressed_tensors_w8a8_mxfp8.py", "25-79"), _v(_KERNELS, "568-577")),
-            (READ, CPU_VLLM, GPU_SCRIPT, CPU_SERVED),
+            (READ, CPU_ENGINE, GPU_SCRIPT, CPU_SERVED),
             note="MXFP8 activations on FlashInfer's SM100 kernels; on older GPUs Marlin, emulation or torch"),
     Verdict(_cell("linear", "MXFP8", A.NONE), False,
             "CompressedTensorsW8A8Mxfp8, chosen from the weights alone",
-            (_v(_CTC, "814-815"), _v(_SCH + "compressed_tensors_w8a8_mxfp8.py", "25-34")), (READ, CPU_VLLM),
+            (_v(_CTC, "814-815"), _v(_SCH + "compressed_tensors_w8a8_mxfp8.py", "25-34")), (READ, CPU_ENGINE),
             reason="vLLM has no weight-only MXFP8 Linear: CompressedTensorsW8A8Mxfp8 is chosen from the weights "
                    "alone and quantizes activations to MXFP8 whatever input_activations say",
             instead="use MXFP8 activations (drop rollout.quantization.linear_activation), or FP8_BLOCK with "
@@ -81,13 +102,13 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             "CompressedTensorsW4A4Mxfp4: weight_packed u8 [N, K/2], weight_scale u8 [N, K/32]; kernels for MXFP4 "
             "activations (kMxfp4Dynamic)",
             (_v(_CTC, "811-812"), _v(_SCH + "compressed_tensors_w4a4_mxfp4.py", "39-88"), _v(_KERNELS, "625-632")),
-            (READ, CPU_VLLM, GPU_SCRIPT),
+            (READ, CPU_ENGINE, GPU_SCRIPT),
             note="MXFP4 activations need FlashInfer's SM100 kernel; below SM100 Marlin serves the layer weight-only "
                  "(vllm/model_executor/kernels/linear/mxfp4/marlin.py:27-37). linear_backend=deep_gemm has no "
                  "MXFP4 kernel, so it is not requested"),
     Verdict(_cell("linear", "MXFP4", A.MXFP8), False,
             "CompressedTensorsW4A8Mxfp4 with an FP8 (1x32, float32 scales) activation key",
-            (_v(_CTC, "459-490"), _v(_SCH + "compressed_tensors_w4a8_mxfp4.py", "15-33")), (READ, CPU_VLLM),
+            (_v(_CTC, "459-490"), _v(_SCH + "compressed_tensors_w4a8_mxfp4.py", "15-33")), (READ, CPU_ENGINE),
             reason="vLLM reads MXFP8 input_activations as FP8 per 1x32 group with float32 scales, not MXFP8's E8M0 "
                    "scales, and where no kernel takes that key falls back to MXFP4 activations: it never computes "
                    "the MXFP8 activations the plan declares",
@@ -95,7 +116,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
                     "rollout.quantization.moe_activation: mxfp8)"),
     Verdict(_cell("linear", "MXFP4", A.NONE), False,
             "CompressedTensorsW4A4Mxfp4, chosen from the weights alone",
-            (_v(_CTC, "811-812"), _v(_SCH + "compressed_tensors_w4a4_mxfp4.py", "39-44")), (READ, CPU_VLLM),
+            (_v(_CTC, "811-812"), _v(_SCH + "compressed_tensors_w4a4_mxfp4.py", "39-44")), (READ, CPU_ENGINE),
             reason="vLLM has no weight-only compressed-tensors MXFP4 Linear: CompressedTensorsW4A4Mxfp4 is chosen "
                    "from the weights alone and asks for MXFP4 activation kernels",
             instead="use MXFP4 activations (drop rollout.quantization.linear_activation), or NVFP4 with "
@@ -105,13 +126,13 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             (_v(_SCH + "compressed_tensors_w4a4_nvfp4.py", "86-91"), _v(_CTC, "795-804"),
              _v(_SCH + "compressed_tensors_w4a4_nvfp4.py", "114-135"),
              _v("vllm/model_executor/model_loader/reload/meta.py", "49-61")),
-            (READ, CPU_VLLM), reason=_NVFP4_STATIC_INPUT,
+            (READ, CPU_ENGINE), reason=_NVFP4_STATIC_INPUT,
             instead="serve NVFP4 weight-only (rollout.quantization.linear_activation: none), or MXFP4 / MXFP8"),
     Verdict(_cell("linear", "NVFP4", A.NONE), True,
             "CompressedTensorsW4A4Fp4(use_a16=True): weight_packed u8 [N, K/2], weight_global_scale f32 [shards], "
             "weight_scale e4m3 [N, K/16], no input_global_scale; W4A16 kernels",
             (_v(_CTC, "796-797"), _v(_SCH + "compressed_tensors_w4a4_nvfp4.py", "53-91"), _v(_KERNELS, "1237-1248")),
-            (READ, CPU_VLLM, GPU_SCRIPT),
+            (READ, CPU_ENGINE, GPU_SCRIPT),
             note="FlashInfer CuTe-DSL W4A16 on SM100/SM103, Marlin or Humming elsewhere"),
     # --- routed experts, compressed-tensors --------------------------------------------------------
     Verdict(_cell("moe", "FP8_BLOCK", A.FP8_GROUP_128), True,
@@ -123,7 +144,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             (READ, CPU_SERVED), note=_E8M0_NOTE),
     Verdict(_cell("moe", "FP8_BLOCK", A.NONE), False,
             "no weight-only FP8 expert scheme",
-            (_v(_CTC, "532-535"), _v(_CTM, "161-173")), (READ, CPU_VLLM),
+            (_v(_CTC, "532-535"), _v(_CTM, "161-173")), (READ, CPU_ENGINE),
             reason="vLLM has no weight-only FP8 expert scheme for compressed-tensors: get_moe_method falls through "
                    "to _is_dynamic_token_w8a8, which reads num_bits of the missing input_activations and raises "
                    "AttributeError at start-up",
@@ -133,12 +154,12 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             "[E, N, K/32]; kernels for MXFP8 activations",
             (_v(_CTM, "83-88"), _v(_MOE + "compressed_tensors_moe_w8a8_mxfp8.py", "35-113"),
              _v(_ORACLE + "mxfp8.py", "20-59"), _v(_ORACLE + "mxfp8.py", "81-130")),
-            (READ, CPU_VLLM, GPU_SCRIPT, CPU_SERVED),
+            (READ, CPU_ENGINE, GPU_SCRIPT, CPU_SERVED),
             note="moe_backend=deep_gemm gives DeepGemmExperts (MXFP8 1x32, SM100); auto picks TRT-LLM, DeepGEMM, "
                  "then Marlin (weight-only) on older GPUs"),
     Verdict(_cell("moe", "MXFP8", A.NONE), False,
             "CompressedTensorsW8A8Mxfp8MoEMethod, chosen from the weights alone",
-            (_v(_CTM, "83-88"), _v(_ORACLE + "mxfp8.py", "81-105")), (READ, CPU_VLLM),
+            (_v(_CTM, "83-88"), _v(_ORACLE + "mxfp8.py", "81-105")), (READ, CPU_ENGINE),
             reason="vLLM has no weight-only MXFP8 experts: CompressedTensorsW8A8Mxfp8MoEMethod is chosen from the "
                    "weights alone and selects kernels for MXFP8 activations",
             instead="use MXFP8 activations (drop rollout.quantization.moe_activation)"),
@@ -148,7 +169,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             (_v(_CTM, "76-81"), _v(_MOE + "compressed_tensors_moe_w4a4_mxfp4.py", "52-150"),
              _v("vllm/model_executor/layers/fused_moe/experts/cutlass_moe.py", "1036-1041"),
              _v(_MOE + "compressed_tensors_moe_w4a4_mxfp4.py", "226-232")),
-            (READ, CPU_VLLM, GPU_SCRIPT),
+            (READ, CPU_ENGINE, GPU_SCRIPT),
             note="moe_backend is read only for b12x and FlashInfer MoE-EP, so deep_gemm is not requested; without "
                  "CUTLASS MXFP4 (SM100) vLLM serves the experts weight-only with Marlin"),
     Verdict(_cell("moe", "MXFP4", A.MXFP8), True,
@@ -161,7 +182,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
                  "compute FP8 1x128 activations and is not requested"),
     Verdict(_cell("moe", "MXFP4", A.NONE), False,
             "CompressedTensorsW4A4Mxfp4MoEMethod, chosen from the weights alone",
-            (_v(_CTM, "76-81"), _v(_MOE + "compressed_tensors_moe_w4a4_mxfp4.py", "63-71")), (READ, CPU_VLLM),
+            (_v(_CTM, "76-81"), _v(_MOE + "compressed_tensors_moe_w4a4_mxfp4.py", "63-71")), (READ, CPU_ENGINE),
             reason="vLLM has no weight-only compressed-tensors MXFP4 experts: CompressedTensorsW4A4Mxfp4MoEMethod "
                    "is chosen from the weights alone and runs MXFP4 x MXFP4 where the GPU can",
             instead="use MXFP4 or MXFP8 activations (rollout.quantization.moe_activation), or NVFP4 experts with "
@@ -171,7 +192,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             (_v(_MOE + "compressed_tensors_moe_w4a4_nvfp4.py", "170-189"),
              _v(_MOE + "compressed_tensors_moe_w4a4_nvfp4.py", "63-67"),
              _v(_MOE + "compressed_tensors_moe_w4a4_nvfp4.py", "243-256")),
-            (READ, CPU_VLLM), reason="the compressed-tensors NVFP4 expert method allocates w13_input_global_scale and "
+            (READ, CPU_ENGINE), reason="the compressed-tensors NVFP4 expert method allocates w13_input_global_scale and "
                    "w2_input_global_scale and selects kernels for a static activation global scale; the trainer "
                    "exports neither scale, so the engine would use the dummy load's values, or uninitialised memory "
                    "after a refit",
@@ -183,7 +204,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
             (_v(_CTM, "145-160"), _v(_MOE + "compressed_tensors_moe_w4a4_nvfp4.py", "89-168"),
              _v(_ORACLE + "nvfp4.py", "191-322"), _v(_ORACLE + "nvfp4.py", "450-463"),
              _v("vllm/model_executor/layers/fused_moe/experts/trtllm_nvfp4_moe.py", "219-227")),
-            (READ, CPU_VLLM, GPU_SCRIPT, CPU_SERVED),
+            (READ, CPU_ENGINE, GPU_SCRIPT, CPU_SERVED),
             note="auto selection with no activation key picks Marlin or Humming, which ignore the "
                  "w13/w2_input_global_scale the method still allocates (moe_w4a4_nvfp4.py:170-189); "
                  "moe_backend=flashinfer_trtllm would fail at start-up, so it is not requested. Those unexported "
@@ -211,4 +232,42 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
                    "w13_weight_scale / w2_weight_scale, not the weight_scale_inv of SGLang's native MXFP8 layout",
             instead="serve MXFP8 as compressed-tensors: drop the quant_method: mxfp8 config and set "
                     "rollout.quantization.linear / moe: MXFP8"),
+)
+
+
+# --- backend policy ---------------------------------------------------------------------------------
+
+
+def _role(role: KernelRole, fmt: PrecisionFormat, act: A, native: bool, cap: tuple[int, int] | None) -> BackendChoice:
+    if fmt.name == FP8_BLOCK.name:
+        if act is A.NONE:
+            return BackendChoice(role, AUTO, "FP8_BLOCK weight-only (W8A16): DeepGEMM has no W8A16 kernel; vLLM "
+                                             "picks Humming or Marlin")
+        return deep_gemm(role, "FP8_BLOCK: DeepGEMM, the kernels training's numerics match", cap)
+    if fmt.name == MXFP8.name:
+        if role == "moe":
+            return deep_gemm(role, "MXFP8 experts: DeepGEMM (MXFP8 1x32 activations)", cap)
+        return BackendChoice(role, AUTO, "MXFP8 Linear has no DeepGEMM kernel: automatic choice")
+    if fmt.name == MXFP4.name:
+        if role == "linear":
+            return BackendChoice(role, AUTO, "MXFP4 Linear has no DeepGEMM kernel: automatic choice (FlashInfer "
+                                             "MXFP4 on SM100)")
+        if act is A.MXFP8:
+            return BackendChoice(role, AUTO, "W4A8 experts: automatic choice puts TRT-LLM MXFP4 x MXFP8 first; "
+                                             "DeepGEMM would compute FP8 1x128 activations instead of MXFP8")
+        return BackendChoice(role, AUTO, "MXFP4 experts: vLLM ignores moe_backend=deep_gemm here and runs CUTLASS "
+                                         "MXFP4 x MXFP4 where the GPU has it")
+    return BackendChoice(role, AUTO, f"{fmt.name} weight-only: vLLM's W4A16 kernels (FlashInfer TRT-LLM has none)")
+
+
+BACKEND_POLICY = BackendPolicy(
+    NAME, _role, hopper_e8m0_off=True, ue8m0_where=_v(_Q + "utils/fp8_utils.py", "1213-1214"))
+
+VLLM = StaticEngineProfile(
+    NAME,
+    EngineDispatch(NAME, NATIVE_LAYOUTS, support=SupportTable(NAME, PINNED_VLLM, VLLM_VERDICTS)),
+    package=PACKAGE,
+    pinned_version=PINNED_VLLM,
+    backend_policy=BACKEND_POLICY,
+    table_layouts={MXFP8.name: (SGLANG_MXFP8,), FP8_BLOCK.name: (NATIVE_FP8,)},
 )

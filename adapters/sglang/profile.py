@@ -1,15 +1,33 @@
-"""SGLang's verdicts for the support matrix (domain.quant.support), from the pinned SGLang 0.5.23 wheel.
+"""The SGLang engine's profile: its pinned release, its support table, its layout choice, its
+backend policy and the checks its adapter makes itself.
 
-SGLang's compressed-tensors config parses `input_activations` only for formats it lists as
-activation formats (naive, int, float, nvfp4-pack and pack-quantized), then picks a scheme per
-layer (`_get_scheme_from_parts`) or per expert layer (`get_moe_scheme`). The native layouts go
-through its Fp8Config (`quant_method: fp8` with block [128, 128], or `quant_method: mxfp8`).
+The support table is read from the pinned SGLang 0.5.23 wheel. SGLang's compressed-tensors config
+parses `input_activations` only for formats it lists as activation formats (naive, int, float,
+nvfp4-pack and pack-quantized), then picks a scheme per layer (`_get_scheme_from_parts`) or per
+expert layer (`get_moe_scheme`). The native layouts go through its Fp8Config (`quant_method: fp8`
+with block [128, 128], or `quant_method: mxfp8`).
+
+Backend policy: DeepGEMM for FP8 block Linear layers and for the experts of its native layouts;
+its compressed-tensors FP8 experts have no DeepGEMM runner (Triton, automatic) and NVFP4 runs FP4
+Marlin.
 """
 
 from __future__ import annotations
 
+from adapters.engine_profile import NATIVE_LAYOUTS, SGLANG_MXFP8, StaticEngineProfile
+from domain.errors import EngineRejectsQuantization
+from domain.keys import key
+from domain.quant.backend_policy import AUTO, BackendChoice, BackendPolicy, KernelRole, deep_gemm
+from domain.quant.dispatch_types import EngineDispatch
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, PrecisionFormat
 from domain.quant.formats import ActivationScheme as A
-from domain.quant.support import COMPRESSED_TENSORS, NATIVE_FP8, SGLANG_MXFP8, Cell, Verdict, cite
+from domain.quant.plan import QuantizationPlan
+from domain.quant.support import COMPRESSED_TENSORS, NATIVE_FP8, Cell, SupportTable, Verdict, cite
+
+NAME = PACKAGE = "sglang"
+# The release the adapter is written and checked against
+# (tests/integration/test_engine_conformance.py reads the pinned wheel).
+PINNED_SGLANG = "0.5.23"
 
 _Q = "sglang/srt/layers/quantization/"
 _SC = _Q + "compressed_tensors/compressed_tensors.py"
@@ -18,11 +36,11 @@ _FP8 = _Q + "fp8.py"
 
 
 def _s(path: str, lines: str) -> str:
-    return cite("sglang", path, lines)
+    return cite(PACKAGE, PINNED_SGLANG, path, lines)
 
 
 def _cell(role: str, fmt: str, act: A, layout: str = COMPRESSED_TENSORS) -> Cell:
-    return Cell("sglang", layout, role, fmt, act)
+    return Cell(NAME, layout, role, fmt, act)
 
 
 _UE8M0_NOTE = ("on Blackwell (SM100, SM120) with DeepGEMM, weights and block scales are requantized to power-of-two "
@@ -136,4 +154,69 @@ SGLANG_VERDICTS: tuple[Verdict, ...] = (
                      "MXFP8: there is no weight-only native MXFP8",
               instead="use MXFP8 activations (drop rollout.quantization.linear_activation / moe_activation)")
       for role in ("linear", "moe")),
+)
+
+
+def default_layout(plan: QuantizationPlan) -> str:
+    """The layout a plan from rollout.quantization reaches SGLang in: a plan whose only preset is
+    MXFP8 in its native `quant_method: mxfp8` layout, everything else as compressed-tensors."""
+    if [f.name for f in plan.formats] == [MXFP8.name]:
+        return SGLANG_MXFP8
+    return COMPRESSED_TENSORS
+
+
+def check_plan(plan: QuantizationPlan) -> None:
+    """The SGLang adapter's own part of rule 6: no MXFP8-linear + MXFP4-MoE combination and no
+    per-token NVFP4. `refit plan` applies the whole support table (SupportTable.check).
+
+    Args:
+        plan: the resolved plan.
+
+    Returns:
+        None. Raises EngineRejectsQuantization.
+    """
+    name = key("rollout", "name")
+    if plan.linear.name == MXFP8.name and plan.moe.name == MXFP4.name:
+        raise EngineRejectsQuantization(
+            f"{name}=sglang does not serve {key('quantization', 'linear')}=MXFP8 with moe=MXFP4; "
+            f"use moe=MXFP8 (or linear=null), or {name}=vllm"
+        )
+    for role, fmt, act in (("linear", plan.linear, plan.effective_linear_activation),
+                           ("moe", plan.moe, plan.effective_moe_activation)):
+        if fmt.name == NVFP4.name and act is A.NVFP4_PER_TOKEN:
+            raise EngineRejectsQuantization(
+                f"{name}=sglang has no per-token NVFP4 activation path ({key('quantization', role)}=NVFP4): its "
+                "NVFP4 W4A4 schemes quantize activations with a static input_global_scale the trainer does not "
+                f"export; serve NVFP4 weight-only ({key('quantization', role + '_activation')}: none) or another "
+                "preset"
+            )
+
+
+# --- backend policy ---------------------------------------------------------------------------------
+
+
+def _role(role: KernelRole, fmt: PrecisionFormat, act: A, native: bool, cap: tuple[int, int] | None) -> BackendChoice:
+    if fmt.name == NVFP4.name:
+        return BackendChoice(role, AUTO, "NVFP4 weight-only: left to SGLang (FP4 Marlin, FlashInfer for Linear "
+                                         "layers on SM100; the expert scheme always runs the Marlin runner)")
+    if fmt.name == MXFP4.name or (fmt.name == MXFP8.name and not native):
+        return BackendChoice(role, AUTO, f"{fmt.name} as compressed-tensors is not served by SGLang (see the "
+                                         "support matrix): nothing requested")
+    if role == "moe" and not native:
+        return BackendChoice(role, AUTO, "compressed-tensors FP8 experts have no DeepGEMM runner in SGLang: "
+                                         "automatic choice (Triton)")
+    return deep_gemm(role, f"{fmt.name}: DeepGEMM pinned", cap)
+
+
+BACKEND_POLICY = BackendPolicy(NAME, _role, ue8m0_where=_s(_Q + "fp8_utils.py", "2147-2181"))
+
+SGLANG = StaticEngineProfile(
+    NAME,
+    EngineDispatch(NAME, NATIVE_LAYOUTS, default_layout, SupportTable(NAME, PINNED_SGLANG, SGLANG_VERDICTS)),
+    package=PACKAGE,
+    pinned_version=PINNED_SGLANG,
+    backend_policy=BACKEND_POLICY,
+    table_layouts={MXFP8.name: (SGLANG_MXFP8,), FP8_BLOCK.name: (NATIVE_FP8,)},
+    any_activation_layouts=(SGLANG_MXFP8,),
+    adapter_checks=check_plan,
 )

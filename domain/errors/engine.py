@@ -1,0 +1,22 @@
+"""What a rollout engine refuses or reports: stale or busy, a tensor it has no place for, a failed update."""
+
+from __future__ import annotations
+
+from domain.errors.base import RefitError
+from domain.errors.refit import RefitLifecycleError
+
+
+class EngineStale(RefitError, RuntimeError):
+    """The engine's weights are not a complete refit; it refuses to serve."""
+
+
+class EngineTensorMismatch(RefitError, ValueError):
+    """A refit tensor has no place in the engine, or the wrong shape or dtype for it."""
+
+
+class EngineBusy(RefitLifecycleError):
+    """The engine was asked to serve while a refit is staging or finalizing."""
+
+
+class EngineUpdateFailed(RefitError, RuntimeError):
+    """The rollout engine reported that a weight-update call failed; carries the engine's message."""

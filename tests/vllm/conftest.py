@@ -1,0 +1,16 @@
+"""Fixtures shared by the real-engine tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cold_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where cold starts of identical exports are shared (one directory for every xdist worker)."""
+    root = tmp_path_factory.getbasetemp()
+    if root.name.startswith("popen-gw"):  # pytest-xdist: one directory per worker, the session's above them
+        root = root.parent
+    return root / "rl-refit-cold-starts"
