@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from domain.errors import ConfigError, DeltaBaseMismatch
+from domain.keys import key
 from domain.refit.delta import (
     DELTA_SUFFIX,
     UNKEPT_SUFFIX,
@@ -92,13 +93,12 @@ class DeltaReport:
 
 def _positive(_inst: object, attr: attrs.Attribute, value: int) -> None:
     if value < 1:
-        raise ConfigError(f"rollout.checkpoint_engine.delta.{attr.name}", f"must be >= 1, got {value}")
+        raise ConfigError(key("checkpoint_engine", "delta", attr.name), f"must be >= 1, got {value}")
 
 
 def _cap(_inst: object, attr: attrs.Attribute, value: int | None) -> None:
     if value is not None and value < 0:
-        raise ConfigError(f"rollout.checkpoint_engine.delta.{attr.name}",
-                          f"must be >= 0 or null (unlimited), got {value}")
+        raise ConfigError(key("checkpoint_engine", "delta", attr.name), f"must be >= 0 or null (unlimited), got {value}")
 
 
 def _keep(copy: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> torch.Tensor:

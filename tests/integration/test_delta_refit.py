@@ -39,8 +39,10 @@ def _pair(plan: QuantizationPlan, sender: DeltaSender | None = None, **engine_kw
     return delta, full, AdamLikeSteps.of(trainer.weights.values())
 
 
-def _same_engines(a: RefitService, b: RefitService) -> bool:
-    return rs.same_bits(rs.bits(a.engine.live_weights()), rs.bits(b.engine.live_weights()))
+def _same_engines(a: object, b: object) -> bool:
+    """Two services' (or engines') live weights, bit for bit."""
+    wa, wb = (getattr(x, "engine", x).live_weights() for x in (a, b))
+    return rs.same_bits(rs.bits(wa), rs.bits(wb))
 
 
 @pytest.mark.parametrize("commit_mode", [CommitMode.TRANSACTIONAL, CommitMode.PER_LAYER])
@@ -219,3 +221,31 @@ def test_rule_4_accepts_layout_delta_and_still_refuses_verls_delta_backends():
         check_sync_backend(True, backend="delta_sharded", wire_format="bucketed")
     with pytest.raises(QuantizedDeltaSync, match="dispatch rule 4"):
         check_sync_backend(True, backend="layout_delta", wire_format="delta_flush")
+
+
+def test_layout_delta_refuses_to_restore_by_replay():
+    with pytest.raises(ConfigError, match="cannot restore by replaying"):
+        RefitService(rs.trainer(), ReferenceEngine(MICRO_MOE, rs.DEFAULT_PLAN), rs.DEFAULT_PLAN,
+                     restore="replay", delta=DeltaSender())
+
+
+def test_an_engine_that_cannot_say_its_base_gets_a_full_refit():
+    delta, full, adam = _pair(rs.DEFAULT_PLAN)
+    delta.refit()
+
+    class Mute:  # the engine, except that it cannot say its base (the receiver itself still works)
+        def __init__(self, inner: ReferenceEngine) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def delta_base(self) -> object:
+            raise RuntimeError("the engine host does not answer")
+
+    delta.engine = Mute(delta.engine)
+    adam.step_(seed=1, lr=1e-5)
+    r = delta.refit().delta
+    full.refit()
+    assert r.mode == "full" and "holds no base copy" in r.why_full
+    assert _same_engines(delta.engine.inner, full)
