@@ -249,3 +249,15 @@ def test_an_engine_that_cannot_say_its_base_gets_a_full_refit():
     full.refit()
     assert r.mode == "full" and "holds no base copy" in r.why_full
     assert _same_engines(delta.engine.inner, full)
+
+
+def test_the_delta_bench_measures_fewer_bytes_than_full_refits(capsys):
+    from app.bench.delta_refit import run
+    from app.cli.main import main
+
+    report = run(quick=True)
+    wire = [r for r in report.rows if r.metric == "bytes on the wire"]
+    assert len(wire) == 2 * (4 + 3)  # per lr: BF16 against itself, three formats against theirs and BF16
+    assert all(r.ratio is not None and r.ratio > 1 for r in wire)
+    assert main(["bench", "codecs", "--delta"]) == 2
+    assert "--delta (and --model) go with the refit suite" in capsys.readouterr().err
