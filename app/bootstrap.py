@@ -26,6 +26,8 @@ from app.config import load_config
 from app.config_sections import RefitConfig
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
+from domain.quant.rules import LAYOUT_DELTA_BACKEND
+from domain.refit.delta_sync import DeltaSender
 from domain.refit.session import CommitMode
 
 if TYPE_CHECKING:
@@ -387,7 +389,15 @@ class Services:
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
                             probe=self.post_refit_probe(trainer),
                             restore=restore or self.config.rollout.checkpoint_engine.restore,
-                            ownership=Ownership.BY_REFERENCE if colocated else Ownership.REUSED)
+                            ownership=Ownership.BY_REFERENCE if colocated else Ownership.REUSED,
+                            delta=self.delta_sender())
+
+    def delta_sender(self) -> DeltaSender | None:
+        """The trainer's delta sender when `rollout.checkpoint_engine.backend` is layout_delta, else None."""
+        ce = self.config.rollout.checkpoint_engine
+        if ce.backend != LAYOUT_DELTA_BACKEND:
+            return None
+        return DeltaSender(full_every=ce.delta.full_every, max_host_bytes=ce.delta.max_host_bytes)
 
     def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
         """A MismatchProbe over a refit service's trainer and engine."""
@@ -452,6 +462,10 @@ class Services:
         from adapters.distributed.rank_wiring import RankTimeouts, wire_rank
         from app.services.distributed_refit import DistributedRefitService
         from domain.refit.topology import Role
+
+        if self.config.rollout.checkpoint_engine.backend == LAYOUT_DELTA_BACKEND:
+            raise ConfigError("rollout.checkpoint_engine.backend", "layout_delta runs on the single-process refit "
+                              "(refit_service); the distributed refit sends every tensor: use 'naive'")
 
         plan = plan or self.plan
         own_model = model is not None or self.config.actor.strategy != "reference"

@@ -20,10 +20,10 @@ from domain.forward.mode import parse_fused_forward_mode
 from domain.quant import naming
 from domain.quant.formats import FORMATS, ActivationScheme, ElementRule, MxScaleRule
 from domain.quant.qat_modes import canonical_qat_mode
-from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS
+from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS, LAYOUT_DELTA_BACKEND
 
 NoneType = type(None)
-SYNC_BACKENDS = ("naive", "nccl", "gloo", *DELTA_BACKENDS)
+SYNC_BACKENDS = ("naive", "nccl", "gloo", LAYOUT_DELTA_BACKEND, *DELTA_BACKENDS)
 WIRE_FORMATS = ("bucketed", *DELTA_WIRE_FORMATS)
 
 
@@ -262,6 +262,12 @@ SCHEMA: tuple[Key, ...] = (
     Key("rollout.checkpoint_engine.backend", (str,), "naive", "weight-sync backend", choices=SYNC_BACKENDS),
     Key("rollout.checkpoint_engine.update_weights_bucket_megabytes", (int, float), 512,
         "size bound of one weight-sync bucket, MiB", check=_bucket_mib),
+    Key("rollout.checkpoint_engine.delta.full_every", (int,), 10,
+        "layout_delta: a full refit at least every this many refits (1 = always full)", check=_at_least(1)),
+    Key("rollout.checkpoint_engine.delta.max_host_bytes", (int, NoneType), None,
+        "layout_delta: cap on each side's host copy of the checkpoint-format tensors, bytes; tensors past "
+        "it go whole and are not kept; null = unlimited (the quantized model's bytes)",
+        check=_optional_non_negative),
     Key("rollout.checkpoint_engine.restore", (str, NoneType), None,
         "what brings an engine back when a refit fails after it lost its weights: replay (re-stream the "
         "previous refit's buckets from a host copy), engine (its own backup; transactional engines only) or "

@@ -95,12 +95,21 @@ class VerifyConfig:
 
 
 @attrs.frozen(kw_only=True)
+class DeltaConfig:
+    """rollout.checkpoint_engine.delta: delta refits (backend layout_delta)."""
+
+    full_every: int = _key("rollout.checkpoint_engine.delta.full_every")
+    max_host_bytes: int | None = _key("rollout.checkpoint_engine.delta.max_host_bytes")
+
+
+@attrs.frozen(kw_only=True)
 class CheckpointEngineConfig:
     """rollout.checkpoint_engine: verl's weight-sync settings."""
 
     backend: str = _key("rollout.checkpoint_engine.backend")
     update_weights_bucket_megabytes: float = _key("rollout.checkpoint_engine.update_weights_bucket_megabytes")
     restore: str | None = _key("rollout.checkpoint_engine.restore")
+    delta: DeltaConfig = attrs.field(factory=DeltaConfig)
 
 
 @attrs.frozen(kw_only=True)

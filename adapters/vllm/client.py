@@ -12,10 +12,12 @@ from typing import Any
 import attrs
 import torch
 
+from adapters.vllm.delta import base_from_plain
 from adapters.vllm.engine_args import EXTENSION
 from adapters.vllm.profile import VLLM_RANGE
 from adapters.vllm.worker import FinalizeStats
 from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.delta_sync import DeltaBase
 from domain.refit.storage import StorageFingerprint
 
 
@@ -115,6 +117,9 @@ class ExtensionWorkers:
 
     def fingerprint(self) -> StorageFingerprint:
         return StorageFingerprint.from_plain(self._rpc("rl_refit_fingerprint"))
+
+    def delta_base(self) -> DeltaBase:
+        return base_from_plain(self.llm.collective_rpc("rl_refit_delta_base"))
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         from adapters.vllm.extension import tensors_from_plain

@@ -122,6 +122,12 @@ class RefitWorkerExtension:
         with self._rl_refit_context():
             self._rl_refit_state().abort()
 
+    def rl_refit_delta_base(self) -> list[object]:
+        """The worker's delta receiver as [digest, host bytes, seconds] (the first call turns it on)."""
+        from adapters.vllm.delta import base_to_plain
+
+        return base_to_plain(self._rl_refit_state().delta_base())
+
     # --- the side group (disaggregated) --------------------------------------------------------
 
     def rl_refit_join(self, rendezvous: dict[str, Any], bucket_bytes: int, timeout_s: float) -> int:
@@ -144,15 +150,18 @@ class RefitWorkerExtension:
                  backend=group.rendezvous.backend)
         return rank
 
-    def rl_refit_receive(self, refit_id: int) -> int:
+    def rl_refit_receive(self, refit_id: int, relearn: bool = False) -> int:
         """Receive one refit's bucket stream from the trainer and load every bucket; returns the
-        tensors loaded. Raises what the stream or a load raised (after draining the stream)."""
+        tensors loaded. Raises what the stream or a load raised (after draining the stream).
+        `relearn`: the stream carries its metadata again (its layout may differ: delta refits)."""
         transport = getattr(self, "_rl_refit_transport", None)
         if transport is None:
             from domain.errors import RefitLifecycleError
 
             raise RefitLifecycleError("receive before join: call rl_refit_join first")
         transport.refit_id = int(refit_id)
+        if relearn:
+            transport.forget_layout()
         loaded = 0
 
         def consume(bucket: Bucket) -> None:

@@ -37,11 +37,13 @@ import torch
 
 from adapters.distributed.launch import listen_socket
 from adapters.vllm.control import Channel
+from adapters.vllm.delta import base_from_plain
 from adapters.vllm.errors import EngineProcessError, EngineRefitUnsupported
 from adapters.vllm.worker import FinalizeStats
 from domain import errors
 from domain.errors import EngineUpdateFailed
 from domain.refit.buckets import Bucket
+from domain.refit.delta_sync import DeltaBase
 from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
@@ -405,6 +407,7 @@ class RemoteWorkers:
     _group: Any = attrs.field(init=False, default=None)
     _stream: _Stream | None = attrs.field(init=False, default=None)
     _refits: int = attrs.field(init=False, default=0)
+    _delta: bool = attrs.field(init=False, default=False)  # delta refits: each stream's layout may differ
 
     def _join(self) -> None:
         from adapters.distributed.side_group import SideGroup
@@ -425,7 +428,9 @@ class RemoteWorkers:
             self._join()
         self._refits += 1
         self._transport.refit_id = self._refits
-        self.process.send("rpc", method="rl_refit_receive", args=[self._refits])  # answered at the stream's end
+        if self._delta:
+            self._transport.forget_layout()
+        self.process.send("rpc", method="rl_refit_receive", args=[self._refits, self._delta])  # answered at the stream's end
         self._stream = _Stream(self._transport)
 
     def load(self, bucket: Bucket) -> int:
@@ -453,6 +458,10 @@ class RemoteWorkers:
 
     def fingerprint(self) -> StorageFingerprint:
         return StorageFingerprint.from_plain(self.process.rpc("rl_refit_fingerprint")[0])
+
+    def delta_base(self) -> DeltaBase:
+        self._delta = True  # from now on every stream carries its metadata
+        return base_from_plain(self.process.rpc("rl_refit_delta_base"))
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         from adapters.vllm.extension import tensors_from_plain

@@ -94,6 +94,8 @@ from domain.errors.quant import (
 from domain.errors.refit import (
     BucketLayoutError,
     BucketSequenceError,
+    DeltaBaseMismatch,
+    DeltaRecordError,
     InjectedFault,
     MismatchInputError,
     ProbeMismatch,
@@ -114,6 +116,8 @@ __all__ = [
     "ConfigError",
     "ConfigNotHonoured",
     "ConfigTypeError",
+    "DeltaBaseMismatch",
+    "DeltaRecordError",
     "DistributedRefitFailed",
     "EngineBusy",
     "EngineCellUnsupported",

@@ -53,6 +53,14 @@ class TestExtension(RefitWorkerExtension):
                     count += 1
         return count
 
+    def rl_refit_test_corrupt_delta_copy(self) -> str:
+        """Flip one bit of the largest tensor in the worker's delta copy (its digest is not updated:
+        what memory corruption does); returns its name."""
+        copy = self._rl_refit_state().delta.tensors  # type: ignore[union-attr]
+        name = max(copy, key=lambda n: copy[n].numel() * copy[n].element_size())
+        copy[name].reshape(-1).view(torch.uint8)[-1] ^= 1
+        return name
+
     def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         state = self._rl_refit_test_state()
         if state["fail_at"] is not None and state["loads"] >= state["fail_at"]:
