@@ -22,16 +22,22 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from adapters.profiles import backend_decision, profile_for
-from app.config import Section, load_config
+from app.config import load_config
+from app.config_sections import RefitConfig
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
+from domain.quant.rules import LAYOUT_DELTA_BACKEND
+from domain.refit.delta_sync import DeltaSender
 from domain.refit.session import CommitMode
 
 if TYPE_CHECKING:
     import torch
 
+    from adapters.engine_start import EngineStart
     from adapters.hf_checkpoint.reader import HfCheckpoint
     from adapters.megatron.packed_gdn import PackedGdnReport
+    from adapters.memory.faults import RankFault
+    from adapters.vllm.factory import VllmHost
     from app.services.distributed_refit import DistributedRefitService
     from app.services.logprob import LogProbService
     from app.services.mismatch_probe import MismatchProbe
@@ -39,10 +45,12 @@ if TYPE_CHECKING:
     from app.services.qat_setup import QatSession
     from app.services.refit import Progress, RefitService
     from app.services.verification import PostRefitProbe
+    from domain.forward.mode import FusedForwardRequest
     from domain.quant.backend_policy import BackendDecision
-    from domain.refit.topology import RefitWorld
+    from domain.refit.topology import ParallelLayout, RefitWorld
     from ports.engine_profile import EngineProfile
     from ports.environment_probe import EnvironmentProbe
+    from ports.qat_backend import QatBackend
     from ports.refit_collectives import RefitCollectives
     from ports.rollout_engine import RolloutEngine
     from ports.sharded_trainer import ShardedTrainerModel
@@ -100,156 +108,53 @@ class AdapterEntry:
 
 
 def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.reference.engine import ReferenceEngine
+    from adapters.reference.factory import build_reference_engine
 
-    mode = options.get("commit_mode") or CommitMode.TRANSACTIONAL
-    return ReferenceEngine(services.reference_config(), plan, commit_mode=mode,
-                           kv_cache_scheme=options.get("kv_cache_scheme"))
-
-
-# Keys of rollout.engine_kwargs.<engine> that are rl-refit's, not the engine's arguments.
-_OWN_ENGINE_KEYS = ("use_deep_gemm", "kv_cache_dtype", "engine_args", "environment", "python", "start_timeout_s",
-                    "cpu_emulation")
+    return build_reference_engine(services.reference_config(), plan, commit_mode=options.get("commit_mode"),
+                                  kv_cache_scheme=options.get("kv_cache_scheme"))
 
 
-def _engine_start(services: Services, engine: str,
-                  plan: QuantizationPlan | None = None) -> tuple[dict[str, Any] | None, Any, dict[str, Any]]:
-    """The quantization_config, backend decision and user engine arguments of a real engine.
+def _engine_start(services: Services, engine: str, plan: QuantizationPlan | None = None) -> EngineStart:
+    """What a real engine starts with for `plan` (default: the configuration's): its
+    quantization_config and layout for that plan, the backend decision, the model."""
+    from adapters.engine_start import EngineStart
 
-    A real engine is configured from the configuration's plan (its quantization_config is what
-    the engine is started with); a caller asking for another `plan` gets a ConfigError rather than
-    an engine set up for one plan and sent another.
-    """
-    from app.services.transaction import describe_plan
+    report = services.plan_report(services.checkpoint(), plan=plan)
+    return EngineStart(report.plan, report.engine_config, report.resolution.layout,
+                       services.backend_decision(engine, report.plan), services.config.model.path)
 
-    report = services.plan_report(services.checkpoint())
-    if plan is not None and plan != report.plan:
-        raise ConfigError("rollout.quantization", f"the {engine} engine is configured from the configuration's plan "
-                          f"({describe_plan(report.plan)}), not the {describe_plan(plan)} it was asked for: set "
-                          "rollout.quantization to the plan you refit with, or build the services for it")
-    decision = services.backend_decision(engine, report.plan)
-    section = services.config.rollout.engine_kwargs.to_dict().get(engine) or {}
-    base = dict(section.get("engine_args") or {})
-    base.update({k: v for k, v in section.items() if k not in _OWN_ENGINE_KEYS and v is not None})
-    if services.config.model.path:
-        base.setdefault("model", services.config.model.path)
-    return report.engine_config, decision, base
+
+def _vllm_host(services: Services) -> VllmHost:
+    from adapters.vllm.factory import VllmHost
+    from adapters.vllm.interpreter import host_python
+
+    return VllmHost(python=lambda: host_python(_configured_python(services)), environ=dict(os.environ),
+                    export_environment=os.environ.update, embedded_model_dir=services.embedded_model_dir,
+                    bucket_bytes=services.bucket_bytes)
 
 
 def _configured_python(services: Services) -> tuple[str, str] | None:
-    """(key, value) of the engine host's python as configured, the configuration before the
-    environment; None when neither sets it."""
-    configured = services.config.rollout.engine_kwargs.vllm.python
-    if configured:
-        return "rollout.engine_kwargs.vllm.python", str(configured)
-    if services.environ.get("RL_REFIT_VLLM_PYTHON"):
-        return "RL_REFIT_VLLM_PYTHON", services.environ["RL_REFIT_VLLM_PYTHON"]
-    return None
+    from adapters.vllm.interpreter import configured_python
 
-
-def _host_python(services: Services) -> str:
-    """The python an engine host is started with; ConfigError naming the setting when the
-    configured one cannot be run."""
-    configured = _configured_python(services)
-    if configured is not None:
-        _check_executable(*configured)
-    return _vllm_python(services)
-
-
-def _vllm_python(services: Services) -> str:
-    """The interpreter of a disaggregated vLLM engine host."""
-
-    configured = _configured_python(services)
-    if configured is not None:
-        return configured[1]
-    # ./.venv-vllm, or the one beside this checkout (scripts/setup-vllm-env.sh makes it)
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        local = root / ".venv-vllm" / "bin" / "python"
-        if local.exists():
-            return str(local)
-    return sys.executable
-
-
-def _check_executable(key: str, program: str) -> None:
-    """ConfigError naming `key` unless `program` (a path, or a name on PATH) can be run."""
-    import shutil
-
-    if shutil.which(program) is None:
-        why = "does not exist" if not Path(program).exists() else "is not an executable file"
-        raise ConfigError(key, f"{program!r} {why}; point it to the python of an environment with vLLM and "
-                          "rl-refit installed (scripts/setup-vllm-env.sh makes .venv-vllm), or unset it")
+    return configured_python(services.config.rollout.engine_kwargs.vllm.python,
+                             services.environ.get("RL_REFIT_VLLM_PYTHON"))
 
 
 def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.vllm.engine import VllmRolloutEngine
-    from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
+    from adapters.vllm.factory import build_vllm_engine
 
-    _check_commit_mode(options.get("commit_mode"), CommitMode.PER_LAYER, "vllm")
-    qc, decision, base = _engine_start(services, "vllm", plan)
-    section = services.config.rollout.engine_kwargs.vllm
-    kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
-    owned: tuple[str, ...] = ()
-    if "model" not in kwargs:  # the embedded model: its config.json, weights from the first refit
-        kwargs["model"] = str(services.embedded_model_dir())
-        kwargs.setdefault("load_format", "dummy")
-        owned = (kwargs["model"],)
-    colocated = services.config.rollout.deployment == "colocated"
-    env = {**vllm_environment(decision, colocated=colocated, cpu_emulation=section.cpu_emulation), **{k: str(v) for k, v in section.environment.to_dict().items()}}
-    if colocated:
-        from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
-
-        os.environ.update(env)  # vLLM reads these when it starts, in this process
-        local = ExtensionWorkers.launch(**kwargs)
-        return VllmRolloutEngine(local, log_prob_fn=LlmLogProbs(local.llm), greedy_fn=LlmGreedy(local.llm),
-                                 owned_dirs=owned)
-    from adapters.vllm.remote import EngineProcess, RemoteGreedy, RemoteLogProbs, RemoteWorkers
-
-    process = EngineProcess.start(_host_python(services), kwargs, env={**os.environ, **env},
-                                  start_timeout_s=float(section.start_timeout_s))
-    return VllmRolloutEngine(RemoteWorkers(process, services.bucket_bytes), log_prob_fn=RemoteLogProbs(process),
-                             greedy_fn=RemoteGreedy(process), owned_dirs=owned)
-
-
-def _vllm_cold_start(services: Services, directory: str) -> Any:
-    """A vLLM engine host started from a checkpoint directory (its own process, whatever the
-    deployment), with the configuration's engine arguments."""
-    from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
-    from adapters.vllm.remote import ColdEngine, EngineProcess
-
-    qc, decision, base = _engine_start(services, "vllm")
-    section = services.config.rollout.engine_kwargs.vllm
-    base = {**base, "model": str(directory)}
-    base.pop("load_format", None)
-    kwargs = vllm_engine_kwargs(qc, decision, kv_cache_dtype=section.kv_cache_dtype, base=base)
-    env = {**os.environ, **vllm_environment(decision, colocated=False, cpu_emulation=section.cpu_emulation),
-           **{k: str(v) for k, v in section.environment.to_dict().items()}}
-    return ColdEngine(EngineProcess.start(_host_python(services), kwargs, env=env,
-                                          start_timeout_s=float(section.start_timeout_s)))
+    return build_vllm_engine(services.config.rollout.engine_kwargs.vllm, _engine_start(services, "vllm", plan),
+                             _vllm_host(services), deployment=services.config.rollout.deployment,
+                             commit_mode=options.get("commit_mode"))
 
 
 def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.sglang.client import EngineClient
-    from adapters.sglang.engine import SglangRolloutEngine
-    from adapters.sglang.engine_args import sglang_engine_kwargs
+    from adapters.sglang.factory import build_sglang_engine
 
-    _check_commit_mode(options.get("commit_mode"), CommitMode.TRANSACTIONAL, "sglang")
-    qc, decision, base = _engine_start(services, "sglang", plan)
-    if "hf_overrides" in base:  # SGLang's name for the model-config overrides
-        base["json_model_override_args"] = base.pop("hf_overrides")
-    kv_dtype = services.config.rollout.engine_kwargs.sglang.kv_cache_dtype
-    kwargs = sglang_engine_kwargs(qc, decision, kv_cache_dtype=kv_dtype, base=base)
-    report = services.plan_report(services.checkpoint())
-    return SglangRolloutEngine(
-        EngineClient.launch(**kwargs), report.plan, native_mxfp8=report.resolution.layout == "sglang-mxfp8",
-        sync_backend=services.config.rollout.checkpoint_engine.backend,
-        wire_format=services.config.rollout.wire_format,
-    )
-
-
-def _check_commit_mode(asked: CommitMode | None, engine_mode: CommitMode, engine: str) -> None:
-    if asked is not None and asked is not engine_mode:
-        raise ConfigError("rollout.commit_mode", f"{engine} commits {engine_mode.value} only; leave it unset or "
-                          f"set {engine_mode.value}")
+    rollout = services.config.rollout
+    return build_sglang_engine(rollout.engine_kwargs.sglang, _engine_start(services, "sglang", plan),
+                               sync_backend=rollout.checkpoint_engine.backend, wire_format=rollout.wire_format,
+                               commit_mode=options.get("commit_mode"))
 
 
 def _reference_trainer(services: Services, model: object | None) -> TrainerModel:
@@ -266,15 +171,12 @@ def _reference_trainer(services: Services, model: object | None) -> TrainerModel
 
 
 def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
-    from adapters.megatron.trainer_model import MegatronTrainerModel
-    from domain.forward.mode import FusedForwardRequest
+    from adapters.megatron.factory import megatron_trainer
 
     if model is None:
         raise ConfigError("actor.strategy", "megatron: pass the built Megatron model, bootstrap(config, model=...)")
-    request = FusedForwardRequest.from_settings(services.config.actor.fused_forward,
-                                                services.environ.get("VERL_FUSED_USE_OP_HOOK"))
-    services.packed_gdn(model)  # a no-op without GatedDeltaNet layers
-    return MegatronTrainerModel.build(model, request.mode)  # type: ignore[arg-type]
+    return megatron_trainer(model, services.fused_forward_request().mode,
+                            gdn_kernels=services.config.actor.megatron.gdn_kernels)
 
 
 def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
@@ -294,13 +196,10 @@ def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
     return HfCheckpointTrainer.open(path)
 
 
-def _megatron_sharded(services: Services, model: object, layout: Any, rank: int) -> ShardedTrainerModel:
-    import torch
+def _megatron_sharded(services: Services, model: object, layout: ParallelLayout, rank: int) -> ShardedTrainerModel:
+    from adapters.megatron.factory import megatron_sharded
 
-    from adapters.megatron.sharded_model import MegatronShardedModel
-
-    # The rollout serves BF16 weights: float32 master weights are read as BF16, tensor by tensor.
-    return MegatronShardedModel.build(model, layout, rank, dtype=torch.bfloat16)  # type: ignore[arg-type]
+    return megatron_sharded(model, layout, rank)
 
 
 # rollout.name -> the engine adapter; actor.strategy -> the trainer adapter.
@@ -315,6 +214,20 @@ TRAINERS: dict[str, AdapterEntry] = {
                              "megatron.core", "megatron", sharded=_megatron_sharded),
     "hf": AdapterEntry("adapters.hf.module.HfModuleTrainer", _hf_trainer, "transformers", "hf"),
 }
+
+
+def _qat_backend(backend: str, numerics: str, layout: str) -> QatBackend:
+    if backend == "reference":
+        from adapters.qat_reference.backend import ReferenceQatBackend
+
+        return ReferenceQatBackend(layout=layout)
+    if backend == "modelopt":
+        AdapterEntry("adapters.modelopt.backend.ModelOptQatBackend", lambda: None, "modelopt",
+                     "modelopt").require("qat backend", "modelopt")
+        from adapters.modelopt.backend import ModelOptQatBackend
+
+        return ModelOptQatBackend(numerics=numerics, layout=layout)
+    raise ConfigError("qat backend", f"{backend!r} is not one of reference, modelopt")
 
 
 # --- the services ------------------------------------------------------------------------------
@@ -340,7 +253,7 @@ class Services:
         progress: refit progress, (source bytes so far, total), e.g. the CLI's progress bar.
     """
 
-    config: Section
+    config: RefitConfig
     environ: Mapping[str, str]
     trainer: TrainerModel | None = None
     engine: RolloutEngine | None = None
@@ -376,17 +289,20 @@ class Services:
 
         return HfCheckpoint(path)
 
-    def plan_report(self, checkpoint: HfCheckpoint | None = None, *, purpose: str = "refit") -> PlanReport:
+    def plan_report(self, checkpoint: HfCheckpoint | None = None, *, purpose: str = "refit",
+                    plan: QuantizationPlan | None = None) -> PlanReport:
         """Every decision of the rollout quantization, for the configuration (and a checkpoint).
 
         Args:
             checkpoint: the model (only its headers are read), or None.
             purpose: "refit" (a refit will send these tensors) or "export" (`refit export`: a
                 native layout the trainer cannot produce is copied untouched).
+            plan: the plan refits send, when it is not the configuration's (the report is then
+                that plan's).
         """
         from app.services.planning import make_plan
 
-        return make_plan(self.config, checkpoint, purpose=purpose, profile=self.engine_profile())
+        return make_plan(self.config, checkpoint, purpose=purpose, profile=self.engine_profile(), plan=plan)
 
     def engine_profile(self) -> EngineProfile:
         """The rollout engine's profile (support table, layouts, rules, backend policy, pins):
@@ -445,8 +361,9 @@ class Services:
                 engine, wrapped in ScriptedFaultyEngine, fails there once (demos, tests).
             fault_after: refits that succeed before the injected fault fires.
             kv_cache_scheme: the quantization config's kv_cache_scheme (None = uncalibrated).
-            restore: `replay`, `engine` or `stale` (None: the default for the engine's commit
-                mode, app.services.transaction.Restore.default).
+            restore: `replay`, `engine` or `stale` (default: `rollout.checkpoint_engine.restore`;
+                null there: the default for the engine's commit mode and the bucket ownership,
+                app.services.transaction.Restore.default).
 
         Returns:
             The RefitService: buckets by reference to an engine in this process
@@ -470,8 +387,17 @@ class Services:
         trainer = trainer or self.trainer_model()
         colocated = self.config.rollout.deployment == "colocated"
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
-                            probe=self.post_refit_probe(trainer), restore=restore,
-                            ownership=Ownership.BY_REFERENCE if colocated else Ownership.REUSED)
+                            probe=self.post_refit_probe(trainer),
+                            restore=restore or self.config.rollout.checkpoint_engine.restore,
+                            ownership=Ownership.BY_REFERENCE if colocated else Ownership.REUSED,
+                            delta=self.delta_sender())
+
+    def delta_sender(self) -> DeltaSender | None:
+        """The trainer's delta sender when `rollout.checkpoint_engine.backend` is layout_delta, else None."""
+        ce = self.config.rollout.checkpoint_engine
+        if ce.backend != LAYOUT_DELTA_BACKEND:
+            return None
+        return DeltaSender(full_every=ce.delta.full_every, max_host_bytes=ce.delta.max_host_bytes)
 
     def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
         """A MismatchProbe over a refit service's trainer and engine."""
@@ -489,7 +415,7 @@ class Services:
         window: int = 2,
         step_timeout_s: float = 60.0,
         phase_timeout_s: float = 600.0,
-        fault: object | None = None,
+        fault: RankFault | None = None,
         restore: str | None = None,
         hang_s: float = 60.0,
         model: object | None = None,
@@ -517,7 +443,8 @@ class Services:
             phase_timeout_s: bound on turns and agreements (they include other ranks' work).
             fault: an adapters.memory.faults.RankFault (tests, demos): the ports of the rank it
                 hits are wrapped to fail there.
-            restore: `replay` or `stale` (None: by commit mode).
+            restore: `replay`, `engine` or `stale` (default: `rollout.checkpoint_engine.restore`;
+                null there: replay for transactional engines, stale for per-layer ones).
             hang_s: how long an injected hang sleeps.
             model: trainer ranks of `actor.strategy: megatron`: this rank's built model (wrappers
                 allowed; its parameters are read in place at every refit).
@@ -532,51 +459,29 @@ class Services:
         Returns:
             The DistributedRefitService.
         """
-        from adapters.memory.faulty import RankPorts, wrap_rank
-        from adapters.reference.config import hf_weight_shapes, preset
+        from adapters.distributed.rank_wiring import RankTimeouts, wire_rank
         from app.services.distributed_refit import DistributedRefitService
-        from domain.refit.shard_map import ShardMap
         from domain.refit.topology import Role
 
-        plan = plan or self.plan
-        cfg = preset(self.config.reference.model)
-        bucket_bytes = self.bucket_bytes
-        role = world.role(rank)
-        own_model = model is not None or self.config.actor.strategy != "reference"
-        trainer: Any = None
-        if role is Role.TRAINER and own_model:
-            trainer = self._sharded_trainer(model, world, rank)
-            shapes = trainer.weight_shapes()
-        elif role is Role.TRAINER:
-            from adapters.distributed.sliced_trainer import SlicedTrainer
-            from adapters.reference.trainer import ReferenceTrainer
+        if self.config.rollout.checkpoint_engine.backend == LAYOUT_DELTA_BACKEND:
+            raise ConfigError("rollout.checkpoint_engine.backend", "layout_delta runs on the single-process refit "
+                              "(refit_service); the distributed refit sends every tensor: use 'naive'")
 
-            full = self.trainer or ReferenceTrainer.from_seed(cfg, self.config.reference.seed)
-            trainer = SlicedTrainer(full, world.layout, rank)
+        plan = plan or self.plan
+        own_model = model is not None or self.config.actor.strategy != "reference"
+        trainer: ShardedTrainerModel | None = None
+        if world.role(rank) is Role.TRAINER:
+            trainer = self._sharded_trainer(model, world, rank) if own_model else self._sliced_trainer(world, rank)
         else:
             engine = engine or self.rollout_engine(plan)
-        if own_model and comm is None:  # engine ranks learn the tensor list from trainer rank 0
-            from adapters.distributed.objects import broadcast_object
-
-            shapes = broadcast_object(shapes if rank == 0 else None, src=0)
-        if shapes is None and own_model:
-            raise ConfigError("distributed refit", f"rank {rank} is an engine rank of an actor.strategy="
-                              f"{self.config.actor.strategy} world with collectives of your own: pass shapes=")
-        shapes = shapes if shapes is not None else hf_weight_shapes(cfg)
-        shard_map = ShardMap.build(world.layout, shapes, plan)
-        if own_model and trainer is not None:
-            trainer.check(shard_map.placements)  # what the rank holds = where the refit places it
-        if comm is None:
-            from adapters.distributed.collectives import TorchDistCollectives
-
-            comm = TorchDistCollectives(world, rank, step_timeout_s, phase_timeout_s, bucket_bytes, window)
-        try:
-            ports = wrap_rank(fault, RankPorts(comm, trainer, engine), role,  # type: ignore[arg-type]
-                              shard_map, hang_s)
-        except ValueError as err:
-            raise ConfigError("--fault-rank", str(err)) from None
+        ports, shapes = wire_rank(
+            world, rank, plan, trainer=trainer, engine=engine, own_model=own_model,
+            strategy=self.config.actor.strategy, shapes=shapes, default_shapes=self._preset_shapes, comm=comm,
+            bucket_bytes=self.bucket_bytes, timeouts=RankTimeouts(step_timeout_s, phase_timeout_s, window),
+            fault=fault, hang_s=hang_s,
+        )
         probe = None
-        if role is Role.ENGINE and self.config.rollout.verify.enabled:
+        if world.role(rank) is Role.ENGINE and self.config.rollout.verify.enabled:
             if reference is None:
                 raise ConfigError("rollout.verify.enabled", f"rank {rank} is an engine rank: its post-refit probe "
                                   "needs the trainer's weights; pass distributed_refit(..., reference=<a full trainer "
@@ -584,8 +489,23 @@ class Services:
             probe = self.post_refit_probe(reference)
         return DistributedRefitService(
             world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
-            bucket_bytes=bucket_bytes, window=window, restore=restore, probe=probe,
+            bucket_bytes=self.bucket_bytes, window=window,
+            restore=restore or self.config.rollout.checkpoint_engine.restore, probe=probe,
         )
+
+    def _preset_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        from adapters.reference.config import hf_weight_shapes, preset
+
+        return hf_weight_shapes(preset(self.config.reference.model))
+
+    def _sliced_trainer(self, world: RefitWorld, rank: int) -> ShardedTrainerModel:
+        """This trainer rank's slice of the embedded reference model (or of the trainer given)."""
+        from adapters.distributed.sliced_trainer import SlicedTrainer
+        from adapters.reference.config import preset
+        from adapters.reference.trainer import ReferenceTrainer
+
+        full = self.trainer or ReferenceTrainer.from_seed(preset(self.config.reference.model), self.config.reference.seed)
+        return SlicedTrainer(full, world.layout, rank)
 
     def _sharded_trainer(self, model: object | None, world: RefitWorld, rank: int) -> ShardedTrainerModel:
         """This trainer rank's ShardedTrainerModel from TRAINERS[actor.strategy]."""
@@ -690,7 +610,9 @@ class Services:
         """The interpreter a disaggregated vLLM engine host runs with: rollout.engine_kwargs.vllm.python,
         else RL_REFIT_VLLM_PYTHON, else ./.venv-vllm/bin/python (or the one beside this checkout),
         else this interpreter."""
-        return _vllm_python(self)
+        from adapters.vllm.interpreter import vllm_python
+
+        return vllm_python(_configured_python(self))
 
     def cold_start(self, directory: str | Path) -> Any:
         """An engine of rollout.name started from a checkpoint directory in its own process, for
@@ -698,28 +620,17 @@ class Services:
         name = self.config.rollout.name
         if name != "vllm":
             raise ConfigError("rollout.name", f"cold starts for comparison are built for vllm only, not {name!r}")
-        return _vllm_cold_start(self, str(directory))
+        from adapters.vllm.factory import vllm_cold_start
+
+        return vllm_cold_start(self.config.rollout.engine_kwargs.vllm, _engine_start(self, "vllm"), _vllm_host(self),
+                               str(directory))
 
     def post_refit_probe(self, trainer: TrainerModel) -> PostRefitProbe | None:
-        """The post-refit probe of rollout.verify (None when off): the trainer's log-probs as the
-        reference, the plan's bound unless max_abs_logp_diff is set.
+        """The post-refit probe of rollout.verify (app.services.verification.trainer_probe)."""
+        from app.services.verification import trainer_probe
 
-        The embedded engine runs the trainer's own forward, so with a BF16 plan the trainer's
-        log-probs are computed the engine's way and the bound is exactly 0; otherwise the
-        plan's per-format bound (domain.refit.probe.TRAINER_BOUNDS).
-        """
-        verify = self.config.rollout.verify
-        if not verify.enabled:
-            return None
-        from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
-
-        plan = self.plan
-        engine_way = self.config.rollout.name == "reference" and plan.linear.name == plan.moe.name == "BF16"
-        vocab = int(trainer.config.vocab_size)  # type: ignore[attr-defined]
-        reference = TrainerReference(trainer, name="the trainer's forward (the engine's own)" if engine_way
-                                     else "the trainer's BF16 forward", engine_way=engine_way)
-        return PostRefitProbe(reference, probe_batch(vocab, verify.batch, verify.seq_len),
-                              bound=verify.max_abs_logp_diff)
+        return trainer_probe(trainer, self.config.rollout.verify, self.plan,
+                             embedded_engine=self.config.rollout.name == "reference")
 
     def rank_fault(self, text: str, rank: int, refit: int) -> Any:
         """An adapters.memory.faults.RankFault from its spelling; ConfigError names --inject-fault."""
@@ -750,11 +661,18 @@ class Services:
 
         return EmbeddedModule.from_seed(preset(self.config.reference.model), self.config.reference.seed)
 
+    def fused_forward_request(self) -> FusedForwardRequest:
+        """The fused-forward mode asked for: `actor.fused_forward` wins; else `VERL_FUSED_USE_OP_HOOK`
+        as read by bootstrap; else auto (FusedForwardModeError names the key or the variable)."""
+        from domain.forward.mode import FusedForwardRequest
+
+        return FusedForwardRequest.from_settings(self.config.actor.fused_forward,
+                                                 self.environ.get("VERL_FUSED_USE_OP_HOOK"))
+
     def logprob_service(self, model: object | None = None, *, chunk_size: int | None = None) -> LogProbService:
         """A LogProbService over a Megatron GPTModel (wrappers allowed) or any TrainerModel.
 
-        The fused-forward mode is decided here, once: `actor.fused_forward` wins; else
-        `VERL_FUSED_USE_OP_HOOK` as read by bootstrap; else auto. A Megatron model with
+        The fused-forward mode is decided once (`fused_forward_request`). A Megatron model with
         GatedDeltaNet layers also gets packed (THD) GDN input made safe (`packed_gdn`).
 
         Args:
@@ -766,19 +684,17 @@ class Services:
             The LogProbService. Raises FusedForwardModeError (a value that is not a mode, naming
             the key or the variable) and FusedHookUnavailable (hook required, forward lacks it).
         """
-        from app.services.logprob import LogProbService
-        from domain.forward.mode import FusedForwardRequest
+        from app.services.logprob import LogProbService, is_trainer_model
 
         model = model if model is not None else self.model
-        request = FusedForwardRequest.from_settings(self.config.actor.fused_forward,
-                                                    self.environ.get("VERL_FUSED_USE_OP_HOOK"))
-        if callable(getattr(model, "log_probs", None)) and callable(getattr(model, "named_weights", None)):
-            return LogProbService(model, mode="none", source=request.source)  # type: ignore[arg-type]
+        request = self.fused_forward_request()
+        if is_trainer_model(model):
+            return LogProbService(model, mode="none", source=request.source)
         TRAINERS["megatron"].require("actor.strategy", "megatron")
-        from adapters.megatron.trainer_model import MegatronTrainerModel
+        from adapters.megatron.factory import megatron_trainer
 
-        self.packed_gdn(model)  # a no-op without GatedDeltaNet layers
-        trainer = MegatronTrainerModel.build(model, request.mode, chunk_size=chunk_size)  # type: ignore[arg-type]
+        trainer = megatron_trainer(model, request.mode, gdn_kernels=self.config.actor.megatron.gdn_kernels,
+                                   chunk_size=chunk_size)
         return LogProbService(trainer, mode=trainer.mode.value, source=request.source)
 
     def packed_gdn(self, model: object) -> PackedGdnReport:
@@ -787,25 +703,16 @@ class Services:
         A no-op without GDN layers; validation hooks only on Megatron-Core >= 0.18; the
         packed-aware forward before that, with the kernels of `actor.megatron.gdn_kernels`.
         """
-        from adapters.megatron.packed_gdn import apply_packed_gdn
+        from adapters.megatron.factory import packed_gdn
 
-        return apply_packed_gdn(model, kernels=self.config.actor.megatron.gdn_kernels)  # type: ignore[arg-type]
+        return packed_gdn(model, self.config.actor.megatron.gdn_kernels)
 
-    def qat(
-        self,
-        model: torch.nn.Module,
-        *,
-        backend: str = "reference",
-        numerics: str = "exporter",
-        layout: str = "auto",
-        model_config: Mapping[str, object] | None = None,
-        qat_backend: object | None = None,
-    ) -> QatSession | None:
-        """QAT for a built trainer model, per actor.megatron.qat.* and the rollout quantization.
-
-        Resolves the rollout plan on the model's tensors, checks the QAT settings against it
-        (mode, Transformer Engine recipe, ignore patterns, first/last BF16 layers), applies the
-        backend, and checks every linear and expert layer's effective precision against the plan.
+    def qat(self, model: torch.nn.Module, *, backend: str = "reference", numerics: str = "exporter",
+            layout: str = "auto", model_config: Mapping[str, object] | None = None,
+            qat_backend: QatBackend | None = None) -> QatSession | None:
+        """QAT for a built trainer model, per actor.megatron.qat.* and the rollout quantization
+        (app.services.qat_setup.prepare_qat: the plan on the model's tensors, the settings checked
+        against it, the backend applied, every layer's effective precision checked).
 
         Args:
             model: the trainer model (torch / transformers module, Megatron-Core model on one
@@ -820,28 +727,14 @@ class Services:
             The QatSession (call its refresh() after every optimizer step), or None when
             actor.megatron.qat.enable is false.
         """
+        from adapters.qat_reference.layouts import weight_shapes
         from app.services.qat_setup import prepare_qat
 
         if not self.config.actor.megatron.qat.enable:
             return None
         if qat_backend is None:
-            if backend == "reference":
-                from adapters.qat_reference.backend import ReferenceQatBackend
-
-                qat_backend = ReferenceQatBackend(layout=layout)
-            elif backend == "modelopt":
-                AdapterEntry("adapters.modelopt.backend.ModelOptQatBackend", lambda: None, "modelopt",
-                             "modelopt").require("qat backend", "modelopt")
-                from adapters.modelopt.backend import ModelOptQatBackend
-
-                qat_backend = ModelOptQatBackend(numerics=numerics, layout=layout)
-            else:
-                raise ConfigError("qat backend", f"{backend!r} is not one of reference, modelopt")
-        from adapters.qat_reference.layouts import select_layout
-
-        chosen = select_layout(model, layout)
-        shapes = [(p.name, p.shape) for t in chosen.tensors(chosen.root(model)) for p in t.parts]
-        return prepare_qat(self.config, model, qat_backend, shapes, model_config=model_config)  # type: ignore[arg-type]
+            qat_backend = _qat_backend(backend, numerics, layout)
+        return prepare_qat(self.config, model, qat_backend, weight_shapes(model, layout), model_config=model_config)
 
     # --- engines' kernels and the machine ------------------------------------------------------
 
@@ -857,7 +750,8 @@ class Services:
             True to opt out. Raises ConfigError naming the key or variable on a value that is not
             a switch.
         """
-        value = self.config.get(f"rollout.engine_kwargs.{engine}.use_deep_gemm")
+        section = self.config.rollout.engine_kwargs.engine(engine)
+        value = None if section is None else section.use_deep_gemm
         env = (self.environ if environ is None else environ).get("VERL_ROLLOUT_USE_DEEP_GEMM")
         if env is not None and env.strip().lower() not in _ON + _OFF:
             raise ConfigError("VERL_ROLLOUT_USE_DEEP_GEMM", f"expected 1 or 0 (true/false), got {env!r}")
@@ -884,30 +778,18 @@ class Services:
         if snapshot_file is None:
             from adapters.system.probe import SystemProbe
 
-            vllm_python: str | None = _vllm_python(self)
+            vllm_python: str | None = self.vllm_python()
             if vllm_python == sys.executable and importlib.util.find_spec("vllm") is None:
                 vllm_python = None  # no vLLM environment to ask
             return SystemProbe(environ=dict(self.environ), vllm_python=vllm_python,
                                cpu_emulation=self.config.rollout.engine_kwargs.vllm.cpu_emulation)
-        import json
+        from app.services.doctor import snapshot_probe
 
-        from adapters.memory.environment import FixedEnvironmentProbe
-        from adapters.system.files import read_regular
-
-        try:
-            data = json.loads(read_regular(snapshot_file).decode("utf-8"))
-            data = data.get("environment", data) if isinstance(data, dict) else data
-            if not isinstance(data, dict):
-                raise TypeError(f"it holds a JSON {type(data).__name__}, not an object")
-            return FixedEnvironmentProbe.from_dict(data)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else err
-            raise ConfigError("--environment", f"cannot read an environment snapshot from {snapshot_file}: {reason}; "
-                              "pass the JSON that `refit doctor --json` prints") from None
+        return snapshot_probe(snapshot_file)
 
 
 def bootstrap(
-    config: Mapping[str, Any] | str | Path | Section | None = None,
+    config: Mapping[str, Any] | str | Path | RefitConfig | None = None,
     *,
     overrides: Sequence[str] = (),
     trainer: TrainerModel | None = None,
@@ -919,7 +801,7 @@ def bootstrap(
     """The application services for a configuration.
 
     Args:
-        config: a configuration dict, a YAML file, an already validated Section, or None
+        config: a configuration dict, a YAML file, an already validated RefitConfig, or None
             (defaults: the embedded reference trainer and engine).
         overrides: dotted `KEY=VALUE` overrides applied after `config`.
         trainer: a TrainerModel to refit from instead of building one.
@@ -931,6 +813,6 @@ def bootstrap(
     Returns:
         The Services. Raises the configuration's typed errors (ConfigError naming the key).
     """
-    cfg = config if isinstance(config, Section) and not overrides else load_config(
-        config.to_dict() if isinstance(config, Section) else config, overrides)
+    cfg = config if isinstance(config, RefitConfig) and not overrides else load_config(
+        config.to_dict() if isinstance(config, RefitConfig) else config, overrides)
     return Services(cfg, read_environment(environ), trainer=trainer, engine=engine, model=model, progress=progress)

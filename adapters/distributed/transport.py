@@ -211,6 +211,11 @@ class TorchDistTransport:
             waited += self._wait_all(inflight.popleft())
         return waited
 
+    def forget_layout(self) -> None:
+        """Send (or expect) the next stream with its metadata, as a first one: a stream whose layout
+        changes from refit to refit (delta refits). Both ends must call it before the same stream."""
+        self._layout = None
+
     def _abort(self, text: str, sent: int, layout: StreamLayout | None) -> None:
         """Tell the receivers the stream failed after `sent` buckets. With a known layout they
         have posted bucket `sent`'s receives: fill them with an ABORT lead record (and filler)."""

@@ -224,3 +224,14 @@ def select_layout(model: torch.nn.Module, choice: str = "auto") -> Layout:
         return LAYOUTS[choice]
     except KeyError:
         raise QatUnsupportedModel(f"unknown QAT layout {choice!r}; valid: auto, {', '.join(LAYOUTS)}") from None
+
+
+def weight_shapes(model: torch.nn.Module, layout: str = "auto") -> list[tuple[str, tuple[int, ...]]]:
+    """The (Hugging Face name, shape) of every weight QAT covers, through the model's name mapping.
+
+    Args:
+        model: the trainer model.
+        layout: "auto", "torch", "megatron" or "reference" (see select_layout).
+    """
+    chosen = select_layout(model, layout)
+    return [(p.name, p.shape) for t in chosen.tensors(chosen.root(model)) for p in t.parts]

@@ -35,6 +35,7 @@ from domain.errors import EngineTensorMismatch, RefitVerificationFailed
 from domain.quant.codecs import QuantizedWeight, dequantize_weight, fake_quantize_activation
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.delta_sync import DeltaBase, DeltaReceiver
 from domain.refit.guard import EngineGuard
 from domain.refit.report import EngineFinalizeResult
 from domain.refit.session import CommitMode
@@ -100,6 +101,7 @@ class ReferenceEngine:
     _peak_bytes: int = attrs.field(init=False, default=0)
     _post_seconds: float = attrs.field(init=False, default=0.0)
     _effective: dict[str, torch.Tensor] | None = attrs.field(init=False, default=None)
+    _delta: DeltaReceiver | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self._guard = EngineGuard(on_fail=self._fail)
@@ -127,10 +129,23 @@ class ReferenceEngine:
     def storage_fingerprint(self) -> StorageFingerprint:
         return StorageFingerprint.of(dict(self.live_weights()))
 
+    def delta_base(self) -> DeltaBase:
+        """The delta receiver's copy (DeltaEngine port); the first call turns the receiver on."""
+        if self._delta is None:
+            self._delta = DeltaReceiver()
+        return self._delta.base()
+
+    @property
+    def delta_receiver(self) -> DeltaReceiver | None:
+        """The delta receiver (None until `delta_base` is first asked)."""
+        return self._delta
+
     # --- lifecycle -------------------------------------------------------------------------
 
     def begin_refit(self, refit_id: int) -> None:
         self._guard.begin(refit_id)
+        if self._delta is not None:
+            self._delta.begin()
         self._received = set()
         self._staged, self._refs = {}, {}
         self._pending = {g: set(names) for g, names in self.layout.groups().items()}
@@ -146,7 +161,8 @@ class ReferenceEngine:
     def load_bucket(self, bucket: Bucket) -> None:
         self._guard.accept(bucket)
         try:
-            for name, view in unpack_bucket(bucket):
+            named = unpack_bucket(bucket)
+            for name, view in self._delta.receive(named) if self._delta is not None else named:
                 self._stage(name, view, bucket.retained)
         except Exception as err:
             self._fail(f"loading bucket {bucket.index}: {err}")
@@ -172,6 +188,8 @@ class ReferenceEngine:
             self._fail(f"finalize: {err}")
             raise
         self._guard.commit()
+        if self._delta is not None:
+            self._delta.commit()
         self._effective = None
         self.refits_committed += 1
         return EngineFinalizeResult(kv_reset, self._post_seconds, self._committed, self._peak_bytes)
@@ -180,6 +198,8 @@ class ReferenceEngine:
         self._guard.abort(reason)
 
     def mark_stale(self, reason: str) -> None:
+        if self._delta is not None:  # the live weights are not the copy's any more
+            self._delta.discard()
         self._guard.mark_stale(reason)
 
     # --- staging ---------------------------------------------------------------------------
@@ -300,6 +320,8 @@ class ReferenceEngine:
         for key in [*self._staged, *self._refs]:
             self._release(key)
         self._staged_kv = {}
+        if self._delta is not None:  # patched in place while staging: no longer the live weights' copy
+            self._delta.discard()
         refit_id = self._guard.refit_id
         stale = f"refit {refit_id} failed after live weights were written: {reason}" if self._touched else None
         self._guard.fail(stale_reason=stale)

@@ -161,6 +161,57 @@ def perturb_tensors_(tensors: Iterable[torch.Tensor], seed: int, scale: float) -
         t.add_((scale * rms * noise).to(t.dtype))
 
 
+@attrs.define
+class AdamLikeSteps:
+    """Training-like updates the way an Adam optimizer makes them: FP32 master weights move by
+    +-lr per element (Adam's normalized step), then the trainer's weights are the masters in their
+    own dtype (BF16), in place. Most +-1e-6 steps do not move a BF16 weight; a few cross a
+    rounding boundary, which is what a delta refit sends.
+
+    Attributes:
+        tensors: the trainer's weights (updated in place).
+        masters: their FP32 masters (made from them at construction).
+    """
+
+    tensors: list[torch.Tensor]
+    masters: list[torch.Tensor] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.masters = [t.detach().float().clone() for t in self.tensors]
+
+    @classmethod
+    def of(cls, weights: Iterable[torch.Tensor]) -> AdamLikeSteps:
+        return cls(list(weights))
+
+    @torch.no_grad()
+    def step_(self, seed: int, lr: float) -> None:
+        """One step: every master element += lr or -= lr (signs from `seed`), then the weights."""
+        g = torch.Generator().manual_seed(seed)
+        for t, m in zip(self.tensors, self.masters, strict=True):
+            _signed_step_(t, m, g, lr)
+
+
+def _signed_step_(t: torch.Tensor, master: torch.Tensor, g: torch.Generator, lr: float) -> None:
+    sign = torch.randint(0, 2, master.shape, generator=g, dtype=torch.int8).float().mul_(2).sub_(1)
+    master.add_(sign, alpha=lr)
+    t.copy_(master)
+
+
+@torch.no_grad()
+def adam_like_step_(tensors: Iterable[torch.Tensor], seed: int, lr: float) -> None:
+    """One AdamLikeSteps step from masters equal to the weights themselves, holding no masters
+    (one tensor's FP32 copy at a time): the first step of a run, for large models.
+
+    Args:
+        tensors: the trainer's weights (updated in place).
+        seed: seed of the signs.
+        lr: the step per element.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        _signed_step_(t, t.float(), g, lr)
+
+
 def hf_state_dict(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
     """The trainer's weights as a Hugging Face state dict (copies), e.g. for transformers."""
     return {name: t.clone() for name, t in trainer.named_weights()}

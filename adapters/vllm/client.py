@@ -23,7 +23,7 @@ from adapters.vllm.protocol import (
     R,
     Request,
     WorkerQueries,
-    reply_of,
+    replies_of,
 )
 from domain.refit.buckets import Bucket, unpack_bucket
 
@@ -109,9 +109,9 @@ class ExtensionWorkers(WorkerQueries):
         engine_args.vllm_environment(colocated=True) first)."""
         return cls(start_llm(**{"worker_extension_cls": EXTENSION, **engine_kwargs}))
 
-    def call(self, request: Request[R]) -> R:
-        """The first worker's reply to `request`; raises a worker's error as its own class."""
-        return reply_of(request, self.llm.collective_rpc(request.METHOD, args=(request.to_plain(),)))
+    def call_all(self, request: Request[R]) -> list[R]:
+        """Every worker's reply to `request`; raises a worker's error as its own class."""
+        return replies_of(request, self.llm.collective_rpc(request.METHOD, args=(request.to_plain(),)))
 
     def begin(self) -> None:
         self.call(Begin())

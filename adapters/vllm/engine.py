@@ -28,6 +28,7 @@ from adapters.vllm.hooks import VllmHooks
 from adapters.vllm.protocol import FinalizeReply
 from adapters.vllm.worker import WorkerRefit
 from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.delta_sync import DeltaBase
 from domain.refit.engine_layout import Layout, check_bucket
 from domain.refit.guard import EngineGuard
 from domain.refit.report import EngineFinalizeResult
@@ -62,6 +63,10 @@ class VllmWorkers(Protocol):
 
     def fingerprint(self) -> StorageFingerprint:
         """Pointer, shape, stride and dtype of every parameter and buffer."""
+        ...
+
+    def delta_base(self) -> DeltaBase:
+        """The workers' delta receivers (the first call turns them on)."""
         ...
 
     def live_weights(self) -> dict[str, torch.Tensor]:
@@ -102,6 +107,9 @@ class LocalWorkers:
 
     def fingerprint(self) -> StorageFingerprint:
         return self.refit.fingerprint()
+
+    def delta_base(self) -> DeltaBase:
+        return self.refit.delta_base()
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         return self.refit.live_weights()
@@ -239,6 +247,11 @@ class VllmRolloutEngine:
 
     def storage_fingerprint(self) -> StorageFingerprint:
         return self.workers.fingerprint()
+
+    def delta_base(self) -> DeltaBase:
+        """The workers' delta receivers (DeltaEngine port): the copy's digest when every worker
+        holds the same one, else None; the first call turns them on."""
+        return self.workers.delta_base()
 
     def live_weights(self) -> Mapping[str, torch.Tensor]:
         return MappingProxyType(self.workers.live_weights())

@@ -108,6 +108,11 @@ class RefitWorkerExtension:
     def rl_refit_abort(self, request: dict[str, Any]) -> dict[str, Any]:
         return answer(p.Abort, request, self._rl_refit_on_abort)
 
+    def rl_refit_delta_base(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The worker's delta receiver: its copy's digest, host bytes, last patch's seconds (the
+        first call turns it on)."""
+        return answer(p.DeltaBaseQuery, request, lambda _: p.DeltaBaseReply.of(self._rl_refit_state().delta_base()))
+
     def rl_refit_join(self, request: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's side group as rank 1 + this worker's rank; answers that rank.
 
@@ -188,6 +193,8 @@ class RefitWorkerExtension:
         if transport is None:
             raise RefitLifecycleError("receive before join: call rl_refit_join first")
         transport.refit_id = request.refit_id
+        if request.relearn:
+            transport.forget_layout()
         loaded = 0
 
         def consume(bucket: Bucket) -> None:

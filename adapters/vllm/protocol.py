@@ -32,6 +32,7 @@ import torch
 
 from adapters.vllm.errors import EngineProcessError, EngineRefitUnsupported, WorkerError
 from domain import errors
+from domain.refit.delta_sync import DeltaBase
 from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
@@ -259,12 +260,39 @@ class Join(Request[JoinReply]):
 
 @attrs.frozen
 class Receive(Request[Loaded]):
-    """Disaggregated: receive refit `refit_id`'s bucket stream over the side group and load it."""
+    """Disaggregated: receive refit `refit_id`'s bucket stream over the side group and load it;
+    `relearn`: the stream carries its metadata again (its layout may differ: delta refits)."""
 
     METHOD: ClassVar[str] = "rl_refit_receive"
     REPLY: ClassVar[type[Record]] = Loaded
 
     refit_id: int = attrs.field(converter=int)
+    relearn: bool = attrs.field(converter=bool, default=False)
+
+
+@attrs.frozen
+class DeltaBaseReply(Record):
+    """A worker's delta receiver (domain.refit.delta_sync.DeltaBase): the digest of the copy it
+    holds (None: none), its host bytes, its last patch's seconds."""
+
+    digest: str | None = attrs.field(converter=lambda v: None if v is None else str(v))
+    host_bytes: int = attrs.field(converter=int)
+    patch_seconds: float = attrs.field(converter=float)
+
+    @classmethod
+    def of(cls, base: DeltaBase) -> DeltaBaseReply:
+        return cls(base.digest, base.host_bytes, base.patch_seconds)
+
+    def base(self) -> DeltaBase:
+        return DeltaBase(self.digest, self.host_bytes, self.patch_seconds)
+
+
+@attrs.frozen
+class DeltaBaseQuery(Request[DeltaBaseReply]):
+    """The worker's delta receiver (the first call turns it on); every worker answers."""
+
+    METHOD: ClassVar[str] = "rl_refit_delta_base"
+    REPLY: ClassVar[type[Record]] = DeltaBaseReply
 
 
 @attrs.frozen
@@ -328,7 +356,7 @@ class BenchReload(Request[Seconds]):
 
 
 REQUESTS: tuple[type[Request[Any]], ...] = (Ready, Begin, Load, Finalize, Abort, Join, Receive, Leave, Fingerprint,
-                                             Digests, LiveWeights, KvScales, BenchMode, BenchReload)
+                                             Digests, LiveWeights, KvScales, DeltaBaseQuery, BenchMode, BenchReload)
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -397,15 +425,20 @@ class ErrorReply(Record):
         return err
 
 
-def reply_of(request: Request[R], answers: Sequence[Any]) -> R:
-    """The first worker's reply to `request`, from every worker's plain answer; raises the first
-    worker's error (rebuilt) when any worker answered with one."""
+def replies_of(request: Request[R], answers: Sequence[Any]) -> list[R]:
+    """Every worker's reply to `request`, from their plain answers; raises the first worker's
+    error (rebuilt) when any worker answered with one."""
     if not answers:
         raise errors.WireProtocolError(f"{request.METHOD}: no worker answered")
     for answer in answers:
         if isinstance(answer, Mapping) and answer.get(TAG) == ErrorReply.__name__:
             raise ErrorReply.from_plain(answer).rebuild()
-    return request.REPLY.from_plain(answers[0])  # type: ignore[return-value]
+    return [request.REPLY.from_plain(answer) for answer in answers]  # type: ignore[misc]
+
+
+def reply_of(request: Request[R], answers: Sequence[Any]) -> R:
+    """The first worker's reply to `request` (replies_of: any worker's error is raised)."""
+    return replies_of(request, answers)[0]
 
 
 def answer(request_type: type[Q], value: Any, handler: Callable[[Q], Record]) -> dict[str, Any]:
@@ -429,10 +462,22 @@ class WorkerRpc(Protocol):
 
 
 class WorkerQueries:
-    """The read-only RPCs, over a `call` the class defines."""
+    """The read-only RPCs, over a `call_all` the class defines (every worker's reply)."""
+
+    def call_all(self, request: Request[R]) -> list[R]:
+        """Every worker's reply to `request`; raises a worker's error as its own class."""
+        raise NotImplementedError
 
     def call(self, request: Request[R]) -> R:
-        raise NotImplementedError
+        """The first worker's reply to `request`; raises any worker's error as its own class."""
+        return self.call_all(request)[0]
+
+    def delta_base(self) -> DeltaBase:
+        """The workers' delta receivers as one (adapters.vllm.delta.combine); the first call turns
+        them on."""
+        from adapters.vllm.delta import combine
+
+        return combine([reply.base() for reply in self.call_all(DeltaBaseQuery())])
 
     def fingerprint(self) -> StorageFingerprint:
         """Pointer, shape, stride and dtype of every parameter and buffer of the first worker."""

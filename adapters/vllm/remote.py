@@ -54,10 +54,12 @@ from adapters.vllm.protocol import (
     Record,
     Request,
     WorkerQueries,
+    replies_of,
     reply_of,
 )
 from domain import errors
 from domain.refit.buckets import Bucket
+from domain.refit.delta_sync import DeltaBase
 
 log = structlog.get_logger()
 
@@ -245,9 +247,9 @@ class EngineProcess:
         self.send(request)
         return self.reply()  # type: ignore[return-value]
 
-    def workers_call(self, request: Request[R]) -> R:
-        """The first worker's reply to a worker request; raises a worker's error as its own class."""
-        return reply_of(request, self.call(CallWorkers(request.METHOD, request.to_plain())).answers)
+    def workers_call(self, request: Request[R]) -> list[R]:
+        """Every worker's reply to a worker request; raises a worker's error as its own class."""
+        return replies_of(request, self.call(CallWorkers(request.METHOD, request.to_plain())).answers)
 
     def drain(self) -> None:
         """Read and drop the replies still owed (after a failure)."""
@@ -417,9 +419,10 @@ class RemoteWorkers(WorkerQueries):
     _group: Any = attrs.field(init=False, default=None)
     _stream: _Stream | None = attrs.field(init=False, default=None)
     _refits: int = attrs.field(init=False, default=0)
+    _delta: bool = attrs.field(init=False, default=False)  # delta refits: each stream's layout may differ
 
-    def call(self, request: Request[R]) -> R:
-        """The first worker's reply to `request`; raises a worker's error as its own class."""
+    def call_all(self, request: Request[R]) -> list[R]:
+        """Every worker's reply to `request`; raises a worker's error as its own class."""
         return self.process.workers_call(request)
 
     def _join(self) -> None:
@@ -442,7 +445,9 @@ class RemoteWorkers(WorkerQueries):
             self._join()
         self._refits += 1
         self._transport.refit_id = self._refits
-        receive = Receive(self._refits)
+        if self._delta:
+            self._transport.forget_layout()
+        receive = Receive(self._refits, relearn=self._delta)
         self.process.send(CallWorkers(receive.METHOD, receive.to_plain()))  # answered at the stream's end
         self._stream = _Stream(self._transport)
 
@@ -469,6 +474,10 @@ class RemoteWorkers(WorkerQueries):
             stream.close(errors.TransportAborted("the trainer aborted the refit"))
         self.process.drain()  # the workers' receive ends with the ABORT
         self.call(Abort())
+
+    def delta_base(self) -> DeltaBase:
+        self._delta = True  # from now on every stream carries its metadata
+        return super().delta_base()
 
     def close(self) -> None:
         """Leave the side group and shut the engine down."""
@@ -511,7 +520,7 @@ class ColdEngine(WorkerQueries):
 
     process: EngineProcess
 
-    def call(self, request: Request[R]) -> R:
+    def call_all(self, request: Request[R]) -> list[R]:
         return self.process.workers_call(request)
 
     def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 
 from adapters.vllm.hooks import VllmHooks
 from domain.errors import RefitLifecycleError
+from domain.refit.delta_sync import DeltaBase, DeltaReceiver
 from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
@@ -107,6 +108,7 @@ class WorkerRefit:
         hooks: vLLM's functions (or fakes).
         device: where clones of received tensors go (default: the model's first parameter's device).
         reset_kv_scales: reset uncalibrated KV-cache scales after finalize.
+        delta: the delta receiver (None until `delta_base` is first asked: nothing kept).
     """
 
     model: torch.nn.Module
@@ -120,6 +122,7 @@ class WorkerRefit:
     written: set[str] | None = attrs.field(init=False, default=None)
     sent_kinds: set[str] = attrs.field(init=False, factory=set)
     ties: dict[str, str] = attrs.field(init=False, factory=dict)
+    delta: DeltaReceiver | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.device is None:
@@ -138,6 +141,14 @@ class WorkerRefit:
         self.expected = _expected(self.model, self.hooks)  # checkpoint-format parameters, restored on meta
         self.written = set()
         self.sent_kinds = set()
+        if self.delta is not None:
+            self.delta.begin()
+
+    def delta_base(self) -> DeltaBase:
+        """The delta receiver's copy (domain.refit.delta_sync); the first call turns it on."""
+        if self.delta is None:
+            self.delta = DeltaReceiver()
+        return self.delta.base()
 
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Load one bucket's tensors by checkpoint name; returns how many were loaded.
@@ -146,6 +157,8 @@ class WorkerRefit:
         """
         if not self.loading:
             raise RefitLifecycleError("load before begin: call begin() first")
+        if self.delta is not None:  # delta records patched into whole tensors, suffixes removed
+            named_tensors = self.delta.receive(named_tensors)
         owned = [(name, t.to(self.device, copy=True)) for name, t in named_tensors]
         self.sent_kinds |= {kind for name, _ in owned if (kind := activation_scale_kind(name)) is not None}
         load_weights = self.model.load_weights  # every vLLM model class defines it
@@ -170,8 +183,14 @@ class WorkerRefit:
         t0 = time.perf_counter()
         try:
             self.hooks.finalize_reload(self.model, self.model_config)
+        except BaseException:
+            if self.delta is not None:
+                self.delta.discard()
+            raise
         finally:
             self.loading = False
+        if self.delta is not None:
+            self.delta.commit()
         self._reprocess_tied_modules()
         written = self.written
         if written is not None:  # tied parameters are one storage: written when any of them is
@@ -215,6 +234,8 @@ class WorkerRefit:
         vLLM cannot roll back: layers processed before the failure hold the new weights. The
         finalize puts the kept kernel tensors back, so the model is whole (but mixed) again.
         """
+        if self.delta is not None:  # patched while loading: not the model's copy any more
+            self.delta.discard()
         if not self.loading:
             return
         self.loading = False

@@ -43,7 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -51,6 +51,9 @@ import torch
 from adapters.vllm.engine import VllmRolloutEngine
 from adapters.vllm.protocol import BenchMode, BenchReload, WorkerRpc
 from app.bench.report import BenchReport
+
+if TYPE_CHECKING:
+    from app.config_sections import RefitConfig
 
 EXTENSION = "adapters.vllm.bench_extension.BenchExtension"
 DEPLOYMENTS = ("auto", "colocated", "disaggregated")
@@ -325,16 +328,16 @@ def _python_has_vllm(python: str) -> bool:
         return False
 
 
-def _overrides(settings: EngineBenchSettings, deployment: str) -> list[str]:
-    from app.cli.demo_engine import engine_overrides
+def _config(settings: EngineBenchSettings, deployment: str) -> RefitConfig:
+    from app.cli.demo_engine import engine_config, with_vllm
     from app.services.engine_demo import EngineDemoSettings
     from domain.quant.plan import QuantizationPlan
 
     preset = None if settings.preset.upper() == "BF16" else settings.preset.upper()
     demo = EngineDemoSettings(deployment=deployment, plan=QuantizationPlan.from_presets(preset, preset),
                               model=settings.model)
-    return [*engine_overrides(demo, settings.bucket_mb),
-            f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}"]
+    config = engine_config(demo, settings.bucket_mb)
+    return with_vllm(config, worker_extension_cls=EXTENSION)
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -454,7 +457,7 @@ def measure(settings: EngineBenchSettings) -> EngineTimings:
 
     here = _vllm_here()
     deployment = resolve_deployment(settings.deployment, here)
-    services = bootstrap(overrides=_overrides(settings, deployment))
+    services = bootstrap(_config(settings, deployment))
     python = services.vllm_python() if deployment == "disaggregated" else None
     reason = skip_reason(deployment, vllm_here=here, engine_python=python,
                          engine_python_has_vllm=_python_has_vllm(python) if python else None)

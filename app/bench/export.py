@@ -85,14 +85,14 @@ def _largest_group_bytes(directory: Path) -> int:
 
 def _ours(src: str, out: str) -> None:
     from adapters.hf_checkpoint.reader import HfCheckpoint
-    from app.config import build_config
+    from app.config_sections import QuantizationConfig, RefitConfig, RolloutConfig
     from app.services.checkpoint_export import export_checkpoint
     from app.services.planning import make_plan
 
     checkpoint = HfCheckpoint(src)
     # weight-only: what vLLM serves for compressed-tensors NVFP4 (the exported weights are the same)
-    overrides = [f"rollout.quantization.linear={PRESET}", "rollout.quantization.linear_activation=none", "rollout.name=vllm"]
-    report = make_plan(build_config({}, overrides), checkpoint)
+    quantization = QuantizationConfig(linear=PRESET, linear_activation="none")
+    report = make_plan(RefitConfig(rollout=RolloutConfig(name="vllm", quantization=quantization)), checkpoint)
     export_checkpoint(checkpoint, out, report)
 
 

@@ -44,14 +44,22 @@ class _Run:
 
 def _services(run: _Run) -> Any:
     from app.bootstrap import bootstrap
+    from app.config_sections import (
+        ActorConfig,
+        CheckpointEngineConfig,
+        MegatronConfig,
+        ReferenceConfig,
+        RefitConfig,
+        RolloutConfig,
+    )
 
     lay = run.layout
-    return bootstrap(overrides=[
-        f"reference.model={run.model}", "actor.strategy=megatron",
-        f"actor.megatron.tensor_model_parallel_size={lay.tp}", f"actor.megatron.pipeline_model_parallel_size={lay.pp}",
-        f"actor.megatron.expert_model_parallel_size={lay.ep}", f"actor.megatron.expert_tensor_parallel_size={lay.etp}",
-        f"rollout.checkpoint_engine.update_weights_bucket_megabytes={run.bucket_mb!r}",
-    ])
+    megatron = MegatronConfig(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+                              expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp)
+    return bootstrap(RefitConfig(
+        reference=ReferenceConfig(model=run.model), actor=ActorConfig(strategy="megatron", megatron=megatron),
+        rollout=RolloutConfig(checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=run.bucket_mb)),
+    ))
 
 
 
@@ -77,10 +85,11 @@ def bench_rank(rank: int, run: _Run) -> dict[str, Any]:
 
 def run(quick: bool = False) -> BenchReport:
     from app.bootstrap import TRAINERS, bootstrap
+    from app.config_sections import ReferenceConfig, RefitConfig
 
     TRAINERS["megatron"].require("refit bench sharded", "megatron")
     model, bucket_mb, repeats, layouts = QUICK if quick else FULL
-    services = bootstrap(overrides=[f"reference.model={model}"])
+    services = bootstrap(RefitConfig(reference=ReferenceConfig(model=model)))
     config = services.reference_config()
     model_mb = config.num_parameters() * 2 / 2**20  # BF16
     report = BenchReport("sharded")

@@ -33,6 +33,7 @@ import torch
 
 from app.bench.report import BenchReport
 from app.bootstrap import Services, bootstrap
+from app.config_sections import CheckpointEngineConfig, ReferenceConfig, RefitConfig, RolloutConfig
 from domain.refit.topology import RefitWorld
 
 TARGET = 0.8  # the distributed refit should reach 80% of the raw broadcast's throughput
@@ -47,8 +48,8 @@ class _Settings:
 
 
 def _services(s: _Settings, bucket_bytes: int, **kwargs: Any) -> Services:
-    return bootstrap(overrides=[f"reference.model={s.model}",
-                                f"rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_bytes / 2**20!r}"],
+    sync = CheckpointEngineConfig(update_weights_bucket_megabytes=bucket_bytes / 2**20)
+    return bootstrap(RefitConfig(reference=ReferenceConfig(model=s.model), rollout=RolloutConfig(checkpoint_engine=sync)),
                      **kwargs)
 
 

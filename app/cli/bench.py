@@ -11,6 +11,7 @@ from rich.table import Table
 
 import app.bench
 from app.bench.report import BenchReport
+from domain.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="DIR", default="out/bench",
                    help="with `all`: where bench.json, report.md and the PNG figures go (default out/bench)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--delta", action="store_true",
+                   help="with `refit`: delta refits (backend layout_delta): bytes, phase times and memory per format")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="with `refit --delta`: also a Qwen3 / Qwen3-MoE checkpoint's shapes (python -m app.bench.fixtures)")
 
 
 def render(report: BenchReport, console: Console) -> None:
@@ -45,7 +50,14 @@ def run(args: argparse.Namespace) -> int:
         from app.bench.all import cli_run
 
         return cli_run(args)
-    report: BenchReport = importlib.import_module(app.bench.SUITES[args.suite]).run(quick=args.quick)
+    if getattr(args, "delta", False) or getattr(args, "model", None):
+        if args.suite != "refit" or not args.delta:
+            raise ConfigError("--delta", "--delta (and --model) go with the refit suite: refit bench refit --delta")
+        from app.bench.delta_refit import run as run_delta
+
+        report: BenchReport = run_delta(quick=args.quick, model_dir=args.model)
+    else:
+        report = importlib.import_module(app.bench.SUITES[args.suite]).run(quick=args.quick)
     if args.json:
         sys.stdout.write(report.to_json() + "\n")
     else:

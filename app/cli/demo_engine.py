@@ -8,12 +8,23 @@ import json
 import sys
 from typing import Any
 
+import attrs
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from app.bootstrap import bootstrap
-from app.cli.demo_settings import is_directory, model_overrides
+from app.cli.demo_settings import is_directory, model_config
+from app.config_sections import (
+    ActorConfig,
+    CheckpointEngineConfig,
+    EngineKwargsConfig,
+    HfTrainerConfig,
+    QuantizationConfig,
+    RefitConfig,
+    RolloutConfig,
+    VllmEngineConfig,
+)
 from app.services.engine_demo import EngineDemoResult, EngineDemoSettings, EngineStep, run_engine_demo
 from app.services.transaction import describe_plan
 from domain.quant.plan import QuantizationPlan
@@ -39,7 +50,7 @@ def engine_settings(args: argparse.Namespace) -> EngineDemoSettings:
     )
 
 
-def engine_overrides(settings: EngineDemoSettings, bucket_mb: float) -> list[str]:
+def engine_config(settings: EngineDemoSettings, bucket_mb: float) -> RefitConfig:
     """The configuration of the demo's engine: the plan, the embedded model, the deployment, and
     engine arguments for a tiny model with no tokenizer (on a machine without CUDA, 1 GiB of
     KV cache in host memory)."""
@@ -47,25 +58,34 @@ def engine_overrides(settings: EngineDemoSettings, bucket_mb: float) -> list[str
     own = is_directory(settings.model)
     # your checkpoint: the transformers model is the trainer; the engine starts from its config.json
     # with dummy weights, as it does on the embedded model, so the first refit writes every weight
-    trainer = ["actor.strategy=hf", "actor.hf.load_model=true"] if own else []
-    out = [
-        f"rollout.name={settings.engine}", f"rollout.deployment={settings.deployment}",
-        *model_overrides(settings.model, settings.seed), *trainer,
-        f"rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_mb!r}",
-        "rollout.engine_kwargs.vllm.engine_args={skip_tokenizer_init: true, dtype: bfloat16, "
-        f"enforce_eager: true, max_model_len: 128, seed: 0{', load_format: dummy' if own else ''}}}",
-    ]
-    if plan.linear.is_quantized:
-        out.append(f"rollout.quantization.linear={plan.linear.name}")
-    if plan.moe.is_quantized:
-        out.append(f"rollout.quantization.moe={plan.moe.name}")
-    if plan.moe_activation is not None:
-        out.append(f"rollout.quantization.moe_activation={plan.moe_activation.value}")
-    if plan.linear_activation is not None:
-        out.append(f"rollout.quantization.linear_activation={plan.linear_activation.value}")
-    if not torch.cuda.is_available():
-        out.append("rollout.engine_kwargs.vllm.environment={VLLM_CPU_KVCACHE_SPACE: '1'}")
-    return out
+    actor = ActorConfig(strategy="hf", hf=HfTrainerConfig(load_model=True)) if own else ActorConfig()
+    engine_args: dict[str, object] = {"skip_tokenizer_init": True, "dtype": "bfloat16", "enforce_eager": True,
+                                      "max_model_len": 128, "seed": 0}
+    if own:
+        engine_args["load_format"] = "dummy"
+    quantization = QuantizationConfig(
+        linear=plan.linear.name if plan.linear.is_quantized else None,
+        moe=plan.moe.name if plan.moe.is_quantized else None,
+        moe_activation=None if plan.moe_activation is None else plan.moe_activation.value,
+        linear_activation=None if plan.linear_activation is None else plan.linear_activation.value,
+    )
+    vllm = VllmEngineConfig(engine_args=engine_args,
+                            environment={} if torch.cuda.is_available() else {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    rollout = RolloutConfig(
+        name=settings.engine, deployment=settings.deployment, quantization=quantization,
+        engine_kwargs=EngineKwargsConfig(vllm=vllm),
+        checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=bucket_mb),
+    )
+    return model_config(settings.model, settings.seed, RefitConfig(rollout=rollout, actor=actor))
+
+
+def with_vllm(config: RefitConfig, *, start_timeout_s: float | None = None, **engine_args: object) -> RefitConfig:
+    """`config` with more vLLM engine arguments (and another start timeout)."""
+    vllm = config.rollout.engine_kwargs.vllm
+    vllm = attrs.evolve(vllm, engine_args={**vllm.engine_args, **engine_args},
+                        start_timeout_s=vllm.start_timeout_s if start_timeout_s is None else start_timeout_s)
+    kwargs = attrs.evolve(config.rollout.engine_kwargs, vllm=vllm)
+    return attrs.evolve(config, rollout=attrs.evolve(config.rollout, engine_kwargs=kwargs))
 
 
 def _row(s: EngineStep) -> list[str]:
@@ -112,7 +132,7 @@ def _payload(result: EngineDemoResult) -> dict[str, Any]:
 def run_engine(args: argparse.Namespace) -> int:
     """Run the real-engine demo; exit 0 when every live refit equals its cold start."""
     settings = engine_settings(args)
-    services = bootstrap(overrides=engine_overrides(settings, args.bucket_mb))
+    services = bootstrap(engine_config(settings, args.bucket_mb))
     console = None if args.json else Console(width=max(Console().width, 140), stderr=False)
     if console is not None:
         console.print(f"starting the {settings.engine} engine ({settings.deployment}) ...")

@@ -19,12 +19,14 @@ import json
 import sys
 from typing import Any
 
+import attrs
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from app.bootstrap import bootstrap
-from app.cli.demo_settings import raise_typed_failure
+from app.cli.demo_settings import demo_config, raise_typed_failure
+from app.config_sections import ActorConfig, MegatronConfig, ReferenceConfig, RefitConfig
 from app.services.demo import DemoSettings
 from app.services.megatron_demo import (
     BF16,
@@ -86,14 +88,11 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     if args.procs is not None or args.inject_fault or args.qat:
         raise ConfigError("--trainer", "megatron takes its processes from --tp/--pp/--ep (no --procs), and no "
                           "--inject-fault or --qat")
-    overrides = [
-        f"reference.model={settings.model}", f"reference.seed={settings.seed}", "actor.strategy=megatron",
-        f"actor.megatron.tensor_model_parallel_size={args.tp}", f"actor.megatron.pipeline_model_parallel_size={args.pp}",
-        f"actor.megatron.expert_model_parallel_size={args.ep}", f"actor.megatron.expert_tensor_parallel_size={args.etp}",
-        f"rollout.commit_mode={settings.commit_mode}",
-        f"rollout.checkpoint_engine.update_weights_bucket_megabytes={settings.bucket_megabytes!r}",
-    ]
-    services = bootstrap(overrides=overrides)
+    megatron = MegatronConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                              expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp)
+    config = attrs.evolve(demo_config(settings), actor=ActorConfig(strategy="megatron", megatron=megatron),
+                          reference=ReferenceConfig(model=settings.model, seed=settings.seed))
+    services = bootstrap(config)
     world = services.refit_world(engines=1)
     if world.layout.size > MAX_TRAINER_RANKS:
         raise ConfigError("--tp/--pp/--ep", f"{world.layout.describe()} needs {world.layout.size} trainer processes; "
@@ -103,13 +102,13 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
                                 seed=settings.seed)
     # Every world starts from a clean process (forkserver): Megatron worlds must not inherit the
     # state of a process that ran Megatron itself (a caller's, or a test's).
-    results = services.launch_world(_demo_rank, world.size, (overrides, demo, world), timeout_s=180 + 30 * settings.steps,
+    results = services.launch_world(_demo_rank, world.size, (config, demo, world), timeout_s=180 + 30 * settings.steps,
                                     start_method="forkserver")
     if _crashed(results):
         return 1
     records = [rec for r in results for rec in r.value]
     pieces = step_pieces(records)
-    reference = services.launch_world(_unsharded_rank, 1, (overrides, pieces, probe_batch(services, demo)),
+    reference = services.launch_world(_unsharded_rank, 1, (config, pieces, probe_batch(services, demo)),
                                       timeout_s=120 + 20 * len(pieces), start_method="forkserver")
     if _crashed(reference):
         return 1
@@ -128,12 +127,12 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     return 0 if all(checks.values()) else 1
 
 
-def _demo_rank(rank: int, overrides: list[str], demo: MegatronDemoSettings, world: Any) -> list[dict[str, Any]]:
-    return demo_rank(rank, bootstrap(overrides=overrides), demo, world)
+def _demo_rank(rank: int, config: RefitConfig, demo: MegatronDemoSettings, world: Any) -> list[dict[str, Any]]:
+    return demo_rank(rank, bootstrap(config), demo, world)
 
 
-def _unsharded_rank(rank: int, overrides: list[str], pieces: Any, probe: Any) -> Any:
-    return unsharded_rank(rank, bootstrap(overrides=overrides), pieces, probe)
+def _unsharded_rank(rank: int, config: RefitConfig, pieces: Any, probe: Any) -> Any:
+    return unsharded_rank(rank, bootstrap(config), pieces, probe)
 
 
 def _crashed(results: list[Any]) -> bool:

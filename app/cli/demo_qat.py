@@ -16,16 +16,25 @@ from rich.console import Console
 from rich.table import Table
 
 from app.bootstrap import Services, bootstrap
+from app.config_sections import (
+    ActorConfig,
+    MegatronConfig,
+    QatConfig,
+    QuantizationConfig,
+    ReferenceConfig,
+    RefitConfig,
+    RolloutConfig,
+)
 from app.services.qat_demo import run_qat_demo
 
 
 def qat_demo_services(mode: str, model: str, seed: int) -> Services:
     """The composition root's services for the QAT demo in `mode` on the embedded `model`."""
-    return bootstrap(overrides=[
-        f"rollout.quantization.linear={mode}", f"rollout.quantization.moe={mode}",
-        "actor.megatron.qat.enable=true", f"actor.megatron.qat.mode={mode}",
-        f"reference.model={model}", f"reference.seed={seed}",
-    ])
+    return bootstrap(RefitConfig(
+        rollout=RolloutConfig(quantization=QuantizationConfig(linear=mode, moe=mode)),
+        actor=ActorConfig(megatron=MegatronConfig(qat=QatConfig(enable=True, mode=mode))),
+        reference=ReferenceConfig(model=model, seed=seed),
+    ))
 
 
 def render_qat_demo(result: dict[str, Any], console: Console) -> None:

@@ -4,11 +4,19 @@ composition root's services for them, and how a world's typed errors are reporte
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import attrs
+
 from app.bootstrap import Services, bootstrap
+from app.config_sections import (
+    CheckpointEngineConfig,
+    ModelConfig,
+    ReferenceConfig,
+    RefitConfig,
+    RolloutConfig,
+)
 from app.services.demo import DemoSettings
 from app.services.refit import RefitService
 from domain.errors import RankFailed
@@ -26,12 +34,13 @@ def is_directory(model: str | None) -> bool:
     return model is not None and model not in EMBEDDED_MODELS
 
 
-def model_overrides(model: str, seed: int) -> list[str]:
-    """The configuration of the demo's model: an embedded preset and its seed, or a checkpoint
-    directory (model.path; the seed then only drives the steps and the batch)."""
+def model_config(model: str, seed: int, base: RefitConfig | None = None) -> RefitConfig:
+    """The configuration of the demo's model (on `base`): an embedded preset and its seed, or a
+    checkpoint directory (model.path; the seed then only drives the steps and the batch)."""
+    base = base or RefitConfig()
     if is_directory(model):
-        return [f"model.path={json.dumps(model)}"]
-    return [f"reference.model={model}", f"reference.seed={seed}"]
+        return attrs.evolve(base, model=ModelConfig(path=model))
+    return attrs.evolve(base, reference=ReferenceConfig(model=model, seed=seed))
 
 
 def _none(preset: str | None) -> str | None:
@@ -54,13 +63,16 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     )
 
 
+def demo_config(settings: DemoSettings) -> RefitConfig:
+    """The configuration of the demo's embedded model, buckets and commit mode."""
+    rollout = RolloutConfig(commit_mode=settings.commit_mode, checkpoint_engine=CheckpointEngineConfig(
+        update_weights_bucket_megabytes=settings.bucket_megabytes))
+    return model_config(settings.model, settings.seed, RefitConfig(rollout=rollout))
+
+
 def demo_services(settings: DemoSettings) -> Services:
     """The composition root's services for the demo's embedded model, buckets and commit mode."""
-    return bootstrap(overrides=[
-        *model_overrides(settings.model, settings.seed),
-        f"rollout.commit_mode={settings.commit_mode}",
-        f"rollout.checkpoint_engine.update_weights_bucket_megabytes={settings.bucket_megabytes!r}",
-    ])
+    return bootstrap(demo_config(settings))
 
 
 def arm_factory(settings: DemoSettings) -> Callable[[QuantizationPlan, object | None, str | None], RefitService]:

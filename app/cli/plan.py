@@ -9,11 +9,12 @@ import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+import attrs
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from app.config import Section, load_config
+from app.config import RefitConfig, load_config
 from app.services.planning import PlanReport
 from domain.errors import ConfigError, RefitError
 from domain.quant import naming
@@ -30,10 +31,10 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> Section:
+def config_from_args(args: argparse.Namespace) -> RefitConfig:
     """Load the configuration named by the positional arguments (file first, then overrides)."""
     source, overrides = split_config_args(args)
-    return load_config(source, [*overrides, *(extra or [])])
+    return load_config(source, overrides)
 
 
 def services_from_args(args: argparse.Namespace, model: str | None = None) -> Services:
@@ -44,9 +45,10 @@ def services_from_args(args: argparse.Namespace, model: str | None = None) -> Se
     if model is not None and not model.strip():
         raise ConfigError("--model", f"{model!r} is empty or blank (an unset shell variable?); name the checkpoint "
                           "directory")
-    source, overrides = split_config_args(args)
-    extra = [f"model.path={json.dumps(model)}"] if model else []
-    return bootstrap(source, overrides=[*overrides, *extra])
+    config = config_from_args(args)
+    if model:
+        config = attrs.evolve(config, model=attrs.evolve(config.model, path=model))
+    return bootstrap(config)
 
 
 def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:

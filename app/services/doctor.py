@@ -9,12 +9,12 @@ settings can run here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from adapters.profiles import POLICY_ENGINES, backend_decision
+from app.config_sections import RefitConfig
 from app.services.doctor_checks import (
     MEGATRON_NATIVE_HOOK,
     Check,
@@ -25,13 +25,16 @@ from app.services.doctor_checks import (
     transport_checks,
 )
 from domain.environment import EnvironmentSnapshot, version_at_least
-from domain.errors import FusedHookUnavailable, RefitError
+from domain.errors import ConfigError, FusedHookUnavailable, RefitError
 from domain.forward.mode import (
     ENV_VAR,
     FusedForwardMode,
     FusedForwardRequest,
     select_fused_forward_mode,
 )
+
+if TYPE_CHECKING:
+    from adapters.memory.environment import FixedEnvironmentProbe
 
 
 @attrs.frozen
@@ -176,8 +179,8 @@ def _kernel_check(env: EnvironmentSnapshot, engine: str, plan: Any, opt_out: boo
                  + "; ".join(decision.notes))
 
 
-def config_checks(env: EnvironmentSnapshot, cfg: Any, *, deep_gemm_opt_out: bool = False) -> list[Check]:
-    """Can this configuration run here? A loaded configuration (app.config.Section) in, checks out."""
+def config_checks(env: EnvironmentSnapshot, cfg: RefitConfig, *, deep_gemm_opt_out: bool = False) -> list[Check]:
+    """Can this configuration run here? A loaded configuration in, checks out."""
     from app.services.planning import make_plan
 
     out = []
@@ -202,13 +205,13 @@ def config_checks(env: EnvironmentSnapshot, cfg: Any, *, deep_gemm_opt_out: bool
 
 
 def diagnose(
-    env: EnvironmentSnapshot, config: Mapping[str, Any] | None = None, *, deep_gemm_opt_out: bool = False
+    env: EnvironmentSnapshot, config: RefitConfig | None = None, *, deep_gemm_opt_out: bool = False
 ) -> DoctorReport:
     """The doctor's report for one machine and, optionally, one configuration.
 
     Args:
         env: the machine (EnvironmentProbe.snapshot()).
-        config: a loaded configuration (app.config.Section), or None.
+        config: a loaded configuration (app.config.load_config), or None.
         deep_gemm_opt_out: DeepGEMM requests switched off (the composition root's
             `deep_gemm_opt_out`, from the configuration and VERL_ROLLOUT_USE_DEEP_GEMM).
 
@@ -219,7 +222,7 @@ def diagnose(
     fused_value = None
     if config is not None:
         checks += config_checks(env, config, deep_gemm_opt_out=deep_gemm_opt_out)
-        fused_value = config["actor"]["fused_forward"]
+        fused_value = config.actor.fused_forward
     fused = fused_forward_decision(env, fused_value)
     checks.append(_fused_check(fused))
     return DoctorReport(env, tuple(checks), fused, config is not None)
@@ -234,3 +237,26 @@ def _fused_check(fused: FusedForwardDecision) -> Check:
     fix = (f"set actor.fused_forward (or {ENV_VAR}) to auto or legacy, or upgrade megatron-core to 0.18+"
            if fused.reason is Reason.VERSION_TOO_OLD else "use auto, hook or legacy (see docs/configuration.md)")
     return Check("trainer", "fused forward", Status.ERROR, text, fused.reason, fix)
+
+
+def snapshot_probe(snapshot_file: str) -> FixedEnvironmentProbe:
+    """The machine a saved `refit doctor --json` output describes (its `environment` object).
+
+    Raises:
+        ConfigError: naming `--environment` when the file cannot be read as such a snapshot.
+    """
+    import json
+
+    from adapters.memory.environment import FixedEnvironmentProbe
+    from adapters.system.files import read_regular
+
+    try:
+        data = json.loads(read_regular(snapshot_file).decode("utf-8"))
+        data = data.get("environment", data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            raise TypeError(f"it holds a JSON {type(data).__name__}, not an object")
+        return FixedEnvironmentProbe.from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else err
+        raise ConfigError("--environment", f"cannot read an environment snapshot from {snapshot_file}: {reason}; "
+                          "pass the JSON that `refit doctor --json` prints") from None

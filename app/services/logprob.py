@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import TypeGuard
 
 import attrs
 import structlog
@@ -16,6 +17,11 @@ from domain.errors import InvalidTensor
 from ports.trainer_model import TrainerModel
 
 log = structlog.get_logger()
+
+
+def is_trainer_model(model: object) -> TypeGuard[TrainerModel]:
+    """Whether `model` already is a TrainerModel (it scores tokens and yields its weights)."""
+    return callable(getattr(model, "log_probs", None)) and callable(getattr(model, "named_weights", None))
 
 
 def _float_tensor(_: object, attribute: attrs.Attribute, value: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ import attrs
 
 from adapters.profiles import profile_for
 from adapters.system.files import read_regular
-from app.config import Section
+from app.config_sections import RefitConfig
 from domain.errors import ConfigError
 from domain.quant import naming
 from domain.quant.dispatch import DispatchInput, Resolution, resolve
@@ -94,7 +94,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data.get("quantization_config", data) if isinstance(data.get("quantization_config"), dict) else data
 
 
-def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose: str = "refit") -> DispatchInput:
+def dispatch_input(cfg: RefitConfig, model_config: Mapping[str, Any] | None, purpose: str = "refit") -> DispatchInput:
     """Translate the configuration into the dispatch rules' input.
 
     Args:
@@ -118,7 +118,8 @@ def dispatch_input(cfg: Section, model_config: Mapping[str, Any] | None, purpose
     engine = cfg.rollout.name
     overrides_key = f"rollout.engine_kwargs.{engine}.hf_overrides"
     # the engines driven through their own package take hf_overrides; the others have none
-    hf_overrides = cfg[overrides_key] if profile_for(engine).package is not None else None
+    section = cfg.rollout.engine_kwargs.engine(engine)
+    hf_overrides = None if section is None else section.hf_overrides
     config_file = read_config_file(q.config_file) if q.config_file else None
     check_user_configs(config_file, hf_overrides, overrides_key)
     te = cfg.actor.megatron.override_transformer_config
@@ -168,7 +169,7 @@ def check_user_configs(config_file: Mapping[str, Any] | None, hf_overrides: Mapp
             check_user_config(qc, key)
 
 
-def with_numerics(plan: QuantizationPlan, cfg: Section) -> QuantizationPlan:
+def with_numerics(plan: QuantizationPlan, cfg: RefitConfig) -> QuantizationPlan:
     """The plan with rollout.quantization.numerics and scale_rule applied, whatever chose its presets
     (linear/moe, a config_file or the checkpoint's own quantization_config).
 
@@ -222,8 +223,8 @@ def bf16_linear_modules(plan: QuantizationPlan, shapes: Sequence[tuple[str, tupl
     return sorted(kept)
 
 
-def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit",
-              profile: EngineProfile | None = None) -> PlanReport:
+def make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None = None, *, purpose: str = "refit",
+              profile: EngineProfile | None = None, plan: QuantizationPlan | None = None) -> PlanReport:
     """Resolve the rollout quantization for a configuration (and a model, when given).
 
     Args:
@@ -233,14 +234,28 @@ def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: s
             copies a native layout the trainer cannot produce instead of refusing it).
         profile: the engine's profile (the composition root's pick); None looks rollout.name up
             in adapters.profiles.PROFILES.
+        plan: the plan a refit sends, when it is not the configuration's (a demo's arms): the
+            report is then that plan's, every rule applied to it as if rollout.quantization
+            requested it (a config_file or hf_overrides quantization_config gives way to it).
 
     Returns:
-        The PlanReport. Raises the dispatch rule's typed error when the configuration is rejected.
+        The PlanReport. Raises the dispatch rule's typed error when the configuration (or `plan`)
+        is rejected.
     """
+    report = _make_plan(cfg, checkpoint, purpose, profile, None)
+    if plan is None or plan == report.plan:
+        return report
+    return _make_plan(cfg, checkpoint, purpose, profile, plan)
+
+
+def _make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None, purpose: str, profile: EngineProfile | None,
+               requested: QuantizationPlan | None) -> PlanReport:
     shapes = tuple(checkpoint.tensor_shapes()) if checkpoint is not None else None
     inp = dispatch_input(cfg, checkpoint.config if checkpoint is not None else None, purpose)
+    if requested is not None:  # the plan carries its own ignore list and numerics
+        inp = attrs.evolve(inp, requested=requested, ignore=(), config_file=None, hf_overrides=None)
     res = resolve(inp, shapes, engine=(profile or profile_for(inp.engine)).dispatch)
-    plan = with_numerics(res.plan, cfg)
+    plan = with_numerics(res.plan, cfg) if requested is None else res.plan
     if plan is not res.plan:
         res = attrs.evolve(res, plan=plan)
     from adapters.compressed_tensors.quantization_config import engine_quantization_config
@@ -262,7 +277,7 @@ def make_plan(cfg: Section, checkpoint: _Checkpoint | None = None, *, purpose: s
     return PlanReport(cfg.rollout.name, res, decisions, tuple(shapes or ()), engine_config, cfg.unused, decoded)
 
 
-def check_quantizes_something(cfg: Section, res: Resolution, decisions: Sequence[TensorDecision]) -> None:
+def check_quantizes_something(cfg: RefitConfig, res: Resolution, decisions: Sequence[TensorDecision]) -> None:
     """A quantized plan must quantize some tensor of the model: otherwise the engine would be told
     to serve a format that no tensor is in (e.g. `moe: NVFP4` on a dense model).
 

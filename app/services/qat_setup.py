@@ -21,7 +21,7 @@ import structlog
 import torch
 
 from adapters.profiles import resolve
-from app.config import Section
+from app.config_sections import RefitConfig
 from app.services.planning import dispatch_input, with_numerics
 from domain.quant.plan import QuantizationPlan
 from domain.quant.qat import QatSummary
@@ -58,7 +58,7 @@ class QatSession:
         self.backend.remove(self.model)
 
 
-def qat_settings(cfg: Section) -> QatSettings:
+def qat_settings(cfg: RefitConfig) -> QatSettings:
     """actor.megatron.qat.* and the boundary-layer settings, as the domain's QatSettings."""
     qat = cfg.actor.megatron.qat
     te = cfg.actor.megatron.override_transformer_config
@@ -70,7 +70,7 @@ def qat_settings(cfg: Section) -> QatSettings:
     )
 
 
-def rollout_plan_for(cfg: Section, shapes: list[tuple[str, tuple[int, ...]]],
+def rollout_plan_for(cfg: RefitConfig, shapes: list[tuple[str, tuple[int, ...]]],
                      model_config: Mapping[str, Any] | None = None) -> QuantizationPlan:
     """The rollout plan the dispatch rules resolve for this configuration and model.
 
@@ -88,7 +88,7 @@ def rollout_plan_for(cfg: Section, shapes: list[tuple[str, tuple[int, ...]]],
     return with_numerics(resolve(dispatch_input(cfg, model_config), shapes).plan, cfg)
 
 
-def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend,
+def prepare_qat(cfg: RefitConfig, model: torch.nn.Module, backend: QatBackend,
                 shapes: Sequence[tuple[str, tuple[int, ...]]], *,
                 model_config: Mapping[str, Any] | None = None) -> QatSession | None:
     """Check and apply QAT for a configuration (see the module docstring).
@@ -120,3 +120,4 @@ def prepare_qat(cfg: Section, model: torch.nn.Module, backend: QatBackend,
     log.info("qat ready", backend=summary.backend, mode=cfg.actor.megatron.qat.mode,
              fake_quantized=len(summary.quantized), layers=len(summary.precision))
     return QatSession(backend, model, plan, rollout_plan, summary)
+

@@ -19,14 +19,16 @@ import torch
 
 from app.services.transaction import Alone, Ownership, RefitTransaction, ReplayCopy, Restore, describe_plan
 from app.services.verification import PostRefitProbe
-from domain.errors import RefitFailed
+from domain.errors import ConfigError, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
 from domain.refit.buckets import DEFAULT_ALIGNMENT
+from domain.refit.delta_sync import DeltaBase, DeltaSender
 from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.run import RefitRun, StageClock
 from domain.refit.status import EngineState, RankStatus
 from domain.refit.topology import Role
+from ports.delta_engine import DeltaEngine
 from ports.rollout_engine import RolloutEngine
 from ports.trainer_model import TrainerModel
 
@@ -58,6 +60,8 @@ class RefitService:
             bar the CLI draws; None: nothing is reported.
         probe: the post-refit probe (the engine's log-probs against a reference after each
             commit; a mismatch fails the refit and leaves the engine stale); None: not run.
+        delta: the delta sender of a `layout_delta` refit (the engine must be a DeltaEngine);
+            None: every refit sends every tensor whole.
         reports: every refit's report, oldest first.
     """
 
@@ -70,6 +74,7 @@ class RefitService:
     restore: Restore | None = attrs.field(default=None, converter=attrs.converters.optional(Restore))
     progress: Progress | None = None
     probe: PostRefitProbe | None = None
+    delta: DeltaSender | None = None
     reports: list[RefitReport] = attrs.field(factory=list)
     _next_id: int = attrs.field(init=False, default=1)
     _replay: ReplayCopy | None = attrs.field(init=False, default=None)
@@ -78,6 +83,14 @@ class RefitService:
         self.ownership.planner(self.bucket_bytes, self.alignment)  # validate the sizes now, not mid-refit
         if self.restore is not None:
             self.restore.check(self.engine.commit_mode)
+        if self.delta is not None:
+            key = "rollout.checkpoint_engine.backend"
+            if not isinstance(self.engine, DeltaEngine):
+                raise ConfigError(key, f"layout_delta needs an engine with a delta receiver (reference, vllm); "
+                                  f"{type(self.engine).__name__} has none: use 'naive'")
+            if self.restore_policy is Restore.REPLAY:  # the previous refit's records need the dropped copies
+                raise ConfigError(key, "layout_delta cannot restore by replaying the previous refit's buckets "
+                                  "(they hold deltas); use rollout.checkpoint_engine.restore: engine or stale")
 
     @property
     def restore_policy(self) -> Restore:
@@ -97,25 +110,31 @@ class RefitService:
         log = structlog.get_logger().bind(refit_id=refit_id, plan=describe_plan(self.plan))
         tx = self._transaction(refit_id)
         clock = StageClock()
+        if self.delta is not None:  # full or delta, from the engine's copy (asked before it begins)
+            self.delta.begin(self._delta_base())
         if tx.begin():
             with tx.guard():
                 self._stream(tx, clock)
-        tx.run.add_times(clock.exclusive(("export", "quantize", "pack")))
+        tx.run.add_times(clock.exclusive(self._stages()))
         if tx.staged() and tx.commit():
-            report = tx.succeed()
+            if self.delta is not None:
+                self.delta.commit()
+            report = self._with_delta(tx.succeed())
             self.reports.append(report)
             log.info("refit", **report.log_fields())
             return report
         run = tx.run
         tx.settle(run.error or "")
         tx.settled()
+        if self.delta is not None:
+            self.delta.discard(run.error or "")
         state = (
             "the engine is stale and refuses to serve until a full refit succeeds"
             if run.outcome() is RefitOutcome.STALE else
             "the engine's previous weights were restored, bit for bit"
             if run.engine is EngineState.RESTORED else "the engine kept its previous weights, bit for bit"
         )
-        report = tx.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}")
+        report = self._with_delta(tx.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}"))
         self.reports.append(report)
         log.error("refit", **report.log_fields())
         raise RefitFailed(report.error or "", report=report) from tx.cause
@@ -134,6 +153,8 @@ class RefitService:
         total = self._total_bytes()
         exported = clock.timed("export", self._counted(run, self.trainer.named_weights()))
         quantized = clock.timed("quantize", quantize_stream(self.plan, exported))
+        if self.delta is not None:
+            quantized = clock.timed("delta", self.delta.stage(quantized))
         planner = self.ownership.planner(self.bucket_bytes, self.alignment)
         for bucket in clock.timed("pack", planner.pack(quantized)):
             tx.load(bucket, owned=self.ownership is Ownership.OWNED)
@@ -146,6 +167,23 @@ class RefitService:
         for name, t in named:
             run.source_bytes += t.numel() * t.element_size()
             yield name, t
+
+    def _stages(self) -> tuple[str, ...]:
+        return ("export", "quantize", "delta", "pack") if self.delta is not None else ("export", "quantize", "pack")
+
+    def _delta_base(self) -> DeltaBase:
+        """The engine's delta copy; an engine that cannot say gets a full refit."""
+        try:
+            return self.engine.delta_base()  # type: ignore[attr-defined]
+        except Exception as err:
+            structlog.get_logger().warning("the engine's delta base is unknown; a full refit",
+                                           error=f"{type(err).__name__}: {err}")
+            return DeltaBase()
+
+    def _with_delta(self, report: RefitReport) -> RefitReport:
+        if self.delta is None:
+            return report
+        return attrs.evolve(report, delta=self.delta.report(self._delta_base()))
 
     def _total_bytes(self) -> int:
         num_bytes = getattr(self.trainer, "num_bytes", None)

@@ -3,11 +3,13 @@ small fixed batch against a reference (domain.refit.probe says which bound appli
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import attrs
 import torch
 
+from app.config_sections import VerifyConfig
 from domain.errors import ProbeMismatch
 from domain.quant.plan import QuantizationPlan
 from domain.refit.probe import ProbeCheck, probe_bound
@@ -87,3 +89,27 @@ class ColdStartReference:
 
     def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.cold.log_probs(input_ids)
+
+
+def trainer_probe(trainer: TrainerModel, verify: VerifyConfig, plan: QuantizationPlan, *,
+                  embedded_engine: bool) -> PostRefitProbe | None:
+    """The post-refit probe of rollout.verify (None when off): the trainer's log-probs as the
+    reference, the plan's bound unless max_abs_logp_diff is set.
+
+    The embedded engine runs the trainer's own forward, so with a BF16 plan the trainer's
+    log-probs are computed the engine's way and the bound is exactly 0; otherwise the plan's
+    per-format bound (domain.refit.probe.TRAINER_BOUNDS).
+
+    Args:
+        trainer: the refit's trainer.
+        verify: rollout.verify.
+        plan: the configuration's plan.
+        embedded_engine: the engine is the embedded reference engine (rollout.name reference).
+    """
+    if not verify.enabled:
+        return None
+    engine_way = embedded_engine and plan.linear.name == plan.moe.name == "BF16"
+    vocab = int(operator.attrgetter("config.vocab_size")(trainer))  # the port has none; every trainer adapter does
+    reference = TrainerReference(trainer, name="the trainer's forward (the engine's own)" if engine_way
+                                 else "the trainer's BF16 forward", engine_way=engine_way)
+    return PostRefitProbe(reference, probe_batch(vocab, verify.batch, verify.seq_len), bound=verify.max_abs_logp_diff)

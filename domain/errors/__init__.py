@@ -1,7 +1,7 @@
 """The error hierarchy. One base class; each error also subclasses the matching builtin.
 
 Messages name the tensor or configuration key and say what to do instead. One module per concern
-(base, config, quant, qat, checkpoint, refit, engine, distributed, forward); every error is
+(base, config, quant, qat, checkpoint, refit, engine, distributed, forward, lora); every error is
 imported from here: `from domain.errors import ConfigError`. Errors that only one engine adapter
 raises live in that adapter (adapters/vllm/errors.py).
 """
@@ -56,6 +56,14 @@ from domain.errors.forward import (
     PackedGdnUnsupported,
     ThdPackingError,
 )
+from domain.errors.lora import (
+    LoraError,
+    LoraNonFinite,
+    LoraRankMismatch,
+    LoraShapeMismatch,
+    LoraUnknownTarget,
+    LoraUnsupported,
+)
 from domain.errors.qat import (
     QatLayoutError,
     QatNumericsMismatch,
@@ -86,6 +94,8 @@ from domain.errors.quant import (
 from domain.errors.refit import (
     BucketLayoutError,
     BucketSequenceError,
+    DeltaBaseMismatch,
+    DeltaRecordError,
     InjectedFault,
     MismatchInputError,
     ProbeMismatch,
@@ -106,6 +116,8 @@ __all__ = [
     "ConfigError",
     "ConfigNotHonoured",
     "ConfigTypeError",
+    "DeltaBaseMismatch",
+    "DeltaRecordError",
     "DistributedRefitFailed",
     "EngineBusy",
     "EngineCellUnsupported",
@@ -123,6 +135,12 @@ __all__ = [
     "InvalidPackedBoundaries",
     "InvalidTemperature",
     "InvalidTensor",
+    "LoraError",
+    "LoraNonFinite",
+    "LoraRankMismatch",
+    "LoraShapeMismatch",
+    "LoraUnknownTarget",
+    "LoraUnsupported",
     "MegatronModelUnsupported",
     "MismatchInputError",
     "NativeLayoutMismatch",

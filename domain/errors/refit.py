@@ -35,6 +35,16 @@ class BucketLayoutError(RefitError, ValueError):
     """A bucket's layout is inconsistent (overlap, wrong size, repeated name, bad bucket size)."""
 
 
+class DeltaBaseMismatch(RefitError, ValueError):
+    """A delta refit's tensor does not apply: the receiver's copy of it is missing, differs from
+    the base the delta was made against, or patches into bytes other than the sender's. The refit
+    fails through the normal transaction; the next refit is full."""
+
+
+class DeltaRecordError(RefitError, ValueError):
+    """A delta record is malformed (wrong magic, truncated, inconsistent sizes)."""
+
+
 class RefitVerificationFailed(RefitError, RuntimeError):
     """The engine's check of the staged weights failed before (or while) committing them."""
 

@@ -8,7 +8,7 @@ layout it reads a plan in, its support table (rule 6) and the rules only it has.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -27,6 +27,10 @@ PURPOSES = ("refit", "export")
 
 def _overrides_key(inp: DispatchInput) -> str:
     return key("engine_kwargs", inp.engine, "hf_overrides")
+
+
+def _names(items: Iterable[str]) -> tuple[str, ...]:
+    return tuple(items)
 
 
 @attrs.frozen
@@ -55,14 +59,14 @@ class DispatchInput:
 
     engine: str = attrs.field(default="reference", validator=attrs.validators.min_len(1))
     requested: QuantizationPlan | None = None
-    ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    ignore: tuple[str, ...] = attrs.field(default=(), converter=_names)
     config_file: Mapping[str, Any] | None = None
     hf_overrides: Mapping[str, Any] | str | None = None
     hf_overrides_key: str = attrs.field(default=attrs.Factory(_overrides_key, takes_self=True))
     model_config: Mapping[str, Any] | None = None
     qat_enable: bool = False
     qat_mode: str | None = None
-    qat_ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    qat_ignore: tuple[str, ...] = attrs.field(default=(), converter=_names)
     te_fp8: object = None
     te_fp4: object = None
     first_last_layers_bf16: bool = False

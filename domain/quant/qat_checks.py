@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -117,6 +117,10 @@ def check_effective_precision(
 # --- agreement of the QAT settings with the rollout plan --------------------------------------
 
 
+def _names(items: Iterable[str]) -> tuple[str, ...]:
+    return tuple(items)
+
+
 @attrs.frozen
 class QatSettings:
     """actor.megatron.qat.* and the training settings QAT must agree with, as plain values.
@@ -130,7 +134,7 @@ class QatSettings:
     """
 
     mode: str | None
-    ignore: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    ignore: tuple[str, ...] = attrs.field(default=(), converter=_names)
     te_fp8: object = None
     te_fp4: object = None
     first_last_layers_bf16: bool = False

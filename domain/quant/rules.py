@@ -18,6 +18,9 @@ from domain.quant.plan import QuantizationPlan
 from domain.quant.qat_modes import QAT_MODES, parse_qat_mode
 
 DELTA_BACKENDS = ("delta_sharded",)
+# Our own delta backend sends deltas of the rollout's checkpoint layout, patched into whole tensors
+# before the engine's normal reload (domain.refit.delta_sync): rule 4 accepts it for every format.
+LAYOUT_DELTA_BACKEND = "layout_delta"
 DELTA_WIRE_FORMATS = ("delta_flush",)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from domain.errors import EngineTensorMismatch
 from domain.refit.buckets import Bucket
+from domain.refit.delta import checkpoint_name
 
 Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -41,15 +42,20 @@ def check_bucket(bucket: Bucket, expected: Layout, seen: set[str]) -> None:
     Returns:
         None. Raises EngineTensorMismatch naming the tensor.
     """
+    names = []
     for m in bucket.metas:
-        if m.name not in expected:
-            raise EngineTensorMismatch(f"tensor {m.name!r} has no place in the engine; check the plan and the model")
-        shape, dtype = expected[m.name]
+        name, record = checkpoint_name(m.name)
+        if name not in expected:
+            raise EngineTensorMismatch(f"tensor {name!r} has no place in the engine; check the plan and the model")
+        shape, dtype = expected[name]
+        if record:  # a delta record: its tensor's shape and dtype are the receiver's copy's
+            shape, dtype = tuple(m.shape), torch.uint8
         if tuple(m.shape) != tuple(shape) or m.dtype != dtype:
             raise EngineTensorMismatch(
-                f"tensor {m.name!r}: got {m.dtype} {tuple(m.shape)}, the engine expects {dtype} {tuple(shape)}; "
+                f"tensor {name!r}: got {m.dtype} {tuple(m.shape)}, the engine expects {dtype} {tuple(shape)}; "
                 "trainer and engine plans differ"
             )
-        if m.name in seen:
-            raise EngineTensorMismatch(f"tensor {m.name!r} arrived twice in one refit")
-    seen.update(m.name for m in bucket.metas)
+        if name in seen or name in names:
+            raise EngineTensorMismatch(f"tensor {name!r} arrived twice in one refit")
+        names.append(name)
+    seen.update(names)

@@ -6,6 +6,7 @@ import enum
 
 import attrs
 
+from domain.refit.delta_sync import DeltaReport
 from domain.refit.probe import ProbeCheck
 from domain.refit.storage import StorageCheck
 
@@ -64,6 +65,8 @@ class RefitReport:
         engine_state: what this side's engine holds afterwards: `live`, `kept` (its previous
             weights, untouched), `restored` (its previous weights, replayed), `stale`, or `-` (no
             engine on this side).
+        delta: a `layout_delta` refit's figures: full or delta and why, bytes sent against a full
+            refit's, both sides' host copies (None for other backends).
     """
 
     refit_id: int
@@ -84,6 +87,7 @@ class RefitReport:
     unwritten: tuple[str, ...] = ()
     probe: ProbeCheck | None = None
     engine_state: str = "-"
+    delta: DeltaReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -105,7 +109,7 @@ class RefitReport:
             "storage": str(self.storage), "kv_scales_reset": self.kv_scales_reset, "error": self.error,
             "parameters_written": self.parameters_written, "unwritten": len(self.unwritten),
             "probe": str(self.probe) if self.probe is not None else None,
-        }
+        } | (_delta_fields(self.delta) if self.delta is not None else {})
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dictionary."""
@@ -114,5 +118,12 @@ class RefitReport:
         d["storage"] = {"checked": self.storage.checked, "ok": self.storage.ok, "changed": list(self.storage.changed)}
         d["unwritten"] = list(self.unwritten)
         d["probe"] = self.probe.to_dict() if self.probe is not None else None
+        d["delta"] = self.delta.to_dict() if self.delta is not None else None
         d["throughput_gbps"] = self.throughput_gbps
         return d
+
+
+def _delta_fields(d: DeltaReport) -> dict[str, object]:
+    return {"delta_mode": d.mode, "why_full": d.why_full, "mb_wire": round(d.wire_bytes / 2**20, 3),
+            "mb_full": round(d.full_bytes / 2**20, 3), "trainer_copy_mb": round(d.trainer_host_bytes / 2**20, 3),
+            "engine_copy_mb": round(d.engine_host_bytes / 2**20, 3)}

@@ -294,3 +294,22 @@ def test_the_composition_root_wires_the_probe_into_distributed_refits() -> None:
         t.join(60)
     assert reports[1].ok and reports[1].probe is not None and reports[1].probe.passed
     assert reports[0].probe is None  # trainer ranks have no engine to probe
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, Restore.ENGINE), ("replay", Restore.REPLAY), ("stale", Restore.STALE)])
+def test_the_restore_comes_from_the_configuration(value: str | None, want: Restore) -> None:
+    from app.bootstrap import bootstrap
+
+    overrides = ["reference.model=micro-moe"] + ([f"rollout.checkpoint_engine.restore={value}"] if value else [])
+    svc = bootstrap(overrides=overrides).refit_service()
+    assert svc.restore_policy is want
+
+
+def test_a_restore_the_engine_cannot_honour_is_refused_naming_the_key() -> None:
+    from app.bootstrap import bootstrap
+
+    with pytest.raises(ConfigError, match="restore"):
+        bootstrap(overrides=["reference.model=micro-moe", "rollout.commit_mode=per-layer",
+                             "rollout.checkpoint_engine.restore=engine"]).refit_service()
+    with pytest.raises(ConfigError, match=r"rollout\.checkpoint_engine\.restore"):
+        bootstrap(overrides=["rollout.checkpoint_engine.restore=undo"])

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from app import bootstrap as root
 from app.bootstrap import bootstrap
 from domain.errors import ConfigError
 
@@ -79,16 +78,20 @@ def test_a_bad_deployment_is_named() -> None:
 
 
 def test_the_engine_hosts_python(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from adapters.vllm.interpreter import vllm_python
+
     services = bootstrap(overrides=BASE, environ={"RL_REFIT_VLLM_PYTHON": "/opt/vllm/bin/python"})
-    assert root._vllm_python(services) == "/opt/vllm/bin/python"
+    assert services.vllm_python() == "/opt/vllm/bin/python"
+    configured = bootstrap(overrides=[*BASE, "rollout.engine_kwargs.vllm.python=/srv/py"],
+                           environ={"RL_REFIT_VLLM_PYTHON": "/opt/vllm/bin/python"})
+    assert configured.vllm_python() == "/srv/py"  # the configuration before the environment
     monkeypatch.chdir(tmp_path)
     local = tmp_path / ".venv-vllm" / "bin" / "python"
     local.parent.mkdir(parents=True)
     local.write_text("")
-    assert root._vllm_python(bootstrap(overrides=BASE, environ={})) == str(local)
-    monkeypatch.setattr(root, "__file__", str(tmp_path / "nowhere" / "app" / "bootstrap.py"))
+    assert bootstrap(overrides=BASE, environ={}).vllm_python() == str(local)
     local.unlink()
-    assert root._vllm_python(bootstrap(overrides=BASE, environ={})) == sys.executable
+    assert vllm_python(None, roots=[tmp_path, tmp_path / "nowhere"]) == sys.executable
 
 
 @pytest.mark.parametrize(("key", "value", "match"), [
@@ -102,10 +105,8 @@ def test_new_keys_are_checked(key: str, value: str, match: str) -> None:
         bootstrap(overrides=[f"{key}={value}"])
 
 
-def test_an_engine_asked_for_another_plan_than_it_is_configured_for_is_refused(monkeypatch: pytest.MonkeyPatch,
-                                                                               tmp_path: Path) -> None:
+def _disaggregated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *overrides: str) -> tuple[Any, Started]:
     from adapters.vllm import remote
-    from domain.quant.plan import QuantizationPlan
 
     started = Started()
     monkeypatch.setattr(remote.EngineProcess, "start", staticmethod(started.start))
@@ -113,11 +114,37 @@ def test_an_engine_asked_for_another_plan_than_it_is_configured_for_is_refused(m
     fake_python.write_text("#!/bin/sh\n")
     fake_python.chmod(0o755)
     services = bootstrap(overrides=[*BASE, "rollout.deployment=disaggregated",
-                                    f"rollout.engine_kwargs.vllm.python={fake_python}"])
-    # the engine's quantization_config comes from the configuration: a refit service for another
-    # plan would have streamed BF16 tensors into an engine set up for FP8
-    with pytest.raises(ConfigError, match=r"rollout\.quantization: .*configured from the configuration's plan"):
-        services.refit_service(plan=QuantizationPlan.bf16())
-    assert started.calls == []  # refused before any engine started
-    services.rollout_engine(plan=services.plan)  # the configured plan, given explicitly, is fine
-    assert len(started.calls) == 1
+                                    f"rollout.engine_kwargs.vllm.python={fake_python}", *overrides])
+    return services, started
+
+
+def test_an_engine_asked_for_another_plan_is_configured_for_that_plan(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    from domain.quant.plan import QuantizationPlan
+
+    services, started = _disaggregated(monkeypatch, tmp_path)  # the configuration says FP8_BLOCK
+    # a refit service for BF16 streams BF16 tensors: its engine must be started for BF16, not FP8
+    service = services.refit_service(plan=QuantizationPlan.bf16())
+    assert service.plan == QuantizationPlan.bf16()
+    (bf16,) = started.calls
+    assert "quantization" not in bf16["kwargs"]
+    assert (bf16["kwargs"].get("hf_overrides") or {}).get("quantization_config") is None
+    services.rollout_engine(plan=services.plan)  # the configured plan: an FP8 block engine
+    fp8 = started.calls[1]["kwargs"]
+    assert fp8["quantization"] == "compressed-tensors"
+    assert fp8["hf_overrides"]["quantization_config"]["config_groups"]
+
+
+def test_a_bf16_configuration_starts_a_quantized_engine_for_a_quantized_plan(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    from domain.quant.plan import QuantizationPlan
+
+    services, started = _disaggregated(monkeypatch, tmp_path, "rollout.quantization.linear=null",
+                                       "rollout.quantization.moe=null")
+    assert not services.plan.is_quantized
+    plan = QuantizationPlan.from_presets("FP8_BLOCK", "FP8_BLOCK")
+    services.rollout_engine(plan=plan)
+    (call,) = started.calls
+    qc = call["kwargs"]["hf_overrides"]["quantization_config"]
+    assert call["kwargs"]["quantization"] == "compressed-tensors"
+    assert {g["weights"]["block_structure"][0] for g in qc["config_groups"].values()} == {128}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.cli.demo_engine import engine_overrides, engine_settings
+from app.cli.demo_engine import engine_config, engine_settings, with_vllm
 from app.cli.main import build_parser, main
 
 
@@ -23,12 +23,16 @@ def test_defaults_are_what_the_cpu_build_serves() -> None:
 
 def test_the_engine_configuration() -> None:
     s = engine_settings(_args("--engine", "vllm", "--model", "micro-dense", "--seed", "4"))
-    overrides = engine_overrides(s, 0.5)
-    assert "rollout.name=vllm" in overrides and "rollout.deployment=disaggregated" in overrides
-    assert "reference.model=micro-dense" in overrides and "reference.seed=4" in overrides
-    assert "rollout.quantization.linear=FP8_BLOCK" in overrides
-    assert any(o.startswith("rollout.engine_kwargs.vllm.engine_args=") and "skip_tokenizer_init: true" in o
-               for o in overrides)
+    config = engine_config(s, 0.5)
+    assert (config.rollout.name, config.rollout.deployment) == ("vllm", "disaggregated")
+    assert (config.reference.model, config.reference.seed) == ("micro-dense", 4)
+    assert config.rollout.quantization.linear == "FP8_BLOCK"
+    assert config.rollout.checkpoint_engine.update_weights_bucket_megabytes == 0.5
+    assert config.rollout.engine_kwargs.vllm.engine_args["skip_tokenizer_init"] is True
+    more = with_vllm(config, start_timeout_s=30, worker_extension_cls="x.Y")
+    assert more.rollout.engine_kwargs.vllm.engine_args == {**config.rollout.engine_kwargs.vllm.engine_args,
+                                                           "worker_extension_cls": "x.Y"}
+    assert more.rollout.engine_kwargs.vllm.start_timeout_s == 30 and more.reference == config.reference
 
 
 @pytest.mark.parametrize(("argv", "message"), [

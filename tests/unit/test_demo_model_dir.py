@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 pytest.importorskip("transformers", reason="needs transformers (the `test` extra)")
 
-from app.cli.demo_engine import engine_overrides, engine_settings
+from app.cli.demo_engine import engine_config, engine_settings
 from app.cli.main import build_parser, main
+from app.config_sections import RefitConfig
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +36,14 @@ def test_embedded_names_still_select_the_presets() -> None:
 
 def test_the_vllm_demo_on_a_directory_uses_the_hf_trainer_and_a_dummy_start(dirs) -> None:
     s = engine_settings(_args("--engine", "vllm", "--model", str(dirs["tiny-qwen3"])))
-    overrides = engine_overrides(s, 1.0)
-    assert f"model.path={json.dumps(str(dirs['tiny-qwen3']))}" in overrides
-    assert "actor.strategy=hf" in overrides and "actor.hf.load_model=true" in overrides
-    assert not any(o.startswith("reference.model=") for o in overrides)
-    assert any("load_format: dummy" in o for o in overrides if o.startswith("rollout.engine_kwargs.vllm.engine_args="))
+    config = engine_config(s, 1.0)
+    assert config.model.path == str(dirs["tiny-qwen3"])
+    assert (config.actor.strategy, config.actor.hf.load_model) == ("hf", True)
+    assert config.reference == RefitConfig().reference
+    assert config.rollout.engine_kwargs.vllm.engine_args["load_format"] == "dummy"
     from app.bootstrap import bootstrap
 
-    services = bootstrap(overrides=[o for o in overrides if not o.startswith("rollout.name")])
+    services = bootstrap(attrs.evolve(config, rollout=attrs.evolve(config.rollout, name="reference")))
     trainer = services.trainer_model()
     assert trainer.config.tie_word_embeddings and "lm_head.weight" not in dict(trainer.named_weights())
     out = services.write_checkpoint(trainer, dirs["tiny-qwen3"].parent / "written")

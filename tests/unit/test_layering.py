@@ -70,6 +70,7 @@ DOMAIN_ROOMS = {
     "quant": {"quant"},
     "refit": {"refit", "quant"},
     "forward": {"forward"},
+    "lora": {"lora"},
     "errors": set(),  # domain/errors/: a package of modules that import only one another
     "": set(),  # domain/mismatch.py, environment.py
 }

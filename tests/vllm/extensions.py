@@ -44,6 +44,20 @@ class DisableRedo(p.Request[p.Done]):
 
 
 @attrs.frozen
+class Name(p.Record):
+    name: str = attrs.field(converter=str)
+
+
+@attrs.frozen
+class CorruptDeltaCopy(p.Request[Name]):
+    """Flip one bit of the largest tensor in the worker's delta copy (its digest is not updated:
+    what memory corruption does); replies its name."""
+
+    METHOD: ClassVar[str] = "rl_refit_test_corrupt_delta_copy"
+    REPLY: ClassVar[type[p.Record]] = Name
+
+
+@attrs.frozen
 class Layers(p.Record):
     count: int = attrs.field(converter=int)
 
@@ -105,6 +119,15 @@ class TestExtension(RefitWorkerExtension):
                         b.fill_(float(value))  # type: ignore[union-attr]
                     count += 1
         return count
+
+    def rl_refit_test_corrupt_delta_copy(self, request: dict[str, Any]) -> dict[str, Any]:
+        return answer(CorruptDeltaCopy, request, lambda _: Name(self._corrupt_delta_copy()))
+
+    def _corrupt_delta_copy(self) -> str:
+        copy = self._rl_refit_state().delta.tensors  # type: ignore[union-attr]
+        name = max(copy, key=lambda n: copy[n].numel() * copy[n].element_size())
+        copy[name].reshape(-1).view(torch.uint8)[-1] ^= 1
+        return name
 
     def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         state = self._rl_refit_test_state()

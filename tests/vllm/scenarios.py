@@ -9,6 +9,8 @@ stdout; vLLM logs to stderr).
 - matrix: refit, perturb and refit, back to the first weights and refit; no tensor rebound.
 - faults: a fault at a bucket (trainer side), at finalize, and in the receiver (worker side),
   each followed by a full refit that must recover.
+- delta: layout_delta refits over Adam-like steps, each compared with a full refit of the same
+  weights on the same engine (every parameter's digest), and a corrupted base copy on the worker.
 - shapes: the fault table of tests/integration/test_refit_shapes.py (begin, a bucket, finalize,
   the storage check, the probe) with each restore (stale, replay): the failed refit's outcome
   and engine state, what the engine serves afterwards, and the recovery.
@@ -30,13 +32,13 @@ from adapters.memory.faults import FaultScript
 from adapters.memory.faulty import ScriptedFaultyEngine
 from adapters.vllm.protocol import WorkerRpc
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_overrides
+from app.cli.demo_engine import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings, EngineStep
 from app.services.refit import RefitService
 from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
 from domain.errors import RefitError, RefitFailed
 from domain.quant.plan import QuantizationPlan
-from tests.vllm.extensions import Corrupt, DisableRedo, FailReceiver, PoisonKv
+from tests.vllm.extensions import Corrupt, CorruptDeltaCopy, DisableRedo, FailReceiver, PoisonKv
 
 EXTENSION = "tests.vllm.extensions.TestExtension"
 
@@ -72,12 +74,8 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                                          linear_activation=spec.get("linear_activation"),
                                          moe_activation=spec.get("moe_activation"))
     settings = EngineDemoSettings(deployment=spec["deployment"], plan=plan, model=spec.get("model", "micro-moe"))
-    overrides = [
-        *engine_overrides(settings, 0.25),
-        f"rollout.engine_kwargs.vllm.engine_args.worker_extension_cls={EXTENSION}",
-        "rollout.engine_kwargs.vllm.start_timeout_s=900",  # two engines starting at once on 2 loaded cores
-    ]
-    services = bootstrap(overrides=overrides)
+    # start_timeout_s: two engines starting at once on 2 loaded cores
+    services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900, worker_extension_cls=EXTENSION))
     try:
         engine: Any = services.rollout_engine()
     except Exception as err:  # the engine did not start: the test decides whether that may be so
@@ -136,12 +134,48 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                 workers.call(DisableRedo())
                 trainer.perturb_(len(steps), 0.02)
                 refit_and_compare("without the expert redo")
+        elif scenario == "delta":
+            _delta_steps(svc, engine, trainer, workers, steps)
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
         out["rebound"] = fingerprint.differences(engine.storage_fingerprint())
     finally:
         engine.close()
     return out
+
+
+def _delta_steps(svc: RefitService, engine: Any, trainer: Any, workers: WorkerRpc, steps: list[dict[str, Any]]) -> None:
+    """Adam-like steps, each sent as a delta refit, then as a full refit of the same weights: the
+    engine's parameter and buffer digests after both must be equal. Then a corrupted base copy on
+    the worker: the delta refit fails (stale, never mixed) and the next one is full and equal."""
+    from adapters.reference.trainer import AdamLikeSteps
+    from domain.refit.delta_sync import DeltaSender
+
+    delta_svc = attrs.evolve(svc, delta=DeltaSender(full_every=100), reports=[])
+    adam = AdamLikeSteps.of(trainer.weights.values())
+
+    def both(label: str, **extra: Any) -> None:
+        rep = _refit(delta_svc)
+        after_delta = engine.digests() if rep.ok else {}
+        full = _refit(svc)
+        after_full = engine.digests()
+        steps.append({"name": label, "ok": rep.ok and full.ok, "outcome": rep.outcome.value, "error": rep.error,
+                      "full_error": full.error, "mode": rep.delta.mode, "why_full": rep.delta.why_full,
+                      "ratio": rep.delta.ratio, "equal_to_full": after_delta == after_full,
+                      "differing": sorted(n for n in after_full if after_delta.get(n) != after_full[n])[:5],
+                      **extra})
+
+    both("delta base")  # the receiver's first refit: full
+    for i, lr in enumerate((1e-4, 1e-3)):
+        adam.step_(seed=i + 1, lr=lr)
+        both(f"delta lr={lr}")
+    corrupted = workers.call(CorruptDeltaCopy()).name
+    adam.step_(seed=9, lr=1e-4)
+    failed = _refit(delta_svc)
+    steps.append({"name": "corrupted copy", "ok": failed.ok, "outcome": failed.outcome.value,
+                  "error": failed.error, "mode": failed.delta.mode, "corrupted": corrupted,
+                  "serving": "no (stale)" if engine.is_stale else "yes"})
+    both("after corrupted copy")
 
 
 SHAPE_POINTS = ("begin", "bucket:1", "finalize", "storage", "probe")

@@ -193,3 +193,24 @@ def test_your_own_tied_checkpoint_refits_and_equals_a_cold_start(cold_cache: Pat
     for step in steps.values():
         _equal(step)
     assert result["rebound"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("cell", ["BF16-dense", "FP8_BLOCK-dense"])
+def test_delta_refits_equal_full_refits_bit_for_bit(cold_cache: Path, deployment: str, cell: str) -> None:
+    result = scenario(cold_cache, cell, scenario="delta", deployment=deployment)
+    steps = _by_name(result)
+    _equal(steps["first"])
+    for name in ("delta base", "delta lr=0.0001", "delta lr=0.001", "after corrupted copy"):
+        assert steps[name]["ok"], steps[name]
+        assert steps[name]["equal_to_full"], f"{name}: differs from a full refit in {steps[name]['differing']}"
+    modes = {n: (s["mode"], s["why_full"]) for n, s in steps.items() if n.startswith("delta")}
+    assert [m for m, _ in modes.values()] == ["full", "delta", "delta"], modes
+    assert all(steps[n]["ratio"] < 1 for n in ("delta lr=0.0001", "delta lr=0.001"))  # less than a full refit
+    failed = steps["corrupted copy"]
+    assert not failed["ok"] and failed["mode"] == "delta" and "base copy was corrupted" in failed["error"]
+    assert failed["outcome"] == "stale" and failed["serving"] == "no (stale)"  # never mixed
+    after = steps["after corrupted copy"]
+    assert after["mode"] == "full" and "previous refit failed" in after["why_full"]
+    assert result["rebound"] == []
