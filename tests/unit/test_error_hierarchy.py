@@ -21,6 +21,8 @@ BASES = {
     "ConfigError": "RefitError, ValueError",
     "ConfigNotHonoured": "UnsupportedCombination",
     "ConfigTypeError": "ConfigError, TypeError",
+    "DeltaBaseMismatch": "RefitError, ValueError",
+    "DeltaRecordError": "RefitError, ValueError",
     "DistributedRefitFailed": "RefitFailed",
     "EngineBusy": "RefitLifecycleError",
     "EngineCellUnsupported": "EngineRejectsQuantization",
