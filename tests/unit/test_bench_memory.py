@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -43,6 +44,10 @@ def test_peak_bytes_helper_on_cpu():
 def test_the_peak_resident_size_is_reset_and_then_grows_with_an_allocation() -> None:
     base = reset_peak_rss()
     assert base > 0 and process_kib("NoSuchField") == 0
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # Fresh pages from the OS (an anonymous mapping), touched: the allocator's pool of freed but
+    # still resident memory (which earlier tests in this process may have left) cannot serve them.
+    block = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
     assert process_kib("VmHWM") - base >= 60 * 1024
-    del block
+    block.close()
