@@ -195,9 +195,18 @@ def test_your_own_tied_checkpoint_refits_and_equals_a_cold_start(cold_cache: Pat
     assert result["rebound"] == []
 
 
+# BF16 and FP8_BLOCK in both shapes; the other formats (served here through the CPU emulation
+# kernels) colocated, which exercises the same worker-side receiver.
+DELTA_CASES = [
+    *(pytest.param(d, c, id=f"{d}-{c}") for c in ("BF16-dense", "FP8_BLOCK-dense")
+      for d in ("colocated", "disaggregated")),
+    pytest.param("colocated", "MXFP8-dense", id="colocated-MXFP8-dense"),
+    pytest.param("colocated", "NVFP4-experts", id="colocated-NVFP4-experts"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
-@pytest.mark.parametrize("cell", ["BF16-dense", "FP8_BLOCK-dense"])
+@pytest.mark.parametrize(("deployment", "cell"), DELTA_CASES)
 def test_delta_refits_equal_full_refits_bit_for_bit(cold_cache: Path, deployment: str, cell: str) -> None:
     result = scenario(cold_cache, cell, scenario="delta", deployment=deployment)
     steps = _by_name(result)
