@@ -21,9 +21,8 @@ from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 KINDS = ("reference", "vllm-local", "vllm-extension")
 
 
-def _reference() -> tuple[Any, Callable[[int], None], int]:
-    engine = ReferenceEngine(MICRO_MOE, rs.DEFAULT_PLAN)
-
+def _refits_micro_moe(engine: Any) -> tuple[Any, Callable[[int], None], int]:
+    """The engine, a refit of the embedded trainer perturbed by `seed` (0: as seeded), the vocabulary."""
     def refit(seed: int) -> None:
         t = rs.trainer()
         if seed:
@@ -31,20 +30,16 @@ def _reference() -> tuple[Any, Callable[[int], None], int]:
         rs.full_refit(engine, rs.buckets(rs.stream(t)), refit_id=seed + 1)
 
     return engine, refit, MICRO_MOE.vocab_size
+
+
+def _reference() -> tuple[Any, Callable[[int], None], int]:
+    return _refits_micro_moe(ReferenceEngine(MICRO_MOE, rs.DEFAULT_PLAN))
 
 
 def _vllm_local() -> tuple[Any, Callable[[int], None], int]:
     from tests.engine_fakes import stream_engine
 
-    engine = stream_engine("vllm", MICRO_MOE.vocab_size)
-
-    def refit(seed: int) -> None:
-        t = rs.trainer()
-        if seed:
-            t.perturb_(seed=seed, scale=0.05)
-        rs.full_refit(engine, rs.buckets(rs.stream(t)), refit_id=seed + 1)
-
-    return engine, refit, MICRO_MOE.vocab_size
+    return _refits_micro_moe(stream_engine("vllm", MICRO_MOE.vocab_size))
 
 
 def _vllm_extension() -> tuple[Any, Callable[[int], None], int]:
