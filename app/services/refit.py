@@ -19,7 +19,7 @@ import torch
 
 from app.services.transaction import Alone, Ownership, RefitTransaction, ReplayCopy, Restore, describe_plan
 from app.services.verification import PostRefitProbe
-from domain.errors import ConfigError, RefitFailed
+from domain.errors import ConfigError, DeltaBaseMismatch, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
 from domain.refit.buckets import DEFAULT_ALIGNMENT
@@ -100,12 +100,29 @@ class RefitService:
     def refit(self) -> RefitReport:
         """Run one full refit.
 
+        A delta refit that the engine refuses because its copy does not take a record (the copy
+        was corrupted or lost: DeltaBaseMismatch) is settled like any failed refit, then sent again
+        whole within this call; its report says so (`delta.why_full`), and `reports` holds both.
+
         Returns:
             The RefitReport of a refit that is LIVE (committed, audited, storage-checked, probed).
 
         Raises:
             RefitFailed: carrying the report (outcome ROLLED_BACK or STALE), the cause chained.
         """
+        try:
+            return self._attempt()
+        except RefitFailed as failed:
+            if self.delta is None or not _delta_refused(failed):
+                raise
+            why = (f"the engine refused refit {failed.report.refit_id}'s delta ({failed.report.error}); "
+                   f"the same refit sent whole")
+            structlog.get_logger().warning("delta refused; refit sent whole", refit_id=failed.report.refit_id,
+                                           error=failed.report.error)
+            self.delta.discard(failed.report.error or "", why_full=why)
+        return self._attempt()
+
+    def _attempt(self) -> RefitReport:
         refit_id, self._next_id = self._next_id, self._next_id + 1
         log = structlog.get_logger().bind(refit_id=refit_id, plan=describe_plan(self.plan))
         tx = self._transaction(refit_id)
@@ -188,3 +205,19 @@ class RefitService:
     def _total_bytes(self) -> int:
         num_bytes = getattr(self.trainer, "num_bytes", None)
         return int(num_bytes()) if callable(num_bytes) else 0
+
+
+def _delta_refused(failed: RefitFailed) -> bool:
+    """Whether a failed refit sent deltas that the engine's copy did not take (DeltaBaseMismatch in
+    the cause chain): a refit that then goes whole can succeed."""
+    report = failed.report
+    if report.delta is None or report.delta.mode != "delta":
+        return False
+    err: BaseException | None = failed
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, DeltaBaseMismatch):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False

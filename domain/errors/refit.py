@@ -38,7 +38,7 @@ class BucketLayoutError(RefitError, ValueError):
 class DeltaBaseMismatch(RefitError, ValueError):
     """A delta refit's tensor does not apply: the receiver's copy of it is missing, differs from
     the base the delta was made against, or patches into bytes other than the sender's. The refit
-    fails through the normal transaction; the next refit is full."""
+    fails through the normal transaction; RefitService then sends the same refit whole."""
 
 
 class DeltaRecordError(RefitError, ValueError):

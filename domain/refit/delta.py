@@ -311,7 +311,7 @@ def patch_(name: str, base: torch.Tensor, record: DeltaRecord, base_digest: byte
     if record.base_digest != base_digest:
         raise DeltaBaseMismatch(
             f"tensor {name!r}: the delta applies to base {record.base_digest.hex()}, the receiver holds "
-            f"{base_digest.hex()}; the refit fails and the next one is full")
+            f"{base_digest.hex()}; the delta is refused and the refit is sent whole")
     view = int_view(base)
     if view is None or view.numel() != record.numel or base.element_size() != record.itemsize:
         raise DeltaBaseMismatch(f"tensor {name!r}: a delta of {record.numel} x {record.itemsize}-byte elements "
@@ -322,7 +322,7 @@ def patch_(name: str, base: torch.Tensor, record: DeltaRecord, base_digest: byte
     if got != record.new_digest:
         raise DeltaBaseMismatch(
             f"tensor {name!r}: the patched copy hashes to {got.hex()}, the sender's tensor to "
-            f"{record.new_digest.hex()}: the receiver's base copy was corrupted; the refit fails and the next one is full")
+            f"{record.new_digest.hex()}: the receiver's base copy was corrupted; the delta is refused and the refit is sent whole")
     return got
 
 

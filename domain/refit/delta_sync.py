@@ -202,11 +202,17 @@ class DeltaSender:
         self._since_full = 0 if self._full else self._since_full + 1
         self._lost = None
 
-    def discard(self, reason: str) -> None:
-        """The refit failed: drop the copy; the next refit is full."""
+    @property
+    def sending_deltas(self) -> bool:
+        """Whether the refit begun last sends deltas (False: every tensor whole)."""
+        return not self._full
+
+    def discard(self, reason: str, *, why_full: str | None = None) -> None:
+        """The refit failed: drop the copy; the next refit is full, saying `why_full` (default:
+        that the previous refit failed, for `reason`)."""
         self._copy.clear()
         self._digests.clear()
-        self._lost = f"the previous refit failed ({reason})"
+        self._lost = why_full if why_full is not None else f"the previous refit failed ({reason})"
 
     def report(self, engine: DeltaBase | None = None) -> DeltaReport:
         """This refit's delta figures (the engine's from its base after the refit, when known)."""
@@ -265,7 +271,7 @@ class DeltaReceiver:
             base = self._copy.get(name)
             if base is None:
                 raise DeltaBaseMismatch(f"tensor {name!r}: a delta arrived but the receiver holds no copy of it; "
-                                        "the refit fails and the next one is full")
+                                        "the delta is refused and the refit is sent whole")
             self._digests[name] = patch_(name, base, DeltaRecord.from_tensor(name, t), self._digests[name])
             self._seen.add(name)
             return name, base

@@ -118,7 +118,7 @@ def test_an_engine_whose_copy_differs_gets_a_full_refit():
 
 
 @pytest.mark.parametrize("commit_mode", [CommitMode.TRANSACTIONAL, CommitMode.PER_LAYER])
-def test_a_corrupted_base_copy_fails_the_refit_and_the_next_is_full(commit_mode):
+def test_a_corrupted_base_copy_sends_the_same_refit_whole(commit_mode):
     delta, full, adam = _pair(rs.DEFAULT_PLAN, commit_mode=commit_mode)
     delta.refit()
     full.refit()
@@ -126,21 +126,39 @@ def test_a_corrupted_base_copy_fails_the_refit_and_the_next_is_full(commit_mode)
     copy = delta.engine.delta_receiver.tensors
     name = next(n for n in copy if n.endswith(".weight") and copy[n].dtype == torch.float8_e4m3fn)
     copy[name].view(torch.uint8).reshape(-1)[-1] ^= 0x01  # one bit of the engine's copy flips
+    assert rs.same_bits(rs.bits(delta.engine.live_weights()), before)  # the served weights are intact
     adam.step_(seed=1, lr=1e-6)
-    with pytest.raises(RefitFailed, match="base copy was corrupted") as failed:
-        delta.refit()
-    report = failed.value.report
-    assert name in report.error and report.delta.mode == "delta"
-    if commit_mode is CommitMode.TRANSACTIONAL:  # the engine kept its old weights, bit for bit
-        assert report.outcome is RefitOutcome.ROLLED_BACK
-        assert rs.same_bits(rs.bits(delta.engine.live_weights()), before)
-    else:  # never mixed: a per-layer engine that wrote layers is stale
-        assert report.outcome in (RefitOutcome.ROLLED_BACK, RefitOutcome.STALE)
-    assert delta.engine.delta_base().digest is None  # the receiver dropped its copy
+    report = delta.refit()  # no RefitFailed: the refused delta is retried whole within the call
+    full.refit()
+    assert report.outcome is RefitOutcome.LIVE and report.delta.mode == "full"
+    assert "refused refit 2's delta" in report.delta.why_full and "base copy was corrupted" in report.delta.why_full
+    assert name in report.delta.why_full and "the same refit sent whole" in report.delta.why_full
+    failed = delta.reports[-2]  # the refused attempt is on record, settled like any failed refit
+    assert failed.delta.mode == "delta" and name in failed.error
+    if commit_mode is CommitMode.TRANSACTIONAL:
+        assert failed.outcome is RefitOutcome.ROLLED_BACK
+    else:  # never mixed: a per-layer engine that wrote layers went stale, then the whole refit
+        assert failed.outcome in (RefitOutcome.ROLLED_BACK, RefitOutcome.STALE)
+    assert _same_engines(delta, full) and not delta.engine.is_stale
+    assert delta.engine.delta_base().digest == delta.delta.digest()  # copies agree again
+    adam.step_(seed=2, lr=1e-6)
     r = delta.refit().delta
     full.refit()
-    assert r.mode == "full" and "previous refit failed" in r.why_full
-    assert _same_engines(delta, full) and not delta.engine.is_stale
+    assert r.mode == "delta" and _same_engines(delta, full)
+
+
+def test_only_a_refused_delta_is_retried():
+    """A delta refit that fails for another reason (the engine's bucket load) raises as before,
+    once, and the next refit is full."""
+    delta, full, adam = _pair(rs.DEFAULT_PLAN)
+    delta.refit()
+    full.refit()
+    delta.engine = ScriptedFaultyEngine(delta.engine, FaultScript.parse("bucket:0"))
+    adam.step_(seed=1, lr=1e-6)
+    count = len(delta.reports)
+    with pytest.raises(RefitFailed) as failed:
+        delta.refit()
+    assert failed.value.report.delta.mode == "delta" and len(delta.reports) == count + 1
 
 
 def test_a_failed_refit_drops_both_copies_and_the_next_is_full():

@@ -147,7 +147,8 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
 def _delta_steps(svc: RefitService, engine: Any, trainer: Any, workers: WorkerRpc, steps: list[dict[str, Any]]) -> None:
     """Adam-like steps, each sent as a delta refit, then as a full refit of the same weights: the
     engine's parameter and buffer digests after both must be equal. Then a corrupted base copy on
-    the worker: the delta refit fails (stale, never mixed) and the next one is full and equal."""
+    the worker: the engine refuses the delta (it goes stale, never mixed), the same refit is sent
+    whole and equals the full one, and the next refit is a delta again."""
     from adapters.reference.trainer import AdamLikeSteps
     from adapters.vllm.worker import activation_scale_kind
     from domain.quant.stream import quantize_stream
@@ -180,10 +181,12 @@ def _delta_steps(svc: RefitService, engine: Any, trainer: Any, workers: WorkerRp
         both(f"delta lr={lr}")
     corrupted = workers.call(CorruptDeltaCopy()).name
     adam.step_(seed=9, lr=1e-4)
-    failed = _refit(delta_svc)
-    steps.append({"name": "corrupted copy", "ok": failed.ok, "outcome": failed.outcome.value,
-                  "error": failed.error, "mode": failed.delta.mode, "corrupted": corrupted,
-                  "serving": "no (stale)" if engine.is_stale else "yes"})
+    refused = len(delta_svc.reports)
+    both("corrupted copy", corrupted=corrupted)  # the refused delta goes whole within the same refit
+    attempt = delta_svc.reports[refused]
+    steps[-1].update(attempts=len(delta_svc.reports) - refused, refused_mode=attempt.delta.mode,
+                     refused_outcome=attempt.outcome.value, refused_error=attempt.error)
+    adam.step_(seed=10, lr=1e-4)
     both("after corrupted copy")
 
 

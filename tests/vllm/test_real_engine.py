@@ -211,15 +211,16 @@ def test_delta_refits_equal_full_refits_bit_for_bit(cold_cache: Path, deployment
     result = scenario(cold_cache, cell, scenario="delta", deployment=deployment)
     steps = _by_name(result)
     _equal(steps["first"])
-    for name in ("delta base", "delta lr=0.0001", "delta lr=0.001", "after corrupted copy"):
+    for name in ("delta base", "delta lr=0.0001", "delta lr=0.001", "corrupted copy", "after corrupted copy"):
         assert steps[name]["ok"], steps[name]
         assert steps[name]["equal_to_full"], f"{name}: differs from a full refit in {steps[name]['differing']}"
     modes = {n: (s["mode"], s["why_full"]) for n, s in steps.items() if n.startswith("delta")}
     assert [m for m, _ in modes.values()] == ["full", "delta", "delta"], modes
     assert all(steps[n]["ratio"] < 1 for n in ("delta lr=0.0001", "delta lr=0.001"))  # less than a full refit
-    failed = steps["corrupted copy"]
-    assert not failed["ok"] and failed["mode"] == "delta" and "base copy was corrupted" in failed["error"]
-    assert failed["outcome"] == "stale" and failed["serving"] == "no (stale)"  # never mixed
-    after = steps["after corrupted copy"]
-    assert after["mode"] == "full" and "previous refit failed" in after["why_full"]
+    corrupted = steps["corrupted copy"]  # the engine refused the delta; the same refit went whole
+    assert corrupted["attempts"] == 2 and corrupted["refused_mode"] == "delta"
+    assert corrupted["refused_outcome"] == "stale"  # never mixed
+    assert "base copy was corrupted" in corrupted["refused_error"], corrupted
+    assert corrupted["mode"] == "full" and "the same refit sent whole" in corrupted["why_full"], corrupted
+    assert steps["after corrupted copy"]["mode"] == "delta", steps["after corrupted copy"]
     assert result["rebound"] == []
