@@ -370,7 +370,7 @@ _CROSSING: tuple[type[BaseException], ...] = (
     errors.EngineUpdateFailed, EngineProcessError, errors.RefitVerificationFailed, errors.RefitIncomplete,
     errors.StorageRebound, errors.InjectedFault, errors.TransportAborted, errors.WireProtocolError,
     errors.CollectiveTimeout, errors.PeerLost, errors.PeerFailed, errors.UnsupportedCombination, errors.ConfigError,
-    errors.InvalidTensor, errors.UnsupportedQuantMethod,
+    errors.InvalidTensor, errors.UnsupportedQuantMethod, errors.DeltaBaseMismatch, errors.DeltaRecordError,
     ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, NotImplementedError, AssertionError,
     TimeoutError, ConnectionError, OSError, MemoryError, WorkerError,
 )
