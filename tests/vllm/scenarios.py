@@ -81,6 +81,10 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     except Exception as err:  # the engine did not start: the test decides whether that may be so
         return {"spec": spec, "not_started": _start_failure(err)}
     trainer: Any = services.trainer_model()
+    if spec.get("lora"):  # actor.lora.sync merged: the base with a trainable adapter, merged at export
+        from adapters.reference.lora import LoraTrainer
+
+        trainer = LoraTrainer.from_seed(trainer, r=spec["lora"], seed=1)
     svc = services.refit_service(engine=engine, trainer=trainer)
     cache = Path(spec["cold_cache"]) if spec.get("cold_cache") else None
     comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir, cache)

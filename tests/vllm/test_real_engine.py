@@ -205,6 +205,28 @@ DELTA_CASES = [
 ]
 
 
+# The merged LoRA mode: the adapter merged into the base at export (W + (alpha/r)·B·A), then the
+# plan's quantization and a normal refit; each refit must equal a cold start of the merged export.
+LORA_MERGED_CASES = [
+    pytest.param("colocated", "BF16-dense", id="colocated-BF16-dense"),
+    pytest.param("disaggregated", "BF16-dense", id="disaggregated-BF16-dense"),
+    pytest.param("colocated", "FP8_BLOCK-dense", id="colocated-FP8_BLOCK-dense"),
+    pytest.param("colocated", "MXFP8-dense", id="colocated-MXFP8-dense"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("deployment", "cell"), LORA_MERGED_CASES)
+def test_merged_lora_refits_equal_a_cold_start_of_the_merged_export(cold_cache: Path, deployment: str,
+                                                                       cell: str) -> None:
+    result = scenario(cold_cache, cell, scenario="matrix", deployment=deployment, lora=8)
+    steps = _by_name(result)
+    assert list(steps) == ["first", "second", "back"]
+    for step in steps.values():  # the second refit moved only the adapter, the third moved it back
+        _equal(step)
+    assert result["rebound"] == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("deployment", "cell"), DELTA_CASES)
 def test_delta_refits_equal_full_refits_bit_for_bit(cold_cache: Path, deployment: str, cell: str) -> None:
