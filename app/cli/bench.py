@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--delta", action="store_true",
                    help="with `refit`: delta refits (backend layout_delta): bytes, phase times and memory per format")
+    p.add_argument("--lora", type=int, nargs="?", const=16, default=None, metavar="RANK",
+                   help="with `refit`: LoRA refits per actor.lora.sync mode (adapter rank, default 16): bytes, "
+                        "seconds and mismatch")
     p.add_argument("--model", metavar="DIR", default=None,
                    help="with `refit --delta`: also a Qwen3 / Qwen3-MoE checkpoint's shapes (python -m app.bench.fixtures)")
 
@@ -50,12 +53,20 @@ def run(args: argparse.Namespace) -> int:
         from app.bench.all import cli_run
 
         return cli_run(args)
-    if getattr(args, "delta", False) or getattr(args, "model", None):
+    if getattr(args, "lora", None) is not None:
+        if args.suite != "refit" or args.delta:
+            raise ConfigError("--lora", "--lora goes with the refit suite, without --delta: refit bench refit --lora")
+        if args.lora <= 0:
+            raise ConfigError("--lora", f"the adapter's rank must be a positive integer, not {args.lora}")
+        from app.bench.lora_refit import run as run_lora
+
+        report: BenchReport = run_lora(quick=args.quick, rank=args.lora)
+    elif getattr(args, "delta", False) or getattr(args, "model", None):
         if args.suite != "refit" or not args.delta:
             raise ConfigError("--delta", "--delta (and --model) go with the refit suite: refit bench refit --delta")
         from app.bench.delta_refit import run as run_delta
 
-        report: BenchReport = run_delta(quick=args.quick, model_dir=args.model)
+        report = run_delta(quick=args.quick, model_dir=args.model)
     else:
         report = importlib.import_module(app.bench.SUITES[args.suite]).run(quick=args.quick)
     if args.json:

@@ -87,3 +87,23 @@ def test_a_random_adapter_targets_only_the_named_projections():
     assert {m.rsplit(".", 1)[-1] for m in every.modules} <= set(ALL_TARGETS)
     again = random_adapter(shapes, r=2)
     assert all(torch.equal(every.modules[m].lora_A, again.modules[m].lora_A) for m in every.modules)  # seeded
+
+
+def test_the_lora_bench_reports_the_merged_modes_bytes_time_and_mismatch(capsys):
+    from app.bench.lora_refit import FORMATS, run
+    from app.cli.main import main
+
+    report = run(quick=True, rank=4)
+    by_metric: dict[str, list] = {}
+    for r in report.rows:
+        by_metric.setdefault(r.metric.split(" (")[0], []).append(r)
+    wire = by_metric["bytes on the wire per refit"]
+    assert len(wire) == len(FORMATS)
+    # the merged mode sends the whole model: far more than the adapter's own bytes
+    assert all(r.ratio is not None and r.ratio < 0.5 for r in wire)
+    bf16 = next(r for r in by_metric["mismatch k3 KL"] if r.preset == "BF16")
+    assert bf16.value == 0.0  # BF16 merged refits serve exactly the trainer's merged model
+    assert main(["bench", "codecs", "--lora"]) == 2
+    assert "--lora goes with the refit suite" in capsys.readouterr().err
+    assert main(["bench", "refit", "--lora", "0"]) == 2
+    assert "rank must be a positive integer" in capsys.readouterr().err
