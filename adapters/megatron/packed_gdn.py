@@ -1,6 +1,6 @@
 """Packed (THD) sequences through the GatedDeltaNet layers of a Megatron model.
 
-`apply_packed_gdn(model)` is what the composition root (`Services.packed_gdn`) runs after the
+`apply_packed_gdn(model)` is what the composition root (`Services.trainer_side.packed_gdn`) runs after the
 model is built. It finds
 the GDN layers; when there are none it does nothing. When the installed Megatron-Core handles
 packed GDN input itself (0.18 and later) it only adds validation hooks; otherwise it installs the

@@ -77,7 +77,7 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("member", "vllm.outputs:RequestOutput.outputs", ()),
     ("member", "vllm.outputs:CompletionOutput.token_ids", ()),
     ("member", "vllm.logprobs:Logprob.logprob", ()),
-    # engine arguments and environment (engine_args.py)
+    # engine arguments and environment (factory.py)
     ("symbol", "vllm.engine.arg_utils:EngineArgs",
      ("hf_overrides", "quantization", "linear_backend", "moe_backend", "kv_cache_dtype", "load_format")),
     # what the GPU check (tests/gpu/check_vllm_refit.py) passes besides

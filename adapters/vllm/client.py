@@ -12,9 +12,9 @@ from typing import Any
 import attrs
 import torch
 
-from adapters.vllm.engine_args import EXTENSION
 from adapters.vllm.profile import VLLM_RANGE
 from adapters.vllm.protocol import (
+    EXTENSION,
     Abort,
     Begin,
     Finalize,
@@ -92,7 +92,7 @@ def start_llm(**engine_kwargs: Any) -> Any:
 @attrs.define
 class ExtensionWorkers(WorkerQueries):
     """The refit steps inside the workers of an in-process `vllm.LLM` started with rl-refit's
-    worker extension (engine_args.EXTENSION), through `LLM.collective_rpc`: one request record
+    worker extension (protocol.EXTENSION), through `LLM.collective_rpc`: one request record
     per call (adapters.vllm.protocol), its reply record back, a worker's error raised as its own
     class.
 

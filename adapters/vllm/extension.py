@@ -1,7 +1,7 @@
 """rl-refit's vLLM worker extension: the receiving end of a refit, inside every vLLM worker.
 
 Start the engine with `worker_extension_cls="adapters.vllm.extension.RefitWorkerExtension"`
-(engine_args.EXTENSION); vLLM mixes the class into its worker class, and `LLM.collective_rpc`
+(protocol.EXTENSION); vLLM mixes the class into its worker class, and `LLM.collective_rpc`
 calls its methods by name. Every method is named `rl_refit_*` (vLLM refuses an extension whose
 names its worker already has), takes its request record and answers its reply record, or an
 ErrorReply for what it raised, as plain values (adapters.vllm.protocol): with vLLM's multiprocess

@@ -37,6 +37,9 @@ from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
 
+# rl-refit's worker extension (`worker_extension_cls`): the class that answers every request below
+# in each worker.
+EXTENSION = "adapters.vllm.extension.RefitWorkerExtension"
 TAG = "record"  # the key of a plain record that names its class
 MAX_MESSAGE = 8000  # characters of an error message that cross
 

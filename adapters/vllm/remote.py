@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -519,6 +519,16 @@ class ColdEngine(WorkerQueries):
     prompt log-probs)."""
 
     process: EngineProcess
+    directory: Path
+
+    def placeholders(self, names: Iterable[str]) -> frozenset[str]:
+        """The parameters of an activation-scale kind the checkpoint has no tensor of: vLLM creates
+        them for the scheme and a weight-only checkpoint leaves them at their load-time values."""
+        from adapters.hf_checkpoint.reader import HfCheckpoint
+        from adapters.vllm.worker import activation_scale_kind
+
+        carried = {activation_scale_kind(name) for name, _ in HfCheckpoint(self.directory).tensor_shapes()}
+        return frozenset(n for n in names if (kind := activation_scale_kind(n)) is not None and kind not in carried)
 
     def call_all(self, request: Request[R]) -> list[R]:
         return self.process.workers_call(request)

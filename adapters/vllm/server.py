@@ -42,8 +42,7 @@ from adapters.vllm.control import (
     Tokens,
     WorkerAnswers,
 )
-from adapters.vllm.engine_args import EXTENSION
-from adapters.vllm.protocol import TAG, Done, ErrorReply, Ready, Record, reply_of
+from adapters.vllm.protocol import EXTENSION, TAG, Done, ErrorReply, Ready, Record, reply_of
 
 METHOD_PREFIX = "rl_refit_"
 

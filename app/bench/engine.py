@@ -458,7 +458,7 @@ def measure(settings: EngineBenchSettings) -> EngineTimings:
     here = _vllm_here()
     deployment = resolve_deployment(settings.deployment, here)
     services = bootstrap(_config(settings, deployment))
-    python = services.vllm_python() if deployment == "disaggregated" else None
+    python = services.engines.vllm_python() if deployment == "disaggregated" else None
     reason = skip_reason(deployment, vllm_here=here, engine_python=python,
                          engine_python_has_vllm=_python_has_vllm(python) if python else None)
     if reason is not None:

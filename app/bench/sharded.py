@@ -67,10 +67,10 @@ def _services(run: _Run) -> Any:
 def bench_rank(rank: int, run: _Run) -> dict[str, Any]:
     """One process of a layout's world: a warm-up refit, then `repeats` timed ones."""
     services = _services(run)
-    world = services.refit_world(engines=1)
+    world = services.world.refit_world(engines=1)
     plan = QuantizationPlan.from_presets(linear="FP8_BLOCK", moe="NVFP4")
-    with services.megatron_demo_kit().parallel(world.layout, rank) as model:
-        svc = services.distributed_refit(world, rank, plan=plan, model=model, step_timeout_s=300, phase_timeout_s=900)
+    with services.embedded.megatron_demo_kit().parallel(world.layout, rank) as model:
+        svc = services.world.distributed_refit(world, rank, plan=plan, model=model, step_timeout_s=300, phase_timeout_s=900)
         svc.refit()  # learns the stream layout
         base = reset_peak_rss()
         seconds = []
@@ -84,13 +84,14 @@ def bench_rank(rank: int, run: _Run) -> dict[str, Any]:
 
 
 def run(quick: bool = False) -> BenchReport:
-    from app.bootstrap import TRAINERS, bootstrap
+    from app.bootstrap import bootstrap
+    from app.composition.tables import TRAINERS
     from app.config_sections import ReferenceConfig, RefitConfig
 
     TRAINERS["megatron"].require("refit bench sharded", "megatron")
     model, bucket_mb, repeats, layouts = QUICK if quick else FULL
     services = bootstrap(RefitConfig(reference=ReferenceConfig(model=model)))
-    config = services.reference_config()
+    config = services.embedded.reference_config()
     model_mb = config.num_parameters() * 2 / 2**20  # BF16
     report = BenchReport("sharded")
     measured: dict[str, dict[str, float]] = {}
@@ -98,7 +99,7 @@ def run(quick: bool = False) -> BenchReport:
         layout = ParallelLayout(tp, pp, ep)
         run_ = _Run(model, bucket_mb, repeats, layout)
         world = RefitWorld(layout, 1)
-        results = services.launch_world(bench_rank, world.size, (run_,), timeout_s=600 if quick else 3600,
+        results = services.world.launch_world(bench_rank, world.size, (run_,), timeout_s=600 if quick else 3600,
                                         start_method="forkserver")
         bad = [f"rank {r.rank}: {r.error}\n{r.traceback or ''}{r.output[-1500:]}" for r in results if not r.ok]
         if bad:

@@ -90,7 +90,7 @@ def _refits(rank: int, s: _Settings, bucket_bytes: int, plan: Any, services: Ser
     (w2, w1, w2, w1, ...) so that both see the same machine; one warm-up each, then medians.
     Both refit the same engine from the same trainer (`services` holds them)."""
     world = RefitWorld()
-    refits = {window: services.distributed_refit(world, rank, plan=plan, window=window,
+    refits = {window: services.world.distributed_refit(world, rank, plan=plan, window=window,
                                                  step_timeout_s=300, phase_timeout_s=600)
               for window in (2, 1)}
     runs: dict[int, list[tuple[float, float, int]]] = {2: [], 1: []}
@@ -116,7 +116,7 @@ def bench_rank(rank: int, s: _Settings) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for size in s.bucket_sizes:
         services = _services(s, size, trainer=trainer, engine=engine)
-        lead = services.distributed_refit(RefitWorld(), rank, plan=bf16).comm.lead_bytes
+        lead = services.world.distributed_refit(RefitWorld(), rank, plan=bf16).comm.lead_bytes
         out[f"raw/{size}"] = _raw_broadcast(rank, trainer, size, lead, s.repeats)
         for window, r in _refits(rank, s, size, bf16, services, s.repeats).items():
             out[f"bf16_w{window}/{size}"] = r
@@ -131,9 +131,9 @@ def run(quick: bool = False) -> BenchReport:
     sizes = (16 << 20,) if quick else (64 << 20, 16 << 20)
     s = _Settings("bench-quick" if quick else "bench-moe", sizes, 5 if quick else 7, 3 if quick else 5)
     services = _services(s, sizes[0])
-    cfg = services.reference_config()
+    cfg = services.embedded.reference_config()
     load_before = os.getloadavg()[0]
-    results = services.launch_world(bench_rank, 2, (s,), timeout_s=300 if quick else 1800)
+    results = services.world.launch_world(bench_rank, 2, (s,), timeout_s=300 if quick else 1800)
     load_after = os.getloadavg()[0]
     bad = [f"rank {r.rank}: {r.error}\n{r.output[-2000:]}" for r in results if not r.ok]
     if bad:

@@ -73,14 +73,14 @@ def check_layout(services: Any, world: Any, settings: DemoSettings) -> None:
     option (each rank's own check would end in a traceback per rank)."""
     from domain.refit.shard_map import ShardMap
 
-    cfg, layout = services.reference_config(), world.layout
+    cfg, layout = services.embedded.reference_config(), world.layout
     for flag, size, count, what in (("--tp", layout.tp, cfg.num_heads, "attention heads"),
                                     ("--tp", layout.tp, cfg.num_kv_heads, "key/value heads"),
                                     ("--ep", layout.ep, cfg.num_experts, "routed experts")):
         if count % size:
             raise ConfigError(flag, f"{size} does not divide the {count} {what} of {settings.model}; use a divisor "
                               f"of {count}")
-    ShardMap.build(layout, services.reference_shapes(), settings.plan)  # every tensor's split; ShardingError names the key
+    ShardMap.build(layout, services.embedded.reference_shapes(), settings.plan)  # every tensor's split; ShardingError names the key
 
 
 def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
@@ -93,7 +93,7 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     config = attrs.evolve(demo_config(settings), actor=ActorConfig(strategy="megatron", megatron=megatron),
                           reference=ReferenceConfig(model=settings.model, seed=settings.seed))
     services = bootstrap(config)
-    world = services.refit_world(engines=1)
+    world = services.world.refit_world(engines=1)
     if world.layout.size > MAX_TRAINER_RANKS:
         raise ConfigError("--tp/--pp/--ep", f"{world.layout.describe()} needs {world.layout.size} trainer processes; "
                           f"this machine runs at most {MAX_TRAINER_RANKS} (use --etp 1 to carve --ep out of --tp)")
@@ -102,13 +102,13 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
                                 seed=settings.seed)
     # Every world starts from a clean process (forkserver): Megatron worlds must not inherit the
     # state of a process that ran Megatron itself (a caller's, or a test's).
-    results = services.launch_world(_demo_rank, world.size, (config, demo, world), timeout_s=180 + 30 * settings.steps,
+    results = services.world.launch_world(_demo_rank, world.size, (config, demo, world), timeout_s=180 + 30 * settings.steps,
                                     start_method="forkserver")
     if _crashed(results):
         return 1
     records = [rec for r in results for rec in r.value]
     pieces = step_pieces(records)
-    reference = services.launch_world(_unsharded_rank, 1, (config, pieces, probe_batch(services, demo)),
+    reference = services.world.launch_world(_unsharded_rank, 1, (config, pieces, probe_batch(services, demo)),
                                       timeout_s=120 + 20 * len(pieces), start_method="forkserver")
     if _crashed(reference):
         return 1

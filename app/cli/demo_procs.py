@@ -52,7 +52,7 @@ def demo_rank(rank: int, run: _Run) -> list[dict[str, Any]]:
     # they take the same training-like steps, so its forward is the probe's reference.
     engine_rank = run.world.role(rank) is Role.ENGINE
     full = services.trainer_model() if not engine_rank or services.config.rollout.verify.enabled else None
-    svc = services.distributed_refit(
+    svc = services.world.distributed_refit(
         run.world, rank, plan=s.plan, fault=run.fault, step_timeout_s=STEP_TIMEOUT_S,
         phase_timeout_s=PHASE_TIMEOUT_S, hang_s=STEP_TIMEOUT_S + 5, reference=full if engine_rank else None,
     )
@@ -106,15 +106,15 @@ def _fault(services: Services, settings: DemoSettings, world: RefitWorld, fault_
     rank = fault_rank if fault_rank is not None else (0 if text.startswith("export") else world.size - 1)
     if not 0 <= rank < world.size:
         raise ConfigError("--fault-rank", f"rank {rank} is not in the world of {world.size} processes (0..{world.size - 1})")
-    return services.rank_fault(text, rank, settings.fault_step)
+    return services.world.rank_fault(text, rank, settings.fault_step)
 
 
 def run_procs(args: argparse.Namespace, settings: DemoSettings) -> int:
     """`refit demo --procs N`: run, compare with the single-process refit, print."""
     services = demo_services(settings)
-    world = demo_world(args.procs, moe=services.reference_config().is_moe)
+    world = demo_world(args.procs, moe=services.embedded.reference_config().is_moe)
     fault = _fault(services, settings, world, args.fault_rank)
-    results = services.launch_world(demo_rank, world.size, (_Run(settings, world, fault),),
+    results = services.world.launch_world(demo_rank, world.size, (_Run(settings, world, fault),),
                                     timeout_s=120 + 20 * settings.steps)
     raise_typed_failure(results)
     crashed = [r for r in results if not r.ok]

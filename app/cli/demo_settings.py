@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 
@@ -22,8 +22,20 @@ from app.services.refit import RefitService
 from domain.errors import RankFailed
 from domain.quant.plan import QuantizationPlan
 
-if TYPE_CHECKING:
-    from adapters.distributed.launch import RankResult
+
+class RankOutcome(Protocol):
+    """How one rank of a local world ended (`Services.world.launch_world` returns one per rank)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def error_type(self) -> str | None: ...
+    @property
+    def typed(self) -> bool: ...
 
 EMBEDDED_MODELS = ("tiny-moe", "tiny-dense", "micro-moe", "micro-dense")
 
@@ -90,12 +102,12 @@ def arm_factory(settings: DemoSettings) -> Callable[[QuantizationPlan, object | 
 _CONSEQUENCES = ("PeerLost", "CollectiveTimeout", "PeerFailed", "TransportAborted", "DistributedRefitFailed")
 
 
-def raise_typed_failure(results: Sequence[RankResult]) -> None:
+def raise_typed_failure(results: Sequence[RankOutcome]) -> None:
     """Raise RankFailed (exit status 2, one line) when a rank of a world stopped on a typed error:
     the first rank whose error is its own (not a peer's loss), else the first typed one.
 
     Args:
-        results: the world's RankResults (adapters.distributed.launch).
+        results: the world's outcomes, one per rank.
 
     Returns:
         None when no rank stopped on a typed error (the caller reports other failures).

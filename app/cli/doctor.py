@@ -48,10 +48,10 @@ def render(report: DoctorReport, console: Console) -> None:
 def run(args: argparse.Namespace) -> int:
     services = services_from_args(args)
     cfg = services.config if args.args else None
-    env = services.environment_probe(snapshot_file=args.environment).snapshot()
+    env = services.engines.environment_probe(snapshot_file=args.environment).snapshot()
     opt_out = False
     if cfg is not None and cfg.rollout.name in ("vllm", "sglang"):
-        opt_out = services.deep_gemm_opt_out(cfg.rollout.name, env.environ)
+        opt_out = services.engines.deep_gemm_opt_out(cfg.rollout.name, env.environ)
     report = diagnose(env, cfg, deep_gemm_opt_out=opt_out)
     if args.json:
         sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")

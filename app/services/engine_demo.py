@@ -38,6 +38,11 @@ class ColdStart(EngineInspection, Protocol):
 
     def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
+    def placeholders(self, names: Iterable[str]) -> frozenset[str]:
+        """Of these parameter names, those the export carries no tensor for (activation scales a
+        weight-only export leaves at the engine's load-time values): the comparison skips them."""
+        ...
+
 
 class InspectedEngine(RolloutEngine, EngineInspection, Protocol):
     """The refitted engine: a RolloutEngine the demo can also inspect."""
@@ -59,14 +64,28 @@ def inspected(engine: RolloutEngine) -> InspectedEngine:
     return cast(InspectedEngine, engine)
 
 
+class _Exports(Protocol):
+    def export_trainer(self, trainer: Any, out: str | Path) -> Path: ...
+
+
+class _ColdStarts(Protocol):
+    def cold_start(self, directory: str | Path) -> ColdStart: ...
+
+
 class EngineDemoServices(Protocol):
-    """The composition root's part of the demo."""
+    """The composition root's part of the demo (app.bootstrap.Services)."""
 
     def refit_service(self, *, inject_fault: str | None = None, fault_after: int = 0) -> RefitService: ...
 
-    def export_trainer(self, trainer: Any, out: str | Path) -> Path: ...
+    @property
+    def embedded(self) -> _Exports:
+        """Exports of the trainer's current weights (`export_trainer`)."""
+        ...
 
-    def cold_start(self, directory: str | Path) -> ColdStart: ...
+    @property
+    def engines(self) -> _ColdStarts:
+        """Engines started cold from an export (`cold_start`)."""
+        ...
 
 
 @attrs.frozen
@@ -191,15 +210,6 @@ class EngineDemoResult:
             and failed_closed
 
 
-def _placeholders(engine_names: Iterable[str], export: Path) -> frozenset[str]:
-    """The engine parameters of an activation-scale kind that the export has no tensor of."""
-    from adapters.hf_checkpoint.reader import HfCheckpoint
-    from adapters.vllm.worker import activation_scale_kind
-
-    carried = {activation_scale_kind(name) for name, _ in HfCheckpoint(export).tensor_shapes()}
-    return frozenset(n for n in engine_names if (kind := activation_scale_kind(n)) is not None and kind not in carried)
-
-
 def _export_digest(directory: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(directory.rglob("*")):
@@ -299,18 +309,18 @@ class ColdStartComparer:
         """What a cold start of the trainer's current export serves."""
         out = self.workdir / f"export-{self._exports}"
         self._exports += 1
-        self.services.export_trainer(trainer, out)
+        self.services.embedded.export_trainer(trainer, out)
         key = _export_digest(out)
         if key not in self._cold:
             self._cold[key] = self._load(key) or self._start_cold(out, key)
         return self._cold[key]
 
     def _start_cold(self, out: Path, key: str) -> ColdReference:
-        cold = self.services.cold_start(out)
+        cold = self.services.engines.cold_start(out)
         try:
             digests = cold.digests()
             ref = ColdReference(cold.log_probs(self.ids), cold.greedy(self.prompts, self.settings.new_tokens), digests,
-                                _placeholders(digests, out))
+                                cold.placeholders(digests))
         finally:
             cold.close()
         if self.cache_dir is not None:

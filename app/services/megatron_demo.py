@@ -104,15 +104,15 @@ def demo_rank(rank: int, services: Services, settings: MegatronDemoSettings, wor
         One record per step: the loss (last stage), per arm the outcome and, on engines, the live
         weights' digest and the probe's log-probs; on trainer ranks Megatron's pieces.
     """
-    kit = services.megatron_demo_kit()
-    vocab = services.reference_config().vocab_size
+    kit = services.embedded.megatron_demo_kit()
+    vocab = services.embedded.reference_config().vocab_size
     probe = probe_batch(services, settings)
     # One batch, trained on at every step: the loss falls as the model learns it.
     tokens = token_batch(vocab, settings.batch, settings.seq_len + 1, settings.seed * 1_000 + 1)
     records = []
     with kit.parallel(world.layout, rank) as model:
         refits = {
-            name: services.distributed_refit(world, rank, plan=plan, model=model, step_timeout_s=settings.step_timeout_s,
+            name: services.world.distributed_refit(world, rank, plan=plan, model=model, step_timeout_s=settings.step_timeout_s,
                                              phase_timeout_s=settings.phase_timeout_s)
             for name, plan in settings.arms().items()
         }
@@ -171,7 +171,7 @@ def _threads(n: int) -> Iterator[None]:
 
 def probe_batch(services: Services, settings: MegatronDemoSettings) -> torch.Tensor:
     """The tokens every engine, and Megatron's own forward, score."""
-    return token_batch(services.reference_config().vocab_size, settings.batch, settings.seq_len, settings.seed + 7)
+    return token_batch(services.embedded.reference_config().vocab_size, settings.batch, settings.seq_len, settings.seed + 7)
 
 
 def step_pieces(records: Sequence[dict[str, Any]]) -> dict[int, list[Any]]:
@@ -188,7 +188,7 @@ def unsharded_rank(rank: int, services: Services, pieces: Mapping[int, list[Any]
     """A world of one process: each step's unsharded model from every trainer rank's pieces, its
     BF16 export and Megatron's own log-probs of `probe` (a process of its own: the command's
     process never initializes torch.distributed or Megatron, so later worlds start clean)."""
-    kit = services.megatron_demo_kit()
+    kit = services.embedded.megatron_demo_kit()
     out = {}
     for step, parts in pieces.items():
         weights, logp = kit.unsharded(parts, probe)

@@ -24,17 +24,27 @@ from domain.quant.plan import QuantizationPlan
 from ports.trainer_model import TrainerModel
 
 
+class _Embedded(Protocol):
+    def module(self) -> torch.nn.Module:
+        """A new trainable copy of the embedded reference model (same seed every time)."""
+        ...
+
+
+class _TrainerSide(Protocol):
+    def qat(self, model: torch.nn.Module) -> QatSession | None:
+        """QAT applied to `model` per the configuration."""
+        ...
+
+
 class QatDemoServices(Protocol):
     """What the QAT demo needs from the composition root (app.bootstrap.Services has it), for a
     configuration whose rollout and QAT are both in the demo's preset."""
 
-    def embedded_module(self) -> torch.nn.Module:
-        """A new trainable copy of the embedded reference model (same seed every time)."""
-        ...
+    @property
+    def embedded(self) -> _Embedded: ...
 
-    def qat(self, model: torch.nn.Module) -> QatSession | None:
-        """QAT applied to `model` per the configuration."""
-        ...
+    @property
+    def trainer_side(self) -> _TrainerSide: ...
 
     def refit_service(self, *, plan: QuantizationPlan | None = None, trainer: TrainerModel | None = None) -> RefitService:
         """A refit service from `trainer` into a new engine serving `plan`."""
@@ -101,8 +111,8 @@ def run_qat_demo(
     """
     if steps < 0:
         raise ValueError(f"--steps must be >= 0, got {steps}")
-    modules = {arm: services.embedded_module() for arm in ARMS}
-    session = services.qat(modules["qat"])
+    modules = {arm: services.embedded.module() for arm in ARMS}
+    session = services.trainer_side.qat(modules["qat"])
     if session is None:  # the configuration enables QAT
         raise RuntimeError("the configuration does not enable QAT (actor.megatron.qat.enable)")
     plan = session.rollout_plan

@@ -1,6 +1,6 @@
 """QAT at model build: resolve the rollout plan, check the QAT settings against it, apply, verify.
 
-`prepare_qat` is what `app.bootstrap.Services.qat` runs once the trainer model exists:
+`prepare_qat` is what `app.bootstrap.Services.trainer_side.qat` runs once the trainer model exists:
 1. the rollout plan, through the dispatch rules, on the model's own Hugging Face tensor names
    (`refit plan` decides the same way);
 2. `domain.quant.qat_checks.check_qat_plan`: QAT mode vs rollout (rule 2), no Transformer Engine FP8/FP4

@@ -79,7 +79,7 @@ class EngineReference:
 
 @attrs.frozen
 class ColdStartReference:
-    """An engine started cold from the exported checkpoint (`Services.cold_start`: its
+    """An engine started cold from the exported checkpoint (`Services.engines.cold_start`: its
     `log_probs(input_ids)` returns the [B, T-1] log-probs alone) as the reference: it computes the
     refitted engine's way, so the probe allows no difference."""
 

@@ -306,7 +306,7 @@ def stage_cold(out: pathlib.Path, arm: str) -> dict:  # pragma: no cover - needs
 
     from safetensors.torch import save_file
 
-    from adapters.vllm.engine_args import vllm_environment
+    from adapters.vllm.factory import vllm_environment
 
     exported, qc, plan = _export(out, arm)
     ckpt = out / f"{arm}-checkpoint"
@@ -329,7 +329,7 @@ def stage_cold(out: pathlib.Path, arm: str) -> dict:  # pragma: no cover - needs
 def stage_refit(out: pathlib.Path, arm: str) -> dict:  # pragma: no cover - needs CUDA and vLLM
     import torch
 
-    from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
+    from adapters.vllm.factory import vllm_engine_kwargs, vllm_environment
     from domain.errors import EngineStale
     from domain.refit.buckets import pack_buckets
 

@@ -135,7 +135,7 @@ def stage_fp8(out: pathlib.Path, kv_cache_dtype: str) -> dict:
     import torch
 
     from adapters.profiles import backend_decision as decide_backends
-    from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
+    from adapters.vllm.factory import vllm_engine_kwargs, vllm_environment
     from domain.quant.plan import QuantizationPlan
 
     plan = QuantizationPlan.from_presets(linear="FP8_BLOCK")

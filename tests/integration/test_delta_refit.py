@@ -226,7 +226,7 @@ def test_the_distributed_refit_refuses_layout_delta():
 
     services = bootstrap(overrides=[*MICRO, "rollout.checkpoint_engine.backend=layout_delta"])
     with pytest.raises(ConfigError, match="layout_delta runs on the single-process refit"):
-        services.distributed_refit(None, 0)  # type: ignore[arg-type]
+        services.world.distributed_refit(None, 0)  # type: ignore[arg-type]
 
 
 def test_rule_4_accepts_layout_delta_and_still_refuses_verls_delta_backends():

@@ -339,11 +339,11 @@ def test_service_without_gdn_layers_does_nothing(mc) -> None:
 
 def test_bootstrap_step_reads_the_kernel_choice(mc) -> None:
     layer = mc.build(seed=0)
-    report = bootstrap.bootstrap({"actor": {"megatron": {"gdn_kernels": "auto"}}}).packed_gdn(torch.nn.Sequential(layer))
+    report = bootstrap.bootstrap({"actor": {"megatron": {"gdn_kernels": "auto"}}}).trainer_side.packed_gdn(torch.nn.Sequential(layer))
     assert report.mode == "native"
     gdn_adapter.remove_packed_validation(layer)
     with pytest.raises(ConfigError, match=r"actor\.megatron\.gdn_kernels"):
-        bootstrap.bootstrap({"actor": {"megatron": {"gdn_kernels": "triton"}}}).packed_gdn(torch.nn.Sequential(layer))
+        bootstrap.bootstrap({"actor": {"megatron": {"gdn_kernels": "triton"}}}).trainer_side.packed_gdn(torch.nn.Sequential(layer))
 
 
 def test_the_composition_root_makes_a_megatron_models_gdn_layers_packed_safe(mc, monkeypatch) -> None:
@@ -356,13 +356,13 @@ def test_the_composition_root_makes_a_megatron_models_gdn_layers_packed_safe(mc,
         classmethod(lambda cls, model, mode, chunk_size=None: built.append(model) or _Stub()),
     )
     model = torch.nn.Sequential(mc.build())
-    bootstrap.bootstrap({"actor": {"fused_forward": "auto"}}, environ={}).logprob_service(model)
+    bootstrap.bootstrap({"actor": {"fused_forward": "auto"}}, environ={}).trainer_side.logprob_service(model)
     assert built == [model]
     layer = model[0]
     assert getattr(layer, gdn_adapter._VALIDATION_HANDLE, None) is not None  # native 0.19.2: validated
     with pytest.raises(ValueError, match="gdn_kernels"):
         bootstrap.bootstrap({"actor": {"fused_forward": "auto", "megatron": {"gdn_kernels": "bogus"}}},
-                            environ={}).logprob_service(model)
+                            environ={}).trainer_side.logprob_service(model)
 
 
 class _Stub:

@@ -282,8 +282,8 @@ def test_the_composition_root_wires_the_probe_into_distributed_refits() -> None:
     shared = InMemoryWorld(world, step_timeout_s=20.0, phase_timeout_s=60.0)
     trainer = services.trainer_model()
     with pytest.raises(ConfigError, match=r"rollout\.verify\.enabled"):
-        services.distributed_refit(world, 1, comm=shared.collectives(1))
-    ranks = [services.distributed_refit(world, r, comm=shared.collectives(r), reference=trainer if r else None)
+        services.world.distributed_refit(world, 1, comm=shared.collectives(1))
+    ranks = [services.world.distributed_refit(world, r, comm=shared.collectives(r), reference=trainer if r else None)
              for r in range(world.size)]
     reports: dict[int, RefitReport] = {}
     threads = [threading.Thread(target=lambda r=r: reports.__setitem__(r, ranks[r].refit()), daemon=True)

@@ -29,7 +29,7 @@ from app.cli.main import main
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("nvfp4-experts")
     services = bootstrap(overrides=["reference.model=micro-moe"])
-    source = services.write_checkpoint(services.trainer_model(), root / "bf16")
+    source = services.embedded.write_checkpoint(services.trainer_model(), root / "bf16")
     out = root / "export"
     assert main(["export", "--model", str(source), "--out", str(out), "rollout.name=vllm",
                  "rollout.quantization.linear=FP8_BLOCK", "rollout.quantization.moe=NVFP4",

@@ -185,9 +185,9 @@ def test_reasons_list_every_role_and_note() -> None:
 def test_bootstrap_reads_the_config_opt_out() -> None:
     from app.bootstrap import bootstrap
 
-    on = bootstrap(environ={}).backend_decision("vllm", plan("FP8_BLOCK"), HOPPER)
+    on = bootstrap(environ={}).engines.backend_decision("vllm", plan("FP8_BLOCK"), HOPPER)
     off = bootstrap({"rollout": {"engine_kwargs": {"vllm": {"use_deep_gemm": False}}}},
-                    environ={}).backend_decision("vllm", plan("FP8_BLOCK"), HOPPER)
+                    environ={}).engines.backend_decision("vllm", plan("FP8_BLOCK"), HOPPER)
     assert on.linear.backend == DEEP_GEMM and not on.opted_out
     assert off.linear.is_auto and off.opted_out
 
@@ -196,7 +196,7 @@ def test_bootstrap_reads_the_config_opt_out() -> None:
 def test_bootstrap_reads_the_environment_opt_out(value: str, opted_out: bool) -> None:
     from app.bootstrap import bootstrap
 
-    d = bootstrap(environ={"VERL_ROLLOUT_USE_DEEP_GEMM": value}).backend_decision("sglang", plan("FP8_BLOCK"), HOPPER)
+    d = bootstrap(environ={"VERL_ROLLOUT_USE_DEEP_GEMM": value}).engines.backend_decision("sglang", plan("FP8_BLOCK"), HOPPER)
     assert d.opted_out is opted_out and (d.linear.backend == DEEP_GEMM) is not opted_out
 
 
@@ -204,7 +204,7 @@ def test_bootstrap_rejects_values_that_are_not_switches() -> None:
     from app.bootstrap import bootstrap
 
     with pytest.raises(ConfigError, match="VERL_ROLLOUT_USE_DEEP_GEMM"):
-        bootstrap(environ={"VERL_ROLLOUT_USE_DEEP_GEMM": "maybe"}).deep_gemm_opt_out("vllm")
+        bootstrap(environ={"VERL_ROLLOUT_USE_DEEP_GEMM": "maybe"}).engines.deep_gemm_opt_out("vllm")
     with pytest.raises(ConfigError, match=r"rollout\.engine_kwargs\.vllm\.use_deep_gemm"):
         bootstrap({"rollout": {"engine_kwargs": {"vllm": {"use_deep_gemm": "no"}}}}, environ={})
 

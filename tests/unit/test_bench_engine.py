@@ -259,7 +259,7 @@ def test_a_failed_put_back_is_a_note() -> None:
 def test_the_engine_hosts_python_comes_from_the_composition_root() -> None:
     from app.bootstrap import bootstrap
 
-    assert bootstrap(environ={"RL_REFIT_VLLM_PYTHON": "/env/python"}).vllm_python() == "/env/python"
+    assert bootstrap(environ={"RL_REFIT_VLLM_PYTHON": "/env/python"}).engines.vllm_python() == "/env/python"
     configured = bootstrap(overrides=["rollout.engine_kwargs.vllm.python=/cfg/python"],
                            environ={"RL_REFIT_VLLM_PYTHON": "/env/python"})
-    assert configured.vllm_python() == "/cfg/python"  # the configuration wins over the environment
+    assert configured.engines.vllm_python() == "/cfg/python"  # the configuration wins over the environment

@@ -50,7 +50,7 @@ def test_disaggregated_starts_an_engine_host_without_vllm_here(monkeypatch: pyte
     env = call["env"]
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
-    if services.backend_decision("vllm", services.plan).capability is None:
+    if services.engines.backend_decision("vllm", services.plan).capability is None:
         assert "VLLM_USE_DEEP_GEMM" not in env  # no GPU capability known: no DeepGEMM request
     assert type(engine.workers).__name__ == "RemoteWorkers" and engine.is_stale  # type: ignore[attr-defined]
     json.dumps(kwargs)  # plain values only: they cross to the host as JSON
@@ -81,15 +81,15 @@ def test_the_engine_hosts_python(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     from adapters.vllm.interpreter import vllm_python
 
     services = bootstrap(overrides=BASE, environ={"RL_REFIT_VLLM_PYTHON": "/opt/vllm/bin/python"})
-    assert services.vllm_python() == "/opt/vllm/bin/python"
+    assert services.engines.vllm_python() == "/opt/vllm/bin/python"
     configured = bootstrap(overrides=[*BASE, "rollout.engine_kwargs.vllm.python=/srv/py"],
                            environ={"RL_REFIT_VLLM_PYTHON": "/opt/vllm/bin/python"})
-    assert configured.vllm_python() == "/srv/py"  # the configuration before the environment
+    assert configured.engines.vllm_python() == "/srv/py"  # the configuration before the environment
     monkeypatch.chdir(tmp_path)
     local = tmp_path / ".venv-vllm" / "bin" / "python"
     local.parent.mkdir(parents=True)
     local.write_text("")
-    assert bootstrap(overrides=BASE, environ={}).vllm_python() == str(local)
+    assert bootstrap(overrides=BASE, environ={}).engines.vllm_python() == str(local)
     local.unlink()
     assert vllm_python(None, roots=[tmp_path, tmp_path / "nowhere"]) == sys.executable
 

@@ -46,7 +46,7 @@ def test_the_vllm_demo_on_a_directory_uses_the_hf_trainer_and_a_dummy_start(dirs
     services = bootstrap(attrs.evolve(config, rollout=attrs.evolve(config.rollout, name="reference")))
     trainer = services.trainer_model()
     assert trainer.config.tie_word_embeddings and "lm_head.weight" not in dict(trainer.named_weights())
-    out = services.write_checkpoint(trainer, dirs["tiny-qwen3"].parent / "written")
+    out = services.embedded.write_checkpoint(trainer, dirs["tiny-qwen3"].parent / "written")
     assert json.loads((out / "config.json").read_text()) == json.loads((dirs["tiny-qwen3"] / "config.json").read_text())
 
 

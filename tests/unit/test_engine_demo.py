@@ -54,6 +54,9 @@ class Cold(Inspectable):
     def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.inner.log_probs(input_ids)[0]
 
+    def placeholders(self, names: Any) -> frozenset[str]:
+        return frozenset()  # the reference engine writes every parameter it has from the export
+
 
 @attrs.define
 class FakeServices:
@@ -64,6 +67,14 @@ class FakeServices:
     cold_starts: int = 0
     engine: Inspectable | None = None
 
+    @property
+    def embedded(self) -> FakeServices:
+        return self
+
+    @property
+    def engines(self) -> FakeServices:
+        return self
+
     def refit_service(self, *, inject_fault: str | None = None, fault_after: int = 0) -> Any:
         self.engine = Inspectable(self.services.rollout_engine(), corrupt=self.corrupt)
         svc = self.services.refit_service(engine=self.engine, inject_fault=inject_fault,  # type: ignore[arg-type]
@@ -71,7 +82,7 @@ class FakeServices:
         return svc
 
     def export_trainer(self, trainer: Any, out: str | Path) -> Path:
-        return self.services.export_trainer(trainer, out)
+        return self.services.embedded.export_trainer(trainer, out)
 
     def cold_start(self, directory: str | Path) -> Inspectable:
         self.cold_starts += 1

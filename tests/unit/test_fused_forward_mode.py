@@ -21,7 +21,7 @@ AUTO, HOOK, LEGACY = FusedForwardMode.AUTO, FusedForwardMode.HOOK, FusedForwardM
 def build_logprob_service(model, fused_forward=None, *, environ=None, **kwargs):  # type: ignore[no-untyped-def]
     """The composition root's LogProbService for `model`, with actor.fused_forward set."""
     cfg = {"actor": {"fused_forward": fused_forward}} if fused_forward is not None else None
-    return bootstrap(cfg, environ=environ).logprob_service(model, **kwargs)
+    return bootstrap(cfg, environ=environ).trainer_side.logprob_service(model, **kwargs)
 
 
 

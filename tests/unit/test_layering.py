@@ -143,7 +143,7 @@ def test_the_optional_adapters_are_the_engine_and_trainer_adapters() -> None:
 
 @pytest.mark.parametrize("path", _modules("app"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_only_the_composition_root_imports_optional_adapters(path: pathlib.Path) -> None:
-    if path.name == "bootstrap.py":
+    if path.name == "bootstrap.py" or path.parent.name == "composition":
         return
     optional = _optional_adapter_modules()
     bad = sorted(m for m in _runtime_imports(path) if m in optional or m.rpartition(".")[0] in optional)
@@ -158,8 +158,40 @@ def test_services_know_no_root_and_the_cli_no_adapter(path: pathlib.Path) -> Non
         assert not {m for m in imported if m.startswith(("app.bootstrap", "app.cli", "app.bench"))}, (
             f"{path}: services are built by the composition root and know neither it nor the CLI")
     else:
-        assert not {m for m in imported if m.startswith("adapters")}, (
-            f"{path}: the CLI gets every adapter from app.bootstrap")
+        assert not {m for m in _all_imports(path) if m.startswith("adapters")}, (
+            f"{path}: the CLI gets every adapter from app.bootstrap, and names none, not even for types")
+
+
+# The adapters of an engine or a trainer framework: services reach them through a port and the
+# composition root, even where the module itself would import without the package.
+ENGINE_ADAPTERS = ("adapters.vllm", "adapters.sglang", "adapters.trtllm", "adapters.megatron", "adapters.modelopt")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "app" / "services").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_services_import_no_engine_or_framework_adapter(path: pathlib.Path) -> None:
+    bad = sorted(m for m in _runtime_imports(path) if m.startswith(ENGINE_ADAPTERS))
+    assert not bad, f"{path} imports {bad}: give the service a port and build its adapter in app/composition/"
+
+
+def _all_imports(path: pathlib.Path) -> set[str]:
+    """Full module names imported anywhere in a module, `if TYPE_CHECKING:` blocks included."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_layering_rules_see_imports_in_functions_and_type_checking_blocks(tmp_path: pathlib.Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from adapters.vllm.remote import X\n"
+                      "def f():\n    from adapters.sglang import engine\n")
+    assert {"adapters.vllm.remote", "adapters.sglang"} <= _all_imports(module)
+    assert "adapters.sglang.engine" in _runtime_imports(module)
+    assert not any(m.startswith("adapters.vllm") for m in _runtime_imports(module))
 
 
 # --- the domain knows no engine -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Services.qat: the composition root checks the QAT settings and the built model's precision."""
+"""Services.trainer_side.qat: the composition root checks the QAT settings and the built model's precision."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _config(mode: str | None = "NVFP4", **extra: object) -> dict[str, object]:
 
 
 def build_qat_backend(config, *, model, **kwargs):  # type: ignore[no-untyped-def]
-    return bootstrap(config).qat(model, **kwargs)
+    return bootstrap(config).trainer_side.qat(model, **kwargs)
 
 
 def test_disabled_qat_builds_nothing() -> None:

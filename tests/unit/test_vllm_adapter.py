@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adapters.vllm.engine import VllmRolloutEngine
-from adapters.vllm.engine_args import vllm_engine_kwargs, vllm_environment
+from adapters.vllm.factory import vllm_engine_kwargs, vllm_environment
 from adapters.vllm.hooks import VllmHooks
 from app.services.refit import RefitService
 from domain.errors import (

@@ -12,7 +12,7 @@ import pytest
 from adapters.memory.environment import FixedEnvironmentProbe
 from adapters.system.probe import vllm_cpu_kernels
 from adapters.vllm.cpu_emulation import ENV_VAR, FORMATS, emulated_formats, parse_mode
-from adapters.vllm.engine_args import vllm_environment
+from adapters.vllm.factory import vllm_environment
 from adapters.vllm.remote import root_cause
 from app.bootstrap import bootstrap
 from app.services.doctor_checks import Status, vllm_cpu_checks

@@ -1,0 +1,107 @@
+"""The rollout engines beyond their refits: the interpreter of a vLLM host, cold starts to compare
+with, the kernel backends and their opt-out, and the machine `refit doctor` inspects."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+
+from adapters.profiles import backend_decision
+from app.composition.tables import engine_start
+from domain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from adapters.vllm.remote import ColdEngine
+    from app.bootstrap import Services
+    from domain.quant.backend_policy import BackendDecision
+    from domain.quant.plan import QuantizationPlan
+    from ports.environment_probe import EnvironmentProbe
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@attrs.frozen
+class EngineWiring:
+    """`Services.engines`: what the engine of `rollout.name` needs besides the refit."""
+
+    services: Services
+
+    def configured_python(self) -> tuple[str, str] | None:
+        """(key, value) of a vLLM host's interpreter as configured: rollout.engine_kwargs.vllm.python,
+        else RL_REFIT_VLLM_PYTHON; None when neither sets it."""
+        from adapters.vllm.interpreter import configured_python
+
+        return configured_python(self.services.config.rollout.engine_kwargs.vllm.python,
+                                 self.services.environ.get("RL_REFIT_VLLM_PYTHON"))
+
+    def vllm_python(self) -> str:
+        """The interpreter a disaggregated vLLM engine host runs with: the configured one, else
+        ./.venv-vllm/bin/python (or the one beside this checkout), else this interpreter."""
+        from adapters.vllm.interpreter import vllm_python
+
+        return vllm_python(self.configured_python())
+
+    def cold_start(self, directory: str | Path) -> ColdEngine:
+        """An engine of rollout.name started from a checkpoint directory in its own process, for
+        comparisons (ports.engine_inspection, log_probs, placeholders); vllm only."""
+        name = self.services.config.rollout.name
+        if name != "vllm":
+            raise ConfigError("rollout.name", f"cold starts for comparison are built for vllm only, not {name!r}")
+        from adapters.vllm.factory import vllm_cold_start
+
+        return vllm_cold_start(self.services.config.rollout.engine_kwargs.vllm, engine_start(self.services, "vllm"),
+                               self.services.vllm_host(), str(directory))
+
+    def deep_gemm_opt_out(self, engine: str, environ: Mapping[str, str] | None = None) -> bool:
+        """Whether DeepGEMM requests are off: `rollout.engine_kwargs.<engine>.use_deep_gemm: false`
+        or `VERL_ROLLOUT_USE_DEEP_GEMM=0` (either restores the engine's automatic selection).
+
+        Args:
+            engine: "vllm" or "sglang".
+            environ: the honoured variables to judge (default: those bootstrap read).
+
+        Returns:
+            True to opt out. Raises ConfigError naming the key or variable on a value that is not
+            a switch.
+        """
+        section = self.services.config.rollout.engine_kwargs.engine(engine)
+        value = None if section is None else section.use_deep_gemm
+        env = (self.services.environ if environ is None else environ).get("VERL_ROLLOUT_USE_DEEP_GEMM")
+        if env is not None and env.strip().lower() not in _ON + _OFF:
+            raise ConfigError("VERL_ROLLOUT_USE_DEEP_GEMM", f"expected 1 or 0 (true/false), got {env!r}")
+        return value is False or (env is not None and env.strip().lower() in _OFF)
+
+    def backend_decision(self, engine: str, plan: QuantizationPlan,
+                         capability: tuple[int, int] | None = None) -> BackendDecision:
+        """The kernel backends for a rollout engine (ARCHITECTURE.md section 5), opt-out applied.
+
+        Args:
+            engine: "vllm" or "sglang".
+            plan: the resolved plan.
+            capability: the GPU's compute capability; None skips the capability gates.
+        """
+        return backend_decision(engine, plan, capability, opt_out=self.deep_gemm_opt_out(engine))
+
+    def environment_probe(self, snapshot_file: str | None = None) -> EnvironmentProbe:
+        """The EnvironmentProbe `refit doctor` inspects: this machine, or a saved snapshot.
+
+        Args:
+            snapshot_file: a JSON file written by `refit doctor --json` (its `environment`
+                object is used); None probes this machine.
+        """
+        if snapshot_file is None:
+            from adapters.system.probe import SystemProbe
+
+            python: str | None = self.vllm_python()
+            if python == sys.executable and importlib.util.find_spec("vllm") is None:
+                python = None  # no vLLM environment to ask
+            return SystemProbe(environ=dict(self.services.environ), vllm_python=python,
+                               cpu_emulation=self.services.config.rollout.engine_kwargs.vllm.cpu_emulation)
+        from app.services.doctor import snapshot_probe
+
+        return snapshot_probe(snapshot_file)

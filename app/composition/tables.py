@@ -1,0 +1,187 @@
+"""The adapter tables: which adapter builds the engine of `rollout.name` and the trainer of
+`actor.strategy`, and what each needs installed.
+
+Each entry imports its adapter only when it is built; a missing package raises
+ModuleNotFoundError naming the adapter and the extra to install. Every builder configures the
+engine for the plan it is given (`Services.rollout_engine(plan)`), never the configuration's own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from domain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from adapters.engine_start import EngineStart
+    from app.bootstrap import Services
+    from domain.quant.plan import QuantizationPlan
+    from domain.refit.topology import ParallelLayout
+    from ports.qat_backend import QatBackend
+    from ports.rollout_engine import RolloutEngine
+    from ports.sharded_trainer import ShardedTrainerModel
+    from ports.trainer_model import TrainerModel
+
+
+@attrs.frozen
+class AdapterEntry:
+    """One row of an adapter table: how to build it and what it needs installed.
+
+    Attributes:
+        adapter: the adapter's name, for errors.
+        build: the factory, called with the Services and the build's options.
+        package: the import name of the optional package it needs (None: nothing optional).
+        extra: the rl-refit extra that installs that package.
+        remote: the engine can run in processes of its own (`rollout.deployment: disaggregated`),
+            where its package is needed there, not here.
+        sharded: trainers only: the factory of one rank's ShardedTrainerModel, called with the
+            Services, the rank's model, the parallel layout and the rank (None: no sharded form).
+    """
+
+    adapter: str
+    build: Callable[..., Any]
+    package: str | None = None
+    extra: str | None = None
+    remote: bool = False
+    sharded: Callable[..., ShardedTrainerModel] | None = None
+
+    def require(self, key: str, name: str) -> None:
+        """Raise ModuleNotFoundError naming the adapter and the extra when its package is missing."""
+        if self.package is None:
+            return
+        try:
+            found = importlib.util.find_spec(self.package) is not None
+        except ModuleNotFoundError:  # a missing parent package
+            found = False
+        if not found:
+            raise ModuleNotFoundError(
+                f"{key}={name}: {self.adapter} needs {self.package}, which is not installed; "
+                f"install it with pip install 'rl-refit[{self.extra}]'", name=self.package,
+            )
+
+
+def engine_start(services: Services, engine: str, plan: QuantizationPlan | None = None) -> EngineStart:
+    """What a real engine starts with for `plan` (default: the configuration's): its
+    quantization_config and layout for that plan, the backend decision, the model."""
+    from adapters.engine_start import EngineStart
+
+    report = services.plan_report(services.checkpoint(), plan=plan)
+    return EngineStart(report.plan, report.engine_config, report.resolution.layout,
+                       services.engines.backend_decision(engine, report.plan), services.config.model.path)
+
+
+def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
+    from adapters.reference.factory import build_reference_engine
+
+    return build_reference_engine(services.embedded.reference_config(), plan,
+                                  commit_mode=options.get("commit_mode"),
+                                  kv_cache_scheme=options.get("kv_cache_scheme"))
+
+
+def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
+    from adapters.vllm.factory import build_vllm_engine
+
+    return build_vllm_engine(services.config.rollout.engine_kwargs.vllm, engine_start(services, "vllm", plan),
+                             services.vllm_host(), deployment=services.config.rollout.deployment,
+                             commit_mode=options.get("commit_mode"))
+
+
+def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
+    from adapters.sglang.factory import build_sglang_engine
+
+    rollout = services.config.rollout
+    return build_sglang_engine(rollout.engine_kwargs.sglang, engine_start(services, "sglang", plan),
+                               sync_backend=rollout.checkpoint_engine.backend, wire_format=rollout.wire_format,
+                               commit_mode=options.get("commit_mode"))
+
+
+def _reference_trainer(services: Services, model: object | None) -> TrainerModel:
+    """The embedded reference model: random weights of reference.model from reference.seed, or,
+    with model.path, a Qwen3 / Qwen3-MoE checkpoint's weights at its shapes."""
+    from adapters.reference.config import preset
+    from adapters.reference.trainer import ReferenceTrainer
+
+    ref = services.config.reference
+    checkpoint = services.checkpoint()
+    if checkpoint is not None:  # the reference model at the checkpoint's shapes, holding its weights
+        return ReferenceTrainer.from_hf_weights(services.embedded.reference_config(), checkpoint.iter_tensors())
+    return ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
+
+
+def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
+    from adapters.megatron.factory import megatron_trainer
+
+    if model is None:
+        raise ConfigError("actor.strategy", "megatron: pass the built Megatron model, bootstrap(config, model=...)")
+    return megatron_trainer(model, services.trainer_side.fused_forward_request().mode,
+                            gdn_kernels=services.config.actor.megatron.gdn_kernels)
+
+
+def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
+    """A live transformers model (`model=`), else model.path streamed from its files."""
+    from adapters.hf.module import HfModuleTrainer
+
+    if model is not None:
+        return HfModuleTrainer(model)
+    path = services.config.model.path
+    if not path:
+        raise ConfigError("actor.strategy", "hf: set model.path to a Hugging Face checkpoint directory, or pass "
+                          "the transformers model, bootstrap(config, model=...)")
+    if services.config.actor.hf.load_model:  # in memory and trainable (what the demo's steps perturb)
+        return HfModuleTrainer.from_pretrained(path)
+    from adapters.hf.checkpoint import HfCheckpointTrainer
+
+    return HfCheckpointTrainer.open(path)
+
+
+def _megatron_sharded(services: Services, model: object, layout: ParallelLayout, rank: int) -> ShardedTrainerModel:
+    from adapters.megatron.factory import megatron_sharded
+
+    return megatron_sharded(model, layout, rank)
+
+
+# rollout.name -> the engine adapter; actor.strategy -> the trainer adapter.
+ENGINES: dict[str, AdapterEntry] = {
+    "reference": AdapterEntry("adapters.reference.engine.ReferenceEngine", _reference_engine),
+    "vllm": AdapterEntry("adapters.vllm.engine.VllmRolloutEngine", _vllm_engine, "vllm", "vllm", remote=True),
+    "sglang": AdapterEntry("adapters.sglang.engine.SglangRolloutEngine", _sglang_engine, "sglang", "sglang"),
+}
+TRAINERS: dict[str, AdapterEntry] = {
+    "reference": AdapterEntry("adapters.reference.trainer.ReferenceTrainer", _reference_trainer),
+    "megatron": AdapterEntry("adapters.megatron.trainer_model.MegatronTrainerModel", _megatron_trainer,
+                             "megatron.core", "megatron", sharded=_megatron_sharded),
+    "hf": AdapterEntry("adapters.hf.module.HfModuleTrainer", _hf_trainer, "transformers", "hf"),
+}
+
+
+def _reference_qat(numerics: str, layout: str) -> QatBackend:
+    from adapters.qat_reference.backend import ReferenceQatBackend
+
+    return ReferenceQatBackend(layout=layout)
+
+
+def _modelopt_qat(numerics: str, layout: str) -> QatBackend:
+    from adapters.modelopt.backend import ModelOptQatBackend
+
+    return ModelOptQatBackend(numerics=numerics, layout=layout)
+
+
+# The QAT backends, by name (`Services.trainer_side.qat(backend=...)`), built with (numerics, layout).
+QAT_BACKENDS: dict[str, AdapterEntry] = {
+    "reference": AdapterEntry("adapters.qat_reference.backend.ReferenceQatBackend", _reference_qat),
+    "modelopt": AdapterEntry("adapters.modelopt.backend.ModelOptQatBackend", _modelopt_qat, "modelopt", "modelopt"),
+}
+
+
+def qat_backend(backend: str, numerics: str, layout: str) -> QatBackend:
+    """The QAT backend of that name, for the layout and (ModelOpt's) the numerics."""
+    entry = QAT_BACKENDS.get(backend)
+    if entry is None:
+        raise ConfigError("qat backend", f"{backend!r} is not one of {', '.join(QAT_BACKENDS)}")
+    entry.require("qat backend", backend)
+    built: QatBackend = entry.build(numerics, layout)
+    return built
