@@ -52,15 +52,6 @@ def read_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
     return {name: env[name] for name in ENV_VARS if name in env}
 
 
-# --- the services ------------------------------------------------------------------------------
-
-
-def _bucket_bytes(megabytes: float) -> int:
-    key = "rollout.checkpoint_engine.update_weights_bucket_megabytes"
-    if not megabytes > 0 or int(megabytes * 2**20) < 1:
-        raise ConfigError(key, f"must be positive, got {megabytes}")
-    return int(megabytes * 2**20)
-
 
 @attrs.define
 class Services:
@@ -94,7 +85,7 @@ class Services:
 
     @property
     def bucket_bytes(self) -> int:
-        return _bucket_bytes(self.config.rollout.checkpoint_engine.update_weights_bucket_megabytes)
+        return self.config.rollout.checkpoint_engine.bucket_bytes
 
     @property
     def commit_mode(self) -> CommitMode | None:
@@ -188,9 +179,8 @@ class Services:
                 app.services.transaction.Restore.default).
 
         Returns:
-            The RefitService: buckets by reference to an engine in this process
-            (`rollout.deployment: colocated`), packed into one reused buffer for an engine in
-            processes of its own (`disaggregated`: its transport copies each bucket out).
+            The RefitService: buckets by reference when colocated, packed into one reused buffer
+            when disaggregated (the transport copies each bucket out).
         """
         from app.services.refit import RefitService
         from app.services.transaction import Ownership

@@ -111,6 +111,11 @@ class CheckpointEngineConfig:
     restore: str | None = _key("rollout.checkpoint_engine.restore")
     delta: DeltaConfig = attrs.field(factory=DeltaConfig)
 
+    @property
+    def bucket_bytes(self) -> int:
+        """update_weights_bucket_megabytes in bytes (the schema checked it holds at least one)."""
+        return int(self.update_weights_bucket_megabytes * 2**20)
+
 
 @attrs.frozen(kw_only=True)
 class RolloutConfig:
