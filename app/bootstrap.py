@@ -20,6 +20,7 @@ import attrs
 from adapters.profiles import profile_for
 from app.composition.embedded import EmbeddedWiring
 from app.composition.engines import EngineWiring
+from app.composition.lora import LoraWiring
 from app.composition.tables import ENGINES, TRAINERS
 from app.composition.trainer_side import TrainerWiring
 from app.composition.world import WorldWiring
@@ -240,6 +241,11 @@ class Services:
     def engines(self) -> EngineWiring:
         """The engines besides refits: cold starts, interpreters, kernel backends, the machine."""
         return EngineWiring(self)
+
+    @property
+    def lora(self) -> LoraWiring:
+        """LoRA refits: the adapter mode's service (`actor.lora.sync: adapter`)."""
+        return LoraWiring(self)
 
     @property
     def trainer_side(self) -> TrainerWiring:

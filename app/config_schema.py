@@ -314,6 +314,15 @@ SCHEMA: tuple[Key, ...] = (
     Key("actor.hf.load_model", (bool,), False,
         "actor.strategy hf with model.path: load the checkpoint as a transformers model (in memory, trainable: "
         "what refit demo --model DIR perturbs) instead of streaming its safetensors files tensor by tensor"),
+    Key("actor.lora.rank", (int,), 0,
+        "the LoRA adapter's rank r on the embedded trainer (0: no adapter; a PEFT model brings its own)",
+        check=_at_least(0)),
+    Key("actor.lora.alpha", (int, float, NoneType), None, "PEFT's lora_alpha; null = 2 * rank",
+        check=_positive_or_none),
+    Key("actor.lora.sync", (str,), "merged",
+        "how a LoRA trainer's refits reach the engine: merged (W + (alpha/r) B A, quantized and refitted whole: "
+        "every format and engine) or adapter (the adapter alone each step, the base only when it changed, "
+        "into an engine that serves adapters)", choices=("merged", "adapter")),
     Key("reference.model", (str,), "tiny-moe", "the embedded reference model",
         choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense", "bench-moe", "bench-quick")),
     Key("reference.seed", (int,), 0, "seed of the embedded reference model's random weights"),

@@ -174,6 +174,15 @@ class HfTrainerConfig:
 
 
 @attrs.frozen(kw_only=True)
+class LoraConfig:
+    """actor.lora: a LoRA adapter on the trainer, and how its refits reach the engine."""
+
+    rank: int = _key("actor.lora.rank")
+    alpha: float | None = _key("actor.lora.alpha")
+    sync: str = _key("actor.lora.sync")
+
+
+@attrs.frozen(kw_only=True)
 class ActorConfig:
     """actor: the trainer."""
 
@@ -181,6 +190,7 @@ class ActorConfig:
     fused_forward: str | bool | int | None = _key("actor.fused_forward")
     strategy: str = _key("actor.strategy")
     hf: HfTrainerConfig = attrs.field(factory=HfTrainerConfig)
+    lora: LoraConfig = attrs.field(factory=LoraConfig)
 
 
 @attrs.frozen(kw_only=True)

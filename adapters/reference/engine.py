@@ -28,10 +28,12 @@ import attrs
 import structlog
 import torch
 
-from adapters.reference.config import ReferenceModelConfig
+from adapters.reference.config import ReferenceModelConfig, hf_weight_shapes
 from adapters.reference.layout import GLOBAL, EngineLayout, is_routed
-from adapters.reference.model import check_input_ids, forward_logits, log_probs_from_logits
-from domain.errors import EngineTensorMismatch, RefitVerificationFailed
+from adapters.reference.model import check_input_ids, forward_logits, log_probs_from_logits, slot_table
+from domain.errors import AdapterUpdateFailed, EngineTensorMismatch, LoraError, RefitVerificationFailed
+from domain.lora import LoraAdapter, LoraWeights, merge_weight
+from domain.lora.sync import StagedAdapter
 from domain.quant.codecs import QuantizedWeight, dequantize_weight, fake_quantize_activation
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import Bucket, unpack_bucket
@@ -102,6 +104,10 @@ class ReferenceEngine:
     _post_seconds: float = attrs.field(init=False, default=0.0)
     _effective: dict[str, torch.Tensor] | None = attrs.field(init=False, default=None)
     _delta: DeltaReceiver | None = attrs.field(init=False, default=None)
+    # LoRA adapters held (adapter mode, ports.lora_engine): id -> adapter (owned copies); the one served.
+    _adapters: dict[int, LoraAdapter] = attrs.field(init=False, factory=dict)
+    _serving_adapter: int | None = attrs.field(init=False, default=None)
+    _next_adapter: int = attrs.field(init=False, default=1)
 
     def __attrs_post_init__(self) -> None:
         self._guard = EngineGuard(on_fail=self._fail)
@@ -342,8 +348,56 @@ class ReferenceEngine:
                     eff[key] = dequantize_weight(q, torch.bfloat16)
                 else:
                     eff[key] = live["weight"]
+            if self._serving_adapter is not None:
+                self._merge_adapter(eff, self._adapters[self._serving_adapter])
             self._effective = eff
         return self._effective
+
+    def _merge_adapter(self, eff: dict[str, torch.Tensor], adapter: LoraAdapter) -> None:
+        """Fold the served adapter into the effective weights: each module's rows of its fused
+        weight become PEFT's merge of them (`domain.lora.merge_weight`), in the effective dtype."""
+        slots = slot_table(self.config)
+        copied: set[str] = set()
+        for module, w in adapter.modules.items():
+            slot = slots[module]
+            if slot.key not in copied:  # never write into the live storage a BF16 module serves from
+                eff[slot.key] = eff[slot.key].clone()
+                copied.add(slot.key)
+            eff[slot.key][slot.rows] = merge_weight(module, eff[slot.key][slot.rows], w, adapter.scaling)
+
+    # --- the adapter mode (ports.lora_engine) ---------------------------------------------------
+
+    @property
+    def serving_adapter(self) -> int | None:
+        return self._serving_adapter
+
+    def stage_adapter(self, adapter: LoraAdapter) -> StagedAdapter:
+        """Hold an owned copy of `adapter` under a fresh id (LoraEngine port); nothing serves it yet."""
+        try:
+            adapter.check_base(dict(hf_weight_shapes(self.config)))
+            if unknown := [m for m in adapter.modules if m not in slot_table(self.config) or ".experts." in m]:
+                raise LoraError(unknown[0], "the engine applies adapters to dense projections only")
+        except LoraError as err:
+            raise AdapterUpdateFailed(str(err), self._serving_adapter) from err
+        owned = {m: LoraWeights(w.lora_A.clone(), w.lora_B.clone()) for m, w in adapter.modules.items()}
+        staged = StagedAdapter(self._next_adapter, adapter.nbytes)  # in process: the owned copies
+        self._adapters[staged.adapter_id] = attrs.evolve(adapter, modules=owned)
+        self._next_adapter += 1
+        return staged
+
+    def commit_adapter(self, staged: StagedAdapter) -> None:
+        """Serve the staged adapter from now on and drop the previous one (LoraEngine port)."""
+        if staged.adapter_id not in self._adapters:
+            raise AdapterUpdateFailed(f"adapter {staged.adapter_id} is not staged", self._serving_adapter)
+        previous, self._serving_adapter = self._serving_adapter, staged.adapter_id
+        self._effective = None
+        if previous is not None:
+            self._adapters.pop(previous, None)
+
+    def abort_adapter(self, staged: StagedAdapter) -> None:
+        """Drop a staged adapter (idempotent; the served one is kept)."""
+        if staged.adapter_id != self._serving_adapter:
+            self._adapters.pop(staged.adapter_id, None)
 
     def _act(self, key: str, x: torch.Tensor) -> torch.Tensor:
         m = self.layout.modules[key]

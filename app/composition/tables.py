@@ -104,12 +104,15 @@ def _reference_trainer(services: Services, model: object | None) -> TrainerModel
     with model.path, a Qwen3 / Qwen3-MoE checkpoint's weights at its shapes."""
     from adapters.reference.config import preset
     from adapters.reference.trainer import ReferenceTrainer
+    from app.composition.lora import with_adapter
 
     ref = services.config.reference
     checkpoint = services.checkpoint()
     if checkpoint is not None:  # the reference model at the checkpoint's shapes, holding its weights
-        return ReferenceTrainer.from_hf_weights(services.embedded.reference_config(), checkpoint.iter_tensors())
-    return ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
+        trainer = ReferenceTrainer.from_hf_weights(services.embedded.reference_config(), checkpoint.iter_tensors())
+    else:
+        trainer = ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
+    return with_adapter(services, trainer)
 
 
 def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:

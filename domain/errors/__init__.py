@@ -57,6 +57,7 @@ from domain.errors.forward import (
     ThdPackingError,
 )
 from domain.errors.lora import (
+    AdapterUpdateFailed,
     LoraError,
     LoraNonFinite,
     LoraRankMismatch,
@@ -107,6 +108,7 @@ from domain.errors.refit import (
 )
 
 __all__ = [
+    "AdapterUpdateFailed",
     "BlockMisaligned",
     "BoundaryLayersMismatch",
     "BucketLayoutError",

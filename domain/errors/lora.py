@@ -37,3 +37,18 @@ class LoraUnknownTarget(LoraError):
 
 class LoraUnsupported(LoraError, NotImplementedError):
     """A PEFT feature the refit does not carry (DoRA, lora_bias, fan_in_fan_out, per-module ranks)."""
+
+
+class AdapterUpdateFailed(RefitError, RuntimeError):
+    """An adapter update did not go live: a worker could not build or hold the new adapter, or the
+    base refit of the same step failed. The previous adapter still serves (or, when the base refit
+    left the engine stale, nothing serves until a refit succeeds).
+
+    Attributes:
+        previous: the adapter id that still serves, or None.
+    """
+
+    def __init__(self, problem: str, previous: int | None) -> None:
+        self.previous = previous
+        still = f"adapter {previous} still serves" if previous is not None else "no adapter was serving"
+        super().__init__(f"adapter update failed ({problem}); {still}; retry the update")
