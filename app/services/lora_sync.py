@@ -24,10 +24,44 @@ import structlog
 from app.services.refit import RefitService
 from domain.errors import AdapterUpdateFailed, RefitFailed
 from domain.lora.adapter import LoraAdapter
-from domain.lora.sync import AdapterUpdateReport, StagedAdapter
+from domain.lora.sync import StagedAdapter
 from domain.refit.report import RefitReport
 from ports.lora_engine import LoraEngine
 from ports.trainer_model import TrainerModel
+
+
+@attrs.frozen
+class AdapterUpdateReport:
+    """One adapter-mode step: the base refit when the base changed, and the adapter update.
+
+    Attributes:
+        update: the update's number (1 = the first).
+        live: the new adapter serves (and the base refit, if any, went live with it).
+        adapter_id: the id that serves after the step (the new one, or the previous one).
+        previous_id: the id that served before it (None: none did).
+        bytes_sent: the adapter's bytes on the wire (staging); the base refit's are in `base`.
+        adapter_bytes: the adapter's own bytes (every lora_A and lora_B).
+        base: the base refit's report, when the step refitted the base.
+        error: why the step did not go live (None when it did).
+        seconds: wall-clock time of the whole step.
+    """
+
+    update: int
+    live: bool
+    adapter_id: int | None
+    previous_id: int | None
+    bytes_sent: int
+    adapter_bytes: int
+    base: RefitReport | None
+    error: str | None
+    seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "update": self.update, "live": self.live, "adapter_id": self.adapter_id, "previous_id": self.previous_id,
+            "bytes_sent": self.bytes_sent, "adapter_bytes": self.adapter_bytes,
+            "base": None if self.base is None else self.base.to_dict(), "error": self.error, "seconds": self.seconds,
+        }
 
 
 @runtime_checkable

@@ -31,8 +31,9 @@ from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
 IDS = rs.token_ids()
 
 
-def _service(plan: QuantizationPlan = QuantizationPlan.bf16(), engine: Any = None, *, r: int = 4,
+def _service(plan: QuantizationPlan | None = None, engine: Any = None, *, r: int = 4,
              commit_mode: CommitMode = CommitMode.TRANSACTIONAL, restore: str | None = None) -> LoraSyncService:
+    plan = plan or QuantizationPlan.bf16()
     trainer = LoraTrainer.from_seed(rs.trainer(), r=r)
     engine = engine or ReferenceEngine(MICRO_MOE, plan, commit_mode=commit_mode)
     base_refit = RefitService(trainer.base, engine, plan, bucket_bytes=rs.SMALL_BUCKET, restore=restore)
@@ -201,9 +202,9 @@ def test_the_composition_root_builds_the_adapter_mode_and_refuses_what_cannot_se
     assert svc.trainer.adapter.scaling == 2.0  # alpha defaults to 2 r
     assert svc.sync().live and svc.sync().base is None
     merged = bootstrap(overrides=["reference.model=micro-moe", "actor.lora.rank=4"])
-    with pytest.raises(ConfigError, match="actor.lora.sync"):
+    with pytest.raises(ConfigError, match=r"actor\.lora\.sync"):
         merged.lora.sync_service()
     assert isinstance(merged.trainer_model(), LoraTrainer)  # merged: the trainer's weights are the merged model
     plain = bootstrap(overrides=["reference.model=micro-moe", "actor.lora.sync=adapter"])
-    with pytest.raises(ConfigError, match="actor.lora.rank"):
+    with pytest.raises(ConfigError, match=r"actor\.lora\.rank"):
         plain.lora.sync_service()
