@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import torch
 
+from adapters.vllm.lora import LoraServing, lora_request
 from adapters.vllm.profile import VLLM_RANGE
 from adapters.vllm.protocol import (
     EXTENSION,
@@ -37,7 +38,8 @@ class LlmLogProbs:
 
     llm: Any
 
-    def __call__(self, input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, input_ids: torch.Tensor, temperature: float = 1.0,
+                 lora: LoraServing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -45,7 +47,7 @@ class LlmLogProbs:
             raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
         params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0)
         prompts = [TokensPrompt(prompt_token_ids=row.tolist()) for row in input_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request(lora))
         rows = []
         for row, out in zip(input_ids.tolist(), outputs, strict=True):
             per_pos = out.prompt_logprobs[1:]  # position 0 has no log-prob
@@ -60,17 +62,19 @@ class LlmGreedy:
 
     llm: Any
 
-    def __call__(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return greedy_tokens(self.llm, prompts, max_tokens)
+    def __call__(self, prompts: list[list[int]], max_tokens: int, lora: LoraServing | None = None) -> list[list[int]]:
+        return greedy_tokens(self.llm, prompts, max_tokens, lora)
 
 
-def greedy_tokens(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy continuations (temperature 0) of token-id prompts."""
+def greedy_tokens(llm: Any, prompts: list[list[int]], max_tokens: int,
+                  lora: LoraServing | None = None) -> list[list[int]]:
+    """Greedy continuations (temperature 0) of token-id prompts (with a LoRA adapter, if named)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                        lora_request=lora_request(lora))
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -124,6 +128,9 @@ class ExtensionWorkers(WorkerQueries):
 
     def abort(self) -> None:
         self.call(Abort())
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Shut the in-process engine down."""

@@ -67,6 +67,7 @@ class HostLogProbs(HostRequest[LogProbsReply]):
 
     input_ids: tuple[Any, ...] = attrs.field(converter=tuple_of)
     temperature: float = attrs.field(converter=float, default=1.0)
+    lora: list[Any] | None = None  # the adapter to serve with (adapters.vllm.lora.LoraServing, plain)
 
 
 @attrs.frozen
@@ -82,6 +83,14 @@ class HostGreedy(HostRequest[Tokens]):
 
     prompts: tuple[Any, ...] = attrs.field(converter=tuple_of)
     max_tokens: int = attrs.field(converter=int)
+    lora: list[Any] | None = None  # the adapter to serve with (adapters.vllm.lora.LoraServing, plain)
+
+
+@attrs.frozen
+class ResetPrefixCache(HostRequest[Done]):
+    """Drop every prefix-cache entry (those of a replaced LoRA adapter among them)."""
+
+    REPLY: ClassVar[type[Record]] = Done
 
 
 @attrs.frozen
@@ -92,7 +101,7 @@ class Shutdown(HostRequest[Done]):
 
 
 HOST_REQUESTS: dict[str, type[HostRequest[Any]]] = {
-    cls.__name__: cls for cls in (CallWorkers, HostLogProbs, HostGreedy, Shutdown)}
+    cls.__name__: cls for cls in (CallWorkers, HostLogProbs, HostGreedy, ResetPrefixCache, Shutdown)}
 
 MAX_LINE = 1 << 31  # a line is one message; diagnostics (live weights) can be large
 

@@ -25,8 +25,12 @@ import torch
 
 from adapters.vllm.errors import EngineRefitUnsupported
 from adapters.vllm.hooks import VllmHooks
+from adapters.vllm.lora import LoraServing
 from adapters.vllm.protocol import FinalizeReply
 from adapters.vllm.worker import WorkerRefit
+from domain.errors import AdapterUpdateFailed
+from domain.lora.adapter import LoraAdapter
+from domain.lora.sync import StagedAdapter, peft_config
 from domain.refit.buckets import Bucket, unpack_bucket
 from domain.refit.delta_sync import DeltaBase
 from domain.refit.engine_layout import Layout, check_bucket
@@ -37,8 +41,9 @@ from domain.refit.storage import StorageFingerprint
 
 log = structlog.get_logger()
 
-LogProbFn = Callable[[torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
-GreedyFn = Callable[[list[list[int]], int], list[list[int]]]
+# Called with (input_ids, temperature) or (prompts, max_tokens), and `lora=` when an adapter serves.
+LogProbFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+GreedyFn = Callable[..., list[list[int]]]
 
 
 class VllmWorkers(Protocol):
@@ -79,6 +84,18 @@ class VllmWorkers(Protocol):
 
     def kv_scales(self) -> dict[str, list[float]]:
         """Each attention layer's q/k/v/prob scales, by module name."""
+        ...
+
+    def lora_stage(self, adapter_id: int, config: Mapping[str, Any], tensors: bytes) -> int:
+        """Every worker builds a LoRA adapter under `adapter_id`; returns the bytes sent to them."""
+        ...
+
+    def lora_drop(self, adapter_id: int) -> None:
+        """Every worker drops `adapter_id`."""
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every prefix-cache entry of the engine."""
         ...
 
     def close(self) -> None:
@@ -124,6 +141,15 @@ class LocalWorkers:
 
         return kv_scales(self.refit.model)
 
+    def lora_stage(self, adapter_id: int, config: Mapping[str, Any], tensors: bytes) -> int:
+        raise AdapterUpdateFailed("an engine over a bare model in this process serves no LoRA adapters", None)
+
+    def lora_drop(self, adapter_id: int) -> None:
+        return None  # it never holds one
+
+    def reset_prefix_cache(self) -> None:
+        return None  # no cache
+
     def close(self) -> None:
         return None  # the model belongs to the caller
 
@@ -159,6 +185,8 @@ class VllmRolloutEngine:
     _guard: EngineGuard = attrs.field(init=False)
     _seen: set[str] = attrs.field(init=False, factory=set)
     _started: bool = attrs.field(init=False, default=False)
+    _lora: LoraServing | None = attrs.field(init=False, default=None)  # the adapter requests are served with
+    _next_lora: int = attrs.field(init=False, default=1)
 
     @classmethod
     def in_process(cls, model: torch.nn.Module, model_config: object, hooks: VllmHooks, **kwargs: Any) -> VllmRolloutEngine:
@@ -256,18 +284,70 @@ class VllmRolloutEngine:
     def live_weights(self) -> Mapping[str, torch.Tensor]:
         return MappingProxyType(self.workers.live_weights())
 
-    def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0,
+                  lora: LoraServing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt log-probs, with the served LoRA adapter (or `lora`: another one the engine
+        loads itself, e.g. vLLM's own LoRARequest of a directory)."""
         self._guard.check_serving()
         if self.log_prob_fn is None:
             raise NotImplementedError("this VllmRolloutEngine was built without log_prob_fn; pass client.LlmLogProbs(llm)")
-        return self.log_prob_fn(input_ids, temperature)
+        return self.log_prob_fn(input_ids, temperature, **self._with(lora))
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        """Greedy continuations of token-id prompts (refused while stale or mid-refit)."""
+    def greedy(self, prompts: list[list[int]], max_tokens: int, *, lora: LoraServing | None = None) -> list[list[int]]:
+        """Greedy continuations of token-id prompts (refused while stale or mid-refit), with the
+        served LoRA adapter (or `lora`)."""
         self._guard.check_serving()
         if self.greedy_fn is None:
             raise NotImplementedError("this VllmRolloutEngine was built without greedy_fn")
-        return self.greedy_fn(prompts, max_tokens)
+        return self.greedy_fn(prompts, max_tokens, **self._with(lora))
+
+    def _with(self, lora: LoraServing | None) -> dict[str, LoraServing]:
+        chosen = lora or self._lora
+        return {} if chosen is None else {"lora": chosen}
+
+    # --- the adapter mode (ports.lora_engine) -----------------------------------------------------
+
+    @property
+    def serving_adapter(self) -> int | None:
+        return None if self._lora is None else self._lora.adapter_id
+
+    def stage_adapter(self, adapter: LoraAdapter) -> StagedAdapter:
+        """Every worker builds `adapter` under a fresh id from its serialized tensors (LoraEngine
+        port); nothing serves it until `commit_adapter`. A worker that fails: the id is dropped on
+        every worker and AdapterUpdateFailed raised, the served adapter untouched."""
+        from safetensors.torch import save
+
+        adapter_id, self._next_lora = self._next_lora, self._next_lora + 1
+        blob = save({name: t.contiguous() for name, t in adapter.named_tensors()})
+        try:
+            sent = self.workers.lora_stage(adapter_id, peft_config(adapter), blob)
+        except Exception as err:
+            self._drop(adapter_id)
+            raise AdapterUpdateFailed(f"staging adapter {adapter_id}: {type(err).__name__}: {err}",
+                                      self.serving_adapter) from err
+        return StagedAdapter(adapter_id, sent)
+
+    def commit_adapter(self, staged: StagedAdapter) -> None:
+        """Serve the staged adapter from the next request on, drop the prefix cache (its entries of
+        the previous adapter), then the previous id on every worker."""
+        previous, self._lora = self._lora, LoraServing.staged(staged.adapter_id)
+        try:
+            self.workers.reset_prefix_cache()
+        except Exception as err:  # entries of the previous adapter stay unreachable (its path is unique)
+            log.warning("prefix cache reset failed", adapter_id=staged.adapter_id, error=f"{type(err).__name__}: {err}")
+        if previous is not None:
+            self._drop(previous.adapter_id)
+
+    def abort_adapter(self, staged: StagedAdapter) -> None:
+        """Drop a staged id on every worker (the served one is kept)."""
+        if staged.adapter_id != self.serving_adapter:
+            self._drop(staged.adapter_id)
+
+    def _drop(self, adapter_id: int) -> None:
+        try:
+            self.workers.lora_drop(adapter_id)
+        except Exception as err:  # it holds a slot until the engine restarts; nothing serves it
+            log.warning("dropping a LoRA adapter failed", adapter_id=adapter_id, error=f"{type(err).__name__}: {err}")
 
     def digests(self) -> dict[str, str]:
         """sha256 of every parameter and buffer of the (first) worker, to compare engines bit for bit."""

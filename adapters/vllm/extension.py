@@ -144,7 +144,27 @@ class RefitWorkerExtension:
         """Each attention layer's q/k/v/prob scale buffers (`_q_scale`, ...), by module name."""
         return answer(p.KvScales, request, lambda _: p.KvScalesReply(kv_scales(self._rl_refit_state().model)))
 
+    def rl_refit_lora_stage(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Build a LoRA adapter from the tensors sent, under the id given (held, not served)."""
+        return answer(p.LoraStage, request, self._rl_refit_on_lora_stage)
+
+    def rl_refit_lora_drop(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Drop a held LoRA adapter (nothing when none has the id)."""
+        return answer(p.LoraDrop, request, self._rl_refit_on_lora_drop)
+
     # --- what each step does (subclasses override these) ------------------------------------------
+
+    def _rl_refit_on_lora_stage(self, request: p.LoraStage) -> p.LoraStaged:
+        from adapters.vllm.lora import stage, worker_manager
+
+        with self._rl_refit_context():
+            return p.LoraStaged(stage(worker_manager(self), request.adapter_id, request.config, request.tensors))
+
+    def _rl_refit_on_lora_drop(self, request: p.LoraDrop) -> p.Record:
+        from adapters.vllm.lora import drop, worker_manager
+
+        drop(worker_manager(self), request.adapter_id)
+        return p.Done()
 
     def _rl_refit_on_ready(self, _: p.Ready) -> p.ReadyReply:
         refit = self._rl_refit_state()

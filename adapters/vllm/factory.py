@@ -22,6 +22,7 @@ from adapters.engine_start import EngineStart, check_commit_mode
 from adapters.vllm.cpu_emulation import ENV_VAR as CPU_EMULATION_ENV
 from adapters.vllm.cpu_emulation import parse_mode
 from adapters.vllm.engine import VllmRolloutEngine
+from domain.errors import ConfigError
 from domain.quant.backend_policy import DEEP_GEMM, BackendDecision
 from domain.refit.session import CommitMode
 
@@ -153,8 +154,32 @@ def _environment(section: VllmSettings, start: EngineStart, *, colocated: bool) 
             **{k: str(v) for k, v in section.environment.items()}}
 
 
+# vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The layers an adapter-mode engine wraps for LoRA: the attention and MLP projections. Not lm_head:
+# vLLM wraps the logits processor with it, whose CPU path fails on prompt log-probs (bgmv_shrink
+# indexes one row per request, not per prompt position).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_engine_args(rank: int) -> dict[str, Any]:
+    """The engine arguments an adapter-mode engine starts with, unless the user set them: LoRA on
+    the projections (LORA_TARGET_MODULES), the smallest max_lora_rank that holds `rank` (0:
+    vLLM's default), two adapters served at once (the previous and the new one while a request
+    started before the switch finishes) and three held (the served one, a staged one, and one
+    more)."""
+    args: dict[str, Any] = {"enable_lora": True, "max_loras": 2, "max_cpu_loras": 3,
+                            "lora_target_modules": list(LORA_TARGET_MODULES)}
+    if rank:
+        fits = [r for r in MAX_LORA_RANKS if r >= rank]
+        if not fits:
+            raise ConfigError("actor.lora.rank", f"{rank} is over vLLM's largest max_lora_rank ({MAX_LORA_RANKS[-1]})")
+        args["max_lora_rank"] = fits[0]
+    return args
+
+
 def build_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost, *, deployment: str,
-                      commit_mode: CommitMode | None = None) -> VllmRolloutEngine:
+                      commit_mode: CommitMode | None = None, lora_rank: int | None = None) -> VllmRolloutEngine:
     """A started vLLM engine configured for `start.plan`.
 
     Args:
@@ -163,10 +188,15 @@ def build_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost,
         host: the starting process's interpreter, environment and embedded model.
         deployment: rollout.deployment, colocated (vLLM in this process) or disaggregated.
         commit_mode: rollout.commit_mode (vLLM commits per layer only).
+        lora_rank: serve LoRA adapters of this rank (`actor.lora.sync: adapter`; 0: a rank the
+            configuration does not know); None: no LoRA.
     """
     check_commit_mode(commit_mode, CommitMode.PER_LAYER, "vllm")
+    base = _base(section, start)
+    if lora_rank is not None:
+        base = {**lora_engine_args(lora_rank), **base}
     kwargs = vllm_engine_kwargs(start.quantization_config, start.decision, kv_cache_dtype=section.kv_cache_dtype,
-                                base=_base(section, start))
+                                base=base)
     owned: tuple[str, ...] = ()
     if "model" not in kwargs:  # the embedded model: its config.json, weights from the first refit
         kwargs["model"] = str(host.embedded_model_dir())

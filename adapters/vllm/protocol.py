@@ -334,6 +334,36 @@ class KvScales(Request[KvScalesReply]):
 
 
 @attrs.frozen
+class LoraStaged(Record):
+    """The modules of a staged adapter (after vLLM's packing of q/k/v and gate/up)."""
+
+    modules: int = attrs.field(converter=int)
+
+
+@attrs.frozen
+class LoraStage(Request[LoraStaged]):
+    """Build a LoRA adapter under `adapter_id` from its tensors (a safetensors blob in PEFT's names)
+    and its adapter_config; the worker holds it, unserved until a request names the id."""
+
+    METHOD: ClassVar[str] = "rl_refit_lora_stage"
+    REPLY: ClassVar[type[Record]] = LoraStaged
+
+    adapter_id: int = attrs.field(converter=int)
+    config: dict[str, Any] = attrs.field(converter=dict)
+    tensors: bytes = attrs.field(converter=bytes)
+
+
+@attrs.frozen
+class LoraDrop(Request[Done]):
+    """Drop the adapter held under `adapter_id` (nothing when none is)."""
+
+    METHOD: ClassVar[str] = "rl_refit_lora_drop"
+    REPLY: ClassVar[type[Record]] = Done
+
+    adapter_id: int = attrs.field(converter=int)
+
+
+@attrs.frozen
 class BenchMode(Request[Done]):
     """How the next refits load: `refit` (rl-refit's WorkerRefit) or `load_weights` (the baseline)."""
 
@@ -374,6 +404,7 @@ _CROSSING: tuple[type[BaseException], ...] = (
     errors.StorageRebound, errors.InjectedFault, errors.TransportAborted, errors.WireProtocolError,
     errors.CollectiveTimeout, errors.PeerLost, errors.PeerFailed, errors.UnsupportedCombination, errors.ConfigError,
     errors.InvalidTensor, errors.UnsupportedQuantMethod, errors.DeltaBaseMismatch, errors.DeltaRecordError,
+    errors.AdapterUpdateFailed, errors.LoraError,
     ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, NotImplementedError, AssertionError,
     TimeoutError, ConnectionError, OSError, MemoryError, WorkerError,
 )
@@ -497,3 +528,13 @@ class WorkerQueries:
     def kv_scales(self) -> dict[str, list[float]]:
         """Each attention layer's q/k/v/prob scales on the first worker."""
         return {k: list(v) for k, v in self.call(KvScales()).scales.items()}
+
+    def lora_stage(self, adapter_id: int, config: Mapping[str, Any], tensors: bytes) -> int:
+        """Every worker builds the adapter under `adapter_id` (raises the first worker's error);
+        returns the bytes sent (the serialized tensors, which collective_rpc hands every worker)."""
+        self.call_all(LoraStage(adapter_id, dict(config), tensors))
+        return len(tensors)
+
+    def lora_drop(self, adapter_id: int) -> None:
+        """Every worker drops `adapter_id` (raises the first worker's error)."""
+        self.call_all(LoraDrop(adapter_id))

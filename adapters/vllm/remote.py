@@ -37,8 +37,18 @@ import structlog
 import torch
 
 from adapters.distributed.launch import listen_socket
-from adapters.vllm.control import CallWorkers, Channel, Hello, HostGreedy, HostLogProbs, HostRequest, Shutdown
+from adapters.vllm.control import (
+    CallWorkers,
+    Channel,
+    Hello,
+    HostGreedy,
+    HostLogProbs,
+    HostRequest,
+    ResetPrefixCache,
+    Shutdown,
+)
 from adapters.vllm.errors import EngineProcessError
+from adapters.vllm.lora import LoraServing
 from adapters.vllm.protocol import (
     TAG,
     Abort,
@@ -475,6 +485,14 @@ class RemoteWorkers(WorkerQueries):
         self.process.drain()  # the workers' receive ends with the ABORT
         self.call(Abort())
 
+    def reset_prefix_cache(self) -> None:
+        self.process.call(ResetPrefixCache())
+
+    def lora_stage(self, adapter_id: int, config: Mapping[str, Any], tensors: bytes) -> int:
+        """As WorkerQueries', over the control channel: the tensors travel base64-encoded (4/3)."""
+        super().lora_stage(adapter_id, config, tensors)
+        return 4 * -(-len(tensors) // 3)
+
     def delta_base(self) -> DeltaBase:
         self._delta = True  # from now on every stream carries its metadata
         return super().delta_base()
@@ -495,10 +513,15 @@ class RemoteLogProbs:
 
     process: EngineProcess
 
-    def __call__(self, input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.process.call(HostLogProbs(input_ids.tolist(), temperature)).rows
+    def __call__(self, input_ids: torch.Tensor, temperature: float = 1.0,
+                 lora: LoraServing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.process.call(HostLogProbs(input_ids.tolist(), temperature, _plain(lora))).rows
         logp = torch.tensor([list(row) for row in rows], dtype=torch.float32)
         return logp, torch.full_like(logp, float("nan"))
+
+
+def _plain(lora: LoraServing | None) -> list[Any] | None:
+    return None if lora is None else lora.to_plain()
 
 
 @attrs.define
@@ -507,8 +530,8 @@ class RemoteGreedy:
 
     process: EngineProcess
 
-    def __call__(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        tokens = self.process.call(HostGreedy(prompts, max_tokens)).tokens
+    def __call__(self, prompts: list[list[int]], max_tokens: int, lora: LoraServing | None = None) -> list[list[int]]:
+        tokens = self.process.call(HostGreedy(prompts, max_tokens, _plain(lora))).tokens
         return [list(map(int, p)) for p in tokens]
 
 

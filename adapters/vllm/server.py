@@ -11,8 +11,9 @@ trainer goes away:
 | request | what the host does | reply |
 |---|---|---|
 | `CallWorkers` {method, request} | `LLM.collective_rpc(method, args=(request,))`, methods `rl_refit_*` only | `WorkerAnswers`: one plain answer per worker |
-| `HostLogProbs` {input_ids, temperature} | prompt log-probs of each row | `LogProbsReply`: [B][T-1] floats |
-| `HostGreedy` {prompts, max_tokens} | greedy continuations | `Tokens`: token ids per prompt |
+| `HostLogProbs` {input_ids, temperature, lora} | prompt log-probs of each row (with the LoRA adapter named) | `LogProbsReply`: [B][T-1] floats |
+| `HostGreedy` {prompts, max_tokens, lora} | greedy continuations (with the LoRA adapter named) | `Tokens`: token ids per prompt |
+| `ResetPrefixCache` | `LLM.reset_prefix_cache()` (after a LoRA adapter is replaced) | `Done` |
 | `Shutdown` | replies, then exits | `Done` |
 
 A request that fails is answered with its ErrorReply (adapters.vllm.protocol).
@@ -38,10 +39,12 @@ from adapters.vllm.control import (
     HostLogProbs,
     HostRequest,
     LogProbsReply,
+    ResetPrefixCache,
     Shutdown,
     Tokens,
     WorkerAnswers,
 )
+from adapters.vllm.lora import LoraServing
 from adapters.vllm.protocol import EXTENSION, TAG, Done, ErrorReply, Ready, Record, reply_of
 
 METHOD_PREFIX = "rl_refit_"
@@ -59,18 +62,25 @@ def _log_probs(llm: Any, request: HostLogProbs) -> Record:
     from adapters.vllm.client import LlmLogProbs
 
     logp, _ = LlmLogProbs(llm)(torch.tensor([list(row) for row in request.input_ids], dtype=torch.long),
-                               request.temperature)
+                               request.temperature, LoraServing.of(request.lora))
     return LogProbsReply(logp.tolist())
 
 
 def _greedy(llm: Any, request: HostGreedy) -> Record:
     from adapters.vllm.client import greedy_tokens
 
-    return Tokens(greedy_tokens(llm, [list(p) for p in request.prompts], request.max_tokens))
+    return Tokens(greedy_tokens(llm, [list(p) for p in request.prompts], request.max_tokens,
+                                LoraServing.of(request.lora)))
+
+
+def _reset_prefix_cache(llm: Any, _: ResetPrefixCache) -> Record:
+    llm.reset_prefix_cache()
+    return Done()
 
 
 HANDLERS: dict[type[HostRequest[Any]], Callable[[Any, Any], Record]] = {
-    CallWorkers: _call_workers, HostLogProbs: _log_probs, HostGreedy: _greedy, Shutdown: lambda _llm, _r: Done(),
+    CallWorkers: _call_workers, HostLogProbs: _log_probs, HostGreedy: _greedy, ResetPrefixCache: _reset_prefix_cache,
+    Shutdown: lambda _llm, _r: Done(),
 }
 
 

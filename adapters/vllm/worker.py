@@ -36,8 +36,15 @@ def _expected(model: torch.nn.Module, hooks: VllmHooks) -> set[str]:
         qm = getattr(module, "quant_method", None)
         if qm is not None and hooks.is_kv_cache_method(qm):
             skip.add(f"{name}." if name else "")
-    return {n for n, _ in model.named_parameters()
+    return {unwrapped(n) for n, _ in model.named_parameters()
             if n.rpartition(".")[2] not in KV_SCALE_NAMES and not any(n.startswith(p) for p in skip if p)}
+
+
+def unwrapped(name: str) -> str:
+    """A parameter's name without vLLM's LoRA wrapper (`qkv_proj.base_layer.weight` ->
+    `qkv_proj.weight`): an engine started with LoRA wraps its layers, and its `load_weights`
+    reports the names of the layers it wrapped."""
+    return name.replace(".base_layer.", ".")
 
 
 # Activation scales a scheme may allocate whatever the checkpoint holds: vLLM's NVFP4 expert method
@@ -166,7 +173,7 @@ class WorkerRefit:
             loaded = load_weights(owned)  # type: ignore[operator]
         self.tensors_loaded += len(owned)
         if isinstance(loaded, set) and self.written is not None:
-            self.written |= loaded  # the engine parameters these tensors were loaded into
+            self.written |= {unwrapped(n) for n in loaded}  # the engine parameters these tensors were loaded into
         else:
             self.written = None  # this model's load_weights does not say what it wrote
         return len(owned)
@@ -194,7 +201,8 @@ class WorkerRefit:
         self._reprocess_tied_modules()
         written = self.written
         if written is not None:  # tied parameters are one storage: written when any of them is
-            written = written | {n for alias, target in self.ties.items() if alias in written or target in written
+            ties = {unwrapped(a): unwrapped(t) for a, t in self.ties.items()}
+            written = written | {n for alias, target in ties.items() if alias in written or target in written
                                  for n in (alias, target)}
         redone = self.hooks.redo_experts(self.model, written if written is not None else ())
         seconds = time.perf_counter() - t0
@@ -217,7 +225,7 @@ class WorkerRefit:
         for alias, target in self.ties.items():
             for name, other in ((alias, target), (target, alias)):
                 module_name, other_module = name.rpartition(".")[0], other.rpartition(".")[0]
-                if name in written or module_name == other_module or module_name in done:
+                if unwrapped(name) in written or module_name == other_module or module_name in done:
                     continue
                 module = self.model.get_submodule(module_name)
                 qm = getattr(module, "quant_method", None)

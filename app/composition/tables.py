@@ -85,9 +85,11 @@ def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any
 def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
     from adapters.vllm.factory import build_vllm_engine
 
+    lora = services.config.actor.lora
     return build_vllm_engine(services.config.rollout.engine_kwargs.vllm, engine_start(services, "vllm", plan),
                              services.vllm_host(), deployment=services.config.rollout.deployment,
-                             commit_mode=options.get("commit_mode"))
+                             commit_mode=options.get("commit_mode"),
+                             lora_rank=lora.rank if lora.sync == "adapter" else None)
 
 
 def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
