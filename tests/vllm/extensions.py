@@ -71,6 +71,28 @@ class PoisonKv(p.Request[Layers]):
     value: float = attrs.field(converter=float)
 
 
+@attrs.frozen
+class FailLoraStage(p.Request[p.Done]):
+    """The next adapter staging on this worker fails after the adapter was built and held (the
+    engine must drop it)."""
+
+    METHOD: ClassVar[str] = "rl_refit_test_fail_lora_stage"
+    REPLY: ClassVar[type[p.Record]] = p.Done
+
+
+@attrs.frozen
+class Ids(p.Record):
+    ids: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(i) for i in v))
+
+
+@attrs.frozen
+class LoraIds(p.Request[Ids]):
+    """The LoRA adapter ids the worker holds."""
+
+    METHOD: ClassVar[str] = "rl_refit_test_lora_ids"
+    REPLY: ClassVar[type[p.Record]] = Ids
+
+
 def _no_redo(_model: torch.nn.Module, _written: Any) -> int:
     return 0
 
@@ -105,6 +127,24 @@ class TestExtension(RefitWorkerExtension):
             return p.Done()
 
         return answer(DisableRedo, request, arm)
+
+    def rl_refit_test_fail_lora_stage(self, request: dict[str, Any]) -> dict[str, Any]:
+        def arm(_: FailLoraStage) -> p.Record:
+            self._rl_refit_test_state()["fail_lora"] = True
+            return p.Done()
+
+        return answer(FailLoraStage, request, arm)
+
+    def rl_refit_test_lora_ids(self, request: dict[str, Any]) -> dict[str, Any]:
+        from adapters.vllm.lora import worker_manager
+
+        return answer(LoraIds, request, lambda _: Ids(sorted(worker_manager(self).list_adapters())))
+
+    def _rl_refit_on_lora_stage(self, request: p.LoraStage) -> p.LoraStaged:
+        staged = super()._rl_refit_on_lora_stage(request)
+        if self._rl_refit_test_state().pop("fail_lora", False):
+            raise RuntimeError("injected adapter staging fault (tests.vllm.extensions), after the adapter was held")
+        return staged
 
     def rl_refit_test_poison_kv(self, request: dict[str, Any]) -> dict[str, Any]:
         return answer(PoisonKv, request, lambda r: Layers(self._poison_kv(r.value)))
