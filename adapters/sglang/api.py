@@ -15,6 +15,13 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("member", "sglang.srt.entrypoints.engine:Engine.begin_weight_update", ()),
     ("member", "sglang.srt.entrypoints.engine:Engine.end_weight_update", ()),
     ("member", "sglang.srt.entrypoints.engine:Engine.update_weights_from_tensor", ("load_format", "flush_cache")),
+    # the adapter mode (engine.py: stage, commit, abort; requests name the adapter by lora_path)
+    ("member", "sglang.srt.entrypoints.engine:Engine.load_lora_adapter_from_tensors",
+     ("lora_name", "tensors", "config_dict")),
+    ("member", "sglang.srt.entrypoints.engine:Engine.unload_lora_adapter", ("lora_name",)),
+    ("member", "sglang.srt.entrypoints.engine:Engine.flush_cache", ()),
+    ("member", "sglang.srt.entrypoints.engine:Engine.generate", ("lora_path",)),
+    ("field", "sglang.srt.arg_groups.fields.lora:enable_lora", ()),
     # how SGLang calls the custom loader, and what end_weight_update runs (loader.py)
     ("contains", "sglang.srt.model_executor.model_runner_components.weight_updater:"
                  "WeightUpdater.update_weights_from_tensor",

@@ -21,7 +21,8 @@ def _ok(result: object) -> tuple[bool, str]:
         return True, ""
     if isinstance(result, tuple):
         return bool(result[0]), str(result[1]) if len(result) > 1 else ""
-    return bool(getattr(result, "success", True)), str(getattr(result, "message", ""))
+    message = getattr(result, "message", None) or getattr(result, "error_message", None) or ""
+    return bool(getattr(result, "success", True)), str(message)
 
 
 @attrs.define
@@ -61,6 +62,16 @@ class EngineClient:
 
     def end_weight_update(self) -> tuple[bool, str]:
         return _ok(self.engine.end_weight_update())
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict[str, torch.Tensor],
+                                       config_dict: dict[str, Any]) -> tuple[bool, str]:
+        return _ok(self.engine.load_lora_adapter_from_tensors(lora_name, tensors, config_dict))
+
+    def unload_lora_adapter(self, lora_name: str) -> tuple[bool, str]:
+        return _ok(self.engine.unload_lora_adapter(lora_name))
+
+    def flush_cache(self) -> tuple[bool, str]:
+        return _ok(self.engine.flush_cache())
 
     def storage_fingerprint(self) -> StorageFingerprint:
         return StorageFingerprint({})

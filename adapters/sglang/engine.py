@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import structlog
@@ -29,7 +29,9 @@ from adapters.sglang.staging import (
     StagingRule,
     marker,
 )
-from domain.errors import EngineUpdateFailed
+from domain.errors import AdapterUpdateFailed, EngineUpdateFailed
+from domain.lora.adapter import LoraAdapter
+from domain.lora.sync import StagedAdapter, peft_config
 from domain.quant.plan import QuantizationPlan
 from domain.quant.rules import check_sync_backend
 from domain.refit.buckets import Bucket, unpack_bucket
@@ -42,7 +44,8 @@ from domain.refit.storage import StorageFingerprint
 log = structlog.get_logger()
 
 NamedTensors = list[tuple[str, torch.Tensor]]
-LogProbFn = Callable[[torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+# Called with (input_ids, temperature), and `lora_path=` the served adapter's name when there is one.
+LogProbFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class SglangClient(Protocol):
@@ -58,6 +61,18 @@ class SglangClient(Protocol):
     def storage_fingerprint(self) -> StorageFingerprint: ...
 
     def live_weights(self) -> Mapping[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class SglangLoraClient(Protocol):
+    """SGLang's LoRA calls (an engine started with `enable_lora`): adapters by name."""
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict[str, torch.Tensor],
+                                       config_dict: dict[str, Any]) -> tuple[bool, str]: ...
+
+    def unload_lora_adapter(self, lora_name: str) -> tuple[bool, str]: ...
+
+    def flush_cache(self) -> tuple[bool, str]: ...
 
 
 @attrs.define
@@ -91,6 +106,8 @@ class SglangRolloutEngine:
     _open: bool = attrs.field(init=False, default=False)
     _tensors: int = attrs.field(init=False, default=0)
     _staged_bytes: int = attrs.field(init=False, default=0)
+    _lora: int | None = attrs.field(init=False, default=None)  # the adapter requests are served with
+    _next_lora: int = attrs.field(init=False, default=1)
 
     def __attrs_post_init__(self) -> None:
         self._guard = EngineGuard(on_fail=self._fail)
@@ -185,7 +202,70 @@ class SglangRolloutEngine:
         return MappingProxyType(dict(self.client.live_weights()))
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs, with the served LoRA adapter when there is one (`lora_path=` its name)."""
         self._guard.check_serving()
         if self.log_prob_fn is None:
             raise NotImplementedError("this SglangRolloutEngine was built without log_prob_fn")
-        return self.log_prob_fn(input_ids, temperature)
+        if self._lora is None:
+            return self.log_prob_fn(input_ids, temperature)
+        return self.log_prob_fn(input_ids, temperature, lora_path=self.serving_lora_name)
+
+    # --- the adapter mode (ports.lora_engine) -----------------------------------------------------
+
+    @property
+    def serving_adapter(self) -> int | None:
+        return self._lora
+
+    @property
+    def serving_lora_name(self) -> str | None:
+        """The name a request gives SGLang (`lora_path`) to be served with the current adapter."""
+        return None if self._lora is None else lora_name(self._lora)
+
+    def _lora_client(self) -> SglangLoraClient:
+        if not isinstance(self.client, SglangLoraClient):
+            raise AdapterUpdateFailed(f"{type(self.client).__name__} has no LoRA calls: start SGLang with "
+                                      "enable_lora", self._lora)
+        return self.client
+
+    def stage_adapter(self, adapter: LoraAdapter) -> StagedAdapter:
+        """SGLang builds `adapter` under a fresh name (`load_lora_adapter_from_tensors`, from copies
+        it owns) while the current one serves (LoraEngine port)."""
+        client = self._lora_client()
+        adapter_id, self._next_lora = self._next_lora, self._next_lora + 1
+        tensors = {name: t.detach().clone() for name, t in adapter.named_tensors()}
+        try:
+            ok, message = client.load_lora_adapter_from_tensors(lora_name(adapter_id), tensors, peft_config(adapter))
+            if not ok:
+                raise EngineUpdateFailed(f"SGLang load_lora_adapter_from_tensors failed: {message}")
+        except Exception as err:
+            self._unload(adapter_id)
+            raise AdapterUpdateFailed(f"staging adapter {adapter_id}: {type(err).__name__}: {err}", self._lora) from err
+        return StagedAdapter(adapter_id, sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    def commit_adapter(self, staged: StagedAdapter) -> None:
+        """Serve the staged adapter's name from the next request on, flush the radix cache (its
+        entries of the previous adapter), then unload the previous one."""
+        client = self._lora_client()
+        previous, self._lora = self._lora, staged.adapter_id
+        ok, message = client.flush_cache()
+        if not ok:
+            log.warning("SGLang flush_cache failed", adapter_id=staged.adapter_id, message=message)
+        if previous is not None:
+            self._unload(previous)
+
+    def abort_adapter(self, staged: StagedAdapter) -> None:
+        if staged.adapter_id != self._lora:
+            self._unload(staged.adapter_id)
+
+    def _unload(self, adapter_id: int) -> None:
+        try:
+            ok, message = self._lora_client().unload_lora_adapter(lora_name(adapter_id))
+        except Exception as err:
+            ok, message = False, f"{type(err).__name__}: {err}"
+        if not ok:
+            log.warning("SGLang unload_lora_adapter failed", adapter_id=adapter_id, message=message)
+
+
+def lora_name(adapter_id: int) -> str:
+    """The name SGLang holds rl-refit's adapter `adapter_id` under (one name per version)."""
+    return f"rl-refit-{adapter_id}"

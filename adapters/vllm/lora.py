@@ -20,6 +20,10 @@ import attrs
 
 from domain.errors import AdapterUpdateFailed
 
+# The checks `WorkerLoRAManager._load_adapter` runs on a built adapter (the set differs between vLLM
+# releases: each runs where the manager has it).
+VALIDATIONS = ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora",
+               "_validate_classification_head_lora")
 # The name every rl-refit adapter is served under; the handle's path is unique per id, so vLLM's
 # prefix-cache keys (the adapter's name and path) never mix two versions of it.
 SERVED_NAME = "rl-refit"
@@ -97,9 +101,10 @@ def stage(manager: Any, adapter_id: int, config: Mapping[str, Any], blob: bytes)
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
     lora.is_3d_lora_weight = False
-    adapters._validate_moe_lora_format(lora)
-    adapters._validate_modules_to_save(lora)
-    adapters._validate_token_classification_lora(lora)
+    for check in VALIDATIONS:  # those of this release's _load_adapter
+        validate = getattr(adapters, check, None)
+        if validate is not None:
+            validate(lora)
     adapters.add_adapter(lora)
     return len(lora.loras)
 
