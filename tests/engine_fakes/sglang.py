@@ -184,6 +184,33 @@ class FakeSglangEngine:
         self.custom_weight_loaders = custom_weight_loaders if custom_weight_loaders is not None else (LOADER_PATH,)
         self.session = False
         self.flushes = 0
+        self.loras: dict[str, dict[str, torch.Tensor]] = {}  # LoRA adapters held, by name
+        self.lora_configs: dict[str, dict[str, object]] = {}
+        self.fail_next_lora_load: str | None = None  # the message of the next load that fails
+
+    # SGLang's LoRA calls (sglang.srt.entrypoints.engine.Engine), by the names and parameters the
+    # adapter manifest (adapters/sglang/api.py) checks against the pinned release
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict[str, torch.Tensor],
+                                       config_dict: dict[str, object], load_format: str | None = None) -> tuple[bool, str]:
+        if lora_name in self.loras:
+            return False, f"LoRA adapter {lora_name!r} is already loaded"
+        if not {"r", "lora_alpha", "target_modules"} <= set(config_dict):
+            return False, f"adapter_config lacks r, lora_alpha or target_modules: {sorted(config_dict)}"
+        if self.fail_next_lora_load is not None:
+            message, self.fail_next_lora_load = self.fail_next_lora_load, None
+            return False, message
+        self.loras[lora_name] = dict(tensors)
+        self.lora_configs[lora_name] = dict(config_dict)
+        return True, "Success"
+
+    def unload_lora_adapter(self, lora_name: str) -> tuple[bool, str]:
+        if self.loras.pop(lora_name, None) is None:
+            return False, f"LoRA adapter {lora_name!r} is not loaded"
+        return True, "Success"
+
+    def flush_cache(self) -> tuple[bool, str]:
+        self.flushes += 1
+        return True, "Success"
 
     def begin_weight_update(self) -> tuple[bool, str]:
         if self.session:
