@@ -7,6 +7,9 @@ takes training-like steps on the adapter only; each step is refitted into the em
 - merged: the whole model, W + (alpha/r)·B·A, quantized by the plan. Bytes on the wire against the
   adapter's own bytes, the refit's seconds against a refit of the base alone (the merge's cost),
   and the mismatch (k3 KL, trainer's merged BF16 model against the engine) against the base's.
+- adapter: the base refitted once, then the adapter alone each step (LoraSyncService). Bytes per
+  step against the adapter's own bytes (the budget is 2x) and against a merged refit's, the
+  step's seconds against a merged refit's, and the mismatch against the merged mode's.
 """
 
 from __future__ import annotations
@@ -63,6 +66,37 @@ def _merged_rows(report: BenchReport, name: str, base: ReferenceTrainer, fmt: st
                "the base model's (no adapter)", _k3(base, plain.engine, ids), preset=fmt)
 
 
+def _adapter_rows(report: BenchReport, name: str, base: ReferenceTrainer, fmt: str, rank: int) -> None:
+    from app.services.lora_sync import LoraSyncService
+
+    plan = _plan(fmt)
+    lora = LoraTrainer.from_seed(base, r=rank)
+    ids = token_batch(base.config.vocab_size, 4, 32, 10_000)
+    engine = ReferenceEngine(base.config, plan)
+    sync = LoraSyncService(lora, engine, RefitService(base, engine, plan, bucket_bytes=64 * MiB))
+    merged = RefitService(lora, ReferenceEngine(base.config, plan), plan, bucket_bytes=64 * MiB)
+    sync.sync()
+    merged.refit()
+    case = f"{name} {fmt} r={rank} adapter"
+    seconds: dict[str, list[float]] = {"adapter": [], "merged": []}
+    for step in range(1, STEPS + 1):
+        lora.perturb_(step, 0.02)
+        r = sync.sync()
+        if not r.live:
+            raise RuntimeError(f"{case}: an adapter step did not go live: {r.error}")
+        seconds["adapter"].append(r.seconds)
+        m = merged.refit()
+        seconds["merged"].append(m.timings["total"])
+    report.add(case, "bytes on the wire per step", r.bytes_sent / MiB, "MiB", "the adapter's own bytes",
+               lora.adapter.nbytes / MiB, preset=fmt)
+    report.add(case, "bytes on the wire per step vs merged", r.bytes_sent / MiB, "MiB", "a merged refit",
+               m.bytes_sent / MiB, preset=fmt)
+    report.add(case, f"step seconds (median of {STEPS})", statistics.median(seconds["adapter"]), "s",
+               "a merged refit", statistics.median(seconds["merged"]), preset=fmt)
+    report.add(case, "mismatch k3 KL (base + adapter)", _k3(lora, engine, ids), "",
+               "the merged mode's", _k3(lora, merged.engine, ids), preset=fmt)
+
+
 def run(quick: bool = False, rank: int = 16) -> BenchReport:
     """Run the suite.
 
@@ -87,6 +121,7 @@ def run(quick: bool = False, rank: int = 16) -> BenchReport:
                                 f"{base.num_bytes() / MiB:.1f} MiB of BF16 weights")
             for fmt in FORMATS:
                 _merged_rows(report, model, base, fmt, rank)
+                _adapter_rows(report, model, base, fmt, rank)
     finally:
         torch.set_num_threads(threads)
     report.notes.extend([
@@ -94,7 +129,11 @@ def run(quick: bool = False, rank: int = 16) -> BenchReport:
         "experts have none); each step moves only the adapter",
         "merged: the whole quantized model every step; ratio = adapter bytes / bytes sent (how much more the merged "
         "mode sends), and refit seconds against a refit of the base alone (the cost of merging)",
+        "adapter: the base once, then the adapter alone each step (the engine stages it under a fresh id and switches "
+        "when it is held); ratio = bytes of the baseline / bytes sent, and the merged refit's seconds / the step's",
         "k3 KL: the trainer's BF16 merged model against the engine, on 4 x 32 tokens; the baseline is the same "
-        "format's mismatch without an adapter",
+        "format's mismatch without an adapter (merged rows) or the merged mode's (adapter rows)",
+        "the embedded engine merges the served adapter into its dequantized weights (BF16: exactly the merged "
+        "model); vLLM and SGLang apply it beside the base with their own LoRA kernels",
     ])
     return report

@@ -208,3 +208,19 @@ def test_the_composition_root_builds_the_adapter_mode_and_refuses_what_cannot_se
     plain = bootstrap(overrides=["reference.model=micro-moe", "actor.lora.sync=adapter"])
     with pytest.raises(ConfigError, match=r"actor\.lora\.rank"):
         plain.lora.sync_service()
+
+
+def test_the_bench_measures_the_adapter_mode_against_the_adapter_and_the_merged_mode():
+    from app.bench.lora_refit import FORMATS, run
+
+    report = run(quick=True, rank=4)
+    adapter = [r for r in report.rows if r.case.endswith(" adapter")]
+    by_metric: dict[str, list[Any]] = {}
+    for r in adapter:
+        by_metric.setdefault(r.metric.split(" (")[0], []).append(r)
+    own = by_metric["bytes on the wire per step"]
+    assert len(own) == len(FORMATS)
+    assert all(r.ratio is not None and r.ratio >= 1 / WIRE_BUDGET_FACTOR for r in own)  # within the 2x budget
+    assert all(r.ratio is not None and r.ratio > 5 for r in by_metric["bytes on the wire per step vs merged"])
+    bf16 = next(r for r in by_metric["mismatch k3 KL"] if r.preset == "BF16")
+    assert bf16.value == 0.0  # the embedded engine serves exactly the merged model on a BF16 base
