@@ -63,6 +63,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="log the canonical line of every refit (stderr), and the notices of third-party packages")
     p.add_argument("--qat", nargs="?", const="NVFP4", default=None, metavar="PRESET",
                    help="train with QAT in PRESET (default NVFP4, served everywhere) and without; compare k3 KL")
+    p.add_argument("--lora", type=options.integer(1, 512), default=None, metavar="RANK",
+                   help="train a LoRA adapter of rank RANK on the embedded model (the steps move only the adapter)")
+    p.add_argument("--lora-sync", choices=("merged", "adapter"), default=None,
+                   help="with --lora: merged (default; W + (alpha/r) B A refitted whole) or adapter (the adapter alone "
+                        "each step, the base once)")
     p.add_argument("--procs", type=int, default=None, metavar="N",
                    help="run trainer and engine ranks in N processes (2-4) over gloo on 127.0.0.1")
     p.add_argument("--fault-rank", type=int, default=None, metavar="R",
@@ -216,6 +221,14 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError("--model", f"a checkpoint directory does not go with {flag} (those demos build "
                                   "the embedded model); drop one of them")
 
+    if args.lora_sync is not None and args.lora is None:
+        raise ConfigError("--lora-sync", "goes with --lora RANK (the adapter's rank)")
+    if args.lora is not None:
+        for flag, given in (("--engine", args.engine != "reference"), ("--procs", args.procs is not None),
+                            ("--qat", args.qat is not None), ("--trainer", args.trainer != "reference")):
+            if given:
+                raise ConfigError("--lora", f"the LoRA demo trains the embedded model in this process, into the "
+                                  f"embedded engine; it does not go with {flag}")
     if args.engine != "reference":  # a real engine (app.services.engine_demo)
         _check_engine_options(args)
         from app.cli.demo_engine import run_engine
@@ -254,6 +267,10 @@ def run(args: argparse.Namespace) -> int:
         from app.cli.demo_procs import run_procs
 
         return run_procs(args, settings)
+    if settings.lora_sync == "adapter" and settings.lora_rank:  # the adapter alone each step (app.services.lora_demo)
+        from app.cli.demo_lora import run_lora
+
+        return run_lora(args, settings)
     result = run_demo(settings, arm_factory(settings))
     if args.plot:
         _plot(result, args.plot)

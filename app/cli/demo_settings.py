@@ -11,13 +11,16 @@ import attrs
 
 from app.bootstrap import Services, bootstrap
 from app.config_sections import (
+    ActorConfig,
     CheckpointEngineConfig,
+    LoraConfig,
     ModelConfig,
     ReferenceConfig,
     RefitConfig,
     RolloutConfig,
 )
 from app.services.demo import DemoSettings
+from app.services.lora_sync import LoraSyncService
 from app.services.refit import RefitService
 from domain.errors import RankFailed
 from domain.quant.plan import QuantizationPlan
@@ -71,7 +74,8 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         plan=plan, model=args.model or "tiny-moe", seed=args.seed, steps=3 if args.steps is None else args.steps,
         commit_mode=args.commit_mode,
         bucket_megabytes=args.bucket_mb, inject_fault=args.inject_fault, fault_step=args.fault_step,
-        presets=args.presets or bool(args.plot),
+        presets=args.presets or bool(args.plot), lora_rank=getattr(args, "lora", None) or 0,
+        lora_sync=getattr(args, "lora_sync", None) or "merged",
     )
 
 
@@ -79,7 +83,8 @@ def demo_config(settings: DemoSettings) -> RefitConfig:
     """The configuration of the demo's embedded model, buckets and commit mode."""
     rollout = RolloutConfig(commit_mode=settings.commit_mode, checkpoint_engine=CheckpointEngineConfig(
         update_weights_bucket_megabytes=settings.bucket_megabytes))
-    return model_config(settings.model, settings.seed, RefitConfig(rollout=rollout))
+    actor = ActorConfig(lora=LoraConfig(rank=settings.lora_rank, sync=settings.lora_sync))
+    return model_config(settings.model, settings.seed, RefitConfig(rollout=rollout, actor=actor))
 
 
 def demo_services(settings: DemoSettings) -> Services:
@@ -94,6 +99,19 @@ def arm_factory(settings: DemoSettings) -> Callable[[QuantizationPlan, object | 
     def build(plan: QuantizationPlan, trainer: object | None, fault: str | None) -> RefitService:
         return services.refit_service(plan=plan, trainer=trainer, inject_fault=fault,  # type: ignore[arg-type]
                                       fault_after=settings.fault_step)
+
+    return build
+
+
+def lora_arm_factory(settings: DemoSettings) -> Callable[[QuantizationPlan, object | None, str | None], LoraSyncService]:
+    """Each arm's adapter-mode service, through the composition root (the first arm builds the
+    trainer with its adapter)."""
+    services = demo_services(settings)
+
+    def build(plan: QuantizationPlan, trainer: object | None, fault: str | None) -> LoraSyncService:
+        # base refits happen at step 0 and at the fault's step (run_lora_demo): the fault hits the latter
+        return services.lora.sync_service(plan=plan, trainer=trainer, inject_fault=fault,  # type: ignore[arg-type]
+                                          fault_after=min(settings.fault_step, 1))
 
     return build
 

@@ -47,6 +47,8 @@ class DemoSettings:
         batch: sequences in the probe batch.
         seq_len: tokens per sequence.
         prompt_len: prompt tokens (the rest is the scored response).
+        lora_rank: a LoRA adapter of this rank on the trainer, the only weights the steps move (0: none).
+        lora_sync: how its refits reach the engines: merged or adapter (`actor.lora.sync`).
     """
 
     plan: QuantizationPlan = attrs.field(factory=lambda: QuantizationPlan.from_presets(linear="FP8_BLOCK", moe="NVFP4"))
@@ -62,9 +64,13 @@ class DemoSettings:
     batch: int = 4
     seq_len: int = 64
     prompt_len: int = 16
+    lora_rank: int = 0
+    lora_sync: str = "merged"
 
     def __attrs_post_init__(self) -> None:
         check_steps(self.steps, self.inject_fault, self.fault_step)
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora must be a positive rank, got {self.lora_rank}")
 
 
 @attrs.frozen
