@@ -18,9 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import torch
 
-from domain.lora import LoraAdapter, LoraUnsupported, LoraWeights
+from adapters.hf.module import HfModuleTrainer
+from adapters.hf.names import checkpoint_names
+from domain.lora import LoraAdapter, LoraUnsupported, LoraWeights, merged_stream
 
 _BASE = ".base_layer"
 
@@ -107,3 +110,57 @@ def base_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if ".lora_" in name or "lora_magnitude_vector" in name:
             continue
         yield name.replace(_BASE, ""), p.detach()
+
+
+@attrs.define
+class PeftBase:
+    """The base model inside a PEFT-wrapped model, as a TrainerModel: its weights without the adapter
+    (checkpoint names, fused experts per expert), its forward with the adapter disabled."""
+
+    model: Any
+
+    @property
+    def config(self) -> Any:
+        return _inner(self.model).config
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return checkpoint_names(base_weights(self.model))
+
+    def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.model.disable_adapter():
+            return HfModuleTrainer(self.model).log_probs(input_ids, temperature=temperature)
+
+
+@attrs.define
+class PeftTrainer:
+    """A PEFT-wrapped `transformers` model as a LoRA trainer (`actor.strategy: hf`, `model=` a
+    PeftModel): `base` and `adapter` apart for the adapter mode (`adapter` reads the model's current
+    lora_A / lora_B at every access), and as a TrainerModel the merged model for the merged mode
+    (PEFT's merge, bit for bit, one weight at a time; the model is never merged in place)."""
+
+    model: Any
+    adapter_name: str = "default"
+
+    @property
+    def config(self) -> Any:
+        return _inner(self.model).config
+
+    @property
+    def adapter(self) -> LoraAdapter:
+        return adapter_from_peft(self.model, self.adapter_name)
+
+    @property
+    def base(self) -> PeftBase:
+        return PeftBase(self.model)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return merged_stream(self.base.named_weights(), self.adapter)
+
+    def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The PEFT model's own forward (base + adapter)."""
+        return HfModuleTrainer(self.model).log_probs(input_ids, temperature=temperature)
+
+
+def is_peft_model(model: object) -> bool:
+    """A PEFT-wrapped model (it carries PEFT's `peft_config`)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")

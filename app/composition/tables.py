@@ -131,7 +131,9 @@ def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
     from adapters.hf.module import HfModuleTrainer
 
     if model is not None:
-        return HfModuleTrainer(model)
+        from adapters.hf.lora import PeftTrainer, is_peft_model
+
+        return PeftTrainer(model) if is_peft_model(model) else HfModuleTrainer(model)
     path = services.config.model.path
     if not path:
         raise ConfigError("actor.strategy", "hf: set model.path to a Hugging Face checkpoint directory, or pass "
