@@ -389,7 +389,8 @@ class BenchReload(Request[Seconds]):
 
 
 REQUESTS: tuple[type[Request[Any]], ...] = (Ready, Begin, Load, Finalize, Abort, Join, Receive, Leave, Fingerprint,
-                                             Digests, LiveWeights, KvScales, DeltaBaseQuery, BenchMode, BenchReload)
+                                             Digests, LiveWeights, KvScales, DeltaBaseQuery, BenchMode, BenchReload,
+                                             LoraStage, LoraDrop)
 
 
 # --- errors --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import domain.errors as errors
 
 # Every error class and its direct bases: the hierarchy callers rely on (`except ValueError`, ...).
 BASES = {
+    "AdapterUpdateFailed": "RefitError, RuntimeError",
     "BlockMisaligned": "InvalidTensor",
     "BoundaryLayersMismatch": "UnsupportedCombination",
     "BucketLayoutError": "RefitError, ValueError",

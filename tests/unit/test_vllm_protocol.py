@@ -19,6 +19,7 @@ from adapters.vllm.control import (
     HostGreedy,
     HostLogProbs,
     LogProbsReply,
+    ResetPrefixCache,
     Shutdown,
     Tokens,
     WorkerAnswers,
@@ -51,6 +52,10 @@ SAMPLES: list[p.Record] = [
     Hello("token", 12, [p.ReadyReply(0, "cpu", 1).to_plain()]), Hello("token", error=p.ErrorReply("E", "m").to_plain()),
     CallWorkers("rl_refit_finalize", p.Finalize(False).to_plain()), WorkerAnswers([p.Done().to_plain()]),
     HostLogProbs([[1, 2, 3]], 0.7), LogProbsReply([[-1.5, -2.0]]), HostGreedy([[1, 2]], 4), Tokens([[3, 4, 5, 6]]),
+    HostLogProbs([[1, 2, 3]], 1.0, ["rl-refit", 3, "rl-refit://adapter/3"]),
+    HostGreedy([[1, 2]], 4, ["twin", 1001, "/tmp/twin"]), ResetPrefixCache(),
+    p.LoraStage(3, {"r": 8, "lora_alpha": 16.0, "target_modules": ["q_proj"], "modules_to_save": None},
+                b"\x00\x01safetensors"), p.LoraStaged(14), p.LoraDrop(2),
     Shutdown(),
 ]
 
@@ -114,6 +119,8 @@ def _instance(cls: type[BaseException]) -> BaseException:
         errors.InvalidTensor: errors.InvalidTensor("lm_head.weight", "holds NaN", "fix the trainer"),
         WorkerError: WorkerError("torch.OutOfMemoryError", "CUDA out of memory"),
         KeyError: KeyError("model.layers.0.mlp.gate_proj.weight"),
+        errors.AdapterUpdateFailed: errors.AdapterUpdateFailed("no free adapter slot", 3),
+        errors.LoraError: errors.LoraError("model.layers.0.self_attn.q_proj", "rank 8 over max_lora_rank 1", "raise it"),
     }
     return special.get(cls) or cls(f"{cls.__name__} raised in the worker")
 
