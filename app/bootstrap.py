@@ -21,7 +21,7 @@ from adapters.profiles import profile_for
 from app.composition.embedded import EmbeddedWiring
 from app.composition.engines import EngineWiring
 from app.composition.lora import LoraWiring
-from app.composition.tables import ENGINES, TRAINERS
+from app.composition.tables import ENGINES, TRAINERS, with_fault
 from app.composition.trainer_side import TrainerWiring
 from app.composition.world import WorldWiring
 from app.config import load_config
@@ -74,6 +74,13 @@ class Services:
     model: object | None = None
     progress: Progress | None = None
     _plan: QuantizationPlan | None = attrs.field(init=False, default=None)
+    # the rest of the wiring, by job (app/composition/): the distributed refit, the embedded model,
+    # the engines besides refits, the trainer's own model, LoRA's adapter mode
+    world: WorldWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(WorldWiring, takes_self=True))
+    embedded: EmbeddedWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(EmbeddedWiring, takes_self=True))
+    engines: EngineWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(EngineWiring, takes_self=True))
+    trainer_side: TrainerWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(TrainerWiring, takes_self=True))
+    lora: LoraWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(LoraWiring, takes_self=True))
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -189,14 +196,7 @@ class Services:
         plan = plan or self.plan
         engine = engine or self.rollout_engine(plan, kv_cache_scheme=kv_cache_scheme)
         if inject_fault:
-            from adapters.memory.faults import FaultScript
-            from adapters.memory.faulty import ScriptedFaultyEngine
-
-            try:
-                script = attrs.evolve(FaultScript.parse(inject_fault), after=fault_after)
-            except ValueError as err:
-                raise ConfigError("--inject-fault", str(err)) from None
-            engine = ScriptedFaultyEngine(engine, script)
+            engine = with_fault(engine, inject_fault, fault_after)
         trainer = trainer or self.trainer_model()
         colocated = self.config.rollout.deployment == "colocated"
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
@@ -224,33 +224,6 @@ class Services:
 
         return trainer_probe(trainer, self.config.rollout.verify, self.plan,
                              embedded_engine=self.config.rollout.name == "reference")
-
-    # --- the rest of the wiring, by job (app/composition/) ---------------------------------------
-
-    @property
-    def world(self) -> WorldWiring:
-        """The distributed refit: worlds, each rank's service, rank faults, local launches."""
-        return WorldWiring(self)
-
-    @property
-    def embedded(self) -> EmbeddedWiring:
-        """The embedded model: its shapes, checkpoints and exports of a trainer, trainable copies."""
-        return EmbeddedWiring(self)
-
-    @property
-    def engines(self) -> EngineWiring:
-        """The engines besides refits: cold starts, interpreters, kernel backends, the machine."""
-        return EngineWiring(self)
-
-    @property
-    def lora(self) -> LoraWiring:
-        """LoRA refits: the adapter mode's service (`actor.lora.sync: adapter`)."""
-        return LoraWiring(self)
-
-    @property
-    def trainer_side(self) -> TrainerWiring:
-        """The trainer's own model: fused log-probs, packed GDN input, QAT."""
-        return TrainerWiring(self)
 
     def vllm_host(self) -> VllmHost:
         """What starting a vLLM engine needs from this process: its environment (read here, the

@@ -192,3 +192,16 @@ def qat_backend(backend: str, numerics: str, layout: str) -> QatBackend:
     entry.require("qat backend", backend)
     built: QatBackend = entry.build(numerics, layout)
     return built
+
+
+def with_fault(engine: RolloutEngine, spelling: str, after: int = 0) -> RolloutEngine:
+    """`engine` wrapped to fail once where `spelling` says (`--inject-fault`: `[hang:]bucket:K`,
+    `begin`, `finalize`, `verify`, `storage`), after `after` refits that succeed (demos, tests)."""
+    from adapters.memory.faults import FaultScript
+    from adapters.memory.faulty import ScriptedFaultyEngine
+
+    try:
+        script = attrs.evolve(FaultScript.parse(spelling), after=after)
+    except ValueError as err:
+        raise ConfigError("--inject-fault", str(err)) from None
+    return ScriptedFaultyEngine(engine, script)
