@@ -246,3 +246,37 @@ def test_delta_refits_equal_full_refits_bit_for_bit(cold_cache: Path, deployment
     assert corrupted["mode"] == "full" and "the same refit sent whole" in corrupted["why_full"], corrupted
     assert steps["after corrupted copy"]["mode"] == "delta", steps["after corrupted copy"]
     assert result["rebound"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", ["BF16-dense", "FP8_BLOCK-dense"])
+def test_a_tensor_parallel_engine_of_two_workers_equals_a_cold_start(cold_cache: Path, cell: str) -> None:
+    """tensor_parallel_size=2 on vLLM's CPU build (disaggregated: its workers are processes of their
+    own). The adapter binds each worker's threads to half of the cores this process is given
+    (VLLM_CPU_OMP_THREADS_BIND, e.g. 0|1); the cold start of the same run gets the same binding and
+    runs beside the live engine. Both workers receive every bucket, and the digests compared are
+    every worker's shard."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two workers need two cores to bind to; this process is given one")
+    # digests of two shards are named worker0/..., worker1/...: not those of a one-worker cold start
+    result = scenario(cold_cache / "tp2", cell, scenario="matrix", deployment="disaggregated", tensor_parallel_size=2)
+    assert result["workers"] == [2]
+    assert all(name.startswith("worker0/") for name in result["digest_names"])
+    steps = _by_name(result)
+    assert list(steps) == ["first", "second", "back"]
+    for step in steps.values():
+        _equal(step)
+    assert result["rebound"] == []
+
+
+@pytest.mark.slow
+def test_two_replicas_refitted_by_one_refit_each_equal_a_cold_start(cold_cache: Path) -> None:
+    """rollout.replicas=2: two vLLM engines (each in processes of its own) take every bucket of one
+    refit; each replica is compared with the cold start of the same export, bit for bit."""
+    result = scenario(cold_cache, "FP8_BLOCK-dense", scenario="matrix", deployment="disaggregated", replicas=2)
+    assert result["replicas"] == 2 and result["workers"] == [1, 1]
+    steps = _by_name(result)
+    assert list(steps) == [f"{label} replica {i}" for label in ("first", "second", "back") for i in (0, 1)]
+    for step in steps.values():
+        _equal(step)
+    assert result["rebound"] == []
