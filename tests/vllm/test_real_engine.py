@@ -74,6 +74,15 @@ SERVED = _served()
 
 
 def scenario(cold_cache: Path, cell: str | None = None, **spec: Any) -> dict[str, Any]:
+    result = run_scenario(cold_cache, cell, **spec)
+    if "not_started" in result:
+        assert cell not in SERVED, f"{cell} must start on any x86-64 CPU: {result['not_started']}"
+        pytest.skip(f"vLLM {cell or spec} does not start on this CPU: {result['not_started']}")
+    return result
+
+
+def run_scenario(cold_cache: Path, cell: str | None = None, **spec: Any) -> dict[str, Any]:
+    """The scenario's JSON result (`not_started` holds why the engine did not start)."""
     spec = {"model": "micro-moe", **(CELLS[cell] if cell else {}), **spec, "cold_cache": str(cold_cache)}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["RL_REFIT_VLLM_PYTHON"] = sys.executable  # the engine host runs in this environment
@@ -83,9 +92,6 @@ def scenario(cold_cache: Path, cell: str | None = None, **spec: Any) -> dict[str
     assert done.returncode == 0 and lines, f"scenario failed ({done.returncode}):\n{done.stderr[-6000:]}"
     result = json.loads(lines[-1])
     assert "error" not in result, result["error"] + "\n" + done.stderr[-4000:]
-    if "not_started" in result:
-        assert cell not in SERVED, f"{cell} must start on any x86-64 CPU: {result['not_started']}"
-        pytest.skip(f"vLLM {cell or spec} does not start on this CPU: {result['not_started']}")
     return result
 
 
@@ -249,7 +255,7 @@ def test_delta_refits_equal_full_refits_bit_for_bit(cold_cache: Path, deployment
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", ["BF16-dense", "FP8_BLOCK-dense"])
+@pytest.mark.parametrize("cell", ["BF16-dense"])
 def test_a_tensor_parallel_engine_of_two_workers_equals_a_cold_start(cold_cache: Path, cell: str) -> None:
     """tensor_parallel_size=2 on vLLM's CPU build (disaggregated: its workers are processes of their
     own). The adapter binds each worker's threads to half of the cores this process is given
@@ -280,3 +286,22 @@ def test_two_replicas_refitted_by_one_refit_each_equal_a_cold_start(cold_cache: 
     for step in steps.values():
         _equal(step)
     assert result["rebound"] == []
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_that_cannot_start_names_its_workers_error_and_the_log(cold_cache: Path) -> None:
+    """FP8_BLOCK at tensor_parallel_size=2 on micro-dense: each worker holds 64 rows of a 128-row
+    projection, less than one 128-row block, and vLLM's workers refuse it as they build the model.
+    The error that reaches the trainer is that worker's first `Error:` line, not vLLM's wrappers
+    ("Engine core initialization failed. See root cause above"), and names the engine's log."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two workers need two cores to bind to; this process is given one")
+    result = run_scenario(cold_cache / "tp2", None, model="micro-dense", linear="FP8_BLOCK", scenario="matrix",
+                          deployment="disaggregated", tensor_parallel_size=2)
+    why = result["not_started"]
+    assert why.startswith("EngineProcessError: the vLLM engine failed to start: ValueError: Weight "
+                          "output_partition_size = 64 is not divisible by weight quantization block_n = 128"), why
+    log = Path(why.rsplit("engine log: ", 1)[1].strip())
+    text = log.read_text(errors="replace")
+    assert "(Worker_TP" in text and "See root cause" in text  # raised in a worker, wrapped by vLLM's engine core
+    log.unlink()
