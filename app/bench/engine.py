@@ -548,7 +548,7 @@ def _refit_memory(bench: _Bench) -> tuple[int, int | None]:
     engine_base = {pid: reset_peak_rss(pid) for pid in pids}
     base = reset_peak_rss()
     bench.svc.refit()
-    trainer = (process_kib("VmHWM") - base) * 1024
+    trainer = max(0, process_kib("VmHWM") - base) * 1024  # a page freed since the reset: no growth
     if process is None:
         return trainer, None
     return trainer, sum(max(0, process_kib("VmHWM", pid) - kib) for pid, kib in engine_base.items()) * 1024
