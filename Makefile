@@ -3,7 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup demo test lint typecheck bench docs clean
+.PHONY: setup demo test lint typecheck bench bench-real docs clean
+# where `make bench-real` writes its real-size checkpoint (random weights at Qwen3-0.6B's shapes, untied)
+REAL_MODEL ?= /tmp/rl-refit-qwen3-0.75b-untied
 
 setup:
 	@scripts/setup-env.sh
@@ -22,6 +24,14 @@ typecheck: setup
 
 bench: setup
 	$(VENV)/bin/refit bench all --quick
+	$(MAKE) bench-real
+
+# the real-size rows (docs/your-model.md): export and engine benches on a 0.75B checkpoint, BF16, both shapes
+bench-real: setup
+	test -f $(REAL_MODEL)/config.json || $(PY) -m app.bench.fixtures qwen3-0.75b-untied $(REAL_MODEL)
+	$(VENV)/bin/refit bench export --model $(REAL_MODEL)
+	.venv-vllm/bin/python -m app.cli.main bench engine --model $(REAL_MODEL) --preset BF16 --deployment colocated
+	$(VENV)/bin/refit bench engine --model $(REAL_MODEL) --preset BF16 --deployment disaggregated
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict

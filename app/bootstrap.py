@@ -153,13 +153,31 @@ class Services:
         entry = ENGINES.get(name)
         if entry is None:
             raise ConfigError("rollout.name", f"{name!r} has no engine adapter; use one of {', '.join(ENGINES)}")
+        replicas = self.config.rollout.replicas
+        if replicas > 1 and name == "vllm" and self.config.rollout.deployment == "colocated":
+            raise ConfigError("rollout.replicas", f"{replicas} vLLM replicas cannot share the trainer's process (vLLM "
+                              "owns its process's state): set rollout.deployment=disaggregated")
         if self.config.rollout.deployment == "colocated":
             entry.require("rollout.name", name)
         elif not entry.remote:
             raise ConfigError("rollout.deployment", f"{name} runs colocated only (in this process); set "
                               "rollout.deployment=colocated")
-        return entry.build(self, plan or self.plan, commit_mode=commit_mode or self.commit_mode,
-                           kv_cache_scheme=kv_cache_scheme)
+        engines = []
+        try:
+            for _ in range(replicas):
+                engines.append(entry.build(self, plan or self.plan, commit_mode=commit_mode or self.commit_mode,
+                                           kv_cache_scheme=kv_cache_scheme))
+        except BaseException:  # no replica is left running when another fails to start
+            for started in engines:
+                close = getattr(started, "close", None)
+                if close is not None:
+                    close()
+            raise
+        if replicas == 1:
+            return engines[0]
+        from app.services.replicas import ReplicatedEngine
+
+        return ReplicatedEngine(engines)
 
     def refit_service(
         self,
@@ -233,7 +251,7 @@ class Services:
 
         return VllmHost(python=lambda: host_python(self.engines.configured_python()), environ=dict(os.environ),
                         export_environment=os.environ.update, embedded_model_dir=self.embedded.model_dir,
-                        bucket_bytes=self.bucket_bytes)
+                        bucket_bytes=self.bucket_bytes, cpus=tuple(sorted(os.sched_getaffinity(0))))
 
 
 def bootstrap(

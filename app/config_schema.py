@@ -234,6 +234,9 @@ SCHEMA: tuple[Key, ...] = (
         "where the engine runs: colocated (in the trainer's process, verl's hybrid engine: buckets by "
         "reference) or disaggregated (its own processes: buckets over a side process group)",
         choices=("colocated", "disaggregated")),
+    Key("rollout.replicas", (int,), 1,
+        "engine replicas (data-parallel rollout) one refit updates, all or nothing; vLLM replicas run "
+        "disaggregated (each in processes of its own)", check=_at_least(1)),
     Key("rollout.engine_kwargs.vllm.engine_args", (dict,), {},
         "other vllm.LLM arguments, as given (model, dtype, max_model_len, enforce_eager, tensor_parallel_size, ...)",
         free=True),

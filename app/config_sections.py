@@ -126,6 +126,7 @@ class RolloutConfig:
     quantization: QuantizationConfig = attrs.field(factory=QuantizationConfig)
     engine_kwargs: EngineKwargsConfig = attrs.field(factory=EngineKwargsConfig)
     deployment: str = _key("rollout.deployment")
+    replicas: int = _key("rollout.replicas")
     verify: VerifyConfig = attrs.field(factory=VerifyConfig)
     checkpoint_engine: CheckpointEngineConfig = attrs.field(factory=CheckpointEngineConfig)
     wire_format: str = _key("rollout.wire_format")

@@ -11,7 +11,7 @@ Nothing here reads the environment: the composition root hands over what it read
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,6 +31,35 @@ if TYPE_CHECKING:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def engine_workers(engine_args: Mapping[str, Any]) -> int:
+    """How many worker processes an engine with these arguments starts (tensor x pipeline parallel)."""
+    return int(engine_args.get("tensor_parallel_size") or 1) * int(engine_args.get("pipeline_parallel_size") or 1)
+
+
+def thread_binding(cpus: Sequence[int], workers: int) -> str:
+    """vLLM's CPU thread binding (`VLLM_CPU_OMP_THREADS_BIND`) for `workers` workers on `cpus`: the
+    cores split into that many contiguous groups, one per worker, as vLLM reads it (`0|1`,
+    `0,1|2,3`). The cores left over by an uneven split go to the last workers.
+
+    Raises ConfigError when there are fewer cores than workers (vLLM would bind two workers to one
+    core, or refuse the count).
+    """
+    cores = sorted(set(cpus))
+    if workers < 1 or len(cores) < workers:
+        raise ConfigError("rollout.engine_kwargs.vllm.engine_args.tensor_parallel_size",
+                          f"{workers} workers need a core each; this process may run on {len(cores)} "
+                          f"({','.join(map(str, cores)) or 'none'}): lower tensor_parallel_size or set {THREADS_BIND} "
+                          "in rollout.engine_kwargs.vllm.environment")
+    size, extra = divmod(len(cores), workers)
+    groups, at = [], 0
+    for i in range(workers):
+        n = size + (1 if i >= workers - extra else 0)
+        groups.append(",".join(map(str, cores[at:at + n])))
+        at += n
+    return "|".join(groups)
 
 
 def vllm_engine_kwargs(
@@ -131,6 +160,8 @@ class VllmHost:
         export_environment: sets variables in this process (colocated: vLLM reads them as it starts).
         embedded_model_dir: a directory with the embedded model's config.json (no model.path).
         bucket_bytes: the refit's bucket size (the host's side group allocates it).
+        cpus: the cores this process may run on; an engine of several workers binds its workers'
+            threads to them (`thread_binding`), every engine of the run the same way.
     """
 
     python: Callable[[], str]
@@ -138,6 +169,7 @@ class VllmHost:
     export_environment: Callable[[Mapping[str, str]], None]
     embedded_model_dir: Callable[[], Path]
     bucket_bytes: int
+    cpus: tuple[int, ...] = ()
 
 
 def _base(section: VllmSettings, start: EngineStart) -> dict[str, Any]:
@@ -149,9 +181,14 @@ def _base(section: VllmSettings, start: EngineStart) -> dict[str, Any]:
     return base
 
 
-def _environment(section: VllmSettings, start: EngineStart, *, colocated: bool) -> dict[str, str]:
-    return {**vllm_environment(start.decision, colocated=colocated, cpu_emulation=section.cpu_emulation),
-            **{k: str(v) for k, v in section.environment.items()}}
+def _environment(section: VllmSettings, start: EngineStart, host: VllmHost, *, colocated: bool,
+                 workers: int = 1) -> dict[str, str]:
+    env = vllm_environment(start.decision, colocated=colocated, cpu_emulation=section.cpu_emulation)
+    given = {k: str(v) for k, v in section.environment.items()}
+    if workers > 1 and THREADS_BIND not in given and THREADS_BIND not in host.environ and host.cpus:
+        # vLLM's "auto" binds worker N to NUMA node N: with one node, the second worker has none
+        env[THREADS_BIND] = thread_binding(host.cpus, workers)
+    return {**env, **given}
 
 
 # vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks).
@@ -203,7 +240,12 @@ def build_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost,
         kwargs.setdefault("load_format", "dummy")
         owned = (kwargs["model"],)
     colocated = deployment == "colocated"
-    env = _environment(section, start, colocated=colocated)
+    workers = engine_workers(kwargs)
+    if colocated and workers > 1:
+        raise ConfigError("rollout.deployment", f"a vLLM engine of {workers} workers (tensor_parallel_size x "
+                          "pipeline_parallel_size) runs them in processes of their own, where buckets cannot pass "
+                          "by reference: set rollout.deployment=disaggregated")
+    env = _environment(section, start, host, colocated=colocated, workers=workers)
     if colocated:
         from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
 
@@ -228,6 +270,6 @@ def vllm_cold_start(section: VllmSettings, start: EngineStart, host: VllmHost, d
     base.pop("load_format", None)
     kwargs = vllm_engine_kwargs(start.quantization_config, start.decision, kv_cache_dtype=section.kv_cache_dtype,
                                 base=base)
-    env = {**host.environ, **_environment(section, start, colocated=False)}
+    env = {**host.environ, **_environment(section, start, host, colocated=False, workers=engine_workers(kwargs))}
     process = EngineProcess.start(host.python(), kwargs, env=env, start_timeout_s=float(section.start_timeout_s))
     return ColdEngine(process, Path(directory))

@@ -515,16 +515,25 @@ class WorkerQueries:
         return combine([reply.base() for reply in self.call_all(DeltaBaseQuery())])
 
     def fingerprint(self) -> StorageFingerprint:
-        """Pointer, shape, stride and dtype of every parameter and buffer of the first worker."""
-        return self.call(Fingerprint()).fingerprint()
+        """Pointer, shape, stride and dtype of every parameter and buffer of every worker (with
+        several workers, each name is prefixed `worker{i}/`)."""
+        prints = [reply.fingerprint() for reply in self.call_all(Fingerprint())]
+        if len(prints) == 1:
+            return prints[0]
+        return StorageFingerprint({f"worker{i}/{name}": entry for i, fp in enumerate(prints)
+                                   for name, entry in fp.records.items()})
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer of the first worker (host copies)."""
         return self.call(LiveWeights()).to_tensors()
 
     def digests(self) -> dict[str, str]:
-        """sha256 of every parameter and buffer of the first worker."""
-        return dict(self.call(Digests()).digests)
+        """sha256 of every parameter and buffer of every worker (with several workers, each name
+        is prefixed `worker{i}/`: a tensor-parallel engine holds one shard per worker)."""
+        replies = self.call_all(Digests())
+        if len(replies) == 1:
+            return dict(replies[0].digests)
+        return {f"worker{i}/{name}": d for i, reply in enumerate(replies) for name, d in reply.digests.items()}
 
     def kv_scales(self) -> dict[str, list[float]]:
         """Each attention layer's q/k/v/prob scales on the first worker."""

@@ -156,6 +156,12 @@ class EngineTimings:
         load_weights_error: why the load_weights baseline could not be measured.
         put_back: after the first (untimed) load_weights call the engine held exactly its bytes
             from before it (its own tensors put back untouched).
+        bucket_bytes: the bucket size.
+        trainer_peak_bytes: over one refit, the trainer's process's peak RSS above its RSS before
+            the refit (colocated: the engine's worker is in that process too).
+        engine_peak_bytes: over the same refit, the sum over the engine host's processes of each
+            one's peak RSS above its RSS before (an upper bound of their joint peak growth; None:
+            colocated, the engine is in the trainer's process).
     """
 
     deployment: str
@@ -175,6 +181,9 @@ class EngineTimings:
     reload_error: str | None = None
     load_weights_error: str | None = None
     put_back: bool = True
+    bucket_bytes: int = 0
+    trainer_peak_bytes: int | None = None
+    engine_peak_bytes: int | None = None
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -238,6 +247,14 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
         report.add(case, "write checkpoint (quantize + one safetensors file)", write, "s")
     if t.source_bytes:
         report.add(case, "rl-refit refit throughput (BF16 source bytes)", t.source_bytes / 1e9 / ours, "GB/s")
+    mib = 2**20
+    if t.trainer_peak_bytes is not None and t.bucket_bytes:
+        report.add(case, "trainer process: peak RSS during a refit above its RSS before", t.trainer_peak_bytes / mib,
+                   "MiB", "bound: 2 buckets", 2 * t.bucket_bytes / mib, figure="memory")
+    if t.engine_peak_bytes is not None and t.source_bytes:
+        report.add(case, "engine processes: peak RSS growth during a refit (sum over processes)",
+                   t.engine_peak_bytes / mib, "MiB", "a second copy of the model (BF16 source bytes)",
+                   t.source_bytes / mib, figure="memory")
     report.notes += _notes(settings, t)
     return report
 
@@ -265,6 +282,15 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
     ]
     if t.phases:
         notes.append(_phases_note(t))
+    if t.trainer_peak_bytes is not None:
+        notes.append(
+            "memory rows: one more refit after the timed rounds, each process's peak RSS (VmHWM) reset just before "
+            "it; the trainer's row counts what the refit adds to the trainer's process (the trainer's model is "
+            "already resident: the bound for the whole process is the model's bytes plus 2 buckets); the engine's "
+            "row adds up each engine process's own peak growth (an upper bound of their joint peak); ratio = "
+            "bound / value (1 or more: within)"
+            + ("; colocated, the engine's worker runs in the trainer's process, so its row is the trainer's"
+               if t.engine_peak_bytes is None else ""))
     notes += _bytes_notes(settings, t)
     if t.reload_error:
         notes.append(f"vLLM's reload_weights could not be measured: {t.reload_error}")
@@ -501,14 +527,31 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
     phases = _median_phases(bench.timings[-settings.repeat:])
     differing = () if after_reload is None else tuple(
         sorted(n for n in after_refit.keys() | after_reload.keys() if after_refit.get(n) != after_reload.get(n)))
-    bench.svc.refit()  # the engine ends serving rl-refit's refit
+    trainer_peak, engine_peak = _refit_memory(bench)  # the engine ends serving rl-refit's refit
     compared = after_reload is not None and moved is not False
     return EngineTimings(
         deployment, start, tuple(times["refit"]), tuple(times.get("write", ())), tuple(times.get("reload", ())),
         tuple(times.get("load_weights", ())), first.source_bytes, first.bytes_sent, first.buckets, threads, phases,
         (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
-        reload_error, load_error, put_back,
+        reload_error, load_error, put_back, bench.svc.bucket_bytes, trainer_peak, engine_peak,
     )
+
+
+def _refit_memory(bench: _Bench) -> tuple[int, int | None]:
+    """One refit with the peak RSS of every process reset before it: the trainer's process's peak
+    above its RSS before, and the sum of the engine host's processes' peaks above theirs (None
+    colocated). Bytes."""
+    from app.bench.memory import process_kib, process_tree, reset_peak_rss
+
+    process = getattr(bench.engine.workers, "process", None)
+    pids = process_tree(process.proc.pid) if process is not None else []
+    engine_base = {pid: reset_peak_rss(pid) for pid in pids}
+    base = reset_peak_rss()
+    bench.svc.refit()
+    trainer = max(0, process_kib("VmHWM") - base) * 1024  # a page freed since the reset: no growth
+    if process is None:
+        return trainer, None
+    return trainer, sum(max(0, process_kib("VmHWM", pid) - kib) for pid, kib in engine_base.items()) * 1024
 
 
 def _attempt(fn: Callable[[], object], enter: Callable[[], object] = _nothing,

@@ -17,6 +17,7 @@ caching). Those are the same for the paths a benchmark compares, or small next t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -136,21 +137,45 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> 
     return tracker.peak_bytes
 
 
-def process_kib(field: str) -> int:
-    """A `/proc/self/status` memory field of this process in KiB (`VmRSS`, `VmHWM`; Linux), 0 if absent."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
+def process_kib(field: str, pid: int | str = "self") -> int:
+    """A `/proc/PID/status` memory field of a process (default this one) in KiB (`VmRSS`, `VmHWM`;
+    Linux), 0 if absent or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return 0
     return 0
 
 
-def reset_peak_rss() -> int:
-    """Reset this process's peak resident size (VmHWM) to its current one (Linux; elsewhere a no-op);
-    returns the current VmRSS in KiB, the base a later `process_kib("VmHWM")` is measured from."""
+def reset_peak_rss(pid: int | str = "self") -> int:
+    """Reset a process's (default this one's) peak resident size (VmHWM) to its current one (Linux;
+    elsewhere a no-op); returns the current VmRSS in KiB, the base a later `process_kib("VmHWM")`
+    is measured from."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         pass
-    return process_kib("VmRSS")
+    return process_kib("VmRSS", pid)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (Linux: /proc/PID/task/*/children), parents first."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+    return out

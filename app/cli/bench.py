@@ -27,7 +27,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with `refit`: LoRA refits per actor.lora.sync mode (adapter rank, default 16): bytes, "
                         "seconds and mismatch")
     p.add_argument("--model", metavar="DIR", default=None,
-                   help="with `refit --delta`: also a Qwen3 / Qwen3-MoE checkpoint's shapes (python -m app.bench.fixtures)")
+                   help="a Hugging Face checkpoint directory (python -m app.bench.fixtures writes one at a real "
+                        "model's shapes): with `engine`, the trainer and the vLLM engine on it; with `export`, the "
+                        "checkpoint exported; with `refit --delta`, its shapes too")
+    p.add_argument("--deployment", choices=("auto", "colocated", "disaggregated"), default=None,
+                   help="with `engine`: the engine's deployment shape (default auto: colocated where vLLM imports)")
+    p.add_argument("--preset", choices=("BF16", "FP8_BLOCK", "MXFP8"), default=None,
+                   help="with `engine`: the rollout plan, linear and MoE alike (default FP8_BLOCK)")
+    p.add_argument("--repeat", type=int, default=None, metavar="N", help="with `engine`: measured rounds")
+    p.add_argument("--bucket-mb", type=float, default=None, metavar="MIB", help="with `engine`: bucket size")
 
 
 def render(report: BenchReport, console: Console) -> None:
@@ -48,6 +56,42 @@ def render(report: BenchReport, console: Console) -> None:
     )
 
 
+def _engine_or_export(args: argparse.Namespace) -> BenchReport:
+    """`refit bench engine` / `export`, on the embedded presets or on `--model DIR`."""
+    import attrs
+
+    from app.cli.options import model_or_directory
+
+    model = getattr(args, "model", None)
+    if model is not None:
+        try:
+            model = model_or_directory(())(model)  # a directory with a config.json
+        except argparse.ArgumentTypeError as err:
+            raise ConfigError("--model", str(err).replace("an embedded model () or ", "")) from None
+    engine_only = {"--deployment": getattr(args, "deployment", None), "--preset": getattr(args, "preset", None),
+                   "--repeat": getattr(args, "repeat", None), "--bucket-mb": getattr(args, "bucket_mb", None)}
+    if args.suite == "export":
+        given = [flag for flag, value in engine_only.items() if value is not None]
+        if given:
+            raise ConfigError(given[0], f"{given[0]} goes with refit bench engine, not export")
+        from app.bench.export import run as run_export
+
+        return run_export(quick=args.quick, model_dir=model)
+    from app.bench.engine import EngineBenchSettings
+    from app.bench.engine import run as run_engine
+
+    settings = EngineBenchSettings.defaults(args.quick)
+    changes = {k: v for k, v in {"model": model, "deployment": args.deployment, "preset": args.preset,
+                                 "repeat": args.repeat, "bucket_mb": args.bucket_mb}.items() if v is not None}
+    if model is not None and args.bucket_mb is None:
+        changes["bucket_mb"] = 512.0  # a real-size checkpoint: buckets of real size
+    try:
+        settings = attrs.evolve(settings, **changes)
+    except ValueError as err:
+        raise ConfigError("refit bench engine", str(err)) from None
+    return run_engine(quick=args.quick, settings=settings)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.suite == "all":
         from app.bench.all import cli_run
@@ -61,9 +105,12 @@ def run(args: argparse.Namespace) -> int:
         from app.bench.lora_refit import run as run_lora
 
         report: BenchReport = run_lora(quick=args.quick, rank=args.lora)
+    elif args.suite in ("engine", "export") and not getattr(args, "delta", False):
+        report = _engine_or_export(args)
     elif getattr(args, "delta", False) or getattr(args, "model", None):
         if args.suite != "refit" or not args.delta:
-            raise ConfigError("--delta", "--delta (and --model) go with the refit suite: refit bench refit --delta")
+            raise ConfigError("--delta", "--delta goes with the refit suite (refit bench refit --delta); --model "
+                              "with engine, export or refit --delta")
         from app.bench.delta_refit import run as run_delta
 
         report = run_delta(quick=args.quick, model_dir=args.model)

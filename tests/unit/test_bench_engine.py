@@ -263,3 +263,19 @@ def test_the_engine_hosts_python_comes_from_the_composition_root() -> None:
     configured = bootstrap(overrides=["rollout.engine_kwargs.vllm.python=/cfg/python"],
                            environ={"RL_REFIT_VLLM_PYTHON": "/env/python"})
     assert configured.engines.vllm_python() == "/cfg/python"  # the configuration wins over the environment
+
+
+def test_memory_rows_compare_each_side_with_its_bound() -> None:
+    settings = EngineBenchSettings(bucket_mb=512.0)
+    t = timings(deployment="disaggregated", source_bytes=1500 * 2**20, bucket_bytes=512 * 2**20,
+                trainer_peak_bytes=700 * 2**20, engine_peak_bytes=30 * 2**20)
+    rows = {r.metric: r for r in build_report(settings, t).rows}
+    trainer = rows["trainer process: peak RSS during a refit above its RSS before"]
+    assert (trainer.value, trainer.baseline_value) == (700.0, 1024.0) and trainer.ratio == pytest.approx(1024 / 700)
+    engine_row = rows["engine processes: peak RSS growth during a refit (sum over processes)"]
+    assert (engine_row.value, engine_row.baseline_value) == (30.0, 1500.0) and engine_row.ratio == pytest.approx(50.0)
+    colocated = build_report(settings, timings(deployment="colocated", source_bytes=1, bucket_bytes=2**20,
+                                               trainer_peak_bytes=0))
+    metrics = {r.metric for r in colocated.rows}
+    assert "engine processes: peak RSS growth during a refit (sum over processes)" not in metrics
+    assert any("its row is the trainer's" in n for n in colocated.notes)

@@ -148,3 +148,75 @@ def test_a_bf16_configuration_starts_a_quantized_engine_for_a_quantized_plan(mon
     qc = call["kwargs"]["hf_overrides"]["quantization_config"]
     assert call["kwargs"]["quantization"] == "compressed-tensors"
     assert {g["weights"]["block_structure"][0] for g in qc["config_groups"].values()} == {128}
+
+
+@pytest.mark.parametrize(("cpus", "workers", "binding"), [
+    ((0, 1), 2, "0|1"), ((3, 2, 1, 0), 2, "0,1|2,3"), ((0, 1, 2), 2, "0|1,2"), ((5,), 1, "5"),
+])
+def test_thread_binding_splits_the_cores_one_group_per_worker(cpus: tuple[int, ...], workers: int,
+                                                              binding: str) -> None:
+    from adapters.vllm.factory import thread_binding
+
+    assert thread_binding(cpus, workers) == binding
+
+
+def test_thread_binding_refuses_fewer_cores_than_workers() -> None:
+    from adapters.vllm.factory import thread_binding
+
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size.*2 workers need a core each"):
+        thread_binding((0,), 2)
+
+
+def test_a_tensor_parallel_engine_binds_each_worker_to_its_cores(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    import os
+
+    services, started = _disaggregated(monkeypatch, tmp_path, "rollout.engine_kwargs.vllm.engine_args="
+                                       "{enforce_eager: true, tensor_parallel_size: 2}")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"this process may run on {len(cores)} core; a binding of two workers needs two")
+    services.rollout_engine()
+    services.engines.cold_start(tmp_path)  # the cold start of the same run: the same binding
+    live, cold = started.calls
+    half = len(cores) // 2
+    expected = f"{','.join(map(str, cores[:half]))}|{','.join(map(str, cores[half:]))}"
+    assert live["env"]["VLLM_CPU_OMP_THREADS_BIND"] == cold["env"]["VLLM_CPU_OMP_THREADS_BIND"] == expected
+    assert live["kwargs"]["tensor_parallel_size"] == 2
+
+
+def test_a_binding_the_user_gives_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    services, started = _disaggregated(
+        monkeypatch, tmp_path, "rollout.engine_kwargs.vllm.engine_args={tensor_parallel_size: 2}",
+        "rollout.engine_kwargs.vllm.environment={VLLM_CPU_OMP_THREADS_BIND: '7|9'}")
+    services.rollout_engine()
+    assert started.calls[0]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "7|9"
+
+
+def test_one_worker_keeps_vllms_own_binding(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    services, started = _disaggregated(monkeypatch, tmp_path)
+    services.rollout_engine()
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in started.calls[0]["env"]
+
+
+def test_a_tensor_parallel_engine_refuses_the_colocated_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.composition import tables
+
+    monkeypatch.setattr(tables.AdapterEntry, "require", lambda *_: None)  # refused before vLLM is imported
+    services = bootstrap(overrides=[*BASE, "rollout.deployment=colocated",
+                                    "rollout.engine_kwargs.vllm.engine_args={tensor_parallel_size: 2}"])
+    with pytest.raises(ConfigError, match=r"rollout.deployment.*2 workers.*disaggregated"):
+        services.rollout_engine()
+
+
+def test_vllm_replicas_start_one_host_each_and_refuse_the_colocated_shape(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    from app.services.replicas import ReplicatedEngine
+
+    services, started = _disaggregated(monkeypatch, tmp_path, "rollout.replicas=2")
+    engine = services.rollout_engine()
+    assert isinstance(engine, ReplicatedEngine) and len(engine.replicas) == 2 and len(started.calls) == 2
+    with pytest.raises(ConfigError, match=r"rollout.replicas.*disaggregated"):
+        bootstrap(overrides=[*BASE, "rollout.replicas=2"]).rollout_engine()
+    with pytest.raises(ConfigError, match=r"rollout.replicas: must be 1 or more"):
+        bootstrap(overrides=["rollout.replicas=0"])

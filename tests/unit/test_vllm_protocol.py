@@ -172,7 +172,11 @@ def test_a_refit_through_the_extension_equals_the_trainers_weights_and_finalize_
     assert report.ok and report.storage.ok and report.kv_scales_reset == 2
     assert llm.calls == ["rl_refit_fingerprint", "rl_refit_begin", *["rl_refit_load"] * report.buckets,
                          "rl_refit_finalize", "rl_refit_fingerprint"]
-    assert engine.digests() == p.DigestsReply.from_plain(llm.workers[1].rl_refit_digests(p.Digests().to_plain())).digests
+    digests = engine.digests()  # every worker's, by worker: a tensor-parallel engine holds a shard on each
+    for w in (0, 1):
+        own = p.DigestsReply.from_plain(llm.workers[w].rl_refit_digests(p.Digests().to_plain())).digests
+        assert {n.removeprefix(f"worker{w}/"): d for n, d in digests.items() if n.startswith(f"worker{w}/")} == own
+    assert len(digests) == 2 * len(own)
     assert set(engine.kv_scales()) == {f"layers.{i}.self_attn.attn" for i in range(2)}
     assert all(v == [1.0] * 4 for v in engine.kv_scales().values())
     assert torch.equal(engine.live_weights()["lm_head.weight"], models[0].lm_head.weight)

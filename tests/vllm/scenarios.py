@@ -7,6 +7,8 @@ each live one with a cold start of the same export, and prints one JSON line (th
 stdout; vLLM logs to stderr).
 
 - matrix: refit, perturb and refit, back to the first weights and refit; no tensor rebound.
+  With `tensor_parallel_size` the engine runs that many workers; with `replicas` one refit updates
+  that many engines, and each is compared with the cold start.
 - faults: a fault at a bucket (trainer side), at finalize, and in the receiver (worker side),
   each followed by a full refit that must recover.
 - delta: layout_delta refits over Adam-like steps, each compared with a full refit of the same
@@ -75,7 +77,13 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                                          moe_activation=spec.get("moe_activation"))
     settings = EngineDemoSettings(deployment=spec["deployment"], plan=plan, model=spec.get("model", "micro-moe"))
     # start_timeout_s: two engines starting at once on 2 loaded cores
-    services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900, worker_extension_cls=EXTENSION))
+    shape: dict[str, Any] = {"worker_extension_cls": EXTENSION}
+    if spec.get("tensor_parallel_size"):  # workers in processes of their own, bound to the cores given
+        shape["tensor_parallel_size"] = spec["tensor_parallel_size"]
+    config = with_vllm(engine_config(settings, 0.25), start_timeout_s=900, **shape)
+    if spec.get("replicas"):  # data-parallel rollout: one refit updates every replica
+        config = attrs.evolve(config, rollout=attrs.evolve(config.rollout, replicas=spec["replicas"]))
+    services = bootstrap(config)
     try:
         engine: Any = services.rollout_engine()
     except Exception as err:  # the engine did not start: the test decides whether that may be so
@@ -88,15 +96,22 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     svc = services.refit_service(engine=engine, trainer=trainer)
     cache = Path(spec["cold_cache"]) if spec.get("cold_cache") else None
     comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir, cache)
-    workers: WorkerRpc = engine.workers  # ExtensionWorkers (colocated) or RemoteWorkers: both answer protocol requests
-    out: dict[str, Any] = {"spec": spec, "refused_before_first_refit": comparer.refuses(engine), "steps": []}
+    replicas: list[Any] = list(getattr(engine, "replicas", [engine]))
+    # ExtensionWorkers (colocated) or RemoteWorkers: both answer protocol requests
+    workers: WorkerRpc = replicas[0].workers
+    out: dict[str, Any] = {"spec": spec, "refused_before_first_refit": comparer.refuses(engine), "steps": [],
+                           "replicas": len(replicas),
+                           "workers": [len(r.workers.process.workers) if hasattr(r.workers, "process") else 1
+                                       for r in replicas],
+                           "digest_names": sorted(replicas[0].digests())[:2]}
     steps = out["steps"]
     fingerprint = engine.storage_fingerprint()
 
     def refit_and_compare(label: str, service: RefitService | None = None, **extra: Any) -> None:
         report = _refit(service or svc)
-        record = comparer.compare(engine, trainer, report, 0)
-        steps.append(_step(record, name=label, **extra))
+        for i, replica in enumerate(replicas):  # every replica against the same cold start
+            record = comparer.compare(replica, trainer, report, 0)
+            steps.append(_step(record, name=label if len(replicas) == 1 else f"{label} replica {i}", **extra))
 
     try:
         scenario = spec["scenario"]

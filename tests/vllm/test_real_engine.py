@@ -74,6 +74,15 @@ SERVED = _served()
 
 
 def scenario(cold_cache: Path, cell: str | None = None, **spec: Any) -> dict[str, Any]:
+    result = run_scenario(cold_cache, cell, **spec)
+    if "not_started" in result:
+        assert cell not in SERVED, f"{cell} must start on any x86-64 CPU: {result['not_started']}"
+        pytest.skip(f"vLLM {cell or spec} does not start on this CPU: {result['not_started']}")
+    return result
+
+
+def run_scenario(cold_cache: Path, cell: str | None = None, **spec: Any) -> dict[str, Any]:
+    """The scenario's JSON result (`not_started` holds why the engine did not start)."""
     spec = {"model": "micro-moe", **(CELLS[cell] if cell else {}), **spec, "cold_cache": str(cold_cache)}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["RL_REFIT_VLLM_PYTHON"] = sys.executable  # the engine host runs in this environment
@@ -83,9 +92,6 @@ def scenario(cold_cache: Path, cell: str | None = None, **spec: Any) -> dict[str
     assert done.returncode == 0 and lines, f"scenario failed ({done.returncode}):\n{done.stderr[-6000:]}"
     result = json.loads(lines[-1])
     assert "error" not in result, result["error"] + "\n" + done.stderr[-4000:]
-    if "not_started" in result:
-        assert cell not in SERVED, f"{cell} must start on any x86-64 CPU: {result['not_started']}"
-        pytest.skip(f"vLLM {cell or spec} does not start on this CPU: {result['not_started']}")
     return result
 
 
@@ -246,3 +252,56 @@ def test_delta_refits_equal_full_refits_bit_for_bit(cold_cache: Path, deployment
     assert corrupted["mode"] == "full" and "the same refit sent whole" in corrupted["why_full"], corrupted
     assert steps["after corrupted copy"]["mode"] == "delta", steps["after corrupted copy"]
     assert result["rebound"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", ["BF16-dense"])
+def test_a_tensor_parallel_engine_of_two_workers_equals_a_cold_start(cold_cache: Path, cell: str) -> None:
+    """tensor_parallel_size=2 on vLLM's CPU build (disaggregated: its workers are processes of their
+    own). The adapter binds each worker's threads to half of the cores this process is given
+    (VLLM_CPU_OMP_THREADS_BIND, e.g. 0|1); the cold start of the same run gets the same binding and
+    runs beside the live engine. Both workers receive every bucket, and the digests compared are
+    every worker's shard."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two workers need two cores to bind to; this process is given one")
+    # digests of two shards are named worker0/..., worker1/...: not those of a one-worker cold start
+    result = scenario(cold_cache / "tp2", cell, scenario="matrix", deployment="disaggregated", tensor_parallel_size=2)
+    assert result["workers"] == [2]
+    assert all(name.startswith("worker0/") for name in result["digest_names"])
+    steps = _by_name(result)
+    assert list(steps) == ["first", "second", "back"]
+    for step in steps.values():
+        _equal(step)
+    assert result["rebound"] == []
+
+
+@pytest.mark.slow
+def test_two_replicas_refitted_by_one_refit_each_equal_a_cold_start(cold_cache: Path) -> None:
+    """rollout.replicas=2: two vLLM engines (each in processes of its own) take every bucket of one
+    refit; each replica is compared with the cold start of the same export, bit for bit."""
+    result = scenario(cold_cache, "FP8_BLOCK-dense", scenario="matrix", deployment="disaggregated", replicas=2)
+    assert result["replicas"] == 2 and result["workers"] == [1, 1]
+    steps = _by_name(result)
+    assert list(steps) == [f"{label} replica {i}" for label in ("first", "second", "back") for i in (0, 1)]
+    for step in steps.values():
+        _equal(step)
+    assert result["rebound"] == []
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_that_cannot_start_names_its_workers_error_and_the_log(cold_cache: Path) -> None:
+    """FP8_BLOCK at tensor_parallel_size=2 on micro-dense: each worker holds 64 rows of a 128-row
+    projection, less than one 128-row block, and vLLM's workers refuse it as they build the model.
+    The error that reaches the trainer is that worker's first `Error:` line, not vLLM's wrappers
+    ("Engine core initialization failed. See root cause above"), and names the engine's log."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two workers need two cores to bind to; this process is given one")
+    result = run_scenario(cold_cache / "tp2", None, model="micro-dense", linear="FP8_BLOCK", scenario="matrix",
+                          deployment="disaggregated", tensor_parallel_size=2)
+    why = result["not_started"]
+    assert why.startswith("EngineProcessError: the vLLM engine failed to start: ValueError: Weight "
+                          "output_partition_size = 64 is not divisible by weight quantization block_n = 128"), why
+    log = Path(why.rsplit("engine log: ", 1)[1].strip())
+    text = log.read_text(errors="replace")
+    assert "(Worker_TP" in text and "See root cause" in text  # raised in a worker, wrapped by vLLM's engine core
+    log.unlink()
