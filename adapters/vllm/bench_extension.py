@@ -5,11 +5,20 @@ Both are protocol RPCs, with their records in adapters.vllm.protocol:
 
 - `BenchReload(path)` (`rl_refit_bench_reload`): vLLM's own `Worker.reload_weights(weights_path=path,
   is_checkpoint_format=True)`, the way to refit a vLLM engine from a checkpoint on disk.
-- `BenchMode("load_weights")` (`rl_refit_bench_mode`): until set back to `"refit"`, the refit steps skip
-  vLLM's layerwise reload and hand each bucket's tensors straight to `model.load_weights`. That
-  is only a timing baseline: without the layerwise reload, a loader writes into parameters that
-  vLLM has already processed into kernel format (on CPU a dense weight is an empty tensor beside
-  a packed kernel handle), so what the engine serves afterwards is wrong.
+- `BenchMode("layerwise")` (`rl_refit_bench_mode`): until set back to `"refit"`, the refit steps are
+  vLLM's own reload of the buckets and nothing else: `initialize_layerwise_reload` at begin,
+  `model.load_weights` per bucket, `finalize_layerwise_reload` at finalize, what vLLM's
+  `reload_weights(weights_iterator=...)` does with the same tensors. It serves the right weights;
+  what it leaves out is rl-refit's own work in the worker (the expert redo, the written-parameter
+  audit, the tied head's processing, the KV-scale reset). The floor of vLLM's loading and
+  processing, through the same buckets and transport.
+- `BenchMode("load_weights")`: the refit steps skip vLLM's layerwise reload and hand each bucket's
+  tensors straight to `model.load_weights`. That is only a timing baseline: without the layerwise
+  reload, a loader writes into parameters that vLLM has already processed into kernel format (on
+  CPU a dense weight is an empty tensor beside a packed kernel handle), so what the engine serves
+  afterwards is wrong.
+
+Either floor copies a bucket's tensors exactly when the refit does: when they are not retained.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from adapters.vllm import protocol as p
 from adapters.vllm.extension import RefitWorkerExtension
 from adapters.vllm.protocol import BenchMode, BenchReload, Seconds, answer
 
-MODES = ("refit", "load_weights")
+MODES = ("refit", "layerwise", "load_weights")
 
 
 class BenchExtension(RefitWorkerExtension):
@@ -51,11 +60,11 @@ class BenchExtension(RefitWorkerExtension):
             raise ValueError(f"bench mode {mode!r} is not one of {', '.join(MODES)}")
         if mode == self._rl_refit_bench_mode():
             return p.Done()
-        if mode == "load_weights":
-            self._rl_refit_bench_kept = _checkpoint_format(self._rl_refit_state().model)
-        else:
+        if self._rl_refit_bench_mode() == "load_weights":
             _put_back(self._rl_refit_bench_kept)
             self._rl_refit_bench_kept = []
+        if mode == "load_weights":
+            self._rl_refit_bench_kept = _checkpoint_format(self._rl_refit_state().model)
         self._rl_refit_bench = mode
         return p.Done()
 
@@ -77,34 +86,49 @@ class BenchExtension(RefitWorkerExtension):
             load_config.load_format, model_config.model, model_config.model_weights, model_config.revision = kept
         return time.perf_counter() - t0
 
-    # --- the per-bucket load_weights baseline ------------------------------------------------------
+    # --- the two floors: vLLM's layerwise reload alone, and per-bucket load_weights -----------------
 
     def _rl_refit_on_begin(self, request: p.Begin) -> p.Record:
-        if self._rl_refit_bench_mode() == "refit":
+        mode = self._rl_refit_bench_mode()
+        if mode == "refit":
             return super()._rl_refit_on_begin(request)
+        if mode == "layerwise":
+            state = self._rl_refit_state()
+            with self._rl_refit_context():
+                state.hooks.initialize_reload(state.model)
         self._rl_refit_bench_loaded = 0
         return p.Done()
 
-    def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]], retained: bool = False) -> int:
         if self._rl_refit_bench_mode() == "refit":
-            return super()._rl_refit_load_named(named_tensors)
-        model = self._rl_refit_state().model
-        owned = [(name, t.clone()) for name, t in named_tensors]  # the sender reuses its buffer
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        with torch.no_grad(), disable_mtp_completeness_check():
-            model.load_weights(owned)  # type: ignore[operator]
+            return super()._rl_refit_load_named(named_tensors, retained)
+        state = self._rl_refit_state()
+        # copied exactly when the refit copies: a buffer the sender reuses
+        owned = [(name, t.to(state.device, copy=not retained)) for name, t in named_tensors]
+        with torch.no_grad(), state.hooks.load_context():
+            state.model.load_weights(owned)  # type: ignore[operator]
         self._rl_refit_bench_loaded = int(getattr(self, "_rl_refit_bench_loaded", 0)) + len(owned)
         return len(owned)
 
     def _rl_refit_on_finalize(self, request: p.Finalize) -> p.FinalizeReply:
-        if self._rl_refit_bench_mode() == "refit":
+        mode = self._rl_refit_bench_mode()
+        if mode == "refit":
             return super()._rl_refit_on_finalize(request)
-        return p.FinalizeReply(0, 0.0, int(getattr(self, "_rl_refit_bench_loaded", 0)))
+        t0 = time.perf_counter()
+        if mode == "layerwise":
+            state = self._rl_refit_state()
+            with self._rl_refit_context():
+                state.hooks.finalize_reload(state.model, state.model_config)
+        return p.FinalizeReply(0, time.perf_counter() - t0, int(getattr(self, "_rl_refit_bench_loaded", 0)))
 
     def _rl_refit_on_abort(self, request: p.Abort) -> p.Record:
-        if self._rl_refit_bench_mode() == "refit":
+        mode = self._rl_refit_bench_mode()
+        if mode == "refit":
             return super()._rl_refit_on_abort(request)
+        if mode == "layerwise":
+            state = self._rl_refit_state()
+            with self._rl_refit_context():
+                state.hooks.finalize_reload(state.model, state.model_config)
         return p.Done()
 
 

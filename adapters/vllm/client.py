@@ -121,7 +121,7 @@ class ExtensionWorkers(WorkerQueries):
         self.call(Begin())
 
     def load(self, bucket: Bucket) -> int:
-        return self.call(Load(tuple(unpack_bucket(bucket)))).tensors
+        return self.call(Load(tuple(unpack_bucket(bucket)), retained=bucket.retained)).tensors
 
     def finalize(self, reset_kv_scales: bool) -> FinalizeReply:
         return self.call(Finalize(reset_kv_scales))

@@ -55,7 +55,7 @@ class VllmWorkers(Protocol):
 
     def load(self, bucket: Bucket) -> int:
         """Load one bucket's tensors by checkpoint name; the bucket's buffer may be reused as soon
-        as this returns."""
+        as this returns unless the bucket is retained (then the workers may keep views of it)."""
         ...
 
     def finalize(self, reset_kv_scales: bool) -> FinalizeReply:
@@ -113,7 +113,7 @@ class LocalWorkers:
         self.refit.begin()
 
     def load(self, bucket: Bucket) -> int:
-        return self.refit.load(list(unpack_bucket(bucket)))
+        return self.refit.load(list(unpack_bucket(bucket)), bucket.retained)
 
     def finalize(self, reset_kv_scales: bool) -> FinalizeReply:
         self.refit.reset_kv_scales = reset_kv_scales

@@ -84,10 +84,10 @@ class RefitWorkerExtension:
 
         return set_current_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
 
-    def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]], retained: bool = False) -> int:
         """Load one bucket's tensors, however they arrived (tests override this to fail or corrupt
-        inside the receiver)."""
-        return self._rl_refit_state().load(named_tensors)
+        inside the receiver); `retained`: they stay valid until the refit ends (no copy)."""
+        return self._rl_refit_state().load(named_tensors, retained)
 
     # --- refit steps: each RPC takes its request record and answers its reply record (plain) ------
 
@@ -99,7 +99,8 @@ class RefitWorkerExtension:
         return answer(p.Begin, request, self._rl_refit_on_begin)
 
     def rl_refit_load(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Colocated: one bucket's tensors, by reference (copied before this returns)."""
+        """Colocated: one bucket's tensors, by reference (copied before this returns unless the
+        request says they are retained)."""
         return answer(p.Load, request, self._rl_refit_on_load)
 
     def rl_refit_finalize(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +178,7 @@ class RefitWorkerExtension:
 
     def _rl_refit_on_load(self, request: p.Load) -> p.Loaded:
         with self._rl_refit_context():
-            return p.Loaded(self._rl_refit_load_named(list(request.tensors)))
+            return p.Loaded(self._rl_refit_load_named(list(request.tensors), request.retained))
 
     def _rl_refit_on_finalize(self, request: p.Finalize) -> p.FinalizeReply:
         with self._rl_refit_context():
@@ -219,10 +220,13 @@ class RefitWorkerExtension:
 
         def consume(bucket: Bucket) -> None:
             nonlocal loaded
-            loaded += self._rl_refit_load_named(list(unpack_bucket(bucket)))
+            # received into a buffer of its own (`allocate`): nothing else writes it, so vLLM may
+            # keep views of it until the layer is whole, and no copy is made
+            loaded += self._rl_refit_load_named(list(unpack_bucket(bucket)), True)
 
         with self._rl_refit_context():
-            transport.receive(consume)
+            transport.receive(consume, allocate=lambda nbytes: torch.empty(nbytes, dtype=torch.uint8,
+                                                                             device=transport.device))
         return p.Loaded(loaded)
 
     def _rl_refit_leave(self) -> p.Record:

@@ -223,12 +223,18 @@ class Begin(Request[Done]):
 
 @attrs.frozen
 class Load(Request[Loaded]):
-    """Colocated only: one bucket's tensors, by reference (not plain; never leaves the process)."""
+    """Colocated only: one bucket's tensors, by reference (not plain; never leaves the process).
+
+    `retained`: the tensors stay valid and unchanged until the refit ends (Bucket.retained), so
+    the worker hands them to vLLM as they are; otherwise it copies them first (the sender reuses
+    its buffer as soon as the call returns).
+    """
 
     METHOD: ClassVar[str] = "rl_refit_load"
     REPLY: ClassVar[type[Record]] = Loaded
 
     tensors: tuple[tuple[str, torch.Tensor], ...] = attrs.field(converter=lambda v: tuple((str(n), t) for n, t in v))
+    retained: bool = attrs.field(default=False, converter=bool)
 
 
 @attrs.frozen

@@ -1,10 +1,14 @@
 """The worker side of a vLLM refit: what runs next to the model, inside each vLLM worker.
 
 `WorkerRefit` drives vLLM's layerwise reload on one model: initialize before the first bucket,
-`model.load_weights` per bucket with checkpoint-format names (each tensor cloned first: vLLM
-buffers a layer's tensors *by reference* until the layer is complete, and the sender reuses its
-bucket buffer as soon as a bucket is acknowledged), finalize once after the last bucket, then the
-KV-cache scale reset. adapters.vllm.extension runs it inside vLLM's workers.
+`model.load_weights` per bucket with checkpoint-format names, finalize once after the last bucket,
+then the KV-cache scale reset. adapters.vllm.extension runs it inside vLLM's workers.
+
+vLLM buffers a layer's tensors *by reference* until the layer is complete, which may be a later
+bucket. A bucket the sender reuses as soon as it is acknowledged is therefore copied first; a
+retained one (the trainer's own tensors colocated, or a buffer the worker received into and owns)
+goes to vLLM as it is: its bytes stay valid until the refit ends, and vLLM's loaders only read
+what they are given.
 """
 
 from __future__ import annotations
@@ -157,16 +161,21 @@ class WorkerRefit:
             self.delta = DeltaReceiver()
         return self.delta.base()
 
-    def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+    def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]], retained: bool = False) -> int:
         """Load one bucket's tensors by checkpoint name; returns how many were loaded.
 
-        Every tensor is copied first, so that nothing vLLM buffers aliases the sender's buffer.
+        Args:
+            named_tensors: the bucket's (checkpoint name, tensor) pairs.
+            retained: the tensors stay valid and unchanged until the refit ends, so vLLM may
+                buffer them as they are. False: each is copied first, so that nothing vLLM
+                buffers aliases a buffer the sender reuses. A tensor on another device is
+                moved either way.
         """
         if not self.loading:
             raise RefitLifecycleError("load before begin: call begin() first")
         if self.delta is not None:  # delta records patched into whole tensors, suffixes removed
             named_tensors = self.delta.receive(named_tensors)
-        owned = [(name, t.to(self.device, copy=True)) for name, t in named_tensors]
+        owned = [(name, t.to(self.device, copy=not retained)) for name, t in named_tensors]
         self.sent_kinds |= {kind for name, _ in owned if (kind := activation_scale_kind(name)) is not None}
         load_weights = self.model.load_weights  # every vLLM model class defines it
         with self.hooks.load_context():

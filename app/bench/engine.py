@@ -15,6 +15,11 @@ wall-clock seconds in the trainer's process of:
   baseline needs on disk first; page cache, no fsync);
 - `vLLM reload_weights`: the worker calls vLLM's own `Worker.reload_weights(weights_path=DIR,
   is_checkpoint_format=True)` on that file;
+- `vLLM layerwise reload of the same buckets`: the same buckets through the same transport, into
+  vLLM's own reload and nothing else (`initialize_layerwise_reload`, `model.load_weights` per
+  bucket, `finalize_layerwise_reload`: what `reload_weights(weights_iterator=...)` does): the
+  floor of vLLM's loading and processing, without rl-refit's worker-side work (expert redo,
+  written-parameter audit, tied head, KV scales) or its trainer-side checks;
 - `per-bucket load_weights`: the same buckets through the same transport, each handed straight
   to `model.load_weights` with no layerwise reload and no processing, into checkpoint-format
   tensors set up beside the engine's own (untimed, before each such call, and put back after
@@ -63,6 +68,7 @@ PRESETS = ("BF16", "FP8_BLOCK", "MXFP8")
 
 REFIT = "rl-refit refit"
 RELOAD = "vLLM reload_weights from disk (checkpoint already written)"
+LAYERWISE = "vLLM layerwise reload of the same buckets, nothing else (loading + processing floor)"
 WRITE_RELOAD = "write checkpoint + vLLM reload_weights"
 LOAD_WEIGHTS = "per-bucket model.load_weights, unprocessed (timing floor only: serves wrong weights)"
 RESTART = "engine start (a restart instead of a refit)"
@@ -139,6 +145,8 @@ class EngineTimings:
         write: writing the checkpoint, one per round.
         reload: vLLM's reload_weights, one per round (empty: it failed, see reload_error).
         load_weights: the per-bucket load_weights rounds (empty: it failed, see load_weights_error).
+        layerwise: the rounds of vLLM's layerwise reload of the same buckets (empty: it failed,
+            see layerwise_error).
         source_bytes: the trainer's BF16 weights.
         sent_bytes: the bytes one refit sends (quantized).
         buckets: buckets per refit.
@@ -154,6 +162,9 @@ class EngineTimings:
         differing: the tensors that differed (at most 10).
         reload_error: why vLLM's reload_weights could not be measured.
         load_weights_error: why the load_weights baseline could not be measured.
+        layerwise_error: why the layerwise floor could not be measured.
+        layerwise_same: after the first (untimed) layerwise reload of the refit's own buckets the
+            engine held exactly the bytes the refit had left (None: not measured).
         put_back: after the first (untimed) load_weights call the engine held exactly its bytes
             from before it (its own tensors put back untouched).
         bucket_bytes: the bucket size.
@@ -184,6 +195,9 @@ class EngineTimings:
     bucket_bytes: int = 0
     trainer_peak_bytes: int | None = None
     engine_peak_bytes: int | None = None
+    layerwise: tuple[float, ...] = ()
+    layerwise_error: str | None = None
+    layerwise_same: bool | None = None
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -234,10 +248,12 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
     assert ours is not None, "at least one refit is measured"
     reload, write = _median(t.reload), _median(t.write)
     written = _median([w + r for w, r in zip(t.write, t.reload, strict=False)]) if t.reload else None
-    load = _median(t.load_weights)
+    load, layerwise = _median(t.load_weights), _median(t.layerwise)
     metric = "refit time"
     if reload is not None:
         report.add(case, metric, ours, "s", RELOAD, reload, figure="other", preset=settings.preset.upper())
+    if layerwise is not None:
+        report.add(case, metric, ours, "s", LAYERWISE, layerwise, figure="other", preset=settings.preset.upper())
     if written is not None:
         report.add(case, metric, ours, "s", WRITE_RELOAD, written, figure="other", preset=settings.preset.upper())
     if load is not None:
@@ -256,7 +272,31 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
                    t.engine_peak_bytes / mib, "MiB", "a second copy of the model (BF16 source bytes)",
                    t.source_bytes / mib, figure="memory")
     report.notes += _notes(settings, t)
+    target = speed_target(ours, reload, layerwise)
+    if target is not None:
+        report.notes.append(target)
     return report
+
+
+def speed_target(refit: float, reload: float | None, floor: float | None) -> str | None:
+    """Where the refit stands against its bound, in words (None: reload_weights not measured).
+
+    The bound: at most half of vLLM's `reload_weights` from a page-cached file; where vLLM's own
+    loading and processing (the layerwise floor) cost more than half of `reload_weights`, that
+    floor bounds every way in, and the refit is held to at most 1.25x the floor instead.
+    """
+    if reload is None:
+        return None
+    if refit <= reload / 2:
+        return f"bound: met, the refit takes {refit / reload:.2f}x vLLM's reload_weights (at most 0.5x)"
+    if floor is not None and floor > reload / 2:
+        verdict = "met" if refit <= 1.25 * floor else "NOT met"
+        return (f"bound: {verdict}, the refit takes {refit / floor:.2f}x vLLM's layerwise reload of the same "
+                f"buckets (at most 1.25x), which itself takes {floor / reload:.2f}x reload_weights (over 0.5x: "
+                "vLLM's loading and processing bound every way in)")
+    return (f"bound: NOT met, the refit takes {refit / reload:.2f}x vLLM's reload_weights (at most 0.5x"
+            + (f"; the layerwise floor takes {floor / reload:.2f}x reload_weights" if floor is not None else "")
+            + ")")
 
 
 def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
@@ -296,6 +336,12 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
         notes.append(f"vLLM's reload_weights could not be measured: {t.reload_error}")
     if t.load_weights_error:
         notes.append(f"the per-bucket load_weights baseline could not be measured: {t.load_weights_error}")
+    if t.layerwise_error:
+        notes.append(f"the layerwise floor could not be measured: {t.layerwise_error}")
+    if t.layerwise_same is False:
+        notes.append("vLLM's layerwise reload of the refit's own buckets left the engine holding other bytes than "
+                     "the refit (expected where rl-refit redoes what the reload skips: BF16 MoE experts on CPU, a "
+                     "tied head)")
     if not t.put_back:
         notes.append("after the first per-bucket load_weights call the engine did NOT hold its bytes from before it: "
                      "putting its own tensors back failed, and every later figure is suspect")
@@ -417,8 +463,9 @@ class _Bench:
     def reload(self) -> None:
         self.workers.call(BenchReload(str(self.workdir)))
 
-    def load_weights(self) -> None:
-        """The refit's buckets, through the same workers, with the worker in `load_weights` mode."""
+    def buckets_only(self) -> None:
+        """The refit's buckets, through the same workers and ownership, with nothing else around
+        them (the worker's bench mode says what it does with them: a floor)."""
         from domain.quant.stream import quantize_stream
 
         svc, workers = self.svc, self.engine.workers
@@ -515,15 +562,22 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
     after_reload = bench.digests() if reload_error is None else None
     bench.refit()  # rl-refit's weights again (after a failed reload too)
     floor = (lambda: bench.mode("load_weights"), lambda: bench.mode("refit"))
+    layerwise = (lambda: bench.mode("layerwise"), lambda: bench.mode("refit"))
     before_floor = bench.digests()
-    load_error = _attempt(bench.load_weights, *floor)
+    layerwise_error = _attempt(bench.buckets_only, *layerwise)
+    layerwise_same = bench.digests() == before_floor if layerwise_error is None else None
+    bench.refit()  # whatever the layerwise reload skipped is rl-refit's again
+    before_floor = bench.digests()
+    load_error = _attempt(bench.buckets_only, *floor)
     put_back = bench.digests() == before_floor
     fns: dict[str, Callable[[], object]] = {"refit": bench.refit}
     if reload_error is None:
         fns.update(write=bench.write, reload=bench.reload)
+    if layerwise_error is None:
+        fns["layerwise"] = bench.buckets_only
     if load_error is None:
-        fns["load_weights"] = bench.load_weights
-    times = _rounds(fns, settings.repeat, {"load_weights": floor})
+        fns["load_weights"] = bench.buckets_only
+    times = _rounds(fns, settings.repeat, {"load_weights": floor, "layerwise": layerwise})
     phases = _median_phases(bench.timings[-settings.repeat:])
     differing = () if after_reload is None else tuple(
         sorted(n for n in after_refit.keys() | after_reload.keys() if after_refit.get(n) != after_reload.get(n)))
@@ -534,6 +588,7 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
         tuple(times.get("load_weights", ())), first.source_bytes, first.bytes_sent, first.buckets, threads, phases,
         (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
         reload_error, load_error, put_back, bench.svc.bucket_bytes, trainer_peak, engine_peak,
+        tuple(times.get("layerwise", ())), layerwise_error, layerwise_same,
     )
 
 

@@ -11,6 +11,7 @@ import app.bench
 from app.bench import engine
 from app.bench.all import AllResult, SuiteResult, markdown, run_suite
 from app.bench.engine import (
+    LAYERWISE,
     LOAD_WEIGHTS,
     RELOAD,
     RESTART,
@@ -20,6 +21,7 @@ from app.bench.engine import (
     build_report,
     resolve_deployment,
     skip_reason,
+    speed_target,
 )
 from app.bench.figures import group_rows
 
@@ -160,6 +162,33 @@ def test_reload_error_is_a_note_and_its_rows_are_absent() -> None:
     report = build_report(EngineBenchSettings(), t)
     assert [r.baseline for r in report.rows if r.baseline] == [LOAD_WEIGHTS, RESTART]
     assert "vLLM's reload_weights could not be measured: RuntimeError: no loader" in report.notes
+
+
+def test_the_layerwise_floor_is_a_row_and_the_bound_a_note() -> None:
+    report = build_report(EngineBenchSettings(), timings(layerwise=(0.15, 0.25, 0.2)))
+    row = next(r for r in report.rows if r.baseline == LAYERWISE)
+    assert row.value == 0.2 and row.baseline_value == 0.2  # medians: ours 0.2, the floor 0.2
+    # reload median 0.3: the refit (0.2) is over half of it, the floor (0.2) too: held to 1.25x the floor
+    assert ("bound: met, the refit takes 1.00x vLLM's layerwise reload of the same buckets (at most 1.25x), "
+            "which itself takes 0.67x reload_weights") in next(n for n in report.notes if n.startswith("bound:"))
+
+
+def test_speed_target() -> None:
+    assert speed_target(1.0, 2.0, 1.9).startswith("bound: met, the refit takes 0.50x vLLM's reload_weights")
+    assert speed_target(1.0, 1.0, 0.9).startswith("bound: met, the refit takes 1.11x vLLM's layerwise")
+    assert speed_target(1.2, 1.0, 0.9).startswith("bound: NOT met, the refit takes 1.33x vLLM's layerwise")
+    # a floor at or under half of reload_weights does not excuse the refit
+    assert speed_target(1.0, 1.0, 0.5) == ("bound: NOT met, the refit takes 1.00x vLLM's reload_weights (at most "
+                                           "0.5x; the layerwise floor takes 0.50x reload_weights)")
+    assert speed_target(1.0, 1.0, None) == "bound: NOT met, the refit takes 1.00x vLLM's reload_weights (at most 0.5x)"
+    assert speed_target(1.0, None, 0.9) is None
+
+
+def test_layerwise_errors_and_differing_bytes_are_notes() -> None:
+    report = build_report(EngineBenchSettings(), timings(layerwise_error="KeyError: 'y'", layerwise_same=False))
+    assert "the layerwise floor could not be measured: KeyError: 'y'" in report.notes
+    assert any(n.startswith("vLLM's layerwise reload of the refit's own buckets left") for n in report.notes)
+    assert not any(r.baseline == LAYERWISE for r in report.rows)
 
 
 def test_load_weights_error_is_a_note() -> None:

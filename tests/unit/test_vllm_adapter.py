@@ -19,7 +19,7 @@ from domain.errors import (
     RefitFailed,
     StorageRebound,
 )
-from domain.refit.buckets import pack_buckets, unpack_bucket
+from domain.refit.buckets import BucketPlanner, pack_buckets, unpack_bucket
 from domain.refit.report import RefitOutcome
 from domain.refit.session import CommitMode
 from tests.dispatching import decide_backends
@@ -113,6 +113,37 @@ def test_the_fake_really_aliases_uncloned_views() -> None:
     sent = dict(stream)
     expect = torch.cat([sent[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
     assert not torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), as_bytes(expect))
+
+
+def test_retained_buckets_reach_vllm_without_a_copy() -> None:
+    # By reference (the colocated shape), the trainer's tensors stay valid until the refit ends:
+    # the worker hands them to vLLM as they are, and the refit lands the same bytes.
+    model, layerwise, engine = build()
+    stream = checkpoint_stream(True, seed=4)
+    engine.begin_refit(1)
+    for bucket in BucketPlanner(SMALL_BUCKET, by_reference=True).pack(stream):
+        assert bucket.retained
+        engine.load_bucket(bucket)
+    buffered = {t.data_ptr() for info in layerwise.info.values() for _, t, _ in info["loaded"]}
+    engine.finalize_refit()
+    assert buffered and buffered <= {t.data_ptr() for _, t in stream}  # vLLM buffered the sender's own tensors
+    sent = dict(stream)
+    expect = torch.cat([sent[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), as_bytes(expect))
+
+
+def test_buckets_not_retained_are_copied() -> None:
+    _model, layerwise, engine = build()
+    stream = checkpoint_stream(True, seed=4)
+    engine.begin_refit(1)
+    buffers = []
+    for bucket in pack_buckets(stream, SMALL_BUCKET, reuse_buffer=True):
+        assert not bucket.retained
+        buffers.append(bucket.buffer.untyped_storage().data_ptr())
+        engine.load_bucket(bucket)
+    held = [t for info in layerwise.info.values() for _, t, _ in info["loaded"]]
+    assert held and all(t.untyped_storage().data_ptr() not in buffers for t in held)
+    engine.finalize_refit()
 
 
 def test_captured_storage_is_kept() -> None:

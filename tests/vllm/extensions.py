@@ -169,7 +169,7 @@ class TestExtension(RefitWorkerExtension):
         copy[name].reshape(-1).view(torch.uint8)[-1] ^= 1
         return name
 
-    def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]], retained: bool = False) -> int:
         state = self._rl_refit_test_state()
         if state["fail_at"] is not None and state["loads"] >= state["fail_at"]:
             state["fail_at"] = None
@@ -178,4 +178,4 @@ class TestExtension(RefitWorkerExtension):
         if state["corrupt"] is not None:
             named_tensors = [(n, t * 2 if state["corrupt"] in n and t.dtype == torch.bfloat16 else t)
                              for n, t in named_tensors]
-        return super()._rl_refit_load_named(named_tensors)
+        return super()._rl_refit_load_named(named_tensors, retained)
