@@ -278,4 +278,4 @@ def test_the_delta_bench_measures_fewer_bytes_than_full_refits(capsys):
     assert len(wire) == 2 * (4 + 3)  # per lr: BF16 against itself, three formats against theirs and BF16
     assert all(r.ratio is not None and r.ratio > 1 for r in wire)
     assert main(["bench", "codecs", "--delta"]) == 2
-    assert "--delta (and --model) go with the refit suite" in capsys.readouterr().err
+    assert "--delta goes with the refit suite (refit bench refit --delta)" in capsys.readouterr().err
