@@ -72,6 +72,7 @@ LAYERWISE = "vLLM layerwise reload of the same buckets, nothing else (loading + 
 WRITE_RELOAD = "write checkpoint + vLLM reload_weights"
 LOAD_WEIGHTS = "per-bucket model.load_weights, unprocessed (timing floor only: serves wrong weights)"
 RESTART = "engine start (a restart instead of a refit)"
+COPY = "copy_ of the same bytes in this process (the memory bound)"
 
 
 @attrs.frozen
@@ -163,6 +164,8 @@ class EngineTimings:
         reload_error: why vLLM's reload_weights could not be measured.
         load_weights_error: why the load_weights baseline could not be measured.
         layerwise_error: why the layerwise floor could not be measured.
+        copy_seconds: one `copy_` of the trainer's weights, tensor by tensor, into a buffer already
+            resident in this process (the median of `repeat`): the memory bound of any way in.
         layerwise_same: after the first (untimed) layerwise reload of the refit's own buckets the
             engine held exactly the bytes the refit had left (None: not measured).
         put_back: after the first (untimed) load_weights call the engine held exactly its bytes
@@ -198,6 +201,7 @@ class EngineTimings:
     layerwise: tuple[float, ...] = ()
     layerwise_error: str | None = None
     layerwise_same: bool | None = None
+    copy_seconds: float | None = None
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -262,7 +266,9 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
     if write is not None:
         report.add(case, "write checkpoint (quantize + one safetensors file)", write, "s")
     if t.source_bytes:
-        report.add(case, "rl-refit refit throughput (BF16 source bytes)", t.source_bytes / 1e9 / ours, "GB/s")
+        bound = t.source_bytes / 1e9 / t.copy_seconds if t.copy_seconds else None
+        report.add(case, "rl-refit refit throughput (BF16 source bytes)", t.source_bytes / 1e9 / ours, "GB/s",
+                   COPY if bound is not None else None, bound)
     mib = 2**20
     if t.trainer_peak_bytes is not None and t.bucket_bytes:
         report.add(case, "trainer process: peak RSS during a refit above its RSS before", t.trainer_peak_bytes / mib,
@@ -272,6 +278,13 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
                    t.engine_peak_bytes / mib, "MiB", "a second copy of the model (BF16 source bytes)",
                    t.source_bytes / mib, figure="memory")
     report.notes += _notes(settings, t)
+    if layerwise is not None and load is not None:
+        report.notes.append(
+            f"where the refit's time goes, from the floors of the same run: vLLM's load_weights of the buckets "
+            f"{load:.3f} s (the unprocessed floor: the transport and the loaders' copies), vLLM's processing "
+            f"{layerwise - load:.3f} s (the layerwise floor less that), rl-refit's own work {ours - layerwise:.3f} s "
+            "(the refit less the layerwise floor: quantize, pack, the storage check, the expert redo, the KV-scale "
+            "reset, the audit)")
     target = speed_target(ours, reload, layerwise)
     if target is not None:
         report.notes.append(target)
@@ -581,6 +594,7 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
     phases = _median_phases(bench.timings[-settings.repeat:])
     differing = () if after_reload is None else tuple(
         sorted(n for n in after_refit.keys() | after_reload.keys() if after_refit.get(n) != after_reload.get(n)))
+    copy = _copy_bound(bench.svc.trainer, settings.repeat)
     trainer_peak, engine_peak = _refit_memory(bench)  # the engine ends serving rl-refit's refit
     compared = after_reload is not None and moved is not False
     return EngineTimings(
@@ -588,8 +602,24 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
         tuple(times.get("load_weights", ())), first.source_bytes, first.bytes_sent, first.buckets, threads, phases,
         (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
         reload_error, load_error, put_back, bench.svc.bucket_bytes, trainer_peak, engine_peak,
-        tuple(times.get("layerwise", ())), layerwise_error, layerwise_same,
+        tuple(times.get("layerwise", ())), layerwise_error, layerwise_same, copy,
     )
+
+
+def _copy_bound(trainer: Any, repeat: int) -> float:
+    """Seconds of one `copy_` of every trainer weight into one resident buffer (the largest
+    tensor's bytes, reused: the destination's pages are mapped before the clock starts), the
+    median of `repeat` passes after a warm-up pass."""
+    weights = [t.detach().reshape(-1).view(torch.uint8) for _, t in trainer.named_weights()
+               if t.is_contiguous() and t.numel()]
+    out = torch.empty(max((t.numel() for t in weights), default=0), dtype=torch.uint8)
+
+    def once() -> None:
+        for t in weights:
+            out[: t.numel()].copy_(t)
+
+    once()
+    return statistics.median(_timed(once) for _ in range(repeat))
 
 
 def _refit_memory(bench: _Bench) -> tuple[int, int | None]:

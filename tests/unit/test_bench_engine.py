@@ -11,6 +11,7 @@ import app.bench
 from app.bench import engine
 from app.bench.all import AllResult, SuiteResult, markdown, run_suite
 from app.bench.engine import (
+    COPY,
     LAYERWISE,
     LOAD_WEIGHTS,
     RELOAD,
@@ -128,7 +129,12 @@ def test_rows_compare_the_refit_median_with_each_baseline_median() -> None:
     assert rows[RESTART].ratio == pytest.approx(50.0)
     extra = {r.metric: r for r in report.rows if not r.baseline}
     assert extra["write checkpoint (quantize + one safetensors file)"].value == 0.06
-    assert extra["rl-refit refit throughput (BF16 source bytes)"].value == pytest.approx(2e-3 / refit)
+    throughput = next(r for r in report.rows if r.metric == "rl-refit refit throughput (BF16 source bytes)")
+    assert throughput.value == pytest.approx(2e-3 / refit) and throughput.baseline is None  # no copy_ measured
+    bounded = build_report(EngineBenchSettings(), timings(copy_seconds=0.001))
+    row = next(r for r in bounded.rows if r.metric == "rl-refit refit throughput (BF16 source bytes)")
+    assert row.baseline == COPY and row.baseline_value == pytest.approx(2.0)  # 2 MB in 1 ms
+    assert row.ratio == pytest.approx(2e-3 / refit / 2.0)  # the share of the memory bound
     assert all(r.case == "micro-moe FP8_BLOCK colocated bucket 1 MiB" for r in report.rows)
 
 
@@ -189,6 +195,14 @@ def test_layerwise_errors_and_differing_bytes_are_notes() -> None:
     assert "the layerwise floor could not be measured: KeyError: 'y'" in report.notes
     assert any(n.startswith("vLLM's layerwise reload of the refit's own buckets left") for n in report.notes)
     assert not any(r.baseline == LAYERWISE for r in report.rows)
+
+
+def test_the_floors_split_the_refit_time() -> None:
+    report = build_report(EngineBenchSettings(), timings(layerwise=(0.15, 0.15, 0.15)))
+    note = next(n for n in report.notes if n.startswith("where the refit's time goes"))
+    # load_weights median 0.1, layerwise 0.15, refit 0.2
+    assert "load_weights of the buckets 0.100 s" in note and "processing 0.050 s" in note
+    assert "rl-refit's own work 0.050 s" in note
 
 
 def test_load_weights_error_is_a_note() -> None:
