@@ -12,6 +12,8 @@ Both are protocol RPCs, with their records in adapters.vllm.protocol:
   what it leaves out is rl-refit's own work in the worker (the expert redo, the written-parameter
   audit, the tied head's processing, the KV-scale reset). The floor of vLLM's loading and
   processing, through the same buckets and transport.
+- `BenchMode("receive")`: the refit steps receive the buckets and drop them: the floor of the
+  transport alone (disaggregated: the side group's stream; colocated: the hand-over).
 - `BenchMode("load_weights")`: the refit steps skip vLLM's layerwise reload and hand each bucket's
   tensors straight to `model.load_weights`. That is only a timing baseline: without the layerwise
   reload, a loader writes into parameters that vLLM has already processed into kernel format (on
@@ -32,7 +34,7 @@ from adapters.vllm import protocol as p
 from adapters.vllm.extension import RefitWorkerExtension
 from adapters.vllm.protocol import BenchMode, BenchReload, Seconds, answer
 
-MODES = ("refit", "layerwise", "load_weights")
+MODES = ("refit", "layerwise", "load_weights", "receive")
 
 
 class BenchExtension(RefitWorkerExtension):
@@ -102,6 +104,9 @@ class BenchExtension(RefitWorkerExtension):
     def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]], retained: bool = False) -> int:
         if self._rl_refit_bench_mode() == "refit":
             return super()._rl_refit_load_named(named_tensors, retained)
+        if self._rl_refit_bench_mode() == "receive":
+            self._rl_refit_bench_loaded = int(getattr(self, "_rl_refit_bench_loaded", 0)) + len(named_tensors)
+            return len(named_tensors)
         state = self._rl_refit_state()
         # copied exactly when the refit copies: a buffer the sender reuses
         owned = [(name, t.to(state.device, copy=not retained)) for name, t in named_tensors]

@@ -20,6 +20,8 @@ wall-clock seconds in the trainer's process of:
   bucket, `finalize_layerwise_reload`: what `reload_weights(weights_iterator=...)` does): the
   floor of vLLM's loading and processing, without rl-refit's worker-side work (expert redo,
   written-parameter audit, tied head, KV scales) or its trainer-side checks;
+- `received and dropped`: the same buckets through the same transport, dropped by the worker:
+  the floor of the transport alone;
 - `per-bucket load_weights`: the same buckets through the same transport, each handed straight
   to `model.load_weights` with no layerwise reload and no processing, into checkpoint-format
   tensors set up beside the engine's own (untimed, before each such call, and put back after
@@ -69,6 +71,7 @@ PRESETS = ("BF16", "FP8_BLOCK", "MXFP8")
 REFIT = "rl-refit refit"
 RELOAD = "vLLM reload_weights from disk (checkpoint already written)"
 LAYERWISE = "vLLM layerwise reload of the same buckets, nothing else (loading + processing floor)"
+RECEIVE = "the same buckets received and dropped (transport floor)"
 WRITE_RELOAD = "write checkpoint + vLLM reload_weights"
 LOAD_WEIGHTS = "per-bucket model.load_weights, unprocessed (timing floor only: serves wrong weights)"
 RESTART = "engine start (a restart instead of a refit)"
@@ -148,6 +151,7 @@ class EngineTimings:
         load_weights: the per-bucket load_weights rounds (empty: it failed, see load_weights_error).
         layerwise: the rounds of vLLM's layerwise reload of the same buckets (empty: it failed,
             see layerwise_error).
+        receive: the rounds of the same buckets received and dropped (empty: not measured).
         source_bytes: the trainer's BF16 weights.
         sent_bytes: the bytes one refit sends (quantized).
         buckets: buckets per refit.
@@ -202,6 +206,7 @@ class EngineTimings:
     layerwise_error: str | None = None
     layerwise_same: bool | None = None
     copy_seconds: float | None = None
+    receive: tuple[float, ...] = ()
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -252,12 +257,14 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
     assert ours is not None, "at least one refit is measured"
     reload, write = _median(t.reload), _median(t.write)
     written = _median([w + r for w, r in zip(t.write, t.reload, strict=False)]) if t.reload else None
-    load, layerwise = _median(t.load_weights), _median(t.layerwise)
+    load, layerwise, receive = _median(t.load_weights), _median(t.layerwise), _median(t.receive)
     metric = "refit time"
     if reload is not None:
         report.add(case, metric, ours, "s", RELOAD, reload, figure="other", preset=settings.preset.upper())
     if layerwise is not None:
         report.add(case, metric, ours, "s", LAYERWISE, layerwise, figure="other", preset=settings.preset.upper())
+    if receive is not None:
+        report.add(case, metric, ours, "s", RECEIVE, receive, figure="other", preset=settings.preset.upper())
     if written is not None:
         report.add(case, metric, ours, "s", WRITE_RELOAD, written, figure="other", preset=settings.preset.upper())
     if load is not None:
@@ -278,17 +285,30 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
                    t.engine_peak_bytes / mib, "MiB", "a second copy of the model (BF16 source bytes)",
                    t.source_bytes / mib, figure="memory")
     report.notes += _notes(settings, t)
-    if layerwise is not None and load is not None:
-        report.notes.append(
-            f"where the refit's time goes, from the floors of the same run: vLLM's load_weights of the buckets "
-            f"{load:.3f} s (the unprocessed floor: the transport and the loaders' copies), vLLM's processing "
-            f"{layerwise - load:.3f} s (the layerwise floor less that), rl-refit's own work {ours - layerwise:.3f} s "
-            "(the refit less the layerwise floor: quantize, pack, the storage check, the expert redo, the KV-scale "
-            "reset, the audit)")
+    split = time_split(ours, receive, load, layerwise)
+    if split is not None:
+        report.notes.append(split)
     target = speed_target(ours, reload, layerwise)
     if target is not None:
         report.notes.append(target)
     return report
+
+
+def time_split(refit: float, receive: float | None, load: float | None, layerwise: float | None) -> str | None:
+    """Where the refit's time goes, from the floors of one run, each one a way in that does less
+    than the next: the transport alone, plus vLLM's loaders, plus its processing, plus rl-refit's
+    own work (the refit). None: a floor is missing."""
+    if receive is None or load is None or layerwise is None:
+        return None
+    steps = (("the transport (buckets received and dropped)", receive),
+             ("vLLM's load_weights (the unprocessed floor less the transport)", load - receive),
+             ("vLLM's processing (the layerwise floor less the unprocessed one)", layerwise - load),
+             ("rl-refit's own work (the refit less the layerwise floor: quantize, pack, the storage check, "
+              "the expert redo, the KV-scale reset, the audit)", refit - layerwise))
+    parts = [f"{what} {seconds:.3f} s" if seconds >= 0 else f"{what} none measurable ({seconds:.3f} s)"
+             for what, seconds in steps]
+    return ("where the refit's time goes, from the floors of the same run (a negative share: the floors' "
+            "own overheads or the machine's noise exceed it): " + "; ".join(parts))
 
 
 def speed_target(refit: float, reload: float | None, floor: float | None) -> str | None:
@@ -306,7 +326,8 @@ def speed_target(refit: float, reload: float | None, floor: float | None) -> str
         verdict = "met" if refit <= 1.25 * floor else "NOT met"
         return (f"bound: {verdict}, the refit takes {refit / floor:.2f}x vLLM's layerwise reload of the same "
                 f"buckets (at most 1.25x), which itself takes {floor / reload:.2f}x reload_weights (over 0.5x: "
-                "vLLM's loading and processing bound every way in)")
+                "vLLM's loading and processing, through these buckets and this transport, bound every way in "
+                "through them)")
     return (f"bound: NOT met, the refit takes {refit / reload:.2f}x vLLM's reload_weights (at most 0.5x"
             + (f"; the layerwise floor takes {floor / reload:.2f}x reload_weights" if floor is not None else "")
             + ")")
@@ -576,6 +597,7 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
     bench.refit()  # rl-refit's weights again (after a failed reload too)
     floor = (lambda: bench.mode("load_weights"), lambda: bench.mode("refit"))
     layerwise = (lambda: bench.mode("layerwise"), lambda: bench.mode("refit"))
+    receive = (lambda: bench.mode("receive"), lambda: bench.mode("refit"))
     before_floor = bench.digests()
     layerwise_error = _attempt(bench.buckets_only, *layerwise)
     layerwise_same = bench.digests() == before_floor if layerwise_error is None else None
@@ -590,7 +612,9 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
         fns["layerwise"] = bench.buckets_only
     if load_error is None:
         fns["load_weights"] = bench.buckets_only
-    times = _rounds(fns, settings.repeat, {"load_weights": floor, "layerwise": layerwise})
+    if _attempt(bench.buckets_only, *receive) is None:
+        fns["receive"] = bench.buckets_only
+    times = _rounds(fns, settings.repeat, {"load_weights": floor, "layerwise": layerwise, "receive": receive})
     phases = _median_phases(bench.timings[-settings.repeat:])
     differing = () if after_reload is None else tuple(
         sorted(n for n in after_refit.keys() | after_reload.keys() if after_refit.get(n) != after_reload.get(n)))
@@ -602,7 +626,7 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
         tuple(times.get("load_weights", ())), first.source_bytes, first.bytes_sent, first.buckets, threads, phases,
         (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
         reload_error, load_error, put_back, bench.svc.bucket_bytes, trainer_peak, engine_peak,
-        tuple(times.get("layerwise", ())), layerwise_error, layerwise_same, copy,
+        tuple(times.get("layerwise", ())), layerwise_error, layerwise_same, copy, tuple(times.get("receive", ())),
     )
 
 

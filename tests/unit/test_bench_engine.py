@@ -14,6 +14,7 @@ from app.bench.engine import (
     COPY,
     LAYERWISE,
     LOAD_WEIGHTS,
+    RECEIVE,
     RELOAD,
     RESTART,
     WRITE_RELOAD,
@@ -23,6 +24,7 @@ from app.bench.engine import (
     resolve_deployment,
     skip_reason,
     speed_target,
+    time_split,
 )
 from app.bench.figures import group_rows
 
@@ -198,11 +200,20 @@ def test_layerwise_errors_and_differing_bytes_are_notes() -> None:
 
 
 def test_the_floors_split_the_refit_time() -> None:
-    report = build_report(EngineBenchSettings(), timings(layerwise=(0.15, 0.15, 0.15)))
+    report = build_report(EngineBenchSettings(), timings(layerwise=(0.15, 0.15, 0.15), receive=(0.04, 0.04, 0.04)))
     note = next(n for n in report.notes if n.startswith("where the refit's time goes"))
-    # load_weights median 0.1, layerwise 0.15, refit 0.2
-    assert "load_weights of the buckets 0.100 s" in note and "processing 0.050 s" in note
-    assert "rl-refit's own work 0.050 s" in note
+    # receive 0.04, load_weights median 0.1, layerwise 0.15, refit 0.2
+    assert "the transport (buckets received and dropped) 0.040 s" in note
+    assert "the unprocessed floor less the transport) 0.060 s" in note
+    assert "less the unprocessed one) 0.050 s" in note and "the audit) 0.050 s" in note
+    assert next(r for r in report.rows if r.baseline == RECEIVE).baseline_value == 0.04
+    assert not any(n.startswith("where the refit's time goes") for n in build_report(EngineBenchSettings(),
+                   timings(layerwise=(0.15,))).notes)  # no transport floor: no split
+
+
+def test_a_floor_above_the_next_is_no_share() -> None:
+    assert "vLLM's processing (the layerwise floor less the unprocessed one) none measurable (-0.100 s)" in (
+        time_split(0.3, 0.1, 0.35, 0.25) or "")
 
 
 def test_load_weights_error_is_a_note() -> None:
