@@ -63,10 +63,10 @@ class BenchExtension(RefitWorkerExtension):
         if mode == self._rl_refit_bench_mode():
             return p.Done()
         if self._rl_refit_bench_mode() == "load_weights":
-            _put_back(self._rl_refit_bench_kept)
-            self._rl_refit_bench_kept = []
-        if mode == "load_weights":
-            self._rl_refit_bench_kept = _checkpoint_format(self._rl_refit_state().model)
+            kept: Kept = getattr(self, "_rl_refit_bench_kept", [])
+            _put_back(kept)
+        self._rl_refit_bench_kept: Kept = (_checkpoint_format(self._rl_refit_state().model) if mode == "load_weights"
+                                           else [])
         self._rl_refit_bench = mode
         return p.Done()
 
