@@ -12,8 +12,9 @@ Both are protocol RPCs, with their records in adapters.vllm.protocol:
   what it leaves out is rl-refit's own work in the worker (the expert redo, the written-parameter
   audit, the tied head's processing, the KV-scale reset). The floor of vLLM's loading and
   processing, through the same buckets and transport.
-- `BenchMode("receive")`: the refit steps receive the buckets and drop them: the floor of the
-  transport alone (disaggregated: the side group's stream; colocated: the hand-over).
+- `BenchMode("receive")`: the refit steps receive the buckets and drop them: with the trainer's
+  quantizing and packing, the floor of the trainer's side and the transport (disaggregated: the
+  side group's stream; colocated: the hand-over).
 - `BenchMode("load_weights")`: the refit steps skip vLLM's layerwise reload and hand each bucket's
   tensors straight to `model.load_weights`. That is only a timing baseline: without the layerwise
   reload, a loader writes into parameters that vLLM has already processed into kernel format (on

@@ -20,8 +20,8 @@ wall-clock seconds in the trainer's process of:
   bucket, `finalize_layerwise_reload`: what `reload_weights(weights_iterator=...)` does): the
   floor of vLLM's loading and processing, without rl-refit's worker-side work (expert redo,
   written-parameter audit, tied head, KV scales) or its trainer-side checks;
-- `received and dropped`: the same buckets through the same transport, dropped by the worker:
-  the floor of the transport alone;
+- `made, sent and dropped`: the same buckets, quantized and packed by the trainer and through the
+  same transport, dropped by the worker: the floor of the trainer's side and the transport;
 - `per-bucket load_weights`: the same buckets through the same transport, each handed straight
   to `model.load_weights` with no layerwise reload and no processing, into checkpoint-format
   tensors set up beside the engine's own (untimed, before each such call, and put back after
@@ -71,7 +71,7 @@ PRESETS = ("BF16", "FP8_BLOCK", "MXFP8")
 REFIT = "rl-refit refit"
 RELOAD = "vLLM reload_weights from disk (checkpoint already written)"
 LAYERWISE = "vLLM layerwise reload of the same buckets, nothing else (loading + processing floor)"
-RECEIVE = "the same buckets received and dropped (transport floor)"
+RECEIVE = "the same buckets made, sent and dropped (trainer side + transport floor)"
 WRITE_RELOAD = "write checkpoint + vLLM reload_weights"
 LOAD_WEIGHTS = "per-bucket model.load_weights, unprocessed (timing floor only: serves wrong weights)"
 RESTART = "engine start (a restart instead of a refit)"
@@ -296,15 +296,16 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
 
 def time_split(refit: float, receive: float | None, load: float | None, layerwise: float | None) -> str | None:
     """Where the refit's time goes, from the floors of one run, each one a way in that does less
-    than the next: the transport alone, plus vLLM's loaders, plus its processing, plus rl-refit's
-    own work (the refit). None: a floor is missing."""
+    than the next: the trainer's side and the transport, plus vLLM's loaders, plus its processing,
+    plus rl-refit's own checks in the worker and around it (the refit). None: a floor is missing."""
     if receive is None or load is None or layerwise is None:
         return None
-    steps = (("the transport (buckets received and dropped)", receive),
+    steps = (("the trainer's side and the transport (export, quantize, pack, hand-over: the buckets made, sent "
+              "and dropped)", receive),
              ("vLLM's load_weights (the unprocessed floor less the transport)", load - receive),
              ("vLLM's processing (the layerwise floor less the unprocessed one)", layerwise - load),
-             ("rl-refit's own work (the refit less the layerwise floor: quantize, pack, the storage check, "
-              "the expert redo, the KV-scale reset, the audit)", refit - layerwise))
+             ("rl-refit's own checks (the refit less the layerwise floor: the storage check, the expert redo, "
+              "the KV-scale reset, the audit, the tied head)", refit - layerwise))
     parts = [f"{what} {seconds:.3f} s" if seconds >= 0 else f"{what} none measurable ({seconds:.3f} s)"
              for what, seconds in steps]
     return ("where the refit's time goes, from the floors of the same run (a negative share: the floors' "

@@ -203,9 +203,9 @@ def test_the_floors_split_the_refit_time() -> None:
     report = build_report(EngineBenchSettings(), timings(layerwise=(0.15, 0.15, 0.15), receive=(0.04, 0.04, 0.04)))
     note = next(n for n in report.notes if n.startswith("where the refit's time goes"))
     # receive 0.04, load_weights median 0.1, layerwise 0.15, refit 0.2
-    assert "the transport (buckets received and dropped) 0.040 s" in note
+    assert "the buckets made, sent and dropped) 0.040 s" in note
     assert "the unprocessed floor less the transport) 0.060 s" in note
-    assert "less the unprocessed one) 0.050 s" in note and "the audit) 0.050 s" in note
+    assert "less the unprocessed one) 0.050 s" in note and "the tied head) 0.050 s" in note
     assert next(r for r in report.rows if r.baseline == RECEIVE).baseline_value == 0.04
     assert not any(n.startswith("where the refit's time goes") for n in build_report(EngineBenchSettings(),
                    timings(layerwise=(0.15,))).notes)  # no transport floor: no split
