@@ -26,12 +26,13 @@ bench: setup
 	$(VENV)/bin/refit bench all --quick
 	$(MAKE) bench-real
 
-# the real-size rows (docs/your-model.md): export and engine benches on a 0.75B checkpoint, BF16, both shapes
+# the real-size rows (docs/your-model.md): export and engine benches on a 0.75B checkpoint, BF16 in both shapes, FP8_BLOCK colocated
 bench-real: setup
 	test -f $(REAL_MODEL)/config.json || $(PY) -m app.bench.fixtures qwen3-0.75b-untied $(REAL_MODEL)
 	$(VENV)/bin/refit bench export --model $(REAL_MODEL)
 	.venv-vllm/bin/python -m app.cli.main bench engine --model $(REAL_MODEL) --preset BF16 --deployment colocated
 	$(VENV)/bin/refit bench engine --model $(REAL_MODEL) --preset BF16 --deployment disaggregated
+	.venv-vllm/bin/python -m app.cli.main bench engine --model $(REAL_MODEL) --preset FP8_BLOCK --deployment colocated
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict
