@@ -1,5 +1,5 @@
 """`refit bench engine` on a real vLLM engine (the CPU build), colocated, one round: every
-baseline is measured, and vLLM's reload_weights of the checkpoint, into an engine holding other
+baseline and floor is measured, and vLLM's reload_weights of the checkpoint, into an engine holding other
 weights, leaves exactly the bytes rl-refit's refit left (FP8_BLOCK micro-moe). Structure only:
 timings are the bench's business, never a test's.
 
@@ -39,13 +39,16 @@ def report() -> dict[str, object]:
 
 
 def test_every_baseline_is_measured(report: dict[str, object]) -> None:
-    from app.bench.engine import LOAD_WEIGHTS, RELOAD, RESTART, WRITE_RELOAD
+    from app.bench.engine import COPY, LAYERWISE, LOAD_WEIGHTS, RECEIVE, RELOAD, RESTART, WRITE_RELOAD
 
     rows = {r["baseline"]: r for r in report["rows"] if r["baseline"]}  # type: ignore[attr-defined]
-    assert list(rows) == [RELOAD, WRITE_RELOAD, LOAD_WEIGHTS, RESTART]
+    assert list(rows) == [RELOAD, LAYERWISE, RECEIVE, WRITE_RELOAD, LOAD_WEIGHTS, RESTART, COPY]
     for row in rows.values():
         assert row["case"] == "micro-moe FP8_BLOCK colocated bucket 1 MiB"
         assert row["value"] > 0 and row["baseline_value"] > 0 and row["ratio"] is not None
+    notes = report["notes"]
+    assert any(n.startswith("where the refit's time goes") for n in notes), notes  # type: ignore[attr-defined]
+    assert any(n.startswith("bound: ") for n in notes), notes  # type: ignore[attr-defined]
 
 
 def test_vllm_reload_leaves_the_bytes_of_the_refit(report: dict[str, object]) -> None:
