@@ -21,7 +21,7 @@ Both are protocol RPCs, with their records in adapters.vllm.protocol:
   CPU a dense weight is an empty tensor beside a packed kernel handle), so what the engine serves
   afterwards is wrong.
 
-Either floor copies a bucket's tensors exactly when the refit does: when they are not retained.
+Each floor copies a bucket's tensors exactly when the refit does: when they are not retained.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class BenchExtension(RefitWorkerExtension):
             load_config.load_format, model_config.model, model_config.model_weights, model_config.revision = kept
         return time.perf_counter() - t0
 
-    # --- the two floors: vLLM's layerwise reload alone, and per-bucket load_weights -----------------
+    # --- the floors: vLLM's layerwise reload alone, per-bucket load_weights, the buckets dropped ----
 
     def _rl_refit_on_begin(self, request: p.Begin) -> p.Record:
         mode = self._rl_refit_bench_mode()
