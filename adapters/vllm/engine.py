@@ -234,6 +234,11 @@ class VllmRolloutEngine:
         except Exception as err:
             self._fail(f"finalize: {type(err).__name__}: {err}")
             raise
+        try:  # the prefix cache holds KV computed with the previous weights: a prompt sharing a cached prefix reuses it
+            self.workers.reset_prefix_cache()
+        except Exception as err:  # the weights are live either way; say so and go on
+            log.warning("prefix cache reset after a refit failed", refit_id=self._guard.refit_id,
+                        error=f"{type(err).__name__}: {err}")
         self._guard.commit()
         log.info("vllm refit finalized", refit_id=self._guard.refit_id, kv_scales_reset=stats.kv_scales_reset,
                  tensors=stats.tensors_loaded, parameters_written=stats.parameters_written,

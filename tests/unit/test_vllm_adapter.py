@@ -146,6 +146,25 @@ def test_buckets_not_retained_are_copied() -> None:
     engine.finalize_refit()
 
 
+def test_a_live_refit_drops_the_prefix_cache_and_a_failed_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    # KV computed with the previous weights must not serve a prompt after the refit
+    from adapters.vllm.engine import LocalWorkers
+
+    _model, _, engine = build()
+    resets: list[str] = []
+    monkeypatch.setattr(LocalWorkers, "reset_prefix_cache", lambda self: resets.append("reset"))
+    refit(engine, checkpoint_stream(True, seed=1), 1)
+    assert resets == ["reset"]
+
+    def fail(self: LocalWorkers, reset_kv_scales: bool) -> None:
+        raise RuntimeError("injected finalize fault")
+
+    monkeypatch.setattr(LocalWorkers, "finalize", fail)
+    with pytest.raises(RuntimeError, match="injected"):  # a refit that fails goes stale instead
+        refit(engine, checkpoint_stream(True, seed=2), 2)
+    assert resets == ["reset"] and engine.is_stale
+
+
 def test_captured_storage_is_kept() -> None:
     _model, _, engine = build()
     before = engine.storage_fingerprint()
