@@ -109,8 +109,7 @@ class BenchExtension(RefitWorkerExtension):
             self._rl_refit_bench_loaded = int(getattr(self, "_rl_refit_bench_loaded", 0)) + len(named_tensors)
             return len(named_tensors)
         state = self._rl_refit_state()
-        # copied exactly when the refit copies: a buffer the sender reuses
-        owned = [(name, t.to(state.device, copy=not retained)) for name, t in named_tensors]
+        owned = state.owned(named_tensors, retained)  # copied exactly when the refit copies
         with torch.no_grad(), state.hooks.load_context():
             state.model.load_weights(owned)  # type: ignore[operator]
         self._rl_refit_bench_loaded = int(getattr(self, "_rl_refit_bench_loaded", 0)) + len(owned)
@@ -122,9 +121,7 @@ class BenchExtension(RefitWorkerExtension):
             return super()._rl_refit_on_finalize(request)
         t0 = time.perf_counter()
         if mode == "layerwise":
-            state = self._rl_refit_state()
-            with self._rl_refit_context():
-                state.hooks.finalize_reload(state.model, state.model_config)
+            self._rl_refit_bench_end_reload()
         return p.FinalizeReply(0, time.perf_counter() - t0, int(getattr(self, "_rl_refit_bench_loaded", 0)))
 
     def _rl_refit_on_abort(self, request: p.Abort) -> p.Record:
@@ -132,10 +129,14 @@ class BenchExtension(RefitWorkerExtension):
         if mode == "refit":
             return super()._rl_refit_on_abort(request)
         if mode == "layerwise":
-            state = self._rl_refit_state()
-            with self._rl_refit_context():
-                state.hooks.finalize_reload(state.model, state.model_config)
+            self._rl_refit_bench_end_reload()
         return p.Done()
+
+    def _rl_refit_bench_end_reload(self) -> None:
+        """The layerwise floor's end, after its last bucket or a failure: vLLM's own finalize."""
+        state = self._rl_refit_state()
+        with self._rl_refit_context():
+            state.hooks.finalize_reload(state.model, state.model_config)
 
 
 # (layer, its parameters, its buffers, its non-persistent buffer names), exactly as they were

@@ -175,7 +175,7 @@ class WorkerRefit:
             raise RefitLifecycleError("load before begin: call begin() first")
         if self.delta is not None:  # delta records patched into whole tensors, suffixes removed
             named_tensors = self.delta.receive(named_tensors)
-        owned = [(name, t.to(self.device, copy=not retained)) for name, t in named_tensors]
+        owned = self.owned(named_tensors, retained)
         self.sent_kinds |= {kind for name, _ in owned if (kind := activation_scale_kind(name)) is not None}
         load_weights = self.model.load_weights  # every vLLM model class defines it
         with self.hooks.load_context():
@@ -186,6 +186,11 @@ class WorkerRefit:
         else:
             self.written = None  # this model's load_weights does not say what it wrote
         return len(owned)
+
+    def owned(self, named_tensors: Sequence[tuple[str, torch.Tensor]], retained: bool) -> list[tuple[str, torch.Tensor]]:
+        """The tensors as vLLM may buffer them: on this worker's device, and copied unless
+        `retained` (valid and unchanged until the refit ends)."""
+        return [(name, t.to(self.device, copy=not retained)) for name, t in named_tensors]
 
     def finalize(self) -> FinalizeStats:
         """Finalize the reload once, then reset KV-cache scales.

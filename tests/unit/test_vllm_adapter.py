@@ -55,6 +55,12 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def fused_qkv(stream, layer: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The bytes layer `layer`'s fused qkv_proj must hold after a refit of `stream`."""
+    sent = dict(stream)
+    return as_bytes(torch.cat([sent[f"model.layers.{layer}.self_attn.{x}_proj.weight"] for x in "qkv"]))
+
+
 def test_one_postprocessing_per_refit_and_one_finalize() -> None:
     model, layerwise, engine = build()
     stream = checkpoint_stream(True)
@@ -97,9 +103,7 @@ def test_clones_before_acknowledging_reused_buffers() -> None:
     first, second = checkpoint_stream(True, seed=1), checkpoint_stream(True, seed=2)
     refit(engine, first, 1)
     refit(engine, second, 2)
-    sent = dict(second)
-    expect = torch.cat([sent[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
-    assert torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), as_bytes(expect))
+    assert torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), fused_qkv(second, 1))
 
 
 def test_the_fake_really_aliases_uncloned_views() -> None:
@@ -110,9 +114,7 @@ def test_the_fake_really_aliases_uncloned_views() -> None:
     for bucket in pack_buckets(stream, SMALL_BUCKET, reuse_buffer=True):
         model.load_weights(list(unpack_bucket(bucket)))
     layerwise.finalize(model, None)
-    sent = dict(stream)
-    expect = torch.cat([sent[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
-    assert not torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), as_bytes(expect))
+    assert not torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), fused_qkv(stream, 1))
 
 
 def test_retained_buckets_reach_vllm_without_a_copy() -> None:
@@ -127,9 +129,7 @@ def test_retained_buckets_reach_vllm_without_a_copy() -> None:
     buffered = {t.data_ptr() for info in layerwise.info.values() for _, t, _ in info["loaded"]}
     engine.finalize_refit()
     assert buffered and buffered <= {t.data_ptr() for _, t in stream}  # vLLM buffered the sender's own tensors
-    sent = dict(stream)
-    expect = torch.cat([sent[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
-    assert torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), as_bytes(expect))
+    assert torch.equal(as_bytes(model.layers[1].self_attn.qkv_proj.weight), fused_qkv(stream, 1))
 
 
 def test_buckets_not_retained_are_copied() -> None:
