@@ -68,14 +68,25 @@ class LlmGreedy:
 
 def greedy_tokens(llm: Any, prompts: list[list[int]], max_tokens: int,
                   lora: LoraServing | None = None) -> list[list[int]]:
-    """Greedy continuations (temperature 0) of token-id prompts (with a LoRA adapter, if named)."""
+    """Greedy continuations (temperature 0) of token-id prompts (with a LoRA adapter, if named),
+    one request at a time.
+
+    One at a time so that the tokens depend on the weights alone. Given together, the engine
+    decodes the requests that reached its scheduler in the same step as one batch, and which did
+    is a matter of timing (a multiprocess engine receives them one by one). A GEMM's row is not
+    the same bits at every row count (MKL's FP32 GEMM, for one, takes another path below 4 rows),
+    so at a near-tie the argmax, and every token after it, could follow the timing.
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
-                        lora_request=lora_request(lora))
-    return [list(o.outputs[0].token_ids) for o in outs]
+    request = lora_request(lora)
+    tokens = []
+    for prompt in prompts:
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False, lora_request=request)
+        tokens.append(list(out.outputs[0].token_ids))
+    return tokens
 
 
 def start_llm(**engine_kwargs: Any) -> Any:
