@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import sys
 
 import pytest
 import torch
@@ -359,6 +360,34 @@ def test_launch_without_vllm_names_the_adapter(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(builtins, "__import__", no_vllm)
     with pytest.raises(ModuleNotFoundError, match=r"adapters\.vllm .*needs vllm >=0\.32,<0\.34"):
         start_llm(model="/m")
+
+
+def test_greedy_continuations_are_asked_one_request_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batched, which requests share a decode step would follow their arrival at the scheduler."""
+    import types
+
+    from adapters.vllm.client import greedy_tokens
+
+    fake_vllm = types.ModuleType("vllm")
+    fake_vllm.SamplingParams = lambda **kw: kw  # type: ignore[attr-defined]
+    fake_inputs = types.ModuleType("vllm.inputs")
+    fake_inputs.TokensPrompt = lambda prompt_token_ids: list(prompt_token_ids)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", fake_inputs)
+
+    class Llm:
+        def __init__(self) -> None:
+            self.calls: list[list[list[int]]] = []
+
+        def generate(self, prompts, params, use_tqdm, lora_request):  # type: ignore[no-untyped-def]
+            assert params == {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+            self.calls.append(prompts)
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=(p[0] + 1, p[-1] + 1))])
+                    for p in prompts]
+
+    llm = Llm()
+    assert greedy_tokens(llm, [[1, 2, 3], [10, 20], [7]], 2) == [[2, 4], [11, 21], [8, 8]]
+    assert llm.calls == [[[1, 2, 3]], [[10, 20]], [[7]]]
 
 
 # --- what a refit wrote, experts, plain values across process boundaries -----------------------
