@@ -28,8 +28,10 @@ class EngineInspection(Protocol):
         ...
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        """Greedy (temperature 0) continuations of token-id prompts, `max_tokens` each. An engine
-        that refuses to serve (stale, mid-refit) raises as its `log_probs` does."""
+        """Greedy (temperature 0) continuations of token-id prompts, `max_tokens` each, each a
+        function of the weights and its prompt alone (not of which other prompts shared a decode
+        step: an engine that batches by arrival decodes them one at a time). An engine that
+        refuses to serve (stale, mid-refit) raises as its `log_probs` does."""
         ...
 
     def close(self) -> None:
