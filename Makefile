@@ -6,6 +6,8 @@ PYTEST_ARGS ?= -n 2
 .PHONY: setup demo test lint typecheck bench bench-real docs clean
 # where `make bench-real` writes its real-size checkpoint (random weights at Qwen3-0.6B's shapes, untied)
 REAL_MODEL ?= /tmp/rl-refit-qwen3-0.75b-untied
+# and Qwen3-0.6B as released (tied head): the memory rows at its shape
+TIED_MODEL ?= /tmp/rl-refit-qwen3-0.6b
 
 setup:
 	@scripts/setup-env.sh
@@ -26,9 +28,13 @@ bench: setup
 	$(VENV)/bin/refit bench all --quick
 	$(MAKE) bench-real
 
-# the real-size rows (docs/your-model.md): export and engine benches on a 0.75B checkpoint, BF16 in both shapes, FP8_BLOCK colocated
+# the real-size rows (docs/your-model.md): export and engine benches on a 0.75B checkpoint, BF16 in both shapes,
+# FP8_BLOCK colocated; export and BF16 colocated on the tied 0.6B
 bench-real: setup
 	test -f $(REAL_MODEL)/config.json || $(PY) -m app.bench.fixtures qwen3-0.75b-untied $(REAL_MODEL)
+	test -f $(TIED_MODEL)/config.json || $(PY) -m app.bench.fixtures qwen3-0.6b $(TIED_MODEL)
+	$(VENV)/bin/refit bench export --model $(TIED_MODEL)
+	.venv-vllm/bin/python -m app.cli.main bench engine --model $(TIED_MODEL) --preset BF16 --deployment colocated
 	$(VENV)/bin/refit bench export --model $(REAL_MODEL)
 	.venv-vllm/bin/python -m app.cli.main bench engine --model $(REAL_MODEL) --preset BF16 --deployment colocated
 	$(VENV)/bin/refit bench engine --model $(REAL_MODEL) --preset BF16 --deployment disaggregated
