@@ -11,6 +11,7 @@ Nothing here reads the environment: the composition root hands over what it read
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -234,18 +235,28 @@ def build_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost,
         base = {**lora_engine_args(lora_rank), **base}
     kwargs = vllm_engine_kwargs(start.quantization_config, start.decision, kv_cache_dtype=section.kv_cache_dtype,
                                 base=base)
-    owned: tuple[str, ...] = ()
-    if "model" not in kwargs:  # the embedded model: its config.json, weights from the first refit
-        kwargs["model"] = str(host.embedded_model_dir())
-        kwargs.setdefault("load_format", "dummy")
-        owned = (kwargs["model"],)
     colocated = deployment == "colocated"
     workers = engine_workers(kwargs)
     if colocated and workers > 1:
         raise ConfigError("rollout.deployment", f"a vLLM engine of {workers} workers (tensor_parallel_size x "
                           "pipeline_parallel_size) runs them in processes of their own, where buckets cannot pass "
                           "by reference: set rollout.deployment=disaggregated")
-    env = _environment(section, start, host, colocated=colocated, workers=workers)
+    owned: tuple[str, ...] = ()
+    if "model" not in kwargs:  # the embedded model: its config.json, weights from the first refit
+        kwargs["model"] = str(host.embedded_model_dir())
+        kwargs.setdefault("load_format", "dummy")
+        owned = (kwargs["model"],)
+    try:
+        return _launch(kwargs, _environment(section, start, host, colocated=colocated, workers=workers), host,
+                       section, colocated=colocated, owned=owned)
+    except BaseException:  # an engine that did not start closes nothing: remove what was made for it
+        for directory in owned:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+
+
+def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section: VllmSettings, *,
+            colocated: bool, owned: tuple[str, ...]) -> VllmRolloutEngine:
     if colocated:
         from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
 

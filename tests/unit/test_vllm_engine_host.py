@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 
 from adapters.vllm.control import HostGreedy, Tokens
@@ -185,3 +186,39 @@ def test_errors_of_the_host_and_of_any_worker_are_raised_as_their_own_class(fake
     assert process.call(HostGreedy([[1]], 1)) == Tokens([])  # the channel is still in step
     process.close()
     assert process.proc.returncode == 0
+
+
+@pytest.mark.parametrize("deployment", ["disaggregated", "colocated"])
+def test_an_engine_that_does_not_start_leaves_no_model_directory_behind(deployment, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The embedded model's config.json directory is made for the engine; when the engine never
+    starts, nothing would close it, so the factory removes it before the error propagates."""
+    import tempfile
+
+    import adapters.vllm.client
+    import adapters.vllm.remote
+    from adapters.vllm.factory import build_vllm_engine
+    from app.bootstrap import bootstrap
+    from app.cli.demo_engine import engine_config
+    from app.composition.tables import engine_start
+    from app.services.engine_demo import EngineDemoSettings
+    from domain.quant.plan import QuantizationPlan
+
+    def refuse(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise EngineProcessError("the vLLM engine failed to start: ValueError: no kernel")
+
+    monkeypatch.setattr(adapters.vllm.remote.EngineProcess, "start", refuse)
+    monkeypatch.setattr(adapters.vllm.client.ExtensionWorkers, "launch", refuse)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    settings = EngineDemoSettings(deployment=deployment, plan=QuantizationPlan.from_presets(None, None), model="micro-dense")
+    services = bootstrap(engine_config(settings, 1))
+    made: list[Path] = []
+
+    def model_dir() -> Path:
+        made.append(services.embedded.model_dir())
+        return made[-1]
+
+    host = attrs.evolve(services.vllm_host(), export_environment=lambda env: None, embedded_model_dir=model_dir)
+    with pytest.raises(EngineProcessError, match="no kernel"):
+        build_vllm_engine(services.config.rollout.engine_kwargs.vllm, engine_start(services, "vllm"), host,
+                          deployment=deployment)
+    assert len(made) == 1 and made[0].parent == tmp_path and not made[0].exists()
