@@ -15,7 +15,7 @@ stale and refuses to serve until a full refit succeeds.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -273,8 +273,7 @@ class VllmRolloutEngine:
         try:
             self.workers.close()
         finally:
-            for directory in self.owned_dirs:
-                shutil.rmtree(directory, ignore_errors=True)
+            remove_dirs(self.owned_dirs)
 
     # --- queries and serving ----------------------------------------------------------------
 
@@ -361,3 +360,9 @@ class VllmRolloutEngine:
     def kv_scales(self) -> dict[str, list[float]]:
         """Each attention layer's q/k/v/prob scales on the (first) worker."""
         return self.workers.kv_scales()
+
+
+def remove_dirs(directories: Iterable[str]) -> None:
+    """Remove directories made for an engine (the embedded model's config.json), whatever they hold."""
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -11,7 +11,6 @@ Nothing here reads the environment: the composition root hands over what it read
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,7 +21,7 @@ from adapters.engine_overrides import check_request, with_quantization_config
 from adapters.engine_start import EngineStart, check_commit_mode
 from adapters.vllm.cpu_emulation import ENV_VAR as CPU_EMULATION_ENV
 from adapters.vllm.cpu_emulation import parse_mode
-from adapters.vllm.engine import VllmRolloutEngine
+from adapters.vllm.engine import VllmRolloutEngine, remove_dirs
 from domain.errors import ConfigError
 from domain.quant.backend_policy import DEEP_GEMM, BackendDecision
 from domain.refit.session import CommitMode
@@ -250,8 +249,7 @@ def build_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost,
         return _launch(kwargs, _environment(section, start, host, colocated=colocated, workers=workers), host,
                        section, colocated=colocated, owned=owned)
     except BaseException:  # an engine that did not start closes nothing: remove what was made for it
-        for directory in owned:
-            shutil.rmtree(directory, ignore_errors=True)
+        remove_dirs(owned)
         raise
 
 
