@@ -58,6 +58,7 @@ class VllmEngineConfig:
     environment: Mapping[str, Any] = _key("rollout.engine_kwargs.vllm.environment")
     python: str | None = _key("rollout.engine_kwargs.vllm.python")
     start_timeout_s: float = _key("rollout.engine_kwargs.vllm.start_timeout_s")
+    transport: str = _key("rollout.engine_kwargs.vllm.transport")
     cpu_emulation: str = _key("rollout.engine_kwargs.vllm.cpu_emulation")
 
 

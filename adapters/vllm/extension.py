@@ -11,10 +11,10 @@ engine (the default) collective_rpc arguments cross msgpack, where a tensor arri
 Two ways in:
 - colocated (trainer and engine in one process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`):
   `rl_refit_load(Load)` receives a bucket's tensors by reference;
-- disaggregated (the engine in its own process): `rl_refit_join` joins a side process group
-  with the trainer (adapters.distributed.side_group, gloo on CPU, NCCL on GPU), and
-  `rl_refit_receive` receives one refit's whole bucket stream over it
-  (adapters.distributed.transport.TorchDistTransport) and loads each bucket as it lands.
+- disaggregated (the engine in its own process): `rl_refit_join` maps the trainer's shared-memory
+  ring (adapters.distributed.shm_transport) or joins a side process group with the trainer
+  (adapters.distributed.side_group, gloo on CPU, NCCL on GPU), and `rl_refit_receive` receives one
+  refit's whole bucket stream through it and loads each bucket as it lands.
 
 Either way the buckets go through WorkerRefit: vLLM's layerwise reload, the expert redo, the
 written/unwritten count and the KV-cache scale reset.
@@ -194,14 +194,22 @@ class RefitWorkerExtension:
     # --- the side group (disaggregated) --------------------------------------------------------
 
     def _rl_refit_on_join(self, request: p.Join) -> p.JoinReply:
+        self._rl_refit_leave()
+        rank = 1 + int(getattr(self, "rank", 0))
+        if request.transport == "shm":
+            from adapters.distributed.shm_transport import ShmRendezvous, connect
+
+            ring = ShmRendezvous.from_dict(request.rendezvous)
+            self._rl_refit_transport = connect(ring, rank, request.bucket_bytes)
+            log.info("joined the refit's shared-memory ring", rank=rank, receivers=ring.receivers,
+                     slots=ring.slots, slot_bytes=ring.slot_bytes)
+            return p.JoinReply(rank)
         from adapters.distributed.side_group import Rendezvous, SideGroup
         from adapters.distributed.transport import TorchDistTransport
 
-        self._rl_refit_leave()
-        rank = 1 + int(getattr(self, "rank", 0))
         group = SideGroup.join(Rendezvous.from_dict(request.rendezvous), rank)
         self._rl_refit_side: SideGroup | None = group
-        self._rl_refit_transport: TorchDistTransport | None = TorchDistTransport(
+        self._rl_refit_transport: Any = TorchDistTransport(
             group, source=0, rank=rank, peers=group.ranks, bucket_bytes=request.bucket_bytes,
             timeout_s=request.timeout_s, device=group.device,
         )
@@ -233,6 +241,9 @@ class RefitWorkerExtension:
         group = getattr(self, "_rl_refit_side", None)
         if group is not None:
             group.close()
+        transport = getattr(self, "_rl_refit_transport", None)
+        if transport is not None and hasattr(transport, "close"):  # the shared-memory ring's connection
+            transport.close()
         self._rl_refit_side = None
         self._rl_refit_transport = None
         return p.Done()

@@ -148,6 +148,9 @@ class VllmSettings(Protocol):
     @property
     def cpu_emulation(self) -> str: ...
 
+    @property
+    def transport(self) -> str: ...
+
 
 @attrs.frozen
 class VllmHost:
@@ -266,7 +269,7 @@ def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section
 
     process = EngineProcess.start(host.python(), kwargs, env={**host.environ, **env},
                                   start_timeout_s=float(section.start_timeout_s))
-    return VllmRolloutEngine(RemoteWorkers(process, host.bucket_bytes), log_prob_fn=RemoteLogProbs(process),
+    return VllmRolloutEngine(RemoteWorkers(process, host.bucket_bytes, backend=section.transport), log_prob_fn=RemoteLogProbs(process),
                              greedy_fn=RemoteGreedy(process), owned_dirs=owned)
 
 

@@ -257,7 +257,9 @@ class Abort(Request[Done]):
 
 @attrs.frozen
 class Join(Request[JoinReply]):
-    """Disaggregated: join the trainer's side group (adapters.distributed.side_group.Rendezvous)."""
+    """Disaggregated: join the trainer's bucket stream: its shared-memory ring
+    (`transport="shm"`, adapters.distributed.shm_transport.ShmRendezvous) or its side group
+    (`"side_group"`, adapters.distributed.side_group.Rendezvous)."""
 
     METHOD: ClassVar[str] = "rl_refit_join"
     REPLY: ClassVar[type[Record]] = JoinReply
@@ -265,6 +267,7 @@ class Join(Request[JoinReply]):
     rendezvous: dict[str, Any] = attrs.field(converter=dict)
     bucket_bytes: int = attrs.field(converter=int)
     timeout_s: float = attrs.field(converter=float)
+    transport: str = attrs.field(default="side_group", validator=attrs.validators.in_(("side_group", "shm")))
 
 
 @attrs.frozen

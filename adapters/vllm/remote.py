@@ -3,9 +3,10 @@
 `EngineProcess` starts the engine host (adapters.vllm.server) with another Python (the one vLLM is
 installed in), waits until it has started its engine and connected back, and sends it requests.
 `RemoteWorkers` is the VllmWorkers port over it: control through the host's `collective_rpc`,
-bucket data over a side process group (adapters.distributed.side_group: gloo on CPU, NCCL on GPU)
-that the workers join once; each refit's buckets are one TorchDistTransport stream, which the
-workers receive and load themselves (adapters.vllm.extension).
+bucket data through a shared-memory ring the workers map once (adapters.distributed.shm_transport:
+the engine host runs on this host), or over a side process group they join once
+(adapters.distributed.side_group: gloo on CPU, NCCL on GPU); each refit's buckets are one stream of
+that transport, which the workers receive and load themselves (adapters.vllm.extension).
 
 The trainer's `load_bucket` hands its bucket to a sender thread and returns once the bucket is
 on the wire (the bucket's buffer is then free to reuse); a failure on either side ends the
@@ -416,15 +417,18 @@ class RemoteWorkers(WorkerQueries):
         process: the engine host.
         bucket_bytes: the bucket capacity (the workers' receive buffers).
         host: the address the side group's store listens on.
-        backend: "gloo" (CPU) or "nccl" (GPU).
+        backend: how the buckets travel: "shm" (a shared-memory ring: the engine host runs on this
+            host), "gloo" (a side process group, CPU) or "nccl" (GPU).
         timeout_s: bound on joining and on every wait of a stream.
+        slot_bytes: shm: bytes of each of the ring's slots (at most a bucket).
     """
 
     process: EngineProcess
     bucket_bytes: int
     host: str = "127.0.0.1"
-    backend: str = "gloo"
+    backend: str = "shm"
     timeout_s: float = 120.0
+    slot_bytes: int = 32 << 20
     _transport: Any = attrs.field(init=False, default=None)
     _group: Any = attrs.field(init=False, default=None)
     _stream: _Stream | None = attrs.field(init=False, default=None)
@@ -436,6 +440,9 @@ class RemoteWorkers(WorkerQueries):
         return self.process.workers_call(request)
 
     def _join(self) -> None:
+        if self.backend == "shm":
+            self._join_ring()
+            return
         from adapters.distributed.side_group import SideGroup
         from adapters.distributed.transport import TorchDistTransport
 
@@ -448,6 +455,22 @@ class RemoteWorkers(WorkerQueries):
         self._group = group
         self._transport = TorchDistTransport(group, source=0, rank=0, peers=group.ranks, bucket_bytes=self.bucket_bytes,
                                              timeout_s=self.timeout_s, window=1, device=group.device)
+
+    def _join_ring(self) -> None:
+        """The workers map a shared-memory ring and connect to it; they do not wait for this end
+        (its listening socket queues them), so a worker that cannot join answers with its error."""
+        from adapters.distributed.shm_transport import ShmSource
+
+        source = ShmSource.serve(len(self.process.workers), slot_bytes=min(self.bucket_bytes, self.slot_bytes),
+                                 timeout_s=self.timeout_s)
+        try:
+            join = Join(source.rendezvous.to_dict(), self.bucket_bytes, self.timeout_s, transport="shm")
+            self.process.send(CallWorkers(join.METHOD, join.to_plain()))
+            reply_of(join, self.process.reply().answers)  # type: ignore[attr-defined]
+        except BaseException:
+            source.close()
+            raise
+        self._transport = self._group = source.accept()
 
     def begin(self) -> None:
         self.call(Begin())

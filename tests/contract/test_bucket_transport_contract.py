@@ -1,6 +1,9 @@
 """The BucketTransport contract, run against every adapter: in-process (two threads) and
 torch.distributed (two processes over gloo on 127.0.0.1, marked distributed).
 
+The shared-memory transport runs every scenario with source and receiver threads of one process,
+through rings whose slots are smaller than a bucket and larger than one.
+
 Scenarios: an ordered, intact stream with a tensor larger than a bucket; a source that fails
 mid-stream (the receiver gets TransportAborted with the source's error); a receiver whose consumer
 fails (it drains the stream, then raises; the source finishes); a receiver that keeps every bucket
@@ -163,8 +166,29 @@ def _inprocess_runs(scenario: str, window: int) -> list[tuple[dict, dict]]:
     return [_inprocess(scenario, window)]
 
 
+def _shm_runs(scenario: str, window: int) -> list[tuple[dict, dict]]:
+    """A shared-memory ring of `window` slots, smaller than a bucket (buckets cross slots) and
+    larger than one (buckets consumed where they lie in the ring), source and receiver threads of
+    this process."""
+    from adapters.distributed.shm_transport import pair
+
+    runs = []
+    for slot_bytes in (BUCKET // 2 - 8, 2 * BUCKET):
+        source, (end,) = pair(1, bucket_bytes=BUCKET, slots=window, slot_bytes=slot_bytes, timeout_s=20)
+        box: dict[str, dict] = {}
+        th = threading.Thread(target=lambda: box.setdefault("recv", receiver(scenario, end)))
+        th.start()
+        sent = sender(scenario, source)
+        th.join(timeout=30)
+        source.close()
+        end.close()
+        runs.append((sent, box["recv"]))
+    return runs
+
+
 ADAPTERS = [
     pytest.param(_inprocess_runs, id="inprocess"),
+    pytest.param(_shm_runs, id="shm"),
     pytest.param(_torch_dist, id="torch_dist", marks=pytest.mark.distributed),
 ]
 
@@ -216,8 +240,9 @@ def test_a_stream_that_leaves_the_known_layout_aborts_on_both_ends(scenario: str
         assert "error" not in got[after] and got[after]["hashes"] == {n: _hash(t) for n, t in _stream()}
 
 
-@pytest.mark.distributed
-def test_by_reference_buckets_are_packed_for_the_wire(window: int) -> None:
-    for sent, got in _torch_dist("by_reference", window):
+@pytest.mark.parametrize("run", [pytest.param(_torch_dist, id="torch_dist", marks=pytest.mark.distributed),
+                                 pytest.param(_shm_runs, id="shm")])
+def test_by_reference_buckets_are_packed_for_the_wire(run: Any, window: int) -> None:
+    for sent, got in run("by_reference", window):
         assert "error" not in sent and "error" not in got, (sent, got)
         assert got["hashes"] == {n: _hash(t) for n, t in _stream()}

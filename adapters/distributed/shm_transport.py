@@ -1,0 +1,560 @@
+"""A bucket transport through shared memory, for a source and receivers on one host.
+
+The source writes each bucket's bytes, a slot at a time, into a ring of `slots` slots in a file it
+maps and its receivers map too (under /dev/shm: memory, never a disk). A Unix-domain socket per
+receiver carries what is small: the bucket's header and tensor metadata, a notice per filled slot,
+and the receiver's acknowledgement once it has copied the slot out (or consumed it). The source
+refills a slot only after every receiver acknowledged it, so packing the next bucket overlaps the
+receivers' copying and loading, and a bucket of any size passes through a ring of fixed size.
+
+This replaces a socket's serialization (the bytes through the kernel, twice, on one core) by one
+`memcpy` on each side: the source's into the slot and the receiver's out of it.
+
+Setup: `ShmSource.serve` makes a private directory (mode 0700) holding the ring file (0600) and the
+listening socket, and a `ShmRendezvous` (plain data) to hand to the receivers. Each receiver's
+`connect` maps the ring, connects, and says its rank; the source's `accept` takes them all and
+removes the directory: the ring lives on in the mappings alone, so nothing is left behind when
+either side dies.
+
+Failures: a peer that closes its socket (crashed or exited) raises PeerLost; a peer silent for
+`timeout_s` raises CollectiveTimeout naming the rank and the step; a message that is not the
+expected one raises WireProtocolError, after which the receiver refuses every later stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from adapters.distributed.wire import (
+    HEADER_WORDS,
+    FrameKind,
+    Header,
+    StreamLimits,
+    decode_metas,
+    decode_text,
+    encode_metas,
+    encode_text,
+)
+from domain.errors import CollectiveTimeout, PeerLost, TransportAborted, WireProtocolError
+from domain.refit.buckets import Bucket
+from domain.refit.status import TransferStats
+
+DEFAULT_SLOTS = 4
+DEFAULT_SLOT_BYTES = 32 << 20
+_RING = "ring"
+_SOCKET = "socket"
+# every message from the source: magic, kind, body length; then the body
+_PREFIX = struct.Struct("<4sI Q")
+_MAGIC = b"RFSH"
+_FRAME, _CHUNK = 1, 2  # a wire Header (and its metadata or text) / a filled slot
+_CHUNK_BODY = struct.Struct("<QQQ")  # the slot's sequence number, its offset in the bucket, its bytes
+_ACK = struct.Struct("<Q")  # receiver -> source: the sequence number of the slot it released
+_HELLO = struct.Struct("<4sQ")  # receiver -> source, once: magic and rank
+_HEADER_BYTES = HEADER_WORDS * 8
+
+
+def shm_directory() -> Path:
+    """Where rings are made: /dev/shm when it is there and writable (memory), else the temp dir."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
+
+
+@attrs.frozen
+class ShmRendezvous:
+    """Where the receivers find a ring and its source (plain data: it travels in control messages).
+
+    Attributes:
+        directory: the private directory holding the ring file and the source's socket.
+        slots: slots in the ring.
+        slot_bytes: bytes of each slot.
+        receivers: how many receivers the source waits for.
+        timeout_s: bound on connecting and on every wait.
+    """
+
+    directory: str
+    slots: int
+    slot_bytes: int
+    receivers: int
+    timeout_s: float = 60.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.slots < 1 or self.slot_bytes < 1 or self.receivers < 1:
+            raise ValueError(f"a shared-memory ring needs at least one slot, one byte per slot and one receiver; got "
+                             f"slots={self.slots}, slot_bytes={self.slot_bytes}, receivers={self.receivers}")
+
+    @property
+    def ring_path(self) -> Path:
+        return Path(self.directory) / _RING
+
+    @property
+    def socket_path(self) -> str:
+        return str(Path(self.directory) / _SOCKET)
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShmRendezvous:
+        return cls(**d)
+
+
+def _map(path: Path, nbytes: int) -> torch.Tensor:
+    """The file at `path` as a flat uint8 tensor, mapped shared (writes are seen by every mapping)."""
+    size = path.stat().st_size
+    if size != nbytes:
+        raise WireProtocolError(f"the shared-memory ring {path} holds {size} bytes, not the {nbytes} announced; "
+                                "the trainer and the engine's workers disagree: restart the engine")
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+@attrs.define
+class ShmSource:
+    """The source's end before its receivers have connected: the ring and the listening socket.
+
+    `serve` makes them; `accept` waits for every receiver and returns the source's transport.
+    """
+
+    rendezvous: ShmRendezvous
+    ring: torch.Tensor
+    listener: socket.socket
+
+    @classmethod
+    def serve(cls, receivers: int, *, slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES,
+              timeout_s: float = 60.0, directory: Path | None = None) -> ShmSource:
+        """Make a ring of `slots` x `slot_bytes` and listen for `receivers` receivers.
+
+        Raises OSError (with the directory named) when the ring cannot be made: no room in
+        /dev/shm, or no permission.
+        """
+        where = directory or shm_directory()
+        path = Path(tempfile.mkdtemp(prefix="rl-refit-shm-", dir=where))  # mode 0700
+        try:
+            rv = ShmRendezvous(str(path), slots, slot_bytes, receivers, timeout_s)
+            fd = os.open(rv.ring_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, slots * slot_bytes)
+            finally:
+                os.close(fd)
+            ring = _map(rv.ring_path, slots * slot_bytes)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                listener.bind(rv.socket_path)
+                listener.listen(max(receivers, 1))
+            except BaseException:
+                listener.close()
+                raise
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        return cls(rv, ring, listener)
+
+    def accept(self, timeout_s: float | None = None) -> ShmTransport:
+        """Wait for every receiver to connect and say its rank, then remove the directory (the
+        ring lives on in the mappings). Raises CollectiveTimeout when one does not come in time."""
+        rv = self.rendezvous
+        wait = rv.timeout_s if timeout_s is None else timeout_s
+        peers: dict[int, socket.socket] = {}
+        deadline = time.monotonic() + wait
+        try:
+            while len(peers) < rv.receivers:
+                self.listener.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    conn, _ = self.listener.accept()
+                except TimeoutError as err:
+                    raise CollectiveTimeout(0, f"the shared-memory ring's receivers connecting ({len(peers)} of "
+                                               f"{rv.receivers} came)", wait, tuple(sorted(peers))) from err
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    magic, rank = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+                except (TimeoutError, ConnectionError, EOFError) as err:
+                    conn.close()
+                    raise PeerLost(f"a receiver of the shared-memory ring connected but did not say its rank: {err}") from err
+                if magic != _MAGIC or rank in peers or rank < 1:
+                    conn.close()
+                    raise WireProtocolError(f"a receiver of the shared-memory ring sent a malformed hello (rank {rank})")
+                conn.settimeout(rv.timeout_s)
+                peers[rank] = conn
+        except BaseException:
+            for conn in peers.values():
+                conn.close()
+            self.close()
+            raise
+        self.close()
+        ordered = tuple(peers[r] for r in sorted(peers))
+        return ShmTransport(self.ring, rv.slots, rv.slot_bytes, rank=0, sockets=ordered,
+                            peers=(0, *sorted(peers)), timeout_s=rv.timeout_s)
+
+    def close(self) -> None:
+        """Stop listening and remove the directory (idempotent; the ring stays mapped here)."""
+        self.listener.close()
+        shutil.rmtree(self.rendezvous.directory, ignore_errors=True)
+
+
+def connect(rendezvous: ShmRendezvous, rank: int, bucket_bytes: int) -> ShmTransport:
+    """A receiver's end: map the ring, connect to the source, say `rank` (1 and up).
+
+    Returns at once: the source need not have accepted yet (its listening socket queues us).
+    """
+    rv = rendezvous
+    ring = _map(rv.ring_path, rv.slots * rv.slot_bytes)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(rv.timeout_s)
+        sock.connect(rv.socket_path)
+        sock.sendall(_HELLO.pack(_MAGIC, rank))
+    except BaseException:
+        sock.close()
+        raise
+    return ShmTransport(ring, rv.slots, rv.slot_bytes, rank=rank, sockets=(sock,), peers=(0, rank),
+                        timeout_s=rv.timeout_s, bucket_bytes=bucket_bytes)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    """n bytes from `sock`; EOFError when the peer closed first (TimeoutError / OSError pass)."""
+    if n == 0:
+        return b""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError(f"the peer closed the connection after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def _u8(data: bytes) -> torch.Tensor:
+    """Bytes as a uint8 tensor of their own."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _fill(bucket: Bucket, offset: int, dest: torch.Tensor) -> None:
+    """Bytes [offset, offset + len(dest)) of a bucket (packed, or by reference) into `dest`.
+    Padding between tensors of a bucket by reference is left as it is (no receiver reads it)."""
+    end = offset + dest.numel()
+    if not bucket.by_reference:
+        dest.copy_(bucket.buffer[offset:end])
+        return
+    for meta, t in zip(bucket.metas, bucket.tensors, strict=True):
+        lo, hi = max(meta.offset, offset), min(meta.offset + meta.nbytes, end)
+        if lo >= hi:
+            continue
+        flat = t.detach().reshape(-1)
+        data = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+        dest[lo - offset : hi - offset].copy_(data[lo - meta.offset : hi - meta.offset])
+
+
+@attrs.define
+class ShmTransport:
+    """A BucketTransport through a shared-memory ring (see the module's docstring).
+
+    The source's end (rank 0) has a socket per receiver; a receiver's end has one, to the source.
+
+    Attributes:
+        ring: the mapped ring, `slots * slot_bytes` bytes.
+        slots: slots in the ring.
+        slot_bytes: bytes of each slot.
+        rank: 0 for the source, 1.. for the receivers.
+        sockets: the connections (source: one per receiver, in rank order; receiver: one).
+        peers: every rank of the stream (for errors).
+        timeout_s: bound on each wait.
+        refit_id: the refit the stream belongs to (checked in every header).
+        bucket_bytes: the agreed bucket capacity (a receiver's limits).
+        max_tensor_bytes: the largest lone tensor a receiver accepts.
+    """
+
+    ring: torch.Tensor
+    slots: int
+    slot_bytes: int
+    rank: int
+    sockets: tuple[socket.socket, ...]
+    peers: tuple[int, ...]
+    timeout_s: float = 60.0
+    refit_id: int = 0
+    bucket_bytes: int = 64 << 20
+    max_tensor_bytes: int = 64 << 30
+    _seq: int = attrs.field(init=False, default=0)  # slots filled (source) / taken (receiver), ever
+    _acked: list[int] = attrs.field(init=False, factory=list)  # source: per receiver, slots released
+    _scratch: torch.Tensor | None = attrs.field(init=False, default=None)
+    _broken: str | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        self._acked = [0] * len(self.sockets)
+
+    @property
+    def window(self) -> int:
+        """1: the source has copied a bucket's bytes into the ring before it asks for the next
+        bucket, so one sender buffer suffices; the ring's slots give the overlap."""
+        return 1
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def forget_layout(self) -> None:
+        """Nothing to forget: every bucket travels with its metadata."""
+
+    def close(self) -> None:
+        """Close the connections (the ring is unmapped when the last view of it goes)."""
+        for s in self.sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    # --- source ------------------------------------------------------------------------------
+
+    def send(self, buckets: Iterable[Bucket]) -> TransferStats:
+        """Write every bucket through the ring, then END; see ports.bucket_transport.BucketTransport.send."""
+        t0 = time.perf_counter()
+        n = payload = wire = 0
+        blocked = 0.0
+        it = iter(buckets)
+        while True:
+            try:
+                bucket = next(it)
+            except StopIteration:
+                break
+            except Exception as err:
+                self._abort(f"{type(err).__name__}: {err}", n)
+                raise
+            try:
+                blocked += self._send_bucket(bucket)
+            except Exception as err:  # tell the receivers that still listen, then raise
+                self._abort(f"{type(err).__name__}: {err}", n)
+                raise
+            n, payload, wire = n + 1, payload + bucket.payload_bytes, wire + bucket.nbytes
+        blocked += self._wait_acks(self._seq, "the end of the stream")
+        self._broadcast(_FRAME, Header(FrameKind.END, self.refit_id, n).to_tensor().numpy().tobytes(), "end of stream")
+        return TransferStats(n, payload, wire, time.perf_counter() - t0, blocked)
+
+    def _send_bucket(self, bucket: Bucket) -> float:
+        """The bucket's header and metadata, then its bytes a slot at a time; returns the seconds
+        spent waiting for free slots."""
+        step = f"bucket {bucket.index}"
+        metas = encode_metas(bucket.metas)
+        header = Header(FrameKind.BUCKET, self.refit_id, bucket.index, bucket.is_last, bucket.nbytes, metas.numel())
+        self._broadcast(_FRAME, header.to_tensor().numpy().tobytes() + metas.numpy().tobytes(), step)
+        blocked = 0.0
+        for offset in range(0, bucket.nbytes, self.slot_bytes):
+            size = min(self.slot_bytes, bucket.nbytes - offset)
+            blocked += self._wait_acks(self._seq - self.slots + 1, f"{step} (a free slot)")
+            _fill(bucket, offset, self._slot(self._seq)[:size])
+            self._broadcast(_CHUNK, _CHUNK_BODY.pack(self._seq, offset, size), step)
+            self._seq += 1
+        return blocked
+
+    def _slot(self, seq: int) -> torch.Tensor:
+        k = seq % self.slots
+        return self.ring[k * self.slot_bytes : (k + 1) * self.slot_bytes]
+
+    def _abort(self, text: str, sent: int) -> None:
+        """Tell the receivers the stream failed after `sent` buckets (best effort: a receiver that
+        is gone already is not waited for)."""
+        body = encode_text(text[:4000]).numpy().tobytes()
+        header = Header(FrameKind.ABORT, self.refit_id, sent, meta_len=len(body)).to_tensor().numpy().tobytes()
+        with contextlib.suppress(PeerLost, CollectiveTimeout):
+            self._broadcast(_FRAME, header + body, f"abort after bucket {sent}")
+
+    def _broadcast(self, kind: int, body: bytes, step: str) -> None:
+        message = _PREFIX.pack(_MAGIC, kind, len(body)) + body
+        for r, s in zip(self.peers[1:], self.sockets, strict=True):
+            try:
+                s.sendall(message)
+            except TimeoutError as err:
+                raise CollectiveTimeout(self.rank, f"{step}: sending to rank {r}", self.timeout_s, self.peers) from err
+            except OSError as err:
+                raise self._lost(r, step, err) from err
+
+    def _wait_acks(self, upto: int, step: str) -> float:
+        """Wait until every receiver has released the slots before sequence number `upto`."""
+        t0 = time.perf_counter()
+        for i, (r, s) in enumerate(zip(self.peers[1:], self.sockets, strict=True)):
+            while self._acked[i] < upto:
+                try:
+                    (seq,) = _ACK.unpack(_recv_exact(s, _ACK.size))
+                except TimeoutError as err:
+                    raise CollectiveTimeout(self.rank, f"{step}: rank {r} releasing slot {self._acked[i]}",
+                                            self.timeout_s, self.peers) from err
+                except (EOFError, OSError) as err:
+                    raise self._lost(r, step, err) from err
+                if seq != self._acked[i]:
+                    raise WireProtocolError(f"rank {r} released slot {seq} of the shared-memory ring while slot "
+                                            f"{self._acked[i]} was due; restart the engine")
+                self._acked[i] = seq + 1
+        return time.perf_counter() - t0
+
+    def _lost(self, rank: int, step: str, err: BaseException) -> PeerLost:
+        who = "the trainer" if rank == 0 else f"rank {rank}"
+        return PeerLost(f"rank {self.rank}: {step} of refit {self.refit_id}: {who} closed the shared-memory "
+                        f"stream ({type(err).__name__}: {err}); it crashed or exited. Restart the engine")
+
+    # --- receivers ---------------------------------------------------------------------------
+
+    @property
+    def limits(self) -> StreamLimits:
+        return StreamLimits(self.bucket_bytes, self.max_tensor_bytes)
+
+    def receive(self, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None = None) -> TransferStats:
+        """Consume buckets until END; see ports.bucket_transport.BucketTransport.receive.
+
+        Without `allocate`, a bucket that fits one slot is consumed where it lies in the ring
+        (zero copy; the slot is released when `consume` returns); a larger one is assembled in a
+        buffer of the transport's. With `allocate`, every bucket is copied out into the
+        consumer's own buffer, slot by slot, each slot released as soon as it is copied.
+        """
+        if self._broken is not None:
+            raise WireProtocolError(f"the shared-memory stream from rank 0 is out of step since {self._broken}; "
+                                    "restart the engine")
+        rx = _Rx(time.perf_counter())
+        try:
+            self._receive(rx, consume, allocate)
+        except (WireProtocolError, PeerLost, CollectiveTimeout) as err:  # out of step with the source from here
+            self._broken = f"refit {self.refit_id} ({type(err).__name__}: {err})"
+            raise
+        if rx.errors:
+            raise rx.errors[0]
+        return TransferStats(rx.n, rx.payload, rx.wire, time.perf_counter() - rx.t0, rx.blocked, rx.consumed)
+
+    def _receive(self, rx: _Rx, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None) -> None:
+        expected: int | None = None
+        after_last = False
+        while True:
+            header, body = self._frame(rx, f"bucket {rx.n} header")
+            if header.kind is FrameKind.END:
+                self.limits.check_end(header, 0, rx.n)
+                return
+            if header.kind is FrameKind.ABORT:
+                self.limits.check_abort(header, 0)
+                raise TransportAborted(f"rank 0 aborted the bucket stream of refit {self.refit_id} after "
+                                       f"{header.index} buckets: {decode_text(_u8(body))}")
+            self.limits.check_header(header, 0, expected, after_last)
+            metas = decode_metas(_u8(body)) if body else ()
+            self.limits.check_metas(header, metas, 0)
+            expected, after_last = header.index + 1, header.is_last
+            nbytes = header.nbytes
+            if allocate is None and 0 < nbytes <= self.slot_bytes:  # consumed in the ring, released after
+                seq = self._chunk(rx, header, 0, nbytes)
+                self._consume(rx, consume, Bucket(header.index, self._slot(seq)[:nbytes], metas, header.is_last))
+                self._ack(seq, header.index)
+            else:
+                dest = allocate(nbytes)[:nbytes] if allocate is not None else self._scratch_of(nbytes)
+                for offset in range(0, nbytes, self.slot_bytes):
+                    size = min(self.slot_bytes, nbytes - offset)
+                    seq = self._chunk(rx, header, offset, size)
+                    dest[offset : offset + size].copy_(self._slot(seq)[:size])
+                    self._ack(seq, header.index)
+                self._consume(rx, consume, Bucket(header.index, dest, metas, header.is_last))
+            rx.n, rx.payload, rx.wire = rx.n + 1, rx.payload + sum(m.nbytes for m in metas), rx.wire + nbytes
+
+    def _scratch_of(self, nbytes: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
+
+    def _message(self, rx: _Rx, step: str) -> tuple[int, bytes]:
+        """One message from the source: (kind, body)."""
+        s = self.sockets[0]
+        t0 = time.perf_counter()
+        try:
+            magic, kind, length = _PREFIX.unpack(_recv_exact(s, _PREFIX.size))
+            if magic != _MAGIC or kind not in (_FRAME, _CHUNK):
+                raise WireProtocolError(f"rank 0 sent a malformed message at {step} of refit {self.refit_id}")
+            limit = _HEADER_BYTES + self.limits.max_meta_bytes
+            if length > limit:
+                raise WireProtocolError(f"rank 0 announced a {length}-byte message at {step} of refit "
+                                        f"{self.refit_id}, above the {limit}-byte limit")
+            body = _recv_exact(s, length)
+        except TimeoutError as err:
+            raise CollectiveTimeout(self.rank, step, self.timeout_s, self.peers) from err
+        except (EOFError, OSError) as err:
+            raise self._lost(0, step, err) from err
+        finally:
+            rx.blocked += time.perf_counter() - t0
+        return kind, body
+
+    def _frame(self, rx: _Rx, step: str) -> tuple[Header, bytes]:
+        kind, body = self._message(rx, step)
+        if kind != _FRAME or len(body) < _HEADER_BYTES:
+            raise WireProtocolError(f"rank 0 sent a slot where {step} of refit {self.refit_id} was due")
+        header = Header.from_tensor(_u8(body[:_HEADER_BYTES]).view(torch.int64), self.refit_id, 0)
+        if header.meta_len != len(body) - _HEADER_BYTES:
+            raise WireProtocolError(f"rank 0 announced {header.meta_len} bytes after the header of {step} and sent "
+                                    f"{len(body) - _HEADER_BYTES}")
+        return header, body[_HEADER_BYTES:]
+
+    def _chunk(self, rx: _Rx, header: Header, offset: int, size: int) -> int:
+        """The notice of the next filled slot, which must hold bytes [offset, offset + size) of
+        the bucket in hand; returns the slot's sequence number."""
+        step = f"bucket {header.index} (bytes {offset}..{offset + size})"
+        kind, body = self._message(rx, step)
+        if kind == _FRAME:  # the source aborted mid-bucket
+            h = Header.from_tensor(_u8(body[:_HEADER_BYTES]).view(torch.int64), self.refit_id, 0) \
+                if len(body) >= _HEADER_BYTES else None
+            if h is not None and h.kind is FrameKind.ABORT:
+                text = decode_text(_u8(body[_HEADER_BYTES:]))
+                raise TransportAborted(f"rank 0 aborted the bucket stream of refit {self.refit_id} in bucket "
+                                       f"{header.index}: {text}")
+            raise WireProtocolError(f"rank 0 sent a header where {step} of refit {self.refit_id} was due")
+        if len(body) != _CHUNK_BODY.size:
+            raise WireProtocolError(f"rank 0 sent a malformed slot notice at {step} of refit {self.refit_id}")
+        seq, got_offset, got_size = _CHUNK_BODY.unpack(body)
+        if (seq, got_offset, got_size) != (self._seq, offset, size):
+            raise WireProtocolError(f"rank 0 sent slot {seq} with bytes {got_offset}..{got_offset + got_size} where "
+                                    f"slot {self._seq} with {step} was due; restart the engine")
+        self._seq += 1
+        return seq
+
+    def _ack(self, seq: int, index: int) -> None:
+        try:
+            self.sockets[0].sendall(_ACK.pack(seq))
+        except TimeoutError as err:
+            raise CollectiveTimeout(self.rank, f"bucket {index}: releasing slot {seq}", self.timeout_s, self.peers) from err
+        except OSError as err:
+            raise self._lost(0, f"bucket {index}", err) from err
+
+    @staticmethod
+    def _consume(rx: _Rx, consume: Callable[[Bucket], None], bucket: Bucket) -> None:
+        if rx.errors:
+            return  # drain only: the consumer already failed this stream
+        t1 = time.perf_counter()
+        try:
+            consume(bucket)
+        except Exception as err:
+            rx.errors.append(err)
+        finally:
+            rx.consumed += time.perf_counter() - t1
+
+
+@attrs.define
+class _Rx:
+    """One receive call's counts."""
+
+    t0: float
+    n: int = 0
+    payload: int = 0
+    wire: int = 0
+    blocked: float = 0.0
+    consumed: float = 0.0
+    errors: list[BaseException] = attrs.field(factory=list)
+
+
+def pair(receivers: int = 1, *, bucket_bytes: int = 64 << 20, **serve: Any) -> tuple[ShmTransport, list[ShmTransport]]:
+    """A source and its receivers in this process (tests, benches): serve, connect, accept.
+    `serve`: ShmSource.serve's keywords (slots, slot_bytes, timeout_s, directory)."""
+    source = ShmSource.serve(receivers, **serve)
+    ends = [connect(source.rendezvous, r, bucket_bytes) for r in range(1, receivers + 1)]
+    return source.accept(), ends
+
+
+__all__: Sequence[str] = ("ShmRendezvous", "ShmSource", "ShmTransport", "connect", "pair", "shm_directory")
