@@ -1,0 +1,249 @@
+"""The shared-memory transport's own behaviour, beyond the BucketTransport contract
+(tests/contract/test_bucket_transport_contract.py): what it leaves on disk, two receivers on one
+ring, a receiver in another process, and each failure's typed error."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import socket
+import stat
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from adapters.distributed.shm_transport import ShmSource, ShmTransport, connect, pair
+from domain.errors import CollectiveTimeout, PeerLost, TransportAborted, WireProtocolError
+from domain.refit.buckets import Bucket, BucketPlanner, unpack_bucket
+
+BUCKET = 1 << 16
+
+
+def _tensors(seed: int = 3, count: int = 40) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = [(f"w{i}", torch.randn(500 + 97 * i, generator=g).to(torch.bfloat16)) for i in range(count)]
+    out.insert(7, ("embed", torch.randn(3 * BUCKET, generator=g)))  # a lone tensor of 12 buckets' bytes
+    return out
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _buckets(tensors: list[tuple[str, torch.Tensor]], by_reference: bool = False) -> Any:
+    return BucketPlanner(BUCKET, reuse_buffer=not by_reference, by_reference=by_reference).pack(iter(tensors))
+
+
+def _receive_digests(end: ShmTransport, keep: bool, box: dict[str, Any]) -> None:
+    digests: dict[str, str] = {}
+    kept: list[Bucket] = []
+
+    def consume(b: Bucket) -> None:
+        if keep:
+            kept.append(b)
+        else:
+            digests.update({n: _digest(v) for n, v in unpack_bucket(b)})
+
+    try:
+        stats = end.receive(consume, (lambda n: torch.empty(n, dtype=torch.uint8)) if keep else None)
+        digests.update({n: _digest(v) for b in kept for n, v in unpack_bucket(b)})
+        box.update(digests=digests, stats=stats)
+    except Exception as err:  # noqa: BLE001 - handed to the test thread
+        box["error"] = err
+
+
+def _thread(end: ShmTransport, keep: bool = False) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+    th = threading.Thread(target=_receive_digests, args=(end, keep, box))
+    th.start()
+    return th, box
+
+
+def test_the_ring_is_private_and_nothing_is_left_once_the_receivers_are_in(tmp_path: Path) -> None:
+    source = ShmSource.serve(1, slots=2, slot_bytes=4096, directory=tmp_path)
+    where = Path(source.rendezvous.directory)
+    assert stat.S_IMODE(where.stat().st_mode) == 0o700
+    assert stat.S_IMODE(source.rendezvous.ring_path.stat().st_mode) == 0o600
+    assert source.rendezvous.ring_path.stat().st_size == 2 * 4096
+    end = connect(source.rendezvous, 1, BUCKET)
+    sender = source.accept()
+    assert not where.exists() and list(tmp_path.iterdir()) == []
+    th, box = _thread(end)  # and the ring still works: it lives on in the two mappings
+    sender.send(_buckets(_tensors()))
+    th.join(30)
+    assert box["digests"] == {n: _digest(t) for n, t in _tensors()}
+    sender.close()
+    end.close()
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["in-ring", "own-buffers"])
+def test_two_receivers_on_one_ring_each_get_every_bucket(keep: bool) -> None:
+    source, ends = pair(2, bucket_bytes=BUCKET, slots=2, slot_bytes=BUCKET // 4, timeout_s=20)
+    threads = [_thread(e, keep) for e in ends]
+    stats = source.send(_buckets(_tensors(), by_reference=True))
+    for th, box in threads:
+        th.join(30)
+        assert "error" not in box, box
+        assert box["digests"] == {n: _digest(t) for n, t in _tensors()}
+        assert box["stats"].buckets == stats.buckets and box["stats"].payload_bytes == stats.payload_bytes
+    for t in (source, *ends):
+        t.close()
+
+
+def test_streams_follow_one_another_on_one_ring() -> None:
+    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=3, slot_bytes=5000, timeout_s=20)
+    for refit in (1, 2, 3):
+        source.refit_id = end.refit_id = refit
+        th, box = _thread(end)
+        source.send(_buckets(_tensors(seed=refit)))
+        th.join(30)
+        assert box["digests"] == {n: _digest(t) for n, t in _tensors(seed=refit)}
+
+
+def _receiver_process(rendezvous: dict[str, Any], out: Any) -> None:
+    from adapters.distributed.shm_transport import ShmRendezvous
+
+    end = connect(ShmRendezvous.from_dict(rendezvous), 1, BUCKET)
+    box: dict[str, Any] = {}
+    _receive_digests(end, True, box)
+    out.put(box.get("digests") or repr(box.get("error")))
+
+
+def test_a_receiver_in_another_process_gets_the_stream_intact() -> None:
+    ctx = mp.get_context("spawn")
+    source = ShmSource.serve(1, slots=2, slot_bytes=BUCKET // 2, timeout_s=60)
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receiver_process, args=(source.rendezvous.to_dict(), out))
+    proc.start()
+    try:
+        sender = source.accept()
+        sender.send(_buckets(_tensors()))
+        assert out.get(timeout=60) == {n: _digest(t) for n, t in _tensors()}
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+
+
+def test_a_receiver_that_is_gone_is_a_lost_peer_for_the_source() -> None:
+    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=10)
+    end.close()
+    with pytest.raises(PeerLost, match=r"rank 1 closed the shared-memory stream"):
+        source.send(_buckets(_tensors()))
+
+
+def test_a_source_that_is_gone_is_a_lost_peer_for_the_receiver_and_later_streams_are_refused() -> None:
+    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=10)
+    source.close()
+    with pytest.raises(PeerLost, match=r"the trainer closed the shared-memory stream"):
+        end.receive(lambda b: None)
+    with pytest.raises(WireProtocolError, match="out of step"):
+        end.receive(lambda b: None)
+
+
+def test_a_receiver_that_does_not_release_its_slot_times_out_naming_it() -> None:
+    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=0.5)
+    with pytest.raises(CollectiveTimeout, match=r"rank 1 releasing slot 0"):
+        source.send(_buckets(_tensors()))  # nobody receives: the second slot never frees
+    end.close()
+
+
+def test_a_silent_source_times_out_on_the_receiver() -> None:
+    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=0.3)
+    with pytest.raises(CollectiveTimeout, match=r"bucket 0 header"):
+        end.receive(lambda b: None)
+    source.close()
+
+
+def test_receivers_that_never_connect_time_out_and_the_ring_is_removed(tmp_path: Path) -> None:
+    source = ShmSource.serve(2, slots=1, slot_bytes=4096, timeout_s=0.3, directory=tmp_path)
+    end = connect(source.rendezvous, 1, BUCKET)
+    with pytest.raises(CollectiveTimeout, match=r"1 of 2 came"):
+        source.accept()
+    assert list(tmp_path.iterdir()) == []
+    end.close()
+
+
+def test_a_source_failure_mid_bucket_aborts_the_receiver_with_its_text() -> None:
+    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=1024, timeout_s=10)
+    th, box = _thread(end)
+
+    def failing() -> Any:
+        for b in _buckets(_tensors()):
+            yield b
+            if b.index == 2:
+                raise ValueError("quantizing w9 failed")
+
+    with pytest.raises(ValueError, match="w9"):
+        source.send(failing())
+    th.join(30)
+    assert isinstance(box["error"], TransportAborted) and "quantizing w9 failed" in str(box["error"])
+    source.refit_id = end.refit_id = 1  # the next stream goes through intact
+    th, box = _thread(end)
+    source.send(_buckets(_tensors()))
+    th.join(30)
+    assert box["digests"] == {n: _digest(t) for n, t in _tensors()}
+
+
+def test_a_consumer_failure_drains_the_stream_then_raises() -> None:
+    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=2, slot_bytes=4096, timeout_s=10)
+    seen: list[int] = []
+
+    def consume(b: Bucket) -> None:
+        seen.append(b.index)
+        if b.index == 1:
+            raise RuntimeError("load_weights failed")
+
+    box: dict[str, Any] = {}
+    th = threading.Thread(target=lambda: box.setdefault("error", pytest.raises(RuntimeError, end.receive, consume)))
+    th.start()
+    stats = source.send(_buckets(_tensors()))
+    th.join(30)
+    assert stats.buckets > 3 and seen == [0, 1]
+    assert "load_weights failed" in str(box["error"].value)
+
+
+def test_a_message_out_of_the_protocol_is_refused_and_the_stream_stays_refused() -> None:
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=5)
+    end = connect(source.rendezvous, 1, BUCKET)
+    sender = source.accept()
+    sender.sockets[0].sendall(struct.pack("<4sIQ", b"XXXX", 1, 0))
+    with pytest.raises(WireProtocolError, match="malformed message"):
+        end.receive(lambda b: None)
+    with pytest.raises(WireProtocolError, match="out of step"):
+        end.receive(lambda b: None)
+    sender.close()
+
+
+def test_an_oversized_announcement_is_refused_before_anything_is_read() -> None:
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=5)
+    end = connect(source.rendezvous, 1, BUCKET)
+    sender = source.accept()
+    sender.sockets[0].sendall(struct.pack("<4sIQ", b"RFSH", 1, 1 << 40))
+    with pytest.raises(WireProtocolError, match="above the"):
+        end.receive(lambda b: None)
+    sender.close()
+
+
+def test_a_ring_of_another_size_is_refused(tmp_path: Path) -> None:
+    source = ShmSource.serve(1, slots=2, slot_bytes=4096, directory=tmp_path)
+    os.truncate(source.rendezvous.ring_path, 4096)
+    with pytest.raises(WireProtocolError, match="holds 4096 bytes, not the 8192"):
+        connect(source.rendezvous, 1, BUCKET)
+    source.close()
+
+
+def test_a_stranger_on_the_socket_is_refused() -> None:
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=5)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(source.rendezvous.socket_path)
+    s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    with pytest.raises(WireProtocolError, match="malformed hello"):
+        source.accept()
+    s.close()
