@@ -47,7 +47,7 @@ from adapters.distributed.wire import (
     encode_metas,
     encode_text,
 )
-from domain.errors import CollectiveTimeout, PeerLost, TransportAborted, WireProtocolError
+from domain.errors import CollectiveTimeout, PeerLost, SharedMemoryUnavailable, TransportAborted, WireProtocolError
 from domain.refit.buckets import Bucket
 from domain.refit.status import TransferStats
 
@@ -135,19 +135,27 @@ class ShmSource:
               timeout_s: float = 60.0, directory: Path | None = None) -> ShmSource:
         """Make a ring of `slots` x `slot_bytes` and listen for `receivers` receivers.
 
-        Raises OSError (with the directory named) when the ring cannot be made: no room in
-        /dev/shm, or no permission.
+        The ring's pages are reserved as it is made: a full /dev/shm fails here, with
+        SharedMemoryUnavailable naming the directory and the size, never later as a SIGBUS on a
+        write into the mapping.
         """
         where = directory or shm_directory()
-        path = Path(tempfile.mkdtemp(prefix="rl-refit-shm-", dir=where))  # mode 0700
+        size = slots * slot_bytes
+        try:
+            path = Path(tempfile.mkdtemp(prefix="rl-refit-shm-", dir=where))  # mode 0700
+        except OSError as err:
+            raise _unavailable(where, size, err) from err
         try:
             rv = ShmRendezvous(str(path), slots, slot_bytes, receivers, timeout_s)
-            fd = os.open(rv.ring_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.ftruncate(fd, slots * slot_bytes)
-            finally:
-                os.close(fd)
-            ring = _map(rv.ring_path, slots * slot_bytes)
+                fd = os.open(rv.ring_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                finally:
+                    os.close(fd)
+            except OSError as err:
+                raise _unavailable(where, size, err) from err
+            ring = _map(rv.ring_path, size)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 listener.bind(rv.socket_path)
@@ -200,6 +208,12 @@ class ShmSource:
         """Stop listening and remove the directory (idempotent; the ring stays mapped here)."""
         self.listener.close()
         shutil.rmtree(self.rendezvous.directory, ignore_errors=True)
+
+
+def _unavailable(where: Path, size: int, err: OSError) -> SharedMemoryUnavailable:
+    return SharedMemoryUnavailable(
+        f"cannot make the refit's {size / 2**20:.0f} MiB shared-memory ring in {where}: {err.strerror or err}; "
+        f"free room there (df -h {where}) or use the gloo transport (rollout.engine_kwargs.vllm.transport=gloo)")
 
 
 def connect(rendezvous: ShmRendezvous, rank: int, bucket_bytes: int) -> ShmTransport:

@@ -36,6 +36,7 @@ from domain.errors.distributed import (
     PeerLost,
     RankFailed,
     ShardingError,
+    SharedMemoryUnavailable,
     TransportAborted,
     WireProtocolError,
 )

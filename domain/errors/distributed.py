@@ -64,6 +64,11 @@ class RankFailed(RefitError, RuntimeError):
     error of its own; the message names the rank and carries that error."""
 
 
+class SharedMemoryUnavailable(RefitError, OSError):
+    """The shared-memory ring of a same-host bucket stream could not be made (no room in
+    /dev/shm, no permission); the message names the directory, the size and the system's reason."""
+
+
 class WireProtocolError(RefitError, RuntimeError):
     """A transport message is not the one expected (another refit, a corrupt header): ranks are out of step."""
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from adapters.distributed.shm_transport import ShmSource, ShmTransport, connect, pair
-from domain.errors import CollectiveTimeout, PeerLost, TransportAborted, WireProtocolError
+from domain.errors import CollectiveTimeout, PeerLost, SharedMemoryUnavailable, TransportAborted, WireProtocolError
 from domain.refit.buckets import Bucket, BucketPlanner, unpack_bucket
 
 BUCKET = 1 << 16
@@ -247,3 +247,14 @@ def test_a_stranger_on_the_socket_is_refused() -> None:
     with pytest.raises(WireProtocolError, match="malformed hello"):
         source.accept()
     s.close()
+
+
+def test_a_ring_that_cannot_be_made_says_where_and_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(SharedMemoryUnavailable, match=r"8 MiB shared-memory ring in .*No space left on device.*"
+                                                      r"transport=gloo"):
+        ShmSource.serve(1, slots=2, slot_bytes=4 << 20, directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing half-made is left
