@@ -205,8 +205,10 @@ class Services:
                 app.services.transaction.Restore.default).
 
         Returns:
-            The RefitService: buckets by reference when colocated, packed into one reused buffer
-            when disaggregated (the transport copies each bucket out).
+            The RefitService: buckets by reference when colocated, and when a disaggregated vLLM
+            engine's buckets travel through the shared-memory ring (the trainer writes each
+            tensor into the ring: that copy is the bucket's only packing); otherwise packed into
+            one reused buffer (the transport copies each bucket out).
         """
         from app.services.refit import RefitService
         from app.services.transaction import Ownership
@@ -216,11 +218,13 @@ class Services:
         if inject_fault:
             engine = with_fault(engine, inject_fault, fault_after)
         trainer = trainer or self.trainer_model()
-        colocated = self.config.rollout.deployment == "colocated"
+        rollout = self.config.rollout
+        by_reference = rollout.deployment == "colocated" or (
+            rollout.name == "vllm" and rollout.engine_kwargs.vllm.transport == "shm")
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
                             probe=self.post_refit_probe(trainer),
                             restore=restore or self.config.rollout.checkpoint_engine.restore,
-                            ownership=Ownership.BY_REFERENCE if colocated else Ownership.REUSED,
+                            ownership=Ownership.BY_REFERENCE if by_reference else Ownership.REUSED,
                             delta=self.delta_sender())
 
     def delta_sender(self) -> DeltaSender | None:

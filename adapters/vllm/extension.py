@@ -218,6 +218,8 @@ class RefitWorkerExtension:
         return p.JoinReply(rank)
 
     def _rl_refit_on_receive(self, request: p.Receive) -> p.Loaded:
+        from adapters.distributed.shm_transport import receive_buffer
+
         transport = getattr(self, "_rl_refit_transport", None)
         if transport is None:
             raise RefitLifecycleError("receive before join: call rl_refit_join first")
@@ -232,9 +234,13 @@ class RefitWorkerExtension:
             # keep views of it until the layer is whole, and no copy is made
             loaded += self._rl_refit_load_named(list(unpack_bucket(bucket)), True)
 
+        def allocate(nbytes: int) -> torch.Tensor:
+            if transport.device.type == "cpu":
+                return receive_buffer(nbytes)  # huge pages: a fresh buffer per bucket faults in fast
+            return torch.empty(nbytes, dtype=torch.uint8, device=transport.device)
+
         with self._rl_refit_context():
-            transport.receive(consume, allocate=lambda nbytes: torch.empty(nbytes, dtype=torch.uint8,
-                                                                             device=transport.device))
+            transport.receive(consume, allocate=allocate)
         return p.Loaded(loaded)
 
     def _rl_refit_leave(self) -> p.Record:

@@ -220,3 +220,16 @@ def test_vllm_replicas_start_one_host_each_and_refuse_the_colocated_shape(monkey
         bootstrap(overrides=[*BASE, "rollout.replicas=2"]).rollout_engine()
     with pytest.raises(ConfigError, match=r"rollout.replicas: must be 1 or more"):
         bootstrap(overrides=["rollout.replicas=0"])
+
+
+@pytest.mark.parametrize(("transport", "ownership", "backend"), [("shm", "by_reference", "shm"),
+                                                                  ("gloo", "reused", "gloo")])
+def test_the_transport_decides_how_the_trainer_hands_over_its_buckets(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path, transport: str,
+                                                                       ownership: str, backend: str) -> None:
+    """Through the shared-memory ring the trainer writes each exported tensor straight into the
+    ring (no packing first); over gloo it packs each bucket into one reused buffer."""
+    services, _ = _disaggregated(monkeypatch, tmp_path, f"rollout.engine_kwargs.vllm.transport={transport}")
+    service = services.refit_service()
+    assert service.ownership.value == ownership
+    assert service.engine.workers.backend == backend  # type: ignore[attr-defined]

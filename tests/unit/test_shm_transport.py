@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from adapters.distributed.shm_transport import ShmSource, ShmTransport, connect, pair
+from adapters.distributed.shm_transport import ShmSource, ShmTransport, connect, pair, receive_buffer
 from domain.errors import CollectiveTimeout, PeerLost, SharedMemoryUnavailable, TransportAborted, WireProtocolError
 from domain.refit.buckets import Bucket, BucketPlanner, unpack_bucket
 
@@ -258,3 +258,23 @@ def test_a_ring_that_cannot_be_made_says_where_and_what_to_do(tmp_path: Path, mo
                                                       r"transport=gloo"):
         ShmSource.serve(1, slots=2, slot_bytes=4 << 20, directory=tmp_path)
     assert list(tmp_path.iterdir()) == []  # nothing half-made is left
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists(),
+                    reason="huge-page advice needs Linux's madvise(MADV_HUGEPAGE) and /proc/self/smaps")
+def test_a_receive_buffer_is_its_own_mapping_advised_for_huge_pages() -> None:
+    buf = receive_buffer(8 << 20)
+    buf.fill_(7)
+    assert buf.numel() == 8 << 20 and buf.dtype == torch.uint8 and int(buf[-1]) == 7
+    start = buf.data_ptr()
+    flags = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start < hi
+        elif line.startswith("VmFlags:") and inside:
+            flags = line.split()[1:]
+            break
+    assert flags is not None and "hg" in flags, flags
+    assert receive_buffer(1000).numel() == 1000  # small ones: a plain allocation
