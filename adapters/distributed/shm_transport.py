@@ -48,7 +48,13 @@ from adapters.distributed.wire import (
     encode_metas,
     encode_text,
 )
-from domain.errors import CollectiveTimeout, PeerLost, SharedMemoryUnavailable, TransportAborted, WireProtocolError
+from domain.errors import (
+    CollectiveTimeout,
+    PeerLost,
+    SharedMemoryUnavailable,
+    TransportAborted,
+    WireProtocolError,
+)
 from domain.refit.buckets import Bucket
 from domain.refit.status import TransferStats
 

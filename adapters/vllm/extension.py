@@ -196,6 +196,7 @@ class RefitWorkerExtension:
     def _rl_refit_on_join(self, request: p.Join) -> p.JoinReply:
         self._rl_refit_leave()
         rank = 1 + int(getattr(self, "rank", 0))
+        self._rl_refit_transport: Any = None  # a ShmTransport or a TorchDistTransport
         if request.transport == "shm":
             from adapters.distributed.shm_transport import ShmRendezvous, connect
 
@@ -209,7 +210,7 @@ class RefitWorkerExtension:
 
         group = SideGroup.join(Rendezvous.from_dict(request.rendezvous), rank)
         self._rl_refit_side: SideGroup | None = group
-        self._rl_refit_transport: Any = TorchDistTransport(
+        self._rl_refit_transport = TorchDistTransport(
             group, source=0, rank=rank, peers=group.ranks, bucket_bytes=request.bucket_bytes,
             timeout_s=request.timeout_s, device=group.device,
         )

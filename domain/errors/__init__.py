@@ -179,6 +179,7 @@ __all__ = [
     "RefitVerificationFailed",
     "RemovedConfigKey",
     "ShardingError",
+    "SharedMemoryUnavailable",
     "SourceChanged",
     "StorageRebound",
     "ThdPackingError",

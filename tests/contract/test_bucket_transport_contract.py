@@ -176,7 +176,7 @@ def _shm_runs(scenario: str, window: int) -> list[tuple[dict, dict]]:
     for slot_bytes in (BUCKET // 2 - 8, 2 * BUCKET):
         source, (end,) = pair(1, bucket_bytes=BUCKET, slots=window, slot_bytes=slot_bytes, timeout_s=20)
         box: dict[str, dict] = {}
-        th = threading.Thread(target=lambda: box.setdefault("recv", receiver(scenario, end)))
+        th = threading.Thread(target=lambda box=box, end=end: box.setdefault("recv", receiver(scenario, end)))
         th.start()
         sent = sender(scenario, source)
         th.join(timeout=30)

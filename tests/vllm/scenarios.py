@@ -83,6 +83,10 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     config = with_vllm(engine_config(settings, 0.25), start_timeout_s=900, **shape)
     if spec.get("replicas"):  # data-parallel rollout: one refit updates every replica
         config = attrs.evolve(config, rollout=attrs.evolve(config.rollout, replicas=spec["replicas"]))
+    if spec.get("transport"):  # disaggregated: how the buckets reach the workers (default: shm)
+        kwargs = config.rollout.engine_kwargs
+        kwargs = attrs.evolve(kwargs, vllm=attrs.evolve(kwargs.vllm, transport=spec["transport"]))
+        config = attrs.evolve(config, rollout=attrs.evolve(config.rollout, engine_kwargs=kwargs))
     services = bootstrap(config)
     try:
         engine: Any = services.rollout_engine()
@@ -103,7 +107,8 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                            "replicas": len(replicas),
                            "workers": [len(r.workers.process.workers) if hasattr(r.workers, "process") else 1
                                        for r in replicas],
-                           "digest_names": sorted(replicas[0].digests())[:2]}
+                           "digest_names": sorted(replicas[0].digests())[:2],
+                           "transport": getattr(replicas[0].workers, "backend", None)}
     steps = out["steps"]
     fingerprint = engine.storage_fingerprint()
 

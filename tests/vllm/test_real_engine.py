@@ -4,8 +4,8 @@ refit compared with a cold start of the same exported checkpoint, bit for bit.
 - colocated: trainer, rl-refit and an in-process `vllm.LLM` (multiprocessing off) in one process
   of this environment (.venv-vllm); buckets reach the worker by reference.
 - disaggregated: the trainer in the project's `.venv` (no vLLM there), streaming to an engine host
-  in this environment with vLLM's multiprocess engine on, over a side gloo group that the
-  worker extension joins.
+  in this environment with vLLM's multiprocess engine on, through the shared-memory ring the
+  worker extension maps (the default), or over a side gloo group it joins.
 
 Every scenario runs in a process of its own (tests.vllm.scenarios): vLLM owns its process's
 torch.distributed and global state. Cold starts of identical exports are shared through a cache.
@@ -129,11 +129,24 @@ MATRIX = [
 def test_refits_equal_a_cold_start_twice_in_a_row_and_back(cold_cache: Path, deployment: str, cell: str) -> None:
     result = scenario(cold_cache, cell, scenario="matrix", deployment=deployment)
     assert result["refused_before_first_refit"]
+    assert result["transport"] == ("shm" if deployment == "disaggregated" else None)
     steps = _by_name(result)
     assert list(steps) == ["first", "second", "back"]
     for step in steps.values():
         _equal(step)
     assert result["rebound"] == []  # no parameter or buffer rebound over the three refits
+
+
+@pytest.mark.slow
+def test_refits_over_the_gloo_transport_equal_a_cold_start(cold_cache: Path) -> None:
+    """rollout.engine_kwargs.vllm.transport=gloo: the side process group instead of the ring."""
+    result = scenario(cold_cache, "FP8_BLOCK-experts", scenario="matrix", deployment="disaggregated",
+                      transport="gloo")
+    assert result["transport"] == "gloo"
+    steps = _by_name(result)
+    assert list(steps) == ["first", "second", "back"]
+    for step in steps.values():
+        _equal(step)
 
 
 @pytest.mark.slow
