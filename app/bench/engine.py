@@ -4,7 +4,8 @@ engine (started once), for the same weights.
 The engine is the one `refit demo --engine vllm` starts (the embedded model, dummy weights,
 rl-refit's worker extension, here adapters.vllm.bench_extension.BenchExtension with the
 baselines), colocated (vLLM in this process, buckets by reference) or disaggregated (an engine
-host process, buckets over a side gloo group). After a first refit (the engine goes live), one
+host process, buckets through the shared-memory ring, or over a side gloo group with
+`rollout.engine_kwargs.vllm.transport=gloo`). After a first refit (the engine goes live), one
 untimed try of each baseline and a warm-up round, `repeat` rounds measure, in turns (the order
 reversed every other round, so that a load change on a shared machine hits every path alike),
 wall-clock seconds in the trainer's process of:
@@ -152,6 +153,8 @@ class EngineTimings:
         layerwise: the rounds of vLLM's layerwise reload of the same buckets (empty: it failed,
             see layerwise_error).
         receive: the rounds of the same buckets received and dropped (empty: not measured).
+        transport: disaggregated, how the buckets reached the engine host ("shm": the shared-memory
+            ring; "gloo": the side group); None colocated.
         source_bytes: the trainer's BF16 weights.
         sent_bytes: the bytes one refit sends (quantized).
         buckets: buckets per refit.
@@ -207,6 +210,7 @@ class EngineTimings:
     layerwise_same: bool | None = None
     copy_seconds: float | None = None
     receive: tuple[float, ...] = ()
+    transport: str | None = None
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -345,6 +349,8 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
         f"({t.source_bytes / 2**20:.2f} MiB of BF16 source weights)",
         "ratio = baseline / rl-refit (above 1: the refit is faster)",
         f"engine start ({t.start:.1f} s): {start}",
+        *([f"the buckets reached the engine host through the {_TRANSPORTS.get(t.transport, t.transport)} "
+           f"(rollout.engine_kwargs.vllm.transport={t.transport})"] if t.transport else []),
         *([f"the trainer's process ran with {t.trainer_threads} torch thread{'s' if t.trainer_threads > 1 else ''}, "
            "the other cores left to the engine host (vLLM's multiprocess engine busy-polls for 1 s after "
            "every call; an OpenMP team over every core beside it stalls at each barrier)"]
@@ -383,12 +389,16 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
     return notes
 
 
+_TRANSPORTS = {"shm": "shared-memory ring", "gloo": "side group's stream (gloo)"}
+
+
 def _phases_note(t: EngineTimings) -> str:
     where = ("load: each bucket into the engine, vLLM's layerwise reload and processing included; "
              "finalize: the reload's last layers, the expert redo, the KV-scale reset"
              if t.deployment == "colocated" else
-             "load: each bucket onto the side group's stream; finalize: waiting for the engine host "
-             "to receive and load the stream (vLLM's layerwise reload and processing), then its finalize")
+             f"load: each bucket into the {_TRANSPORTS.get(t.transport or '', 'transport')}; finalize: waiting for "
+             "the engine host to receive and load the stream (vLLM's layerwise reload and processing), then its "
+             "finalize")
     ms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.phases.items())
     parts = [v for k, v in t.phases.items() if k != "total"]
     rest = t.phases.get("total", 0.0) - sum(parts)
@@ -628,6 +638,7 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
         (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
         reload_error, load_error, put_back, bench.svc.bucket_bytes, trainer_peak, engine_peak,
         tuple(times.get("layerwise", ())), layerwise_error, layerwise_same, copy, tuple(times.get("receive", ())),
+        transport=getattr(bench.engine.workers, "backend", None),
     )
 
 

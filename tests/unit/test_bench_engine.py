@@ -234,6 +234,16 @@ def test_phases_and_threads_notes() -> None:
     assert "torch thread" not in " ".join(build_report(EngineBenchSettings(), timings()).notes)
 
 
+@pytest.mark.parametrize(("transport", "words"), [("shm", "shared-memory ring"), ("gloo", "side group's stream")])
+def test_the_notes_say_which_transport_the_buckets_took(transport: str, words: str) -> None:
+    phases = {"load": 0.01, "finalize": 0.03, "total": 0.05}
+    notes = " ".join(build_report(EngineBenchSettings(), timings(deployment="disaggregated", phases=phases,
+                                                                 transport=transport)).notes)
+    assert f"through the {words}" in notes and f"transport={transport}" in notes
+    assert f"load: each bucket into the {words}" in notes
+    assert "transport=" not in " ".join(build_report(EngineBenchSettings(), timings()).notes)
+
+
 def test_rows_fit_the_other_figure_and_the_markdown_report() -> None:
     report = build_report(EngineBenchSettings(), timings())
     other = group_rows({"engine": report.rows})
