@@ -29,12 +29,13 @@ bench: setup
 	$(MAKE) bench-real
 
 # the real-size rows (docs/your-model.md): export and engine benches on a 0.75B checkpoint, BF16 in both shapes,
-# FP8_BLOCK colocated; export and BF16 colocated on the tied 0.6B
+# FP8_BLOCK colocated; export and BF16 in both shapes on the tied 0.6B
 bench-real: setup
 	test -f $(REAL_MODEL)/config.json || $(PY) -m app.bench.fixtures qwen3-0.75b-untied $(REAL_MODEL)
 	test -f $(TIED_MODEL)/config.json || $(PY) -m app.bench.fixtures qwen3-0.6b $(TIED_MODEL)
 	$(VENV)/bin/refit bench export --model $(TIED_MODEL)
 	.venv-vllm/bin/python -m app.cli.main bench engine --model $(TIED_MODEL) --preset BF16 --deployment colocated
+	$(VENV)/bin/refit bench engine --model $(TIED_MODEL) --preset BF16 --deployment disaggregated
 	$(VENV)/bin/refit bench export --model $(REAL_MODEL)
 	.venv-vllm/bin/python -m app.cli.main bench engine --model $(REAL_MODEL) --preset BF16 --deployment colocated
 	$(VENV)/bin/refit bench engine --model $(REAL_MODEL) --preset BF16 --deployment disaggregated
