@@ -73,10 +73,16 @@ _HEADER_BYTES = HEADER_WORDS * 8
 _HUGE = 2 << 20  # buffers from this size up are mapped for huge pages
 
 
-def shm_directory() -> Path:
-    """Where rings are made: /dev/shm when it is there and writable (memory), else the temp dir."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
+def shm_directory(nbytes: int = 0, shm: Path = Path("/dev/shm")) -> Path:
+    """Where a ring of `nbytes` is made: /dev/shm when it is there, writable and has room for it
+    (memory), else the temp directory (a mapped file there is still shared through the page
+    cache; a container's /dev/shm is often 64 MiB)."""
+    try:
+        usable = shm.is_dir() and os.access(shm, os.W_OK | os.X_OK)
+        free = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize if usable else 0
+    except OSError:
+        usable, free = False, 0
+    return shm if usable and free >= nbytes else Path(tempfile.gettempdir())
 
 
 @attrs.frozen
@@ -147,8 +153,8 @@ class ShmSource:
         SharedMemoryUnavailable naming the directory and the size, never later as a SIGBUS on a
         write into the mapping.
         """
-        where = directory or shm_directory()
         size = slots * slot_bytes
+        where = directory or shm_directory(size)
         try:
             path = Path(tempfile.mkdtemp(prefix="rl-refit-shm-", dir=where))  # mode 0700
         except OSError as err:

@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from adapters.distributed.shm_transport import ShmSource, ShmTransport, connect, pair, receive_buffer
+from adapters.distributed.shm_transport import (
+    ShmSource,
+    ShmTransport,
+    connect,
+    pair,
+    receive_buffer,
+    shm_directory,
+)
 from domain.errors import (
     CollectiveTimeout,
     PeerLost,
@@ -291,3 +298,11 @@ def test_a_receive_buffer_is_its_own_mapping_advised_for_huge_pages() -> None:
             break
     assert flags is not None and "hg" in flags, flags
     assert receive_buffer(1000).numel() == 1000  # small ones: a plain allocation
+
+
+def test_a_ring_goes_to_dev_shm_only_when_it_fits_there(tmp_path: Path) -> None:
+    import tempfile
+
+    assert shm_directory(1, shm=tmp_path) == tmp_path
+    assert shm_directory(1 << 62, shm=tmp_path) == Path(tempfile.gettempdir())  # no room: the temp directory
+    assert shm_directory(1, shm=tmp_path / "missing") == Path(tempfile.gettempdir())
