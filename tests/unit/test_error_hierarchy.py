@@ -84,6 +84,7 @@ BASES = {
     "RefitVerificationFailed": "RefitError, RuntimeError",
     "RemovedConfigKey": "ConfigError",
     "ShardingError": "RefitError, ValueError",
+    "SharedMemoryUnavailable": "RefitError, OSError",
     "SourceChanged": "CheckpointError",
     "StorageRebound": "RefitError, RuntimeError",
     "ThdPackingError": "RefitError, ValueError",
