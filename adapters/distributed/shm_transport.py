@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 import torch
 
+from adapters.distributed.consumer import consume_draining
 from adapters.distributed.wire import (
     HEADER_WORDS,
     FrameKind,
@@ -568,15 +569,7 @@ class ShmTransport:
 
     @staticmethod
     def _consume(rx: _Rx, consume: Callable[[Bucket], None], bucket: Bucket) -> None:
-        if rx.errors:
-            return  # drain only: the consumer already failed this stream
-        t1 = time.perf_counter()
-        try:
-            consume(bucket)
-        except Exception as err:
-            rx.errors.append(err)
-        finally:
-            rx.consumed += time.perf_counter() - t1
+        rx.consumed += consume_draining(consume, bucket, rx.errors)
 
 
 @attrs.define

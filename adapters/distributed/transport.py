@@ -26,6 +26,7 @@ except ImportError as err:  # pragma: no cover - torch built without distributed
 if not dist.is_available():  # pragma: no cover
     raise ModuleNotFoundError("TorchDistTransport needs torch.distributed (this torch build lacks it)", name="torch.distributed")
 
+from adapters.distributed.consumer import consume_draining
 from adapters.distributed.side_group import SideGroup
 from adapters.distributed.wire import (
     CONTROL_BYTES,
@@ -460,15 +461,7 @@ class TorchDistTransport:
 
     @staticmethod
     def _consume(rx: _Receive, bucket: Bucket) -> None:
-        if rx.errors:
-            return  # drain only: the engine already failed this refit
-        t1 = time.perf_counter()
-        try:
-            rx.consume(bucket)
-        except Exception as err:
-            rx.errors.append(err)
-        finally:
-            rx.consumed += time.perf_counter() - t1
+        rx.consumed += consume_draining(rx.consume, bucket, rx.errors)
 
 
 @attrs.frozen
