@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pytest
 import torch
 
@@ -12,6 +14,9 @@ from domain.quant.stream import quantize_stream
 from domain.refit.buckets import Bucket, pack_buckets
 
 DEFAULT_PLAN = QuantizationPlan.from_presets(linear="FP8_BLOCK", moe="NVFP4")
+if TYPE_CHECKING:
+    from adapters.distributed.shm_transport import ShmTransport
+
 SMALL_BUCKET = 64 << 10  # 64 KiB: the micro model's refit takes several buckets
 
 
@@ -56,3 +61,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def shm_pair(receivers: int = 1, *, bucket_bytes: int = 64 << 20,
+             **serve: Any) -> tuple[ShmTransport, list[ShmTransport]]:
+    """A shared-memory ring's source and its receivers, all in this process: serve, connect,
+    accept. `serve`: ShmSource.serve's keywords (slots, slot_bytes, timeout_s, directory)."""
+    from adapters.distributed.shm_transport import ShmSource, connect
+
+    source = ShmSource.serve(receivers, **serve)
+    ends = [connect(source.rendezvous, r, bucket_bytes) for r in range(1, receivers + 1)]
+    return source.accept(), ends

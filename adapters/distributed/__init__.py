@@ -3,7 +3,7 @@
 - inprocess: InProcessTransport, zero-copy between two threads of one process (colocated use, tests).
 - transport: TorchDistTransport, a bucket stream over torch.distributed (gloo / NCCL).
 - shm_transport: ShmTransport, a bucket stream through a shared-memory ring, on one host.
-- consumer: what every transport's receiver does with a bucket in hand.
+- receiving: what every transport's receiver shares (its consumer's run, huge-page receive buffers).
 - collectives: TorchDistCollectives, the process groups of a refit world, its agreement, turns and
   tensor-parallel collectives; it hands out the transports.
 - launch: launch_world, a bounded world of local processes over gloo on 127.0.0.1.

@@ -24,7 +24,6 @@ expected one raises WireProtocolError, after which the receiver refuses every la
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import shutil
 import socket
@@ -38,7 +37,7 @@ from typing import Any
 import attrs
 import torch
 
-from adapters.distributed.consumer import consume_draining
+from adapters.distributed.receiving import consume_draining
 from adapters.distributed.wire import (
     HEADER_WORDS,
     FrameKind,
@@ -71,7 +70,6 @@ _CHUNK_BODY = struct.Struct("<QQQ")  # the slot's sequence number, its offset in
 _ACK = struct.Struct("<Q")  # receiver -> source: the sequence number of the slot it released
 _HELLO = struct.Struct("<4sQ")  # receiver -> source, once: magic and rank
 _HEADER_BYTES = HEADER_WORDS * 8
-_HUGE = 2 << 20  # buffers from this size up are mapped for huge pages
 
 
 def shm_directory(nbytes: int = 0, shm: Path = Path("/dev/shm")) -> Path:
@@ -225,21 +223,6 @@ class ShmSource:
         shutil.rmtree(self.rendezvous.directory, ignore_errors=True)
 
 
-def receive_buffer(nbytes: int) -> torch.Tensor:
-    """A flat uint8 buffer of `nbytes` in memory of its own, backed by huge pages where the
-    kernel allows (transparent huge pages on `madvise`): a receiver that keeps each bucket in a
-    fresh buffer (`allocate`) faults its pages in 2 MiB at a time instead of 4 KiB, which on
-    CPU is most of what a fresh buffer costs. The memory goes back to the system with the tensor."""
-    if nbytes < _HUGE:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small pages
-            area.madvise(advice)
-    return torch.frombuffer(area, dtype=torch.uint8)  # keeps the mapping alive; unmapped with it
-
-
 def _unavailable(where: Path, size: int, err: OSError) -> SharedMemoryUnavailable:
     return SharedMemoryUnavailable(
         f"cannot make the refit's {size / 2**20:.0f} MiB shared-memory ring in {where}: {err.strerror or err}; "
@@ -277,6 +260,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise EOFError(f"the peer closed the connection after {got} of {n} bytes")
         got += k
     return bytes(buf)
+
+
+def _frame_bytes(header: Header, body: bytes = b"") -> bytes:
+    """A frame's body on the socket: the wire header's words, then its metadata or text."""
+    return header.to_tensor().numpy().tobytes() + body
 
 
 def _u8(data: bytes) -> torch.Tensor:
@@ -363,23 +351,15 @@ class ShmTransport:
         t0 = time.perf_counter()
         n = payload = wire = 0
         blocked = 0.0
-        it = iter(buckets)
-        while True:
-            try:
-                bucket = next(it)
-            except StopIteration:
-                break
-            except Exception as err:
-                self._abort(f"{type(err).__name__}: {err}", n)
-                raise
-            try:
+        try:
+            for bucket in buckets:  # the planner, or the ring, may fail: either way the receivers hear it
                 blocked += self._send_bucket(bucket)
-            except Exception as err:  # tell the receivers that still listen, then raise
-                self._abort(f"{type(err).__name__}: {err}", n)
-                raise
-            n, payload, wire = n + 1, payload + bucket.payload_bytes, wire + bucket.nbytes
+                n, payload, wire = n + 1, payload + bucket.payload_bytes, wire + bucket.nbytes
+        except Exception as err:
+            self._abort(f"{type(err).__name__}: {err}", n)
+            raise
         blocked += self._wait_acks(self._seq, "the end of the stream")
-        self._broadcast(_FRAME, Header(FrameKind.END, self.refit_id, n).to_tensor().numpy().tobytes(), "end of stream")
+        self._broadcast(_FRAME, _frame_bytes(Header(FrameKind.END, self.refit_id, n)), "end of stream")
         return TransferStats(n, payload, wire, time.perf_counter() - t0, blocked)
 
     def _send_bucket(self, bucket: Bucket) -> float:
@@ -388,7 +368,7 @@ class ShmTransport:
         step = f"bucket {bucket.index}"
         metas = encode_metas(bucket.metas)
         header = Header(FrameKind.BUCKET, self.refit_id, bucket.index, bucket.is_last, bucket.nbytes, metas.numel())
-        self._broadcast(_FRAME, header.to_tensor().numpy().tobytes() + metas.numpy().tobytes(), step)
+        self._broadcast(_FRAME, _frame_bytes(header, metas.numpy().tobytes()), step)
         blocked = 0.0
         for offset in range(0, bucket.nbytes, self.slot_bytes):
             size = min(self.slot_bytes, bucket.nbytes - offset)
@@ -406,9 +386,9 @@ class ShmTransport:
         """Tell the receivers the stream failed after `sent` buckets (best effort: a receiver that
         is gone already is not waited for)."""
         body = encode_text(text[:4000]).numpy().tobytes()
-        header = Header(FrameKind.ABORT, self.refit_id, sent, meta_len=len(body)).to_tensor().numpy().tobytes()
+        header = Header(FrameKind.ABORT, self.refit_id, sent, meta_len=len(body))
         with contextlib.suppress(PeerLost, CollectiveTimeout):
-            self._broadcast(_FRAME, header + body, f"abort after bucket {sent}")
+            self._broadcast(_FRAME, _frame_bytes(header, body), f"abort after bucket {sent}")
 
     def _broadcast(self, kind: int, body: bytes, step: str) -> None:
         message = _PREFIX.pack(_MAGIC, kind, len(body)) + body
@@ -479,9 +459,7 @@ class ShmTransport:
                 self.limits.check_end(header, 0, rx.n)
                 return
             if header.kind is FrameKind.ABORT:
-                self.limits.check_abort(header, 0)
-                raise TransportAborted(f"rank 0 aborted the bucket stream of refit {self.refit_id} after "
-                                       f"{header.index} buckets: {decode_text(_u8(body))}")
+                raise self._aborted(header, body, f"after {header.index} buckets")
             self.limits.check_header(header, 0, expected, after_last)
             metas = decode_metas(_u8(body)) if body else ()
             self.limits.check_metas(header, metas, 0)
@@ -529,26 +507,34 @@ class ShmTransport:
 
     def _frame(self, rx: _Rx, step: str) -> tuple[Header, bytes]:
         kind, body = self._message(rx, step)
-        if kind != _FRAME or len(body) < _HEADER_BYTES:
+        if kind != _FRAME:
             raise WireProtocolError(f"rank 0 sent a slot where {step} of refit {self.refit_id} was due")
+        return self._header(body, step)
+
+    def _header(self, body: bytes, step: str) -> tuple[Header, bytes]:
+        """A frame's checked header, and the metadata or text after it."""
+        if len(body) < _HEADER_BYTES:
+            raise WireProtocolError(f"rank 0 sent a {len(body)}-byte frame at {step} of refit {self.refit_id}")
         header = Header.from_tensor(_u8(body[:_HEADER_BYTES]).view(torch.int64), self.refit_id, 0)
         if header.meta_len != len(body) - _HEADER_BYTES:
             raise WireProtocolError(f"rank 0 announced {header.meta_len} bytes after the header of {step} and sent "
                                     f"{len(body) - _HEADER_BYTES}")
         return header, body[_HEADER_BYTES:]
 
+    def _aborted(self, header: Header, text: bytes, where: str) -> TransportAborted:
+        self.limits.check_abort(header, 0)
+        return TransportAborted(f"rank 0 aborted the bucket stream of refit {self.refit_id} {where}: "
+                                f"{decode_text(_u8(text))}")
+
     def _chunk(self, rx: _Rx, header: Header, offset: int, size: int) -> int:
         """The notice of the next filled slot, which must hold bytes [offset, offset + size) of
         the bucket in hand; returns the slot's sequence number."""
         step = f"bucket {header.index} (bytes {offset}..{offset + size})"
         kind, body = self._message(rx, step)
-        if kind == _FRAME:  # the source aborted mid-bucket
-            h = Header.from_tensor(_u8(body[:_HEADER_BYTES]).view(torch.int64), self.refit_id, 0) \
-                if len(body) >= _HEADER_BYTES else None
-            if h is not None and h.kind is FrameKind.ABORT:
-                text = decode_text(_u8(body[_HEADER_BYTES:]))
-                raise TransportAborted(f"rank 0 aborted the bucket stream of refit {self.refit_id} in bucket "
-                                       f"{header.index}: {text}")
+        if kind == _FRAME:  # only an abort may come mid-bucket
+            h, text = self._header(body, step)
+            if h.kind is FrameKind.ABORT:
+                raise self._aborted(h, text, f"in bucket {header.index}")
             raise WireProtocolError(f"rank 0 sent a header where {step} of refit {self.refit_id} was due")
         if len(body) != _CHUNK_BODY.size:
             raise WireProtocolError(f"rank 0 sent a malformed slot notice at {step} of refit {self.refit_id}")
@@ -585,13 +571,4 @@ class _Rx:
     errors: list[BaseException] = attrs.field(factory=list)
 
 
-def pair(receivers: int = 1, *, bucket_bytes: int = 64 << 20, **serve: Any) -> tuple[ShmTransport, list[ShmTransport]]:
-    """A source and its receivers in this process (tests, benches): serve, connect, accept.
-    `serve`: ShmSource.serve's keywords (slots, slot_bytes, timeout_s, directory)."""
-    source = ShmSource.serve(receivers, **serve)
-    ends = [connect(source.rendezvous, r, bucket_bytes) for r in range(1, receivers + 1)]
-    return source.accept(), ends
-
-
-__all__: Sequence[str] = ("ShmRendezvous", "ShmSource", "ShmTransport", "connect", "pair", "receive_buffer",
-                          "shm_directory")
+__all__: Sequence[str] = ("ShmRendezvous", "ShmSource", "ShmTransport", "connect", "shm_directory")

@@ -26,7 +26,7 @@ except ImportError as err:  # pragma: no cover - torch built without distributed
 if not dist.is_available():  # pragma: no cover
     raise ModuleNotFoundError("TorchDistTransport needs torch.distributed (this torch build lacks it)", name="torch.distributed")
 
-from adapters.distributed.consumer import consume_draining
+from adapters.distributed.receiving import consume_draining
 from adapters.distributed.side_group import SideGroup
 from adapters.distributed.wire import (
     CONTROL_BYTES,

@@ -196,20 +196,21 @@ class RefitWorkerExtension:
     def _rl_refit_on_join(self, request: p.Join) -> p.JoinReply:
         self._rl_refit_leave()
         rank = 1 + int(getattr(self, "rank", 0))
-        self._rl_refit_transport: Any = None  # a ShmTransport or a TorchDistTransport
+        # the transport, and what leaving closes: the ring's transport itself, or the side group
+        self._rl_refit_transport: Any = None
+        self._rl_refit_link: Any = None
         if request.transport == "shm":
             from adapters.distributed.shm_transport import ShmRendezvous, connect
 
             ring = ShmRendezvous.from_dict(request.rendezvous)
-            self._rl_refit_transport = connect(ring, rank, request.bucket_bytes)
+            self._rl_refit_transport = self._rl_refit_link = connect(ring, rank, request.bucket_bytes)
             log.info("joined the refit's shared-memory ring", rank=rank, receivers=ring.receivers,
                      slots=ring.slots, slot_bytes=ring.slot_bytes)
             return p.JoinReply(rank)
         from adapters.distributed.side_group import Rendezvous, SideGroup
         from adapters.distributed.transport import TorchDistTransport
 
-        group = SideGroup.join(Rendezvous.from_dict(request.rendezvous), rank)
-        self._rl_refit_side: SideGroup | None = group
+        group = self._rl_refit_link = SideGroup.join(Rendezvous.from_dict(request.rendezvous), rank)
         self._rl_refit_transport = TorchDistTransport(
             group, source=0, rank=rank, peers=group.ranks, bucket_bytes=request.bucket_bytes,
             timeout_s=request.timeout_s, device=group.device,
@@ -219,7 +220,7 @@ class RefitWorkerExtension:
         return p.JoinReply(rank)
 
     def _rl_refit_on_receive(self, request: p.Receive) -> p.Loaded:
-        from adapters.distributed.shm_transport import receive_buffer
+        from adapters.distributed.receiving import receive_buffer
 
         transport = getattr(self, "_rl_refit_transport", None)
         if transport is None:
@@ -245,14 +246,10 @@ class RefitWorkerExtension:
         return p.Loaded(loaded)
 
     def _rl_refit_leave(self) -> p.Record:
-        group = getattr(self, "_rl_refit_side", None)
-        if group is not None:
-            group.close()
-        transport = getattr(self, "_rl_refit_transport", None)
-        if transport is not None and hasattr(transport, "close"):  # the shared-memory ring's connection
-            transport.close()
-        self._rl_refit_side = None
-        self._rl_refit_transport = None
+        link = getattr(self, "_rl_refit_link", None)
+        if link is not None:
+            link.close()
+        self._rl_refit_link = self._rl_refit_transport = None
         return p.Done()
 
 

@@ -269,8 +269,9 @@ def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section
 
     process = EngineProcess.start(host.python(), kwargs, env={**host.environ, **env},
                                   start_timeout_s=float(section.start_timeout_s))
-    return VllmRolloutEngine(RemoteWorkers(process, host.bucket_bytes, backend=section.transport), log_prob_fn=RemoteLogProbs(process),
-                             greedy_fn=RemoteGreedy(process), owned_dirs=owned)
+    workers = RemoteWorkers(process, host.bucket_bytes, backend=section.transport)
+    return VllmRolloutEngine(workers, log_prob_fn=RemoteLogProbs(process), greedy_fn=RemoteGreedy(process),
+                             owned_dirs=owned)
 
 
 def vllm_cold_start(section: VllmSettings, start: EngineStart, host: VllmHost, directory: str) -> ColdEngine:

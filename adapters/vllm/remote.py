@@ -430,7 +430,7 @@ class RemoteWorkers(WorkerQueries):
     timeout_s: float = 120.0
     slot_bytes: int = 32 << 20
     _transport: Any = attrs.field(init=False, default=None)
-    _group: Any = attrs.field(init=False, default=None)
+    _link: Any = attrs.field(init=False, default=None)  # what close() closes: the side group, or the ring's transport
     _stream: _Stream | None = attrs.field(init=False, default=None)
     _refits: int = attrs.field(init=False, default=0)
     _delta: bool = attrs.field(init=False, default=False)  # delta refits: each stream's layout may differ
@@ -452,7 +452,7 @@ class RemoteWorkers(WorkerQueries):
         self.process.send(CallWorkers(join.METHOD, join.to_plain()))
         group = SideGroup.join(rv, 0, store)  # blocks until every worker has joined
         reply_of(join, self.process.reply().answers)  # type: ignore[attr-defined]
-        self._group = group
+        self._link = group
         self._transport = TorchDistTransport(group, source=0, rank=0, peers=group.ranks, bucket_bytes=self.bucket_bytes,
                                              timeout_s=self.timeout_s, window=1, device=group.device)
 
@@ -470,7 +470,7 @@ class RemoteWorkers(WorkerQueries):
         except BaseException:
             source.close()
             raise
-        self._transport = self._group = source.accept()
+        self._transport = self._link = source.accept()
 
     def begin(self) -> None:
         self.call(Begin())
@@ -522,11 +522,11 @@ class RemoteWorkers(WorkerQueries):
 
     def close(self) -> None:
         """Leave the side group and shut the engine down."""
-        if self._group is not None:
+        if self._link is not None:
             with contextlib.suppress(Exception):  # the engine is shut down below either way
                 self.call(Leave())
-            self._group.close()
-            self._group = self._transport = None
+            self._link.close()
+            self._link = self._transport = None
         self.process.close()
 
 

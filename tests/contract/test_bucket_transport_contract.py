@@ -170,11 +170,11 @@ def _shm_runs(scenario: str, window: int) -> list[tuple[dict, dict]]:
     """A shared-memory ring of `window` slots, smaller than a bucket (buckets cross slots) and
     larger than one (buckets consumed where they lie in the ring), source and receiver threads of
     this process."""
-    from adapters.distributed.shm_transport import pair
+    from tests.refit_support import shm_pair
 
     runs = []
     for slot_bytes in (BUCKET // 2 - 8, 2 * BUCKET):
-        source, (end,) = pair(1, bucket_bytes=BUCKET, slots=window, slot_bytes=slot_bytes, timeout_s=20)
+        source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=window, slot_bytes=slot_bytes, timeout_s=20)
         box: dict[str, dict] = {}
         th = threading.Thread(target=lambda box=box, end=end: box.setdefault("recv", receiver(scenario, end)))
         th.start()

@@ -17,14 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from adapters.distributed.shm_transport import (
-    ShmSource,
-    ShmTransport,
-    connect,
-    pair,
-    receive_buffer,
-    shm_directory,
-)
+from adapters.distributed.receiving import receive_buffer
+from adapters.distributed.shm_transport import ShmSource, ShmTransport, connect, shm_directory
 from domain.errors import (
     CollectiveTimeout,
     PeerLost,
@@ -33,6 +27,7 @@ from domain.errors import (
     WireProtocolError,
 )
 from domain.refit.buckets import Bucket, BucketPlanner, unpack_bucket
+from tests.refit_support import shm_pair
 
 BUCKET = 1 << 16
 
@@ -96,7 +91,7 @@ def test_the_ring_is_private_and_nothing_is_left_once_the_receivers_are_in(tmp_p
 
 @pytest.mark.parametrize("keep", [False, True], ids=["in-ring", "own-buffers"])
 def test_two_receivers_on_one_ring_each_get_every_bucket(keep: bool) -> None:
-    source, ends = pair(2, bucket_bytes=BUCKET, slots=2, slot_bytes=BUCKET // 4, timeout_s=20)
+    source, ends = shm_pair(2, bucket_bytes=BUCKET, slots=2, slot_bytes=BUCKET // 4, timeout_s=20)
     threads = [_thread(e, keep) for e in ends]
     stats = source.send(_buckets(_tensors(), by_reference=True))
     for th, box in threads:
@@ -109,7 +104,7 @@ def test_two_receivers_on_one_ring_each_get_every_bucket(keep: bool) -> None:
 
 
 def test_streams_follow_one_another_on_one_ring() -> None:
-    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=3, slot_bytes=5000, timeout_s=20)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=3, slot_bytes=5000, timeout_s=20)
     for refit in (1, 2, 3):
         source.refit_id = end.refit_id = refit
         th, box = _thread(end)
@@ -145,14 +140,14 @@ def test_a_receiver_in_another_process_gets_the_stream_intact() -> None:
 
 
 def test_a_receiver_that_is_gone_is_a_lost_peer_for_the_source() -> None:
-    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=10)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=10)
     end.close()
     with pytest.raises(PeerLost, match=r"rank 1 closed the shared-memory stream"):
         source.send(_buckets(_tensors()))
 
 
 def test_a_source_that_is_gone_is_a_lost_peer_for_the_receiver_and_later_streams_are_refused() -> None:
-    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=10)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=10)
     source.close()
     with pytest.raises(PeerLost, match=r"the trainer closed the shared-memory stream"):
         end.receive(lambda b: None)
@@ -161,14 +156,14 @@ def test_a_source_that_is_gone_is_a_lost_peer_for_the_receiver_and_later_streams
 
 
 def test_a_receiver_that_does_not_release_its_slot_times_out_naming_it() -> None:
-    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=0.5)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=0.5)
     with pytest.raises(CollectiveTimeout, match=r"rank 1 releasing slot 0"):
         source.send(_buckets(_tensors()))  # nobody receives: the second slot never frees
     end.close()
 
 
 def test_a_silent_source_times_out_on_the_receiver() -> None:
-    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=0.3)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=0.3)
     with pytest.raises(CollectiveTimeout, match=r"bucket 0 header"):
         end.receive(lambda b: None)
     source.close()
@@ -184,7 +179,7 @@ def test_receivers_that_never_connect_time_out_and_the_ring_is_removed(tmp_path:
 
 
 def test_a_source_failure_mid_bucket_aborts_the_receiver_with_its_text() -> None:
-    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=1024, timeout_s=10)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=1024, timeout_s=10)
     th, box = _thread(end)
 
     def failing() -> Any:
@@ -205,7 +200,7 @@ def test_a_source_failure_mid_bucket_aborts_the_receiver_with_its_text() -> None
 
 
 def test_a_consumer_failure_drains_the_stream_then_raises() -> None:
-    source, (end,) = pair(1, bucket_bytes=BUCKET, slots=2, slot_bytes=4096, timeout_s=10)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=2, slot_bytes=4096, timeout_s=10)
     seen: list[int] = []
 
     def consume(b: Bucket) -> None:
