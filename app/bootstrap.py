@@ -154,6 +154,8 @@ class Services:
         if entry is None:
             raise ConfigError("rollout.name", f"{name!r} has no engine adapter; use one of {', '.join(ENGINES)}")
         replicas = self.config.rollout.replicas
+        if self.config.rollout.deployment == "attached" and name == "vllm":
+            replicas = len(self.config.rollout.engine_kwargs.vllm.urls) or replicas
         if replicas > 1 and name == "vllm" and self.config.rollout.deployment == "colocated":
             raise ConfigError("rollout.replicas", f"{replicas} vLLM replicas cannot share the trainer's process (vLLM "
                               "owns its process's state): set rollout.deployment=disaggregated")
@@ -164,9 +166,9 @@ class Services:
                               "rollout.deployment=colocated")
         engines = []
         try:
-            for _ in range(replicas):
+            for replica in range(replicas):
                 engines.append(entry.build(self, plan or self.plan, commit_mode=commit_mode or self.commit_mode,
-                                           kv_cache_scheme=kv_cache_scheme))
+                                           kv_cache_scheme=kv_cache_scheme, replica=replica))
         except BaseException:  # no replica is left running when another fails to start
             for started in engines:
                 close = getattr(started, "close", None)
@@ -220,7 +222,7 @@ class Services:
         trainer = trainer or self.trainer_model()
         rollout = self.config.rollout
         by_reference = rollout.deployment == "colocated" or (
-            rollout.name == "vllm" and rollout.engine_kwargs.vllm.transport == "shm")
+            rollout.name == "vllm" and rollout.engine_kwargs.vllm.transport == "shm")  # the ring copy packs them
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
                             probe=self.post_refit_probe(trainer),
                             restore=restore or self.config.rollout.checkpoint_engine.restore,

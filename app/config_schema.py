@@ -64,6 +64,20 @@ def _patterns(key: str, value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _urls(key: str, value: Any) -> tuple[str, ...]:
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str) or not item.startswith(("http://", "https://")):
+            raise ConfigError(key, f"{_short(item)} is not an http(s) URL: give each replica's server as http://HOST:PORT")
+    return items
+
+
+def _url(key: str, value: Any) -> Any:
+    if value is not None and not str(value).startswith(("http://", "https://")):
+        raise ConfigError(key, f"{_short(value)} is not an http(s) URL: give the server as http://HOST:PORT")
+    return value
+
+
 def _qat_mode(key: str, value: Any) -> Any:
     if value is None:
         return None
@@ -233,8 +247,9 @@ SCHEMA: tuple[Key, ...] = (
         "vLLM's KV-cache dtype (auto, fp8, fp8_e4m3, fp8_e5m2)", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     Key("rollout.deployment", (str,), "colocated",
         "where the engine runs: colocated (in the trainer's process, verl's hybrid engine: buckets by "
-        "reference) or disaggregated (its own processes: buckets over a side process group)",
-        choices=("colocated", "disaggregated")),
+        "reference), disaggregated (its own processes: buckets over a side process group) or attached (a "
+        "vLLM server the user started: rollout.engine_kwargs.vllm.url; rl-refit starts nothing)",
+        choices=("colocated", "disaggregated", "attached")),
     Key("rollout.replicas", (int,), 1,
         "engine replicas (data-parallel rollout) one refit updates, all or nothing; vLLM replicas run "
         "disaggregated (each in processes of its own)", check=_at_least(1)),
@@ -253,6 +268,18 @@ SCHEMA: tuple[Key, ...] = (
     Key("rollout.engine_kwargs.vllm.transport", (str,), "shm",
         "disaggregated: how buckets reach the engine's workers: shm (a shared-memory ring on this host) or "
         "gloo (a process group over TCP)", choices=VLLM_TRANSPORTS),
+    Key("rollout.engine_kwargs.vllm.url", (str, NoneType), None,
+        "attached: the vLLM server's base URL (http://127.0.0.1:8000), started with dev mode and "
+        "--weight-transfer-config '{\"backend\": \"rl_refit\"}' (docs/attach.md)", check=_url),
+    Key("rollout.engine_kwargs.vllm.urls", (list, tuple), (),
+        "attached: one URL per replica, refitted together (instead of url)", check=_urls),
+    Key("rollout.engine_kwargs.vllm.api_key", (str, NoneType), None, "attached: the server's --api-key, if any"),
+    Key("rollout.engine_kwargs.vllm.pause_mode", (str,), "keep",
+        "attached: how generation pauses around a refit: keep (in-flight requests freeze and continue "
+        "after it), abort, or wait (let them finish first)", choices=("keep", "abort", "wait")),
+    Key("rollout.engine_kwargs.vllm.reset_running_requests", (bool,), False,
+        "attached: also drop the KV of requests in flight when the refit ends, so their continuation is "
+        "computed with the new weights (on-policy)"),
     Key("rollout.engine_kwargs.vllm.cpu_emulation", (str, bool), "auto",
         "vLLM's CPU platform only: emulated matmuls for formats with no native kernel on this CPU "
         "(auto), for every format (on), or none (off); see docs/engines.md", check=_emulation_mode),

@@ -60,6 +60,11 @@ class VllmEngineConfig:
     start_timeout_s: float = _key("rollout.engine_kwargs.vllm.start_timeout_s")
     transport: str = _key("rollout.engine_kwargs.vllm.transport")
     cpu_emulation: str = _key("rollout.engine_kwargs.vllm.cpu_emulation")
+    url: str | None = _key("rollout.engine_kwargs.vllm.url")
+    urls: tuple[str, ...] = _key("rollout.engine_kwargs.vllm.urls")
+    api_key: str | None = _key("rollout.engine_kwargs.vllm.api_key")
+    pause_mode: str = _key("rollout.engine_kwargs.vllm.pause_mode")
+    reset_running_requests: bool = _key("rollout.engine_kwargs.vllm.reset_running_requests")
 
 
 @attrs.frozen(kw_only=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -78,4 +78,16 @@ class RolloutEngine(Protocol):
     def live_weights(self) -> Mapping[str, torch.Tensor]:
         """The live (captured) tensors by the engine's own names, exactly the ones the storage
         fingerprint covers (read-only use: tests, checks, probes)."""
+        ...
+
+
+@runtime_checkable
+class UndoableEngine(Protocol):
+    """An engine that keeps its previous weights after a refit commits, until the next one: a
+    committed refit the trainer then refuses (the probe, the audit) is undone from that backup
+    instead of leaving the engine stale (an attached vLLM server's rl_refit backend)."""
+
+    def undo_commit(self, reason: str) -> bool:
+        """Put the previous weights back; True when they are, False when the engine could not
+        (it is then stale)."""
         ...

@@ -62,8 +62,9 @@ class VllmWorkers(Protocol):
         """Finalize the reload once, then reset uncalibrated KV-cache scales."""
         ...
 
-    def abort(self) -> None:
-        """Put the model back together after a failure."""
+    def abort(self) -> bool | None:
+        """Put the model back together after a failure; True when the previous weights are back
+        (workers that keep a backup), else None or False."""
         ...
 
     def fingerprint(self) -> StorageFingerprint:
@@ -169,6 +170,9 @@ class VllmRolloutEngine:
             (EngineTensorMismatch) before vLLM sees it (vLLM's loaders would cast or skip it).
         owned_dirs: directories made for this engine (the embedded model's config.json), removed
             by `close`.
+        restores: the workers keep a backup and put the previous weights back when a refit fails
+            (an attached server's rl_refit backend: adapters.vllm.session); their `abort` and
+            `restore` say whether the weights are back. False: a failed refit leaves the engine stale.
 
     The engine starts stale: until the first refit its weights are whatever it was started with
     (e.g. a dummy load).
@@ -180,6 +184,7 @@ class VllmRolloutEngine:
     reset_kv_scales: bool = True
     expected_layout: Layout | None = None
     owned_dirs: tuple[str, ...] = ()
+    restores: bool = False
     # vLLM processes and commits each layer as soon as it is loaded, keeping no old copy.
     commit_mode: CommitMode = attrs.field(init=False, default=CommitMode.PER_LAYER)
     _guard: EngineGuard = attrs.field(init=False)
@@ -257,16 +262,38 @@ class VllmRolloutEngine:
         self._guard.mark_stale(reason)
 
     def _fail(self, reason: str) -> None:
-        """A failed refit: put the model back together (it holds some new layers) and go stale."""
+        """A failed refit: put the model back together (it holds some new layers) and go stale,
+        unless the workers put the previous weights back (`restores`)."""
         if self._started:
             self._started = False
             try:
-                self.workers.abort()
+                restored = self.workers.abort()
             except Exception as err:
+                restored = False
                 log.warning("vllm abort raised", refit_id=self._guard.refit_id, error=f"{type(err).__name__}: {err}")
+            if self.restores and restored is True:
+                self._guard.fail()
+                log.warning("vllm refit failed; the previous weights were restored", refit_id=self._guard.refit_id,
+                            reason=reason)
+                return
         why = f"refit {self._guard.refit_id} failed ({reason}); vLLM's layerwise reload cannot roll back"
         self._guard.fail(stale_reason=why)
         log.warning("vllm refit failed; engine is stale", refit_id=self._guard.refit_id, reason=reason)
+
+    def undo_commit(self, reason: str) -> bool:
+        """After a committed refit was refused (the probe, the audit): put the previous weights
+        back from the workers' backup (ports.rollout_engine.UndoableEngine). True when they are
+        back; False when this engine keeps none, or it failed (the engine is then stale)."""
+        if not self.restores:
+            return False
+        try:
+            restored = bool(self.workers.restore(reason))  # type: ignore[attr-defined]
+        except Exception as err:
+            log.warning("vllm restore raised", refit_id=self._guard.refit_id, error=f"{type(err).__name__}: {err}")
+            restored = False
+        if not restored:
+            self._guard.mark_stale(f"{reason}; the workers could not restore the previous weights")
+        return restored
 
     def close(self) -> None:
         """Shut the engine down (its workers) and remove what was made for it."""

@@ -34,6 +34,7 @@ import torch
 from adapters.vllm import protocol as p
 from adapters.vllm.hooks import VllmHooks
 from adapters.vllm.protocol import answer
+from adapters.vllm.session import WorkerSession
 from adapters.vllm.worker import KV_SCALE_NAMES, WorkerRefit
 from domain.errors import RefitLifecycleError
 from domain.refit.buckets import Bucket, unpack_bucket
@@ -67,7 +68,16 @@ class RefitWorkerExtension:
 
     # --- the worker's refit state -------------------------------------------------------------
 
+    def _rl_refit_session(self) -> WorkerSession | None:
+        """The session of the rl_refit weight-transfer backend, when the server runs it."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        session = getattr(engine, "session", None)
+        return session if isinstance(session, WorkerSession) else None
+
     def _rl_refit_state(self) -> WorkerRefit:
+        session = self._rl_refit_session()
+        if session is not None:  # one WorkerRefit per worker, whichever way the refit came
+            return session.refit
         refit = getattr(self, "_rl_refit", None)
         if refit is None:
             request_amx_permission()
@@ -152,6 +162,59 @@ class RefitWorkerExtension:
     def rl_refit_lora_drop(self, request: dict[str, Any]) -> dict[str, Any]:
         """Drop a held LoRA adapter (nothing when none has the id)."""
         return answer(p.LoraDrop, request, self._rl_refit_on_lora_drop)
+
+    # --- the attached server's session (the rl_refit weight-transfer backend) -------------------
+
+    def rl_refit_info(self, request: Any) -> dict[str, Any]:
+        """What this worker is: rl-refit's version, the backend, the world, the model."""
+        return answer(p.Info, request, lambda _: self._rl_refit_on_info())
+
+    def rl_refit_report(self, request: Any) -> dict[str, Any]:
+        """The session's last refit: its finalize report, its error, whether the worker is stale."""
+        return answer(p.Report, request, lambda _: self._rl_refit_on_report())
+
+    def rl_refit_restore(self, request: Any) -> dict[str, Any]:
+        """Put the previous weights back (token-checked); ends vLLM's weight update in progress."""
+        return answer(p.Restore, request, lambda r: self._rl_refit_on_restore(r, p.token_of(request)))
+
+    def rl_refit_commit(self, request: Any) -> dict[str, Any]:
+        """The trainer accepted the finalized refit (token-checked)."""
+        return answer(p.Commit, request, lambda _: self._rl_refit_on_commit(p.token_of(request)))
+
+    def _rl_refit_required_session(self) -> WorkerSession:
+        session = self._rl_refit_session()
+        if session is None:
+            from adapters.vllm.errors import ServerMismatch
+
+            raise ServerMismatch("this vLLM server was not started with rl-refit's weight-transfer backend: "
+                                 "start it with --weight-transfer-config '{\"backend\": \"rl_refit\"}'")
+        return session
+
+    def _rl_refit_on_info(self) -> p.InfoReply:
+        from adapters.vllm.session import rl_refit_version
+
+        config = self.vllm_config  # type: ignore[attr-defined]
+        model = config.model_config
+        return p.InfoReply(rl_refit_version(), self._rl_refit_session() is not None, int(getattr(self, "rank", 0)),
+                           int(config.parallel_config.world_size), str(model.model),
+                           getattr(model, "quantization", None))
+
+    def _rl_refit_on_report(self) -> p.ReportReply:
+        session = self._rl_refit_required_session()
+        report = None if session.report is None else p.FinalizeReply(**session.report._asdict()).to_plain()
+        error = None if session.error is None else p.ErrorReply.of(session.error).to_plain()
+        return p.ReportReply(report, error, session.stale_reason, session.restores, session.phase.value)
+
+    def _rl_refit_on_restore(self, request: p.Restore, token: str | None) -> p.Restored:
+        session = self._rl_refit_required_session()
+        session.check(token)
+        self._weight_update_active = False  # vLLM's worker: its weight update ends here
+        with self._rl_refit_context():
+            return p.Restored(session.restore(token, request.reason))
+
+    def _rl_refit_on_commit(self, token: str | None) -> p.Record:
+        self._rl_refit_required_session().commit(token)
+        return p.Done()
 
     # --- what each step does (subclasses override these) ------------------------------------------
 

@@ -151,6 +151,15 @@ class VllmSettings(Protocol):
     @property
     def transport(self) -> str: ...
 
+    @property
+    def api_key(self) -> str | None: ...
+
+    @property
+    def pause_mode(self) -> str: ...
+
+    @property
+    def reset_running_requests(self) -> bool: ...
+
 
 @attrs.frozen
 class VllmHost:
@@ -272,6 +281,39 @@ def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section
     workers = RemoteWorkers(process, host.bucket_bytes, backend=section.transport)
     return VllmRolloutEngine(workers, log_prob_fn=RemoteLogProbs(process), greedy_fn=RemoteGreedy(process),
                              owned_dirs=owned)
+
+
+def server_flags(kwargs: Mapping[str, Any]) -> str:
+    """The `vllm serve` flags a server needs to serve a plan, as a user types them (its
+    quantization method and the quantization_config it reads through hf_overrides)."""
+    import json
+    import shlex
+
+    flags = []
+    if kwargs.get("quantization"):
+        flags.append(f"--quantization {kwargs['quantization']}")
+    if kwargs.get("hf_overrides"):
+        flags.append(f"--hf-overrides {shlex.quote(json.dumps(kwargs['hf_overrides'], separators=(',', ':')))}")
+    return " ".join(flags)
+
+
+def attach_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost, url: str) -> VllmRolloutEngine:
+    """An engine over the vLLM server at `url`, which the user started (rollout.deployment:
+    attached): probed first (adapters.vllm.attached.probe), never stopped by rl-refit."""
+    from adapters.vllm.attached import Expected, attach
+    from adapters.vllm.controls import HttpControl
+
+    kwargs = vllm_engine_kwargs(start.quantization_config, start.decision, kv_cache_dtype=section.kv_cache_dtype,
+                                base=_base(section, start))
+    expected = Expected(model=start.model_path or None, quantization=kwargs.get("quantization"),
+                        server_flags=server_flags(kwargs))
+    control = HttpControl(url, timeout_s=float(section.start_timeout_s) + 600.0, api_key=section.api_key)
+    settings = {"transport": section.transport, "pause_mode": section.pause_mode,
+                "reset_running_requests": section.reset_running_requests}
+    from adapters.vllm.guardian import Guardian
+
+    return attach(control, expected, bucket_bytes=host.bucket_bytes, settings=settings,  # type: ignore[no-any-return]
+                  guard=lambda token: Guardian.start(url, token, section.api_key))
 
 
 def vllm_cold_start(section: VllmSettings, start: EngineStart, host: VllmHost, directory: str) -> ColdEngine:

@@ -30,7 +30,13 @@ import attrs
 import structlog
 import torch
 
-from adapters.vllm.errors import EngineProcessError, EngineRefitUnsupported, WorkerError
+from adapters.vllm.errors import (
+    EngineProcessError,
+    EngineRefitUnsupported,
+    ServerMismatch,
+    SessionRefused,
+    WorkerError,
+)
 from domain import errors
 from domain.refit.delta_sync import DeltaBase
 from domain.refit.storage import StorageFingerprint
@@ -397,9 +403,75 @@ class BenchReload(Request[Seconds]):
     path: str = attrs.field(converter=str)
 
 
+# --- the attached server's session (adapters.vllm.session; the rl_refit weight-transfer backend) ---
+
+
+@attrs.frozen
+class InfoReply(Record):
+    """What a worker of a server is: its rl-refit version, whether it runs the rl_refit backend,
+    its rank, the engine's world size, the served model and its quantization method."""
+
+    version: str = attrs.field(converter=str)
+    backend: bool = attrs.field(converter=bool)
+    rank: int = attrs.field(converter=int)
+    world_size: int = attrs.field(converter=int)
+    model: str = attrs.field(converter=str)
+    quantization: str | None = attrs.field(converter=lambda v: None if v is None else str(v))
+
+
+@attrs.frozen
+class Info(Request[InfoReply]):
+    METHOD: ClassVar[str] = "rl_refit_info"
+    REPLY: ClassVar[type[Record]] = InfoReply
+
+
+@attrs.frozen
+class ReportReply(Record):
+    """The worker session's last refit: its finalize report (a FinalizeReply, plain; None before
+    one), the error that failed it (an ErrorReply, plain; None), why the worker is stale (None: it
+    serves), how many restores it made, and its phase."""
+
+    finalize: dict[str, Any] | None
+    error: dict[str, Any] | None
+    stale_reason: str | None
+    restores: int = attrs.field(converter=int)
+    phase: str = attrs.field(converter=str)
+
+
+@attrs.frozen
+class Report(Request[ReportReply]):
+    METHOD: ClassVar[str] = "rl_refit_report"
+    REPLY: ClassVar[type[Record]] = ReportReply
+
+
+@attrs.frozen
+class Restored(Record):
+    """Whether the previous weights are back (False: nothing to restore from; the worker is stale)."""
+
+    restored: bool = attrs.field(converter=bool)
+
+
+@attrs.frozen
+class Restore(Request[Restored]):
+    """Put the previous weights back (the session's backup); ends any weight update in progress."""
+
+    METHOD: ClassVar[str] = "rl_refit_restore"
+    REPLY: ClassVar[type[Record]] = Restored
+
+    reason: str = attrs.field(converter=str)
+
+
+@attrs.frozen
+class Commit(Request[Done]):
+    """The trainer accepted the finalized refit: it becomes the session's backup."""
+
+    METHOD: ClassVar[str] = "rl_refit_commit"
+    REPLY: ClassVar[type[Record]] = Done
+
+
 REQUESTS: tuple[type[Request[Any]], ...] = (Ready, Begin, Load, Finalize, Abort, Join, Receive, Leave, Fingerprint,
                                              Digests, LiveWeights, KvScales, DeltaBaseQuery, BenchMode, BenchReload,
-                                             LoraStage, LoraDrop)
+                                             LoraStage, LoraDrop, Info, Report, Restore, Commit)
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -416,7 +488,8 @@ _CROSSING: tuple[type[BaseException], ...] = (
     errors.InvalidTensor, errors.UnsupportedQuantMethod, errors.DeltaBaseMismatch, errors.DeltaRecordError,
     errors.AdapterUpdateFailed, errors.LoraError,
     ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, NotImplementedError, AssertionError,
-    TimeoutError, ConnectionError, OSError, MemoryError, WorkerError,
+    TimeoutError, ConnectionError, OSError, MemoryError, WorkerError, SessionRefused, ServerMismatch,
+    errors.SharedMemoryUnavailable,
 )
 ERRORS: dict[str, type[BaseException]] = {cls.__name__: cls for cls in _CROSSING}
 
@@ -489,11 +562,50 @@ def answer(request_type: type[Q], value: Any, handler: Callable[[Q], Record]) ->
     """The worker side of one RPC: `handler`'s reply to the request in `value`, or the ErrorReply
     of what it raised, as plain values (nothing escapes to vLLM but a reply)."""
     try:
-        return handler(request_type.from_plain(value)).to_plain()
+        return handler(request_type.from_plain(_unwrap(value))).to_plain()
     except Exception as err:
         traceback.print_exc(file=sys.stderr)  # the worker's log keeps where it was raised
         log.warning("rl-refit worker rpc failed", method=request_type.METHOD, error=f"{type(err).__name__}: {str(err)[:500]}")
         return ErrorReply.of(err).to_plain()
+
+
+TOKEN = "token"  # the key of a request's session token, beside its record's fields
+
+
+def _unwrap(value: Any) -> Any:
+    """A request as a worker receives it: a JSON string over vLLM's HTTP `/collective_rpc` (which
+    passes strings only), else the plain dict; its session token (`TOKEN`) set aside."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError as err:
+            raise errors.WireProtocolError(f"a request that is not JSON: {err}") from err
+    if isinstance(value, Mapping) and TOKEN in value:
+        value = {k: v for k, v in value.items() if k != TOKEN}
+    return value
+
+
+def token_of(value: Any) -> str | None:
+    """The session token a request carries (None: none)."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    token = value.get(TOKEN) if isinstance(value, Mapping) else None
+    return None if token is None else str(token)
+
+
+def with_token(request: Record, token: str | None) -> dict[str, Any]:
+    """`request` as plain values, carrying the session token `token` (None: none)."""
+    out = request.to_plain()
+    if token is not None:
+        out[TOKEN] = token
+    return out
 
 
 @runtime_checkable

@@ -86,6 +86,16 @@ def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> 
     from adapters.vllm.factory import build_vllm_engine
 
     lora = services.config.actor.lora
+    section = services.config.rollout.engine_kwargs.vllm
+    if services.config.rollout.deployment == "attached":
+        from adapters.vllm.factory import attach_vllm_engine
+
+        urls = section.urls or ((section.url,) if section.url else ())
+        if not urls:
+            raise ConfigError("rollout.engine_kwargs.vllm.url", "rollout.deployment=attached refits a server you "
+                              "started: give its URL (http://HOST:PORT), or urls for several replicas")
+        return attach_vllm_engine(section, engine_start(services, "vllm", plan), services.vllm_host(),
+                                  urls[int(options.get("replica", 0))])
     return build_vllm_engine(services.config.rollout.engine_kwargs.vllm, engine_start(services, "vllm", plan),
                              services.vllm_host(), deployment=services.config.rollout.deployment,
                              commit_mode=options.get("commit_mode"),

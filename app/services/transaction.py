@@ -43,7 +43,7 @@ from domain.refit.run import RefitRun
 from domain.refit.session import CommitMode
 from domain.refit.status import EngineState, RankStatus
 from domain.refit.storage import StorageFingerprint
-from ports.rollout_engine import RolloutEngine
+from ports.rollout_engine import RolloutEngine, UndoableEngine
 
 # Errors that end a refit on this side at once: a peer hung or vanished, so no later agreement
 # can be reached (the world is unusable afterwards).
@@ -336,6 +336,9 @@ class RefitTransaction:
         lost = self.run.engine is EngineState.COMMITTED or engine.is_stale
         if not lost:
             state = EngineState.KEPT
+        elif self.run.engine is EngineState.COMMITTED and isinstance(engine, UndoableEngine) \
+                and engine.undo_commit(reason):
+            state = EngineState.RESTORED  # the engine's own backup of the previous refit
         elif self.restore is Restore.REPLAY and self.replay is not None and self.replay.previous is not None:
             state = self._replay_previous(engine, reason)
         else:

@@ -1,0 +1,121 @@
+"""The guardian of an attached server: a small process that outlives a trainer killed mid-refit.
+
+A trainer pauses the user's server before a refit and resumes it after. If the trainer dies in
+between (SIGKILL, OOM), nothing would resume the server: it would stay paused for good, and,
+mid-stream, its workers would hold a half-written model. The guardian, started by the trainer when
+it attaches (`Guardian.start`), reads a pipe from the trainer: `begin` when a refit pauses the
+server, `end` when the server serves again. When the pipe closes (the trainer is gone, whatever
+killed it) in the middle of a refit, it asks the workers to put their previous weights back
+(`rl_refit_restore`, with the trainer's session token), drops the prefix cache and resumes the
+server; then it exits. When the pipe closes between refits, it just exits.
+
+It imports the standard library only, so it starts in a fraction of a second.
+
+    python -m adapters.vllm.guardian URL   # stdin: the token, the server's API key (or an empty
+                                           # line), then the trainer's words; never in argv
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import IO, Any
+
+_BEGIN, _END = "begin", "end"
+
+
+class Guardian:
+    """The trainer's end of the guardian's pipe."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.pipe: IO[bytes] | None = proc.stdin
+
+    @classmethod
+    def start(cls, url: str, token: str, api_key: str | None = None) -> Guardian:
+        """Start the guardian of the server at `url` for the session `token`."""
+        proc = subprocess.Popen([sys.executable, "-m", "adapters.vllm.guardian", url], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        guardian = cls(proc)
+        guardian._say(token)
+        guardian._say(api_key or "")
+        return guardian
+
+    def _say(self, line: str) -> None:
+        if self.pipe is not None:
+            with contextlib.suppress(OSError):
+                self.pipe.write(f"{line}\n".encode())
+                self.pipe.flush()
+
+    def begin(self) -> None:
+        """A refit paused the server."""
+        self._say(_BEGIN)
+
+    def end(self) -> None:
+        """The server serves again (the refit went live, or was restored)."""
+        self._say(_END)
+
+    def close(self) -> None:
+        """Stop the guardian (between refits: it exits without touching the server)."""
+        self._say(_END)
+        pipe, self.pipe = self.pipe, None
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+
+def _post(url: str, path: str, body: Any = None, query: str = "", api_key: str | None = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(f"{url}{path}{query}", data=data, method="POST", headers=headers)
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw.strip() else None
+
+
+def rescue(url: str, token: str, api_key: str | None = None) -> None:
+    """Put the previous weights back and resume the server (the trainer died mid-refit)."""
+    restore = {"record": "Restore", "reason": "the trainer died in the middle of the refit", "token": token}
+    _post(url, "/collective_rpc", {"method": "rl_refit_restore", "args": [json.dumps(restore)]}, api_key=api_key)
+    for _ in range(20):
+        answer = _post(url, "/reset_prefix_cache", query="?reset_running_requests=true", api_key=api_key)
+        if not isinstance(answer, dict) or answer.get("success", True):
+            break
+        time.sleep(0.05)
+    _post(url, "/resume", api_key=api_key)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m adapters.vllm.guardian URL  (the session token first on stdin)", file=sys.stderr)
+        return 2
+    url = args[0].rstrip("/")
+    token = sys.stdin.readline().strip()
+    api_key = sys.stdin.readline().strip() or None
+    in_refit = False
+    for line in sys.stdin:
+        word = line.strip()
+        if word == _BEGIN:
+            in_refit = True
+        elif word == _END:
+            in_refit = False
+    if in_refit and token:  # the pipe closed mid-refit: the trainer is gone
+        try:
+            rescue(url, token, api_key)
+        except Exception as err:
+            print(f"rl-refit guardian: could not restore the server at {url}: {err}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
