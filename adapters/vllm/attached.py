@@ -33,6 +33,7 @@ import structlog
 import torch
 
 from adapters.vllm.controls import PAUSE_MODES, EngineControl
+from adapters.vllm.engine import Aborted
 from adapters.vllm.errors import ServerMismatch
 from adapters.vllm.protocol import (
     ErrorReply,
@@ -293,10 +294,10 @@ class AttachedWorkers(WorkerQueries):
         stats = FinalizeReply.from_plain(report.finalize)
         return attrs.evolve(stats, kv_scales_reset=stats.kv_scales_reset if reset_kv_scales else 0)
 
-    def abort(self) -> bool:
-        """End the refit in progress and put the previous weights back; True when they are back
-        (the server then serves again), False when the workers had nothing to restore from (the
-        server stays paused: it would serve incomplete weights)."""
+    def abort(self) -> Aborted:
+        """End the refit in progress and put the previous weights back; the server serves again
+        when they are back, and stays paused when the workers had nothing to restore from (it
+        would serve incomplete weights)."""
         stream, self._stream = self._stream, None
         update, self._update = self._update, None
         if stream is not None:
@@ -305,7 +306,7 @@ class AttachedWorkers(WorkerQueries):
             update.wait(self.timeout_s)
         return self.restore("the trainer aborted the refit")
 
-    def restore(self, reason: str) -> bool:
+    def restore(self, reason: str) -> Aborted:
         """The workers put their previous weights back; the server resumes when they did."""
         if not self._paused:
             self._pause()
@@ -315,9 +316,11 @@ class AttachedWorkers(WorkerQueries):
             self._resume()
             if self._refits > 1:
                 self.control.set_weight_version(f"{VERSION_PREFIX}{self._refits - 1}")
-        else:
-            log.error("the attached server could not restore its weights; it stays paused", where=self.control.where)
-        return restored
+            return Aborted(True)
+        why = self.report().stale_reason or "the workers could not restore their previous weights"
+        log.error("the attached server could not restore its weights; it stays paused", where=self.control.where,
+                  why=why)
+        return Aborted(False, f"{why}; {self.control.where} stays paused")
 
     def reset_prefix_cache(self) -> None:
         return None  # part of finalize: before the server resumes
@@ -378,4 +381,4 @@ def attach(control: EngineControl, expected: Expected, *, bucket_bytes: int, set
     workers = AttachedWorkers(control, bucket_bytes, workers=len(infos), token=token,
                               guardian=None if guard is None else guard(token), **dict(settings))
     return VllmRolloutEngine(workers, log_prob_fn=ControlLogProbs(control), greedy_fn=ControlGreedy(control),
-                             restores=True)
+                             restores=True, serves_from_start=infos[0].weights == "checkpoint")

@@ -46,6 +46,15 @@ LogProbFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 GreedyFn = Callable[..., list[list[int]]]
 
 
+@attrs.frozen
+class Aborted:
+    """What an abort did on workers that keep a backup: whether the previous weights are back,
+    and if not, why (the workers' own words)."""
+
+    restored: bool
+    why: str = ""
+
+
 class VllmWorkers(Protocol):
     """The refit steps on every vLLM worker; each returns the first worker's result."""
 
@@ -62,9 +71,9 @@ class VllmWorkers(Protocol):
         """Finalize the reload once, then reset uncalibrated KV-cache scales."""
         ...
 
-    def abort(self) -> bool | None:
-        """Put the model back together after a failure; True when the previous weights are back
-        (workers that keep a backup), else None or False."""
+    def abort(self) -> Aborted | None:
+        """Put the model back together after a failure; workers that keep a backup say whether
+        the previous weights are back (Aborted), the others nothing (None)."""
         ...
 
     def fingerprint(self) -> StorageFingerprint:
@@ -172,10 +181,13 @@ class VllmRolloutEngine:
             by `close`.
         restores: the workers keep a backup and put the previous weights back when a refit fails
             (an attached server's rl_refit backend: adapters.vllm.session); their `abort` and
-            `restore` say whether the weights are back. False: a failed refit leaves the engine stale.
+            `restore` say whether the weights are back (Aborted). False: a failed refit leaves the
+            engine stale.
+        serves_from_start: the engine serves the weights it started with (an attached server
+            started from a checkpoint); False: it refuses to serve until its first refit.
 
-    The engine starts stale: until the first refit its weights are whatever it was started with
-    (e.g. a dummy load).
+    The engine starts stale (unless `serves_from_start`): until the first refit its weights are
+    whatever it was started with (e.g. a dummy load).
     """
 
     workers: VllmWorkers
@@ -185,6 +197,7 @@ class VllmRolloutEngine:
     expected_layout: Layout | None = None
     owned_dirs: tuple[str, ...] = ()
     restores: bool = False
+    serves_from_start: bool = False
     # vLLM processes and commits each layer as soon as it is loaded, keeping no old copy.
     commit_mode: CommitMode = attrs.field(init=False, default=CommitMode.PER_LAYER)
     _guard: EngineGuard = attrs.field(init=False)
@@ -200,6 +213,8 @@ class VllmRolloutEngine:
 
     def __attrs_post_init__(self) -> None:
         self._guard = EngineGuard(on_fail=self._fail)
+        if self.serves_from_start:  # a server the user started from a checkpoint serves it
+            self._guard.stale_reason = None
 
     @property
     def is_stale(self) -> bool:
@@ -267,14 +282,19 @@ class VllmRolloutEngine:
         if self._started:
             self._started = False
             try:
-                restored = self.workers.abort()
+                aborted = self.workers.abort()
             except Exception as err:
-                restored = False
+                aborted = Aborted(False, f"the restore raised {type(err).__name__}: {err}")
                 log.warning("vllm abort raised", refit_id=self._guard.refit_id, error=f"{type(err).__name__}: {err}")
-            if self.restores and restored is True:
-                self._guard.fail()
-                log.warning("vllm refit failed; the previous weights were restored", refit_id=self._guard.refit_id,
-                            reason=reason)
+            if self.restores and isinstance(aborted, Aborted):
+                if aborted.restored:
+                    self._guard.fail()
+                    log.warning("vllm refit failed; the previous weights were restored",
+                                refit_id=self._guard.refit_id, reason=reason)
+                    return
+                why = f"refit {self._guard.refit_id} failed ({reason}); {aborted.why}"
+                self._guard.fail(stale_reason=why)
+                log.warning("vllm refit failed; engine is stale", refit_id=self._guard.refit_id, reason=why)
                 return
         why = f"refit {self._guard.refit_id} failed ({reason}); vLLM's layerwise reload cannot roll back"
         self._guard.fail(stale_reason=why)
@@ -287,7 +307,7 @@ class VllmRolloutEngine:
         if not self.restores:
             return False
         try:
-            restored = bool(self.workers.restore(reason))  # type: ignore[attr-defined]
+            restored = self.workers.restore(reason).restored  # type: ignore[attr-defined]
         except Exception as err:
             log.warning("vllm restore raised", refit_id=self._guard.refit_id, error=f"{type(err).__name__}: {err}")
             restored = False

@@ -195,9 +195,11 @@ class RefitWorkerExtension:
 
         config = self.vllm_config  # type: ignore[attr-defined]
         model = config.model_config
+        load = getattr(getattr(config, "load_config", None), "load_format", "auto")
+        weights = "dummy" if str(getattr(load, "value", load)) == "dummy" else "checkpoint"
         return p.InfoReply(rl_refit_version(), self._rl_refit_session() is not None, int(getattr(self, "rank", 0)),
                            int(config.parallel_config.world_size), str(model.model),
-                           getattr(model, "quantization", None))
+                           getattr(model, "quantization", None), weights)
 
     def _rl_refit_on_report(self) -> p.ReportReply:
         session = self._rl_refit_required_session()

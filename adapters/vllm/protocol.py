@@ -409,7 +409,8 @@ class BenchReload(Request[Seconds]):
 @attrs.frozen
 class InfoReply(Record):
     """What a worker of a server is: its rl-refit version, whether it runs the rl_refit backend,
-    its rank, the engine's world size, the served model and its quantization method."""
+    its rank, the engine's world size, the served model, its quantization method, and whether it
+    started from the model's checkpoint or with dummy weights (`load_format=dummy`)."""
 
     version: str = attrs.field(converter=str)
     backend: bool = attrs.field(converter=bool)
@@ -417,6 +418,7 @@ class InfoReply(Record):
     world_size: int = attrs.field(converter=int)
     model: str = attrs.field(converter=str)
     quantization: str | None = attrs.field(converter=lambda v: None if v is None else str(v))
+    weights: str = attrs.field(converter=str, default="checkpoint")  # "dummy": started without weights
 
 
 @attrs.frozen

@@ -206,13 +206,13 @@ class WorkerSession:
     def init(self, info: InitInfo) -> None:
         """Take the trainer's session: check its version, keep its token, join its transport.
 
-        Refused (SessionRefused) while another trainer's refit is in progress; an idle session is
-        taken over (its transport is left first)."""
+        Refused (SessionRefused) while another trainer's refit is loading; a session between
+        refits is taken over (its transport is left first)."""
         mine = rl_refit_version()
         if info.version != mine:
             raise WireProtocolError(f"the trainer runs rl-refit {info.version}, this server's workers {mine}: "
                                     "install the same rl-refit version on both sides")
-        if self.token is not None and self.phase is not Phase.IDLE and not _same(self.token, info.token):
+        if self.token is not None and self.phase is Phase.LOADING and not _same(self.token, info.token):
             raise SessionRefused(f"worker {self.rank}: another trainer's refit {self.refit_id} is in progress; "
                                  "wait for it to end, or restart the server")
         if self.phase is Phase.FINALIZED:

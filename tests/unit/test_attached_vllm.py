@@ -1,0 +1,344 @@
+"""The attached vLLM engine end to end on fakes: AttachedWorkers -> a fake server's control plane ->
+the rl_refit backend's WorkerSession in each fake worker, with the bucket stream through the real
+shared-memory ring. What a real server adds (vLLM's routes, its workers) is in
+tests/vllm/test_attached_server.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from adapters.vllm.attached import AttachedWorkers, Expected, attach, probe
+from adapters.vllm.errors import ServerMismatch, SessionRefused
+from adapters.vllm.extension import RefitWorkerExtension
+from adapters.vllm.session import InitInfo, UpdateInfo, WorkerSession, rl_refit_version
+from adapters.vllm.worker import WorkerRefit
+from app.services.refit import RefitService
+from domain.errors import EngineStale, RefitFailed, WireProtocolError
+from domain.refit.report import RefitOutcome
+from tests.engine_fakes.vllm import (
+    FakeLayerwise,
+    FakeTrainer,
+    FakeVllmModel,
+    fake_hooks,
+    fake_log_probs,
+    fake_worker_class,
+    fp8_plan,
+)
+
+
+class FakeBackend:
+    """What vLLM's worker holds as `weight_transfer_engine`: here only its session."""
+
+    def __init__(self, session: WorkerSession) -> None:
+        self.session = session
+
+
+class FakeServer:
+    """A vLLM server's control plane over fake workers that run rl-refit's extension and backend
+    (EngineControl). Worker calls cross as JSON text, as over vLLM's HTTP `/collective_rpc`."""
+
+    where = "the fake server"
+
+    def __init__(self, models: list[FakeVllmModel], *, from_disk: bool = True, version: str | None = None) -> None:
+        cls = fake_worker_class(RefitWorkerExtension)
+        self.models = models
+        self.workers = []
+        self.disk_loads = 0
+        for rank, model in enumerate(models):
+            worker = cls(model, FakeLayerwise(), rank)
+            refit = WorkerRefit(model, None, fake_hooks(worker.layerwise))
+            worker._rl_refit = refit
+            session = WorkerSession(refit, rank=rank + 1, reload_from_disk=self._disk(model) if from_disk else None)
+            worker.weight_transfer_engine = FakeBackend(session)
+            worker.vllm_config = SimpleNamespace(
+                model_config=SimpleNamespace(model="/models/fake", quantization=None),
+                parallel_config=SimpleNamespace(world_size=len(models)),
+                load_config=SimpleNamespace(load_format="auto" if from_disk else "dummy"))
+            self.workers.append(worker)
+        self.initial = [_weights(m) for m in models]
+        self.calls: list[str] = []
+        self.paused = False
+        self.version: str | None = None
+        self.version_reported = version
+
+    def _disk(self, model: FakeVllmModel):  # type: ignore[no-untyped-def]
+        def reload() -> None:  # vLLM's reload_weights from the model path: the weights it started with
+            self.disk_loads += 1
+            i = self.models.index(model)
+            with torch.no_grad():
+                for name, t in model.named_parameters():
+                    t.copy_(self.initial[i][name])
+        return reload
+
+    def sessions(self) -> list[WorkerSession]:
+        return [w.weight_transfer_engine.session for w in self.workers]
+
+    def collective_rpc(self, method: str, request: dict[str, Any]) -> list[Any]:
+        self.calls.append(method)
+        answers = [getattr(w, method)(json.dumps(request)) for w in self.workers]
+        if self.version_reported is not None and method == "rl_refit_info":
+            for a in answers:
+                a["version"] = self.version_reported
+        return json.loads(json.dumps(answers))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append("init")
+        for s in self.sessions():
+            s.init(InitInfo.of(json.loads(json.dumps(init_info))))
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+        for s in self.sessions():
+            s.start()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("update")
+        errors: list[BaseException] = []
+
+        def run(s: WorkerSession) -> None:
+            try:
+                s.update(UpdateInfo.of(update_info))
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in self.sessions()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if errors:
+            raise RuntimeError(f"Internal Server Error: {errors[0]}")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append("finish")
+        for s in self.sessions():
+            s.finish()
+
+    def pause(self, mode: str) -> None:
+        self.calls.append(f"pause:{mode}")
+        self.paused = True
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+        self.paused = False
+
+    def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        self.calls.append("reset_prefix_cache")
+        return True
+
+    def set_weight_version(self, version: str) -> None:
+        self.version = version
+
+    def weight_version(self) -> str | None:
+        return self.version
+
+    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        for s in self.sessions():
+            s.check_serving()
+        return fake_log_probs(self.models[0])(input_ids, temperature)[0]
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return [[0] * max_tokens for _ in prompts]
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def _weights(model: FakeVllmModel) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in model.named_parameters()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _engine(server: FakeServer) -> Any:
+    return attach(server, Expected(), bucket_bytes=1 << 20, settings={"timeout_s": 60.0})
+
+
+def _service(engine: Any, seed: int = 0) -> RefitService:
+    return RefitService(FakeTrainer(seed), engine, fp8_plan(), bucket_bytes=1 << 20)
+
+
+def _failed(svc: RefitService) -> Any:
+    """The report of a refit that fails (RefitFailed carries it)."""
+    with pytest.raises(RefitFailed) as info:
+        svc.refit()
+    return info.value.report
+
+
+def test_a_refit_is_bracketed_by_a_pause_and_a_resume_and_sets_the_weight_version() -> None:
+    server = FakeServer([FakeVllmModel()])
+    engine = _engine(server)
+    try:
+        report = _service(engine).refit()
+        assert report.ok, report.error
+        assert server.calls[0] == "rl_refit_info"  # the probe, before anything else
+        steps = [c for c in server.calls if not c.startswith("rl_refit_")]
+        assert steps == ["pause:keep", "init", "start", "update", "finish", "reset_prefix_cache", "resume"]
+        assert not server.paused and server.version == "rl-refit-1"
+        report = _service(engine, seed=1).refit()
+        assert report.ok and server.version == "rl-refit-2"
+        assert server.calls.count("init") == 1  # the transport is joined once
+    finally:
+        engine.close()
+    assert "close" in server.calls and not server.paused
+
+
+def test_a_refit_that_fails_mid_stream_restores_the_previous_refit_and_resumes() -> None:
+    model = FakeVllmModel()
+    server = FakeServer([model])
+    engine = _engine(server)
+    try:
+        assert _service(engine, seed=0).refit().ok
+        live = _weights(model)
+        model.fail_at_call = model.load_calls  # the next refit's bucket
+        report = _failed(_service(engine, seed=1))
+        assert report.outcome is RefitOutcome.ROLLED_BACK
+        assert "injected failure" in (report.error or "")
+        assert _equal(_weights(model), live)  # the previous refit's weights, bit for bit
+        assert not server.paused and not engine.is_stale
+        assert server.sessions()[0].restores == 1
+        model.fail_at_call = None
+        assert _service(engine, seed=2).refit().ok  # and the next refit goes live
+    finally:
+        engine.close()
+
+
+def test_a_first_refit_that_fails_reloads_the_servers_own_checkpoint() -> None:
+    model = FakeVllmModel()
+    server = FakeServer([model])
+    started = _weights(model)
+    engine = _engine(server)
+    try:
+        model.fail_at_call = model.load_calls
+        assert _failed(_service(engine)).outcome is RefitOutcome.ROLLED_BACK
+        assert server.disk_loads == 1 and _equal(_weights(model), started)
+        assert not server.paused
+    finally:
+        engine.close()
+
+
+def test_a_failed_refit_with_nothing_to_restore_from_leaves_the_server_paused_and_stale() -> None:
+    model = FakeVllmModel()
+    server = FakeServer([model], from_disk=False)  # started with load_format=dummy
+    engine = _engine(server)
+    try:
+        model.fail_at_call = model.load_calls
+        report = _failed(_service(engine))
+        assert report.outcome is RefitOutcome.STALE
+        assert server.paused  # it would serve incomplete weights
+        with pytest.raises(EngineStale, match="load_format=dummy.*stays paused"):
+            engine.log_probs(torch.zeros(1, 4, dtype=torch.long))
+        with pytest.raises(EngineStale):  # and the workers themselves refuse
+            server.log_probs(torch.zeros(1, 4, dtype=torch.long))
+    finally:
+        engine.close()
+
+
+def test_a_committed_refit_the_trainer_refuses_is_undone_from_the_workers_backup() -> None:
+    from app.services.verification import PostRefitProbe
+
+    model = FakeVllmModel()
+    server = FakeServer([model])
+    engine = _engine(server)
+
+    class Refuses:  # the probe finds the engine too far from the trainer
+        def measure(self, engine: Any, plan: Any) -> Any:
+            from domain.errors import ProbeMismatch
+
+            raise ProbeMismatch(2, 9.0, 0.0, "the trainer")
+
+    try:
+        assert _service(engine).refit().ok
+        live = _weights(model)
+        svc = _service(engine, seed=1)
+        svc = RefitService(svc.trainer, engine, svc.plan, bucket_bytes=1 << 20, probe=Refuses())  # type: ignore[arg-type]
+        report = _failed(svc)
+        assert report.outcome is RefitOutcome.ROLLED_BACK and report.engine_state == "restored", report
+        assert _equal(_weights(model), live) and not engine.is_stale and not server.paused
+    finally:
+        engine.close()
+    assert PostRefitProbe  # the real probe is what refuses in production
+
+
+def test_only_the_session_token_drives_a_workers_refit() -> None:
+    server = FakeServer([FakeVllmModel()])
+    engine = _engine(server)
+    try:
+        assert _service(engine).refit().ok
+        session = server.sessions()[0]
+        with pytest.raises(SessionRefused, match="session token"):
+            session.restore("0" * 32, "a stranger")
+        with pytest.raises(SessionRefused):
+            session.update(UpdateInfo("f" * 32, 9))
+        # an idle session is taken over by a new trainer (the old one is gone)
+        other = AttachedWorkers(server, 1 << 20, timeout_s=60.0)
+        from adapters.vllm.engine import VllmRolloutEngine
+
+        second = VllmRolloutEngine(other, restores=True)
+        assert _service(second, seed=3).refit().ok
+        with pytest.raises(SessionRefused):
+            session.commit(engine.workers.token)  # the first trainer's token no longer drives it
+        second.close()
+    finally:
+        engine.close()
+
+
+def test_a_session_is_refused_while_another_trainers_refit_is_loading() -> None:
+    server = FakeServer([FakeVllmModel()])
+    session = server.sessions()[0]
+    session.token = "a" * 32
+    session.start()
+    with pytest.raises(SessionRefused, match="in progress"):
+        session.init(InitInfo("b" * 32, rl_refit_version(), "shm", {}, 1 << 20))
+
+
+def test_a_trainer_of_another_rl_refit_version_is_refused_at_init() -> None:
+    server = FakeServer([FakeVllmModel()])
+    with pytest.raises(WireProtocolError, match="same rl-refit version"):
+        server.sessions()[0].init(InitInfo("a" * 32, "0.0.0-other", "shm", {}, 1 << 20))
+
+
+@pytest.mark.parametrize(("server_kwargs", "expected", "match"), [
+    ({"version": "9.9.9"}, Expected(), "runs rl-refit 9.9.9"),
+    ({}, Expected(model="/models/other"), "serves '/models/fake', not '/models/other'"),
+    ({}, Expected(quantization="compressed-tensors", server_flags="--quantization compressed-tensors"),
+     "--quantization compressed-tensors"),
+])
+def test_the_probe_refuses_a_server_that_differs_in_one_line(server_kwargs: dict[str, Any], expected: Expected,
+                                                            match: str) -> None:
+    server = FakeServer([FakeVllmModel()], **server_kwargs)
+    with pytest.raises(ServerMismatch, match=match) as info:
+        probe(server, expected)
+    assert "\n" not in str(info.value)
+
+
+def test_the_probe_refuses_a_server_without_the_backend() -> None:
+    server = FakeServer([FakeVllmModel()])
+    for w in server.workers:
+        w.weight_transfer_engine = None
+    with pytest.raises(ServerMismatch, match="--weight-transfer-config"):
+        probe(server, Expected())
+
+
+def test_two_workers_receive_one_ring_and_both_restore() -> None:
+    models = [FakeVllmModel(), FakeVllmModel()]
+    server = FakeServer(models)
+    engine = _engine(server)
+    try:
+        assert _service(engine).refit().ok
+        assert _equal(_weights(models[0]), _weights(models[1]))
+        live = _weights(models[0])
+        models[1].fail_at_call = models[1].load_calls
+        assert _failed(_service(engine, seed=1)).outcome is RefitOutcome.ROLLED_BACK
+        assert _equal(_weights(models[0]), live) and _equal(_weights(models[1]), live)
+        assert not server.paused
+    finally:
+        engine.close()
