@@ -38,7 +38,7 @@ from adapters.vllm.session import WorkerSession
 from adapters.vllm.worker import KV_SCALE_NAMES, WorkerRefit
 from domain.errors import RefitLifecycleError
 from domain.refit.buckets import Bucket, unpack_bucket
-from domain.refit.storage import tensor_digest
+from domain.refit.storage import weight_digest
 
 log = structlog.get_logger()
 
@@ -319,8 +319,9 @@ class RefitWorkerExtension:
 
 
 def weight_digests(refit: WorkerRefit) -> dict[str, str]:
-    """sha256 of every parameter and buffer of a worker's model."""
-    return {n: tensor_digest(t) for n, t in refit.live_weights().items()}
+    """sha256 of every parameter and buffer of a worker's model (UNREADABLE for a weight vLLM
+    keeps packed outside its emptied parameter: nothing to compare there)."""
+    return {n: weight_digest(t) for n, t in refit.live_weights().items()}
 
 
 def kv_scales(model: torch.nn.Module) -> dict[str, list[float]]:

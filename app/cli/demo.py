@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "cold start of the exported checkpoint")
     p.add_argument("--colocated", action="store_true",
                    help="with --engine vllm: the engine in this process (verl's hybrid engine) instead of its own")
+    p.add_argument("--attach", metavar="URL", type=options.server_url, default=None,
+                   help="with --engine vllm: refit the vLLM server you started at URL (docs/attach.md) instead of "
+                        "starting one")
     p.add_argument("--linear", default=None,
                    help="preset for dense Linear layers, or BF16 (default FP8_BLOCK)")
     p.add_argument("--moe", default=None,
@@ -239,8 +242,9 @@ def run(args: argparse.Namespace) -> int:
             raise
         except ValueError as err:
             raise ConfigError("refit demo", str(err)) from None
-    if args.colocated:
-        raise ConfigError("--colocated", "goes with --engine vllm (the reference engine always runs in this process)")
+    if args.colocated or args.attach:
+        flag = "--colocated" if args.colocated else "--attach"
+        raise ConfigError(flag, "goes with --engine vllm (the reference engine always runs in this process)")
     if args.fault_rank is not None and args.procs is None:
         raise ConfigError("--fault-rank", "goes with --procs N (it names the rank of the process world that "
                           "--inject-fault hits); add --procs, or drop --fault-rank")

@@ -43,8 +43,13 @@ def engine_settings(args: argparse.Namespace) -> EngineDemoSettings:
     plan = QuantizationPlan.from_presets(linear=_preset(args.linear), moe=_preset(args.moe),
                                          moe_activation=args.moe_activation,
                                          linear_activation=args.linear_activation)
+    if args.attach and args.colocated:
+        from domain.errors import ConfigError
+
+        raise ConfigError("--attach", "refits a server you started; it does not go with --colocated")
+    deployment = "attached" if args.attach else "colocated" if args.colocated else "disaggregated"
     return EngineDemoSettings(
-        engine=args.engine, deployment="colocated" if args.colocated else "disaggregated", plan=plan,
+        engine=args.engine, deployment=deployment, plan=plan, url=args.attach,
         model=args.model or "micro-moe", seed=args.seed, steps=2 if args.steps is None else args.steps,
         inject_fault=args.inject_fault, fault_step=args.fault_step,
     )
@@ -70,7 +75,8 @@ def engine_config(settings: EngineDemoSettings, bucket_mb: float) -> RefitConfig
         linear_activation=None if plan.linear_activation is None else plan.linear_activation.value,
     )
     vllm = VllmEngineConfig(engine_args=engine_args,
-                            environment={} if torch.cuda.is_available() else {"VLLM_CPU_KVCACHE_SPACE": "1"})
+                            environment={} if torch.cuda.is_available() else {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                            url=settings.url)
     rollout = RolloutConfig(
         name=settings.engine, deployment=settings.deployment, quantization=quantization,
         engine_kwargs=EngineKwargsConfig(vllm=vllm),
@@ -116,6 +122,11 @@ def _render(result: EngineDemoResult, console: Console) -> None:
         elif step.equals_cold_start is False:
             console.print(f"- step {step.label}: differs from the cold start: log-probs equal {step.logprobs_equal}, "
                           f"tokens equal {step.tokens_equal}, weights differing {list(step.differing_weights)}")
+    unreadable = sorted({n for step in result.steps for n in step.unreadable})
+    if unreadable:
+        console.print(f"- {len(unreadable)} weights were not compared byte for byte: the engine keeps them packed "
+                      f"outside their (empty) parameter ({', '.join(unreadable[:3])}{', ...' if len(unreadable) > 3 else ''}); "
+                      "the log-probs and greedy tokens check them")
     console.print("- every live refit equals its cold start bit for bit" if result.ok
                   else "- NOT every live refit equals its cold start (or a failed refit kept serving)")
 
@@ -135,7 +146,8 @@ def run_engine(args: argparse.Namespace) -> int:
     services = bootstrap(engine_config(settings, args.bucket_mb))
     console = None if args.json else Console(width=max(Console().width, 140), stderr=False)
     if console is not None:
-        console.print(f"starting the {settings.engine} engine ({settings.deployment}) ...")
+        console.print(f"attaching to the {settings.engine} server at {settings.url} ..." if settings.url else
+                      f"starting the {settings.engine} engine ({settings.deployment}) ...")
     result = run_engine_demo(settings, services)
     if args.json:
         sys.stdout.write(json.dumps(_payload(result), indent=2, default=str) + "\n")

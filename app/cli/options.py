@@ -128,3 +128,11 @@ def model_or_directory(presets: tuple[str, ...]) -> Callable[[str], str]:
                                          f"directory, got {_short(text)} (no such directory)")
 
     return parse
+
+
+def server_url(value: str) -> str:
+    """A server's base URL (`--attach`): http(s)://HOST:PORT."""
+    if not value.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an http(s) URL: give the server as http://HOST:PORT")
+    return value.rstrip("/")
+

@@ -26,6 +26,7 @@ from app.services.mismatch_probe import token_batch
 from app.services.refit import RefitService
 from domain.errors import ConfigError, EngineBusy, EngineStale, RefitFailed
 from domain.quant.plan import QuantizationPlan
+from domain.refit.storage import UNREADABLE
 from domain.refit.report import RefitOutcome, RefitReport
 from ports.engine_inspection import EngineInspection
 from ports.rollout_engine import RolloutEngine
@@ -106,6 +107,7 @@ class EngineDemoSettings:
         batch: sequences in the comparison batch.
         seq_len: tokens per sequence (prompt log-probs).
         new_tokens: greedy tokens generated per sequence.
+        url: attached: the server the user started (rl-refit starts no engine then).
     """
 
     engine: str = "vllm"
@@ -121,6 +123,7 @@ class EngineDemoSettings:
     batch: int = 3
     seq_len: int = 16
     new_tokens: int = 8
+    url: str | None = None
 
     def __attrs_post_init__(self) -> None:
         check_steps(self.steps, self.inject_fault, self.fault_step)
@@ -163,6 +166,9 @@ class EngineStep:
         differing_weights: names of the tensors that differ (at most 10).
         kv_scales: attention layers' q/k/v/prob scales after the refit, by layer.
         not_compared: parameters left out of the byte comparison (ColdReference.placeholders).
+        unreadable: parameters the engine keeps packed outside their (emptied) tensor, whose bytes
+            cannot be read (vLLM's CPU BF16 Linear layers); the log-probs and greedy tokens check
+            their computation instead.
     """
 
     step: int
@@ -176,6 +182,7 @@ class EngineStep:
     differing_weights: tuple[str, ...] = ()
     kv_scales: dict[str, list[float]] = attrs.field(factory=dict)
     not_compared: tuple[str, ...] = ()
+    unreadable: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -188,7 +195,7 @@ class EngineStep:
             "tokens_equal": self.tokens_equal, "weights_equal": self.weights_equal,
             "max_abs_logp_diff": self.max_abs_logp_diff, "differing_weights": list(self.differing_weights),
             "kv_scales_reset": self.report.kv_scales_reset, "kv_scales": self.kv_scales,
-            "not_compared": list(self.not_compared),
+            "not_compared": list(self.not_compared), "unreadable": list(self.unreadable),
         }
 
 
@@ -201,13 +208,14 @@ class EngineDemoResult:
 
     @property
     def ok(self) -> bool:
-        """Every live refit equals its cold start, the engine refused before its first refit, and
-        no failed refit left it serving a mix (a stale engine refuses; a rolled-back one serves
+        """Every live refit equals its cold start, the engine refused before its first refit (an
+        engine rl-refit started with dummy weights), and no failed refit left it serving a mix (a stale engine refuses; a rolled-back one serves
         its previous weights)."""
         live = [s for s in self.steps if s.report.ok]
         failed_closed = all(s.serving != "yes" for s in self.steps if s.report.outcome is RefitOutcome.STALE)
-        return self.refused_before_first_refit and bool(live) and all(s.equals_cold_start for s in live) \
-            and failed_closed
+        # a server the user started from a checkpoint serves it before any refit: nothing to refuse
+        refused = self.refused_before_first_refit or self.settings.url is not None
+        return refused and bool(live) and all(s.equals_cold_start for s in live) and failed_closed
 
 
 def _export_digest(directory: Path) -> str:
@@ -354,8 +362,12 @@ class ColdStartComparer:
         same_shape = served.shape == ref.log_probs.shape
         logprobs_equal = same_shape and torch.equal(served, ref.log_probs)
         diff = float((served.double() - ref.log_probs.double()).abs().max()) if same_shape else float("inf")
+        unreadable = tuple(sorted(n for n in set(digests) | set(ref.digests)
+                                  if UNREADABLE in (digests.get(n), ref.digests.get(n))))
         differing = tuple(sorted(n for n in set(digests) | set(ref.digests)
-                                 if n not in ref.placeholders and digests.get(n) != ref.digests.get(n)))
+                                 if n not in ref.placeholders and n not in unreadable
+                                 and digests.get(n) != ref.digests.get(n)))
         tokens_equal = tokens == ref.tokens
         return EngineStep(step, report, "yes", logprobs_equal and tokens_equal and not differing, logprobs_equal,
-                          tokens_equal, not differing, diff, differing[:10], scales, tuple(sorted(ref.placeholders)))
+                          tokens_equal, not differing, diff, differing[:10], scales, tuple(sorted(ref.placeholders)),
+                          unreadable)

@@ -83,3 +83,16 @@ def tensor_digest(t: torch.Tensor) -> str:
     if t.numel():
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+# The digest of a weight an engine keeps in a form it cannot read back: vLLM's CPU build packs BF16
+# Linear weights into oneDNN handles and leaves `layer.weight` an empty tensor. Two such digests
+# are not "the same bytes": a comparison lists them as not compared (their computation is checked
+# by the log-probs and greedy tokens instead).
+UNREADABLE = "unreadable (packed by the engine)"
+
+
+def weight_digest(t: torch.Tensor) -> str:
+    """`tensor_digest`, or UNREADABLE for an emptied tensor whose values the engine keeps elsewhere."""
+    return UNREADABLE if t.numel() == 0 else tensor_digest(t)
+

@@ -84,6 +84,9 @@ BASES = {
     "RefitVerificationFailed": "RefitError, RuntimeError",
     "RemovedConfigKey": "ConfigError",
     "ShardingError": "RefitError, ValueError",
+    "ServerMismatch": "RefitError, ValueError",
+    "ServerUnreachable": "RefitError, ConnectionError",
+    "SessionRefused": "RefitError, PermissionError",
     "SharedMemoryUnavailable": "RefitError, OSError",
     "SourceChanged": "CheckpointError",
     "StorageRebound": "RefitError, RuntimeError",
@@ -99,7 +102,8 @@ BASES = {
 }
 # The errors only one engine adapter raises, kept in that adapter.
 IN_ADAPTERS = {"EngineProcessError": adapters.vllm.errors, "EngineRefitUnsupported": adapters.vllm.errors,
-               "WorkerError": adapters.vllm.errors}
+               "WorkerError": adapters.vllm.errors, "ServerUnreachable": adapters.vllm.errors,
+               "ServerMismatch": adapters.vllm.errors, "SessionRefused": adapters.vllm.errors}
 
 
 def _package_classes() -> dict[str, type]:
