@@ -23,6 +23,7 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,11 @@ class EngineProcess:
         """
         listener = listen_socket(host)
         token = secrets.token_hex(16)
+        # vLLM's IPC sockets (and any other temporary file of its processes) go into a directory of
+        # this engine's own, removed with it, instead of piling up in the temp directory
+        private = tempfile.mkdtemp(prefix="rl-refit-vllm-")
+        env = {**(dict(env) if env is not None else dict(os.environ)), "TMPDIR": private,
+               "VLLM_RPC_BASE_PATH": private}
         spec = {"engine_kwargs": dict(engine_kwargs), "trainer_host": host,
                 "trainer_port": listener.getsockname()[1], "token": token}
         fd, spec_path = tempfile.mkstemp(prefix="rl-refit-engine-", suffix=".json")
@@ -173,9 +179,8 @@ class EngineProcess:
         out = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(prefix="rl-refit-engine-", suffix=".log")[1])
         with out.open("wb") as logf:
             proc = subprocess.Popen([python, "-m", "adapters.vllm.server", spec_path], stdout=logf,
-                                    stderr=subprocess.STDOUT, env=dict(env) if env is not None else None,
-                                    start_new_session=True)
-        reaper = _Reaper(proc)
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        reaper = _Reaper(proc, Path(private))
         try:
             channel = cls._accept(listener, proc, out, start_timeout_s, notify or _say)
             message = channel.receive(start_timeout_s)
@@ -250,6 +255,7 @@ class EngineProcess:
                 raise self._died() from None
             raise EngineProcessError(f"{err}: {_diagnosis(self.log_path)}") from None
         if message.get(TAG) == ErrorReply.__name__:
+            self._failed = True  # the log is kept: errors name it
             raise ErrorReply.from_plain(message).rebuild()
         return kind.from_plain(message)
 
@@ -259,8 +265,13 @@ class EngineProcess:
         return self.reply()  # type: ignore[return-value]
 
     def workers_call(self, request: Request[R]) -> list[R]:
-        """Every worker's reply to a worker request; raises a worker's error as its own class."""
-        return replies_of(request, self.call(CallWorkers(request.METHOD, request.to_plain())).answers)
+        """Every worker's reply to a worker request; raises a worker's error as its own class (and
+        keeps the engine's log after close: errors name it)."""
+        try:
+            return replies_of(request, self.call(CallWorkers(request.METHOD, request.to_plain())).answers)
+        except Exception:
+            self._failed = True
+            raise
 
     def drain(self) -> None:
         """Read and drop the replies still owed (after a failure)."""
@@ -282,8 +293,9 @@ class EngineProcess:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Shut the engine down: ask the host, wait for it (killed past `timeout_s`), then kill
-        whatever is left of its process group. The log is removed after a clean run and kept
-        (errors name it) after any failure."""
+        whatever is left of its process group and remove its private temporary directory. The log
+        is removed after a clean run and kept (errors name it) after any failure: a request or a
+        worker that raised, a host that died."""
         clean = False
         if self.proc.poll() is None:
             try:
@@ -321,11 +333,13 @@ def _ended(proc: subprocess.Popen[bytes]) -> str:
 @attrs.define
 class _Reaper:
     """Stops an engine host and every process of its group: vLLM's engine core, its workers and
-    their resource tracker, which outlive a host killed from outside. The host is started as a
+    their resource tracker, which outlive a host killed from outside; then removes the engine's
+    private temporary directory (vLLM's IPC sockets). The host is started as a
     session leader, so its group id is its pid. Registered at exit, so that a trainer that ends
     any other way leaves none of them behind."""
 
     proc: subprocess.Popen[bytes]
+    private_dir: Path | None = None  # the engine's own temporary directory, removed once it is gone
     _done: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
@@ -351,6 +365,8 @@ class _Reaper:
                 self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
+        if self.private_dir is not None:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
 
 
 _END = object()
