@@ -273,6 +273,15 @@ class EngineProcess:
             self._failed = True
             raise
 
+    def workers_reply(self, request: Request[R]) -> R:
+        """The first worker's reply to `request`, sent earlier with `send(CallWorkers(...))`; as
+        `workers_call`, a worker's error is raised as its own class and keeps the log."""
+        try:
+            return reply_of(request, self.reply().answers)  # type: ignore[attr-defined]
+        except Exception:
+            self._failed = True
+            raise
+
     def drain(self) -> None:
         """Read and drop the replies still owed (after a failure)."""
         while self._pending:
@@ -467,7 +476,7 @@ class RemoteWorkers(WorkerQueries):
         join = Join(rv.to_dict(), self.bucket_bytes, self.timeout_s)
         self.process.send(CallWorkers(join.METHOD, join.to_plain()))
         group = SideGroup.join(rv, 0, store)  # blocks until every worker has joined
-        reply_of(join, self.process.reply().answers)  # type: ignore[attr-defined]
+        self.process.workers_reply(join)
         self._link = group
         self._transport = TorchDistTransport(group, source=0, rank=0, peers=group.ranks, bucket_bytes=self.bucket_bytes,
                                              timeout_s=self.timeout_s, window=1, device=group.device)
@@ -482,7 +491,7 @@ class RemoteWorkers(WorkerQueries):
         try:
             join = Join(source.rendezvous.to_dict(), self.bucket_bytes, self.timeout_s, transport="shm")
             self.process.send(CallWorkers(join.METHOD, join.to_plain()))
-            reply_of(join, self.process.reply().answers)  # type: ignore[attr-defined]
+            self.process.workers_reply(join)
         except BaseException:
             source.close()
             raise
@@ -514,7 +523,7 @@ class RemoteWorkers(WorkerQueries):
             stream.close()
         finally:
             # the workers' receive: raises what a worker raised
-            reply_of(Receive(self._refits), self.process.reply().answers)  # type: ignore[attr-defined]
+            self.process.workers_reply(Receive(self._refits))
         return self.call(Finalize(reset_kv_scales))
 
     def abort(self) -> None:
