@@ -169,17 +169,16 @@ class EngineProcess:
         # vLLM's IPC sockets (and any other temporary file of its processes) go into a directory of
         # this engine's own, removed with it, instead of piling up in the temp directory
         private = tempfile.mkdtemp(prefix="rl-refit-vllm-")
-        env = {**(dict(env) if env is not None else dict(os.environ)), "TMPDIR": private,
-               "VLLM_RPC_BASE_PATH": private}
         spec = {"engine_kwargs": dict(engine_kwargs), "trainer_host": host,
-                "trainer_port": listener.getsockname()[1], "token": token}
+                "trainer_port": listener.getsockname()[1], "token": token, "private_dir": private}
         fd, spec_path = tempfile.mkstemp(prefix="rl-refit-engine-", suffix=".json")
         with os.fdopen(fd, "w") as f:  # mode 0600: the token stays private
             json.dump(spec, f)
         out = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(prefix="rl-refit-engine-", suffix=".log")[1])
         with out.open("wb") as logf:
             proc = subprocess.Popen([python, "-m", "adapters.vllm.server", spec_path], stdout=logf,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=dict(env) if env is not None else None,
+                                    start_new_session=True)
         reaper = _Reaper(proc, Path(private))
         try:
             channel = cls._accept(listener, proc, out, start_timeout_s, notify or _say)

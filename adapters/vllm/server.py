@@ -2,8 +2,9 @@
 connection (adapters.vllm.control), with rl-refit's worker extension in every worker.
 
 Run by adapters.vllm.remote.EngineProcess as `python -m adapters.vllm.server SPEC.json`, in the
-environment where vLLM is installed. SPEC holds the engine arguments, the trainer's address and
-a token. The host starts the engine (vLLM's multiprocess engine: the workers are processes of
+environment where vLLM is installed. SPEC holds the engine arguments, the trainer's address, a
+token and the engine's private temporary directory. `main` is this process's composition root: it
+points the process's temporary files (vLLM's IPC sockets) at that directory before vLLM starts. The host starts the engine (vLLM's multiprocess engine: the workers are processes of
 their own), connects back to the trainer, says `Hello` with the token, and then serves requests
 (adapters.vllm.control.HOST_REQUESTS) one at a time until told to shut down or until the
 trainer goes away:
@@ -25,6 +26,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -119,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(args[0], encoding="utf-8") as f:
         spec = json.load(f)
+    if spec.get("private_dir"):  # the engine's own temporary directory (vLLM's IPC sockets), removed by the trainer
+        os.environ["TMPDIR"] = os.environ["VLLM_RPC_BASE_PATH"] = spec["private_dir"]
+        tempfile.tempdir = None  # re-read TMPDIR
     sock = socket.create_connection((spec["trainer_host"], int(spec["trainer_port"])), timeout=60)
     channel = Channel(sock, "the trainer")
     try:

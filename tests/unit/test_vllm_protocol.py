@@ -57,6 +57,10 @@ SAMPLES: list[p.Record] = [
     p.LoraStage(3, {"r": 8, "lora_alpha": 16.0, "target_modules": ["q_proj"], "modules_to_save": None},
                 b"\x00\x01safetensors"), p.LoraStaged(14), p.LoraDrop(2),
     Shutdown(),
+    p.Info(), p.InfoReply("0.1.0", True, 0, 1, "/ckpt", None), p.InfoReply("0.1.0", False, 1, 2, "m", "fp8", "dummy"),
+    p.Report(), p.ReportReply(p.FinalizeReply(0, 0.1, 3).to_plain(), None, None, 0, "finalized"),
+    p.ReportReply(None, p.ErrorReply("PeerLost", "gone").to_plain(), "stale: no backup", 1, "idle"),
+    p.Restore("the probe refused the refit"), p.Restored(True), p.Commit(),
 ]
 
 
