@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from app.services.planning import PlanReport
     from app.services.refit import Progress, RefitService
     from app.services.verification import PostRefitProbe
+    from domain.mismatch_sentinel import MismatchSentinel
     from ports.engine_profile import EngineProfile
     from ports.rollout_engine import RolloutEngine
     from ports.trainer_model import TrainerModel
@@ -239,6 +240,23 @@ class Services:
         from app.services.mismatch_probe import MismatchProbe
 
         return MismatchProbe(service.trainer, service.engine, temperature)
+
+    def mismatch_sentinel(self, threshold: float | None = None) -> MismatchSentinel:
+        """The MismatchSentinel of this configuration, armed by the exporter's rule: rollout.quantization
+        (linear, moe, config_file), else the native quantization_config of model.path's config.json
+        (a local directory only; a hub id or a missing path has none to read).
+
+        Args:
+            threshold: the k3 KL spike threshold (default domain.mismatch_sentinel.DEFAULT_K3_THRESHOLD).
+        """
+        from adapters.hf_checkpoint.reader import local_model_config
+        from domain.mismatch_sentinel import DEFAULT_K3_THRESHOLD, MismatchSentinel
+        from domain.quant.native_config import find_quantization_config, quant_method
+
+        q = self.config.rollout.quantization
+        native = find_quantization_config(local_model_config(self.config.model.path))
+        return MismatchSentinel.for_rollout(q.linear, q.moe, q.config_file, None if native is None else quant_method(native[1]),
+                                            DEFAULT_K3_THRESHOLD if threshold is None else threshold)
 
     def post_refit_probe(self, trainer: TrainerModel) -> PostRefitProbe | None:
         """The post-refit probe of rollout.verify (app.services.verification.trainer_probe)."""
