@@ -241,21 +241,25 @@ class Services:
 
         return MismatchProbe(service.trainer, service.engine, temperature)
 
-    def mismatch_sentinel(self, threshold: float | None = None) -> MismatchSentinel:
+    def mismatch_sentinel(self, threshold: float | None = None, *, plan: QuantizationPlan | None = None) -> MismatchSentinel:
         """The MismatchSentinel of this configuration, armed by the exporter's rule: rollout.quantization
         (linear, moe, config_file), else the native quantization_config of model.path's config.json
         (a local directory only; a hub id or a missing path has none to read).
 
         Args:
             threshold: the k3 KL spike threshold (default domain.mismatch_sentinel.DEFAULT_K3_THRESHOLD).
+            plan: a plan to judge instead of rollout.quantization's linear and moe (`refit mismatch`).
         """
         from adapters.hf_checkpoint.reader import local_model_config
         from domain.mismatch_sentinel import DEFAULT_K3_THRESHOLD, MismatchSentinel
         from domain.quant.native_config import find_quantization_config, quant_method
 
         q = self.config.rollout.quantization
+        linear, moe, config_file = q.linear, q.moe, q.config_file
+        if plan is not None:
+            linear, moe, config_file = plan.linear.name, plan.moe.name, None
         native = find_quantization_config(local_model_config(self.config.model.path))
-        return MismatchSentinel.for_rollout(q.linear, q.moe, q.config_file, None if native is None else quant_method(native[1]),
+        return MismatchSentinel.for_rollout(linear, moe, config_file, None if native is None else quant_method(native[1]),
                                             DEFAULT_K3_THRESHOLD if threshold is None else threshold)
 
     def post_refit_probe(self, trainer: TrainerModel) -> PostRefitProbe | None:
