@@ -126,6 +126,20 @@ class Services:
 
         return make_plan(self.config, checkpoint, purpose=purpose, profile=self.engine_profile(), plan=plan)
 
+    def check_environment(self) -> None:
+        """Validate the honoured variables now, not when a model or an engine is built (`refit plan`).
+
+        Raises FusedForwardModeError naming VERL_FUSED_USE_OP_HOOK (or actor.fused_forward) for a
+        value that is not a fused-forward mode, and ConfigError naming VERL_ROLLOUT_USE_DEEP_GEMM
+        for one that is not a switch.
+        """
+        from domain.forward.mode import ENV_VAR, parse_fused_forward_mode
+
+        if self.environ.get(ENV_VAR) is not None:  # checked even where actor.fused_forward wins over it
+            parse_fused_forward_mode(self.environ[ENV_VAR], key=ENV_VAR)
+        self.trainer_side.fused_forward_request()
+        self.engines.deep_gemm_opt_out(self.config.rollout.name)
+
     def engine_profile(self) -> EngineProfile:
         """The rollout engine's profile (support table, layouts, rules, backend policy, pins):
         PROFILES[rollout.name]."""

@@ -125,13 +125,17 @@ RS_LEVELS = ("token", "sequence", "geometric")
 _PREFIX = "rollout_corr/"
 
 
+def _sum(x: torch.Tensor, axis: int | None) -> torch.Tensor:
+    return x.sum() if axis is None else x.sum(dim=axis)
+
+
 def _masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
     valid_values = torch.where(mask.bool(), values, 0.0)
-    return (valid_values * mask).sum(axis=axis)
+    return _sum(valid_values * mask, axis)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    return _masked_sum(values, mask, axis) / (mask.sum(axis=axis) + 1e-8)
+    return _masked_sum(values, mask, axis) / (_sum(mask, axis) + 1e-8)
 
 
 @attrs.frozen

@@ -9,6 +9,7 @@ quantization mismatch to watch, so the sentinel stays off (docs/refit.md#the-mis
 from __future__ import annotations
 
 import math
+
 import attrs
 
 from domain.errors import ConfigError

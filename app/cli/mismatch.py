@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 
 import attrs
 from rich.console import Console
@@ -30,7 +31,7 @@ COLUMNS = ("rollout_corr/k3_kl", "rollout_corr/kl", "rollout_corr/rollout_is_mea
            "training/rollout_probs_diff_max")
 
 
-def _level(choices: tuple[str, ...]):  # type: ignore[no-untyped-def]
+def _level(choices: tuple[str, ...]) -> Callable[[str], str | None]:
     def parse(text: str) -> str | None:
         value = text.strip().lower()
         if value == "none":
