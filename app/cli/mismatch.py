@@ -62,7 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", default="embedded", choices=tuple(ENGINES),
                    help="embedded (default: the reference engine in this process) or vllm (a real vLLM engine, "
                         "one per preset, each closed before the next starts)")
-    p.add_argument("--colocated", action="store_true", help="with --engine vllm: the engine in this process")
+    p.add_argument("--colocated", action="store_true",
+                   help="with --engine vllm and one --preset: the engine in this process")
     p.add_argument("--preset", action="append", default=None, metavar="NAME|LINEAR/MOE",
                    help="a preset to score (repeatable): NAME for dense Linear and experts alike, or LINEAR/MOE "
                         "(e.g. BF16/MXFP4); default: every preset on embedded, BF16, FP8_BLOCK, MXFP8 on vllm")
@@ -149,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
     settings = MismatchSettings(presets_of(args.preset, DEFAULT_PRESETS[args.engine]), seed=args.seed,
                                 rollout_is=args.rollout_is, rollout_rs=args.rollout_rs, threshold=args.threshold,
                                 kl_threshold=args.kl_threshold)
+    if args.colocated and len(settings.presets) > 1:
+        raise ConfigError("--colocated", f"scores one preset per run ({len(settings.presets)} asked): a vLLM engine in "
+                          "this process owns its state for the process's life; name one --preset, or drop --colocated")
     services = bootstrap(mismatch_config(args.engine, model, args.seed, colocated=args.colocated))
     result = run_mismatch(services, settings, engine_label=args.engine, model=model)
     if args.plot:

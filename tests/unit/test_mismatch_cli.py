@@ -58,6 +58,7 @@ def test_the_table_and_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[st
     (["--preset", "FP7"], "refit mismatch: ConfigError: --preset: 'FP7'"),
     (["--preset", "MXFP8/"], "refit mismatch: ConfigError: --preset: 'MXFP8/' is not NAME or LINEAR/MOE"),
     (["--colocated"], "refit mismatch: ConfigError: --colocated: goes with --engine vllm"),
+    (["--engine", "vllm", "--colocated"], "refit mismatch: ConfigError: --colocated: scores one preset per run (3 asked)"),
     (["--rollout-is", "geometric"], "argument --rollout-is: expected one of token, sequence or none"),
     (["--kl-threshold", "0"], "argument --kl-threshold: expected a positive number"),
 ])
