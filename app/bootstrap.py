@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from app.services.planning import PlanReport
     from app.services.refit import Progress, RefitService
     from app.services.verification import PostRefitProbe
+    from domain.mismatch_sentinel import MismatchSentinel
     from ports.engine_profile import EngineProfile
     from ports.rollout_engine import RolloutEngine
     from ports.trainer_model import TrainerModel
@@ -124,6 +125,20 @@ class Services:
         from app.services.planning import make_plan
 
         return make_plan(self.config, checkpoint, purpose=purpose, profile=self.engine_profile(), plan=plan)
+
+    def check_environment(self) -> None:
+        """Validate the honoured variables now, not when a model or an engine is built (`refit plan`).
+
+        Raises FusedForwardModeError naming VERL_FUSED_USE_OP_HOOK (or actor.fused_forward) for a
+        value that is not a fused-forward mode, and ConfigError naming VERL_ROLLOUT_USE_DEEP_GEMM
+        for one that is not a switch.
+        """
+        from domain.forward.mode import ENV_VAR, parse_fused_forward_mode
+
+        if self.environ.get(ENV_VAR) is not None:  # checked even where actor.fused_forward wins over it
+            parse_fused_forward_mode(self.environ[ENV_VAR], key=ENV_VAR)
+        self.trainer_side.fused_forward_request()
+        self.engines.deep_gemm_opt_out(self.config.rollout.name)
 
     def engine_profile(self) -> EngineProfile:
         """The rollout engine's profile (support table, layouts, rules, backend policy, pins):
@@ -241,6 +256,27 @@ class Services:
         from app.services.mismatch_probe import MismatchProbe
 
         return MismatchProbe(service.trainer, service.engine, temperature)
+
+    def mismatch_sentinel(self, threshold: float | None = None, *, plan: QuantizationPlan | None = None) -> MismatchSentinel:
+        """The MismatchSentinel of this configuration, armed by the exporter's rule: rollout.quantization
+        (linear, moe, config_file), else the native quantization_config of model.path's config.json
+        (a local directory only; a hub id or a missing path has none to read).
+
+        Args:
+            threshold: the k3 KL spike threshold (default domain.mismatch_sentinel.DEFAULT_K3_THRESHOLD).
+            plan: a plan to judge instead of rollout.quantization's linear and moe (`refit mismatch`).
+        """
+        from adapters.hf_checkpoint.reader import local_model_config
+        from domain.mismatch_sentinel import DEFAULT_K3_THRESHOLD, MismatchSentinel
+        from domain.quant.native_config import find_quantization_config, quant_method
+
+        q = self.config.rollout.quantization
+        linear, moe, config_file = q.linear, q.moe, q.config_file
+        if plan is not None:
+            linear, moe, config_file = plan.linear.name, plan.moe.name, None
+        native = find_quantization_config(local_model_config(self.config.model.path))
+        return MismatchSentinel.for_rollout(linear, moe, config_file, None if native is None else quant_method(native[1]),
+                                            DEFAULT_K3_THRESHOLD if threshold is None else threshold)
 
     def post_refit_probe(self, trainer: TrainerModel) -> PostRefitProbe | None:
         """The post-refit probe of rollout.verify (app.services.verification.trainer_probe)."""

@@ -112,7 +112,12 @@ class _Reader:
                 raise _unknown(f"{prefix}.<empty key>".lstrip("."))
             path = f"{prefix}.{name}" if prefix else str(name)
             shown = f"{written}.{name}" if written else str(name)
-            if not prefix and name == VERL_ROOT and isinstance(value, Mapping):
+            if not prefix and "." in str(name):  # verl writes `actor_rollout_ref.actor.megatron.x:` at top level
+                head, *rest = str(name).split(".")
+                for part in reversed(rest):
+                    value = {part: value}
+                self.tree({head: value})
+            elif not prefix and name == VERL_ROOT and isinstance(value, Mapping):
                 reader = _Reader(lenient=True, flat=self.flat, origin=self.origin, unused=self.unused)
                 reader.tree(value, "", VERL_ROOT)
             else:
@@ -139,7 +144,7 @@ class _Reader:
 def _flatten(tree: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The tree's values by dotted key (verl's `actor_rollout_ref.` prefix dropped), and the
     keys of a verl file that rl-refit does not read."""
-    reader = _Reader(lenient=VERL_ROOT in tree)
+    reader = _Reader(lenient=any(str(k).split(".")[0] == VERL_ROOT for k in tree))
     reader.tree(tree)
     return reader.flat, reader.unused
 

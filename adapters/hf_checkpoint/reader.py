@@ -246,3 +246,24 @@ class HfCheckpoint:
     def export(self, plan: QuantizationPlan) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the quantized checkpoint tensors in layer order (the WeightExporter port)."""
         return quantize_stream(plan, self.iter_tensors(plan=plan))
+
+
+def local_model_config(path: str | None) -> dict[str, Any] | None:
+    """The config.json of a local model directory, or None when `path` is unset, is not a local
+    directory (a hub id, a missing path) or holds no config.json.
+
+    Args:
+        path: model.path.
+
+    Returns:
+        The parsed config.json. Raises CheckpointError when it exists but cannot be read.
+    """
+    if not path or not Path(path).is_dir():
+        return None
+    file = Path(path) / CONFIG_NAME
+    if not os.path.lexists(file):
+        return None
+    data = _read_json(file, CONFIG_NAME)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: holds a JSON {type(data).__name__}; config.json must be an object")
+    return data

@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "plan": "app.cli.plan",
     "export": "app.cli.export",
     "doctor": "app.cli.doctor",
+    "mismatch": "app.cli.mismatch",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3

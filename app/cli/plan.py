@@ -22,6 +22,7 @@ from domain.quant.numerics import numerics_decisions
 
 if TYPE_CHECKING:
     from app.bootstrap import Services
+    from domain.quant.backend_policy import BackendDecision
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,10 +101,35 @@ def _classes(report: PlanReport) -> list[dict[str, Any]]:
     return [{**row, "count": counts[key]} for key, row in rows.items()]
 
 
-def to_json(report: PlanReport) -> dict[str, Any]:
-    """The machine-readable form of a PlanReport."""
+EMBEDDED = "reference"  # rollout.name of the embedded engine, rl-refit's default (verl's is vllm)
+
+
+def checked_engine(engine: str) -> str:
+    """The first line's account of the engine a plan was checked against."""
+    if engine == EMBEDDED:
+        return "the embedded engine (rollout.name=reference; verl's default is vllm: add rollout.name=vllm)"
+    return f"engine {engine}"
+
+
+def backends(services: Services, report: PlanReport) -> BackendDecision | None:
+    """The kernels each role asks the engine for (None: the engine has no kernel choice, e.g. the
+    embedded engine's pure torch)."""
+    return services.engines.planned_backends(report.engine, report.plan)
+
+
+def _backends_dict(decision: BackendDecision | None) -> dict[str, Any] | None:
+    if decision is None:
+        return None
+    return {**{c.role: {"backend": c.backend, "reason": c.reason} for c in decision.choices},
+            "deep_gemm_e8m0": decision.deep_gemm_e8m0, "opted_out": decision.opted_out, "notes": list(decision.notes)}
+
+
+def to_json(report: PlanReport, decision: BackendDecision | None = None) -> dict[str, Any]:
+    """The machine-readable form of a PlanReport (and the engine's backend decision)."""
     return {
         "engine": report.engine,
+        "checked": checked_engine(report.engine),
+        "backends": _backends_dict(decision),
         "plan": _plan_dict(report),
         "numerics": [d.to_dict() for d in numerics_decisions(report.plan)],
         "rules": [{"rule": o.rule, "name": o.name, "outcome": o.outcome} for o in report.resolution.outcomes],
@@ -123,12 +149,14 @@ def decoded_note(decoded: dict[str, int]) -> str:
     return f"{found}: decoded to dense weights, then quantized (or kept) as the plan says"
 
 
-def render(report: PlanReport, console: Console, *, every_tensor: bool = False) -> None:
+def render(report: PlanReport, console: Console, *, every_tensor: bool = False,
+           decision: BackendDecision | None = None) -> None:
     """Print a PlanReport as rich tables (every value escaped: `[...]` in an ignore list or a
     regex is text, not rich markup)."""
     p = _plan_dict(report)
-    console.print(f"[bold]refit plan[/bold]: engine {escape(report.engine)}, layout [bold]{p['layout']}[/bold] "
-                  f"(from {escape(p['source'])}), quantized: {p['quantized']}")
+    console.print(f"[bold]refit plan[/bold]: checked {escape(checked_engine(report.engine))}, layout "
+                  f"[bold]{p['layout']}[/bold] (from {escape(p['source'])}), quantized: {p['quantized']}",
+                  soft_wrap=True)  # one line, whatever the terminal's width: scripts and docs read it
     if report.decoded:
         console.print(escape(f"source: {decoded_note(report.decoded)}"))
     summary = Table(title="rollout quantization")
@@ -146,6 +174,7 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False) 
     for o in report.resolution.outcomes:
         rules.add_row(str(o.rule or "-"), escape(o.name), escape(o.outcome))
     console.print(rules)
+    _render_backends(report, decision, console)
     if report.decisions:
         table = Table(title="tensors" if every_tensor else "tensor classes")
         for col in ("tensors", "count", "kind", "format", "fused group", "reason"):
@@ -168,6 +197,20 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False) 
         console.print_json(json.dumps(report.engine_config))
 
 
+def _render_backends(report: PlanReport, decision: BackendDecision | None, console: Console) -> None:
+    if decision is None:
+        console.print(escape(f"backends: {report.engine} computes in pure torch; no kernel to choose"))
+        return
+    table = Table(title=f"backend decision ({report.engine})")
+    for col in ("role", "asks for", "why"):
+        table.add_column(col, overflow="fold")
+    for c in decision.choices:
+        table.add_row(c.role, escape(c.backend), escape(c.reason))
+    console.print(table)
+    for note in decision.notes:
+        console.print(escape(f"backends: {note}"))
+
+
 def _render_numerics(report: PlanReport, console: Console) -> None:
     decisions = numerics_decisions(report.plan)
     if not decisions:
@@ -187,13 +230,15 @@ def _render_numerics(report: PlanReport, console: Console) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         services = services_from_args(args, args.model)
+        services.check_environment()  # VERL_FUSED_USE_OP_HOOK, VERL_ROLLOUT_USE_DEEP_GEMM
         report = services.plan_report(services.checkpoint())
+        decision = backends(services, report)
     except RefitError as err:
         if args.json:
             sys.stdout.write(json.dumps({"error": {"type": type(err).__name__, "message": str(err)}}) + "\n")
         raise
     if args.json:
-        sys.stdout.write(json.dumps(to_json(report), indent=2) + "\n")
+        sys.stdout.write(json.dumps(to_json(report, decision), indent=2) + "\n")
     else:
-        render(report, Console(), every_tensor=args.all)
+        render(report, Console(), every_tensor=args.all, decision=decision)
     return 0

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from adapters.profiles import backend_decision
+from adapters.profiles import POLICY_ENGINES, backend_decision
 from app.composition.tables import engine_start
 from domain.errors import ConfigError
 
@@ -86,6 +86,13 @@ class EngineWiring:
             capability: the GPU's compute capability; None skips the capability gates.
         """
         return backend_decision(engine, plan, capability, opt_out=self.deep_gemm_opt_out(engine))
+
+    def planned_backends(self, engine: str, plan: QuantizationPlan) -> BackendDecision | None:
+        """`backend_decision` without a GPU to gate on (`refit plan`); None for an engine that has
+        no kernel to choose (the embedded engine computes in pure torch)."""
+        if engine not in POLICY_ENGINES:
+            return None
+        return self.backend_decision(engine, plan)
 
     def environment_probe(self, snapshot_file: str | None = None) -> EnvironmentProbe:
         """The EnvironmentProbe `refit doctor` inspects: this machine, or a saved snapshot.
