@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -457,7 +456,3 @@ class RayControl:
     def close(self) -> None:
         return None
 
-
-def finite_rows(rows: Sequence[Sequence[float]]) -> bool:
-    """True when every log-prob is finite (a probe row that is not is a broken engine)."""
-    return all(math.isfinite(x) for row in rows for x in row)

@@ -19,7 +19,6 @@ import os
 from adapters.vllm.cpu_emulation import ENV_VAR, apply
 from adapters.vllm.session import BACKEND
 
-
 BACKEND_MODULE = "adapters.vllm.transfer_backend"
 BACKEND_CLASS = "RlRefitTransferEngine"
 

@@ -26,8 +26,8 @@ from app.services.mismatch_probe import token_batch
 from app.services.refit import RefitService
 from domain.errors import ConfigError, EngineBusy, EngineStale, RefitFailed
 from domain.quant.plan import QuantizationPlan
-from domain.refit.storage import UNREADABLE
 from domain.refit.report import RefitOutcome, RefitReport
+from domain.refit.storage import UNREADABLE
 from ports.engine_inspection import EngineInspection
 from ports.rollout_engine import RolloutEngine
 

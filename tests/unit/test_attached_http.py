@@ -89,14 +89,14 @@ def test_a_server_without_dev_mode_is_told_to_set_it(fake: FakeVllmHttp) -> None
 
 def test_a_server_without_the_extension_is_told_the_flag(fake: FakeVllmHttp) -> None:
     fake.routes["/collective_rpc"] = (500, {"error": "AttributeError: 'CPUWorker' object has no attribute 'rl_refit_info'"})
-    with pytest.raises(ServerMismatch, match="--worker-extension-cls adapters.vllm.extension.RefitWorkerExtension"):
+    with pytest.raises(ServerMismatch, match=r"--worker-extension-cls adapters\.vllm\.extension\.RefitWorkerExtension"):
         probe(HttpControl(fake.url), Expected())
 
 
 def test_worker_calls_cross_as_json_text_as_vllms_http_collective_rpc_requires(fake: FakeVllmHttp) -> None:
     fake.routes["/collective_rpc"] = (200, {"results": [{"record": "Done"}]})
     assert HttpControl(fake.url).collective_rpc("rl_refit_commit", {"record": "Commit", "token": "t"}) == [{"record": "Done"}]
-    path, body = fake.requests[-1]
+    _, body = fake.requests[-1]
     assert body["method"] == "rl_refit_commit"
     assert [json.loads(a) for a in body["args"]] == [{"record": "Commit", "token": "t"}]
 

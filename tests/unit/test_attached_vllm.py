@@ -234,7 +234,7 @@ def test_a_failed_refit_with_nothing_to_restore_from_leaves_the_server_paused_an
         report = _failed(_service(engine))
         assert report.outcome is RefitOutcome.STALE
         assert server.paused  # it would serve incomplete weights
-        with pytest.raises(EngineStale, match="load_format=dummy.*stays paused"):
+        with pytest.raises(EngineStale, match=r"load_format=dummy.*stays paused"):
             engine.log_probs(torch.zeros(1, 4, dtype=torch.long))
         with pytest.raises(EngineStale):  # and the workers themselves refuse
             server.log_probs(torch.zeros(1, 4, dtype=torch.long))

@@ -28,12 +28,12 @@ from tests.vllm.servers import ROOT, StreamingClient, server_environment, vllm_s
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
-from app.bootstrap import bootstrap  # noqa: E402
-from app.cli.demo_engine import engine_config  # noqa: E402
-from app.services.engine_demo import ColdStartComparer, EngineDemoSettings  # noqa: E402
-from domain.errors import RefitFailed, RefitIncomplete  # noqa: E402
-from domain.quant.plan import QuantizationPlan  # noqa: E402
-from domain.refit.report import RefitOutcome  # noqa: E402
+from app.bootstrap import bootstrap
+from app.cli.demo_engine import engine_config
+from app.services.engine_demo import ColdStartComparer, EngineDemoSettings
+from domain.errors import RefitFailed, RefitIncomplete
+from domain.quant.plan import QuantizationPlan
+from domain.refit.report import RefitOutcome
 
 RECOVERY_CEILING_S = 30.0  # the bound: a dead trainer's server serves again within it
 
@@ -214,7 +214,11 @@ def _kill_a_trainer_mid_refit(started: Started, tmp_path: Path) -> None:
 
 
 def _refit_with_vllms_client(url: str, trainer: Any) -> None:
-    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        WeightSource,
+        WeightTransferTrainerFactory,
+    )
 
     from adapters.vllm.transfer_trainer import RlRefitTrainerInitInfo
 
