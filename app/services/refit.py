@@ -78,11 +78,10 @@ class RefitService:
     reports: list[RefitReport] = attrs.field(factory=list)
     _next_id: int = attrs.field(init=False, default=1)
     _replay: ReplayCopy | None = attrs.field(init=False, default=None)
-    _planner: BucketPlanner = attrs.field(init=False)
+    _planner: tuple[tuple[object, ...], BucketPlanner] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        # one planner for every refit (validated now, not mid-refit): reused buffers stay allocated
-        self._planner = self.ownership.planner(self.bucket_bytes, self.alignment)
+        self._bucket_planner()  # validate the sizes now, not mid-refit
         if self.restore is not None:
             self.restore.check(self.engine.commit_mode)
         if self.delta is not None:
@@ -174,11 +173,18 @@ class RefitService:
         quantized = clock.timed("quantize", quantize_stream(self.plan, exported))
         if self.delta is not None:
             quantized = clock.timed("delta", self.delta.stage(quantized))
-        for bucket in clock.timed("pack", self._planner.pack(quantized)):
+        for bucket in clock.timed("pack", self._bucket_planner().pack(quantized)):
             tx.load(bucket, owned=self.ownership is Ownership.OWNED)
             if self.progress is not None:
                 self.progress(run.source_bytes, total)
             del bucket  # the engine keeps what it needs; the next bucket is built without this one
+
+    def _bucket_planner(self) -> BucketPlanner:
+        """One planner for every refit while the settings stay (its reused buffers stay allocated)."""
+        key = (self.ownership, self.bucket_bytes, self.alignment)
+        if self._planner is None or self._planner[0] != key:
+            self._planner = (key, self.ownership.planner(self.bucket_bytes, self.alignment))
+        return self._planner[1]
 
     @staticmethod
     def _counted(run: RefitRun, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
