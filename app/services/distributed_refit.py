@@ -113,7 +113,7 @@ class DistributedRefitService:
         # Packed buckets leave the room the transport asks for in front (its lead record: one
         # message per bucket). The transport copies each bucket out before its buffer is reused.
         self._planner = Ownership.REUSED.planner(self.bucket_bytes, self.alignment, window=self.window,
-                                                 lead_bytes=self.comm.lead_bytes)
+                                                 lead_bytes=self.comm.lead_bytes, device=self.comm.bucket_device)
 
     @property
     def rank(self) -> int:
