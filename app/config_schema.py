@@ -25,7 +25,7 @@ from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS, LAYOUT_DELTA_
 NoneType = type(None)
 SYNC_BACKENDS = ("naive", "nccl", "gloo", LAYOUT_DELTA_BACKEND, *DELTA_BACKENDS)
 WIRE_FORMATS = ("bucketed", *DELTA_WIRE_FORMATS)
-VLLM_TRANSPORTS = ("shm", "gloo")
+VLLM_TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc", "auto")  # domain.refit.transport_choice.CHOICES
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -251,8 +251,10 @@ SCHEMA: tuple[Key, ...] = (
         "disaggregated: seconds the engine host may take to start and connect back; past them it is "
         "killed with its engine processes", check=_positive_seconds),
     Key("rollout.engine_kwargs.vllm.transport", (str,), "shm",
-        "disaggregated: how buckets reach the engine's workers: shm (a shared-memory ring on this host) or "
-        "gloo (a process group over TCP)", choices=VLLM_TRANSPORTS),
+        "disaggregated: how buckets reach the engine's workers: shm (a shared-memory ring on this host), "
+        "gloo (a process group over TCP), nccl (GPU to GPU, any hosts), cuda_ipc (the trainer's GPU buffers "
+        "mapped by workers on this host) or auto (by where the tensors and workers live; docs/engines.md)",
+        choices=VLLM_TRANSPORTS),
     Key("rollout.engine_kwargs.vllm.cpu_emulation", (str, bool), "auto",
         "vLLM's CPU platform only: emulated matmuls for formats with no native kernel on this CPU "
         "(auto), for every format (on), or none (off); see docs/engines.md", check=_emulation_mode),
