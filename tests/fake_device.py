@@ -9,7 +9,7 @@ fails where a real GPU would (or where a GPU path would cross the host).
   than a copy between them, which is a transfer) raises `DeviceMistake`, as CUDA does;
 - `.numpy()` of an `OnFakeCuda` tensor raises `DeviceMistake`;
 - a host buffer of `HOST_BUFFER_BYTES` or more created by a factory (empty, zeros, ...) raises
-  `DeviceMistake` unless `host_buffers` allows it: "forbid" (nothing of the refit may cross the
+  `DeviceMistake` unless `host_buffers` allows it (`frombuffer` of Python bytes makes none): "forbid" (nothing of the refit may cross the
   host), "pinned" (only pinned ones: `pin_memory=True`), "allow";
 - `torch.cuda.current_stream(...).synchronize()` and `torch.cuda.synchronize()` are counted in
   `synchronized` instead of reaching a driver.
@@ -19,8 +19,7 @@ fails where a real GPU would (or where a GPU path would cross the host).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import threading
 from typing import Any
 
 import torch
@@ -87,11 +86,18 @@ def _as(cls: type, t: Any) -> Any:
 
 
 class _Stream:
-    def __init__(self, owner: FakeCuda) -> None:
-        self.owner = owner
+    """torch.cuda's stream inside FakeCuda: a wait counts in this thread's mode."""
 
     def synchronize(self) -> None:
-        self.owner.synchronized += 1
+        mode = getattr(_ACTIVE, "mode", None)
+        if mode is None:
+            raise DeviceMistake("a CUDA stream was used outside FakeCuda")
+        mode.synchronized += 1
+
+
+_ACTIVE = threading.local()  # this thread's FakeCuda (modes are per thread; torch.cuda is patched once)
+_PATCH_LOCK = threading.Lock()
+_PATCHED: list[Any] = []  # [MonkeyPatch, users]
 
 
 class FakeCuda(TorchFunctionMode):
@@ -106,18 +112,30 @@ class FakeCuda(TorchFunctionMode):
         self.host_buffers = host_buffers
         self.synchronized = 0
         self.host_created: list[tuple[str, int, bool]] = []
-        self._patches = contextlib.ExitStack()
 
     def __enter__(self) -> FakeCuda:
-        mp = self._patches.enter_context(_patched())
-        mp.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(self))
-        mp.setattr(torch.cuda, "synchronize", lambda device=None: _Stream(self).synchronize())
+        with _PATCH_LOCK:
+            if not _PATCHED:
+                import pytest
+
+                mp = pytest.MonkeyPatch()
+                mp.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+                mp.setattr(torch.cuda, "synchronize", lambda device=None: _Stream().synchronize())
+                _PATCHED[:] = [mp, 0]
+            _PATCHED[1] += 1
+        self._outer = getattr(_ACTIVE, "mode", None)
+        _ACTIVE.mode = self
         super().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self._patches.close()
+        _ACTIVE.mode = self._outer
+        with _PATCH_LOCK:
+            _PATCHED[1] -= 1
+            if not _PATCHED[1]:
+                _PATCHED[0].undo()
+                _PATCHED.clear()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -158,6 +176,8 @@ class FakeCuda(TorchFunctionMode):
         if cuda:
             return _as(OnFakeCuda, out)
         nbytes = out.numel() * out.element_size()
+        if func is torch.frombuffer:  # Python bytes (a frame's metadata) seen as a tensor: no buffer is made
+            return out
         self.host_created.append((getattr(func, "__name__", str(func)), nbytes, pinned))
         if nbytes >= HOST_BUFFER_BYTES and not (self.host_buffers == "allow" or (self.host_buffers == "pinned" and pinned)):
             what = "an unpinned host buffer" if self.host_buffers == "pinned" else "a host buffer"
@@ -191,14 +211,3 @@ class FakeCuda(TorchFunctionMode):
         if not cuda and on_fake(t):
             return out.clone()
         return _as(type(t), out) if out is not plain else t
-
-
-@contextlib.contextmanager
-def _patched() -> Iterator[Any]:
-    import pytest
-
-    mp = pytest.MonkeyPatch()
-    try:
-        yield mp
-    finally:
-        mp.undo()

@@ -54,10 +54,7 @@ def choose_transport(requested: str, *, source_device: str, receiver_device: str
     where = (f"trainer on {source_device}, workers on {receiver_device}, "
              f"{'one host' if same_host else 'other hosts'}")
     if requested == "auto":
-        if gpus:
-            name = "cuda_ipc" if same_host else "nccl"
-        else:
-            name = "shm" if same_host else "gloo"
+        name = ("cuda_ipc" if same_host else "nccl") if gpus else "shm" if same_host else "gloo"
         return TransportChoice(name, f"auto: {where}")
     best = choose_transport("auto", source_device=source_device, receiver_device=receiver_device, same_host=same_host)
     if requested in ("nccl", "cuda_ipc") and not gpus:

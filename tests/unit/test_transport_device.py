@@ -52,7 +52,7 @@ def _run(source_fn, receiver_fn) -> list[Any]:
         try:
             with FakeCuda(host_buffers="forbid"):
                 results[i] = fn()
-        except BaseException as err:  # noqa: BLE001 - reported by the test
+        except BaseException as err:
             results[i] = err
 
     t = threading.Thread(target=wrap, args=(1, receiver_fn))
@@ -73,7 +73,7 @@ def test_streams_on_the_gpu_never_touch_the_host(window):
         source.refit_id = receiver.refit_id = refit
         got: dict[str, torch.Tensor] = {}
 
-        def consume(bucket) -> None:
+        def consume(bucket, got=got) -> None:
             assert on_fake(bucket.buffer)
             got.update((n, t.clone()) for n, t in unpack_bucket(bucket))
 
@@ -110,3 +110,23 @@ def test_an_abort_travels_on_the_gpu(known_layout):
     sent, received = _run(lambda: source.send(failing()), lambda: receiver.receive(lambda b: None))
     assert isinstance(sent, RuntimeError) and "exporter failed" in str(sent)
     assert isinstance(received, TransportAborted) and "exporter failed" in str(received)
+
+
+def test_the_shared_memory_ring_from_a_gpu_trainer_crosses_the_host_through_pinned_buffers():
+    from tests.refit_support import shm_pair
+
+    source, (receiver,) = shm_pair(1, bucket_bytes=BUCKET, slot_bytes=4096, timeout_s=30)
+    assert BucketPlanner(BUCKET).device is None
+    planner = BucketPlanner(BUCKET, reuse_buffer=True, buffers=1, device=source.device)  # the ring is on the host
+    got: dict[str, torch.Tensor] = {}
+    rx = threading.Thread(target=lambda: receiver.receive(lambda b: got.update((n, t.clone()) for n, t in unpack_bucket(b))))
+    rx.start()
+    with FakeCuda(host_buffers="pinned") as mode:  # an unpinned host buffer on the trainer's side fails
+        named = _named(4)
+        source.send(planner.pack(named))
+        assert mode.synchronized >= 3  # each bucket's copies out of the GPU completed before it went on
+        expected = {n: t.to("cpu") for n, t in named}
+    rx.join(60)
+    source.close()
+    receiver.close()
+    assert list(got) == list(expected) and all(torch.equal(got[n], t) for n, t in expected.items())
