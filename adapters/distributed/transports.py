@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from domain.errors import ConfigError
-from domain.refit.transport_choice import TRANSPORT_KEY, TRANSPORTS
+from domain.refit.transport_choice import TRANSPORTS
 
 
 @attrs.frozen
@@ -66,7 +66,7 @@ class TransportOffer:
 
 def _check(name: str) -> None:
     if name not in TRANSPORTS:
-        raise ConfigError(TRANSPORT_KEY, f"no transport named {name!r}; use one of {', '.join(TRANSPORTS)} "
+        raise ConfigError("transport", f"no transport named {name!r}; use one of {', '.join(TRANSPORTS)} "
                           "(resolve auto with domain.refit.transport_choice.choose_transport first)")
 
 

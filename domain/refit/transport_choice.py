@@ -17,7 +17,6 @@ import attrs
 
 from domain.errors import ConfigError
 
-TRANSPORT_KEY = "rollout.engine_kwargs.vllm.transport"
 TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc")
 CHOICES = (*TRANSPORTS, "auto")
 
@@ -35,7 +34,8 @@ class TransportChoice:
     reason: str
 
 
-def choose_transport(requested: str, *, source_device: str, receiver_device: str, same_host: bool) -> TransportChoice:
+def choose_transport(requested: str, *, source_device: str, receiver_device: str, same_host: bool,
+                     config_key: str = "transport") -> TransportChoice:
     """The transport for a stream, checked against where its ends live.
 
     Args:
@@ -43,13 +43,14 @@ def choose_transport(requested: str, *, source_device: str, receiver_device: str
         source_device: the device type of the trainer's tensors ("cpu", "cuda").
         receiver_device: the device type of the engine workers' weights.
         same_host: the workers run on the trainer's host.
+        config_key: the configuration key the value came from (named in errors; each engine has its own).
 
     Returns:
         The TransportChoice. Raises ConfigError naming the key when the value is unknown, or when
         the requested transport cannot reach these ends (and says which one can).
     """
     if requested not in CHOICES:
-        raise ConfigError(TRANSPORT_KEY, f"unknown transport {requested!r}; use one of {', '.join(CHOICES)}")
+        raise ConfigError(config_key, f"unknown transport {requested!r}; use one of {', '.join(CHOICES)}")
     gpus = source_device == "cuda" and receiver_device == "cuda"
     where = (f"trainer on {source_device}, workers on {receiver_device}, "
              f"{'one host' if same_host else 'other hosts'}")
@@ -58,9 +59,9 @@ def choose_transport(requested: str, *, source_device: str, receiver_device: str
         return TransportChoice(name, f"auto: {where}")
     best = choose_transport("auto", source_device=source_device, receiver_device=receiver_device, same_host=same_host)
     if requested in ("nccl", "cuda_ipc") and not gpus:
-        raise ConfigError(TRANSPORT_KEY, f"{requested} moves GPU tensors on both ends, but here the {where}; "
+        raise ConfigError(config_key, f"{requested} moves GPU tensors on both ends, but here the {where}; "
                           f"use {best.name} (or auto)")
     if requested in ("shm", "cuda_ipc") and not same_host:
-        raise ConfigError(TRANSPORT_KEY, f"{requested} needs the workers on the trainer's host, but here the {where}; "
+        raise ConfigError(config_key, f"{requested} needs the workers on the trainer's host, but here the {where}; "
                           f"use {best.name} (or auto)")
     return TransportChoice(requested, f"requested: {where}")

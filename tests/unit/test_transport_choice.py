@@ -6,7 +6,9 @@ import pytest
 
 from app.config_schema import VLLM_TRANSPORTS
 from domain.errors import ConfigError
-from domain.refit.transport_choice import CHOICES, TRANSPORT_KEY, choose_transport
+from domain.refit.transport_choice import CHOICES, choose_transport
+
+TRANSPORT_KEY = "rollout.engine_kwargs.vllm.transport"
 
 
 @pytest.mark.parametrize(("source", "receiver", "same_host", "expected"), [
@@ -32,7 +34,8 @@ def test_auto_picks_by_where_the_ends_live(source, receiver, same_host, expected
 def test_a_transport_that_cannot_reach_the_ends_names_the_key_and_the_one_that_can(requested, source, receiver,
                                                                                     same_host, suggested):
     with pytest.raises(ConfigError) as info:
-        choose_transport(requested, source_device=source, receiver_device=receiver, same_host=same_host)
+        choose_transport(requested, source_device=source, receiver_device=receiver, same_host=same_host,
+                         config_key=TRANSPORT_KEY)
     assert info.value.key == TRANSPORT_KEY and f"use {suggested}" in str(info.value)
 
 
