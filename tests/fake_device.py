@@ -8,7 +8,8 @@ fails where a real GPU would (or where a GPU path would cross the host).
 - an operation that mixes an `OnFakeCuda` tensor with a host tensor of one element or more (other
   than a copy between them, which is a transfer) raises `DeviceMistake`, as CUDA does;
 - `.numpy()` of an `OnFakeCuda` tensor raises `DeviceMistake`;
-- a host buffer of `HOST_BUFFER_BYTES` or more created by a factory (empty, zeros, ...) raises
+- a host buffer of `HOST_BUFFER_BYTES` or more created by a factory (empty, zeros, ...) or by a
+  copy of a GPU tensor to the host raises
   `DeviceMistake` unless `host_buffers` allows it (`frombuffer` of Python bytes makes none): "forbid" (nothing of the refit may cross the
   host), "pinned" (only pinned ones: `pin_memory=True`), "allow";
 - `torch.cuda.current_stream(...).synchronize()` and `torch.cuda.synchronize()` are counted in
@@ -144,7 +145,10 @@ class FakeCuda(TorchFunctionMode):
         fake_in = any(on_fake(t) for t in tensors)
         name = getattr(func, "__name__", str(func))
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
-            return self._move(func, args, kwargs)
+            out = self._move(func, args, kwargs)
+            if on_fake(args[0]) and not on_fake(out):
+                self._host_buffer(name, out.numel() * out.element_size(), False)
+            return out
         if func is torch.Tensor.numpy and fake_in:
             raise DeviceMistake("numpy() of a tensor on the GPU: copy it to the host first (or keep the work on the GPU)")
         if func is torch.Tensor.is_pinned:
@@ -178,11 +182,15 @@ class FakeCuda(TorchFunctionMode):
         nbytes = out.numel() * out.element_size()
         if func is torch.frombuffer:  # Python bytes (a frame's metadata) seen as a tensor: no buffer is made
             return out
-        self.host_created.append((getattr(func, "__name__", str(func)), nbytes, pinned))
+        self._host_buffer(getattr(func, "__name__", str(func)), nbytes, pinned)
+        return _as(Pinned, out) if pinned else out
+
+    def _host_buffer(self, name: str, nbytes: int, pinned: bool) -> None:
+        """A host tensor was made (a factory, or a copy of a GPU tensor): allowed or not."""
+        self.host_created.append((name, nbytes, pinned))
         if nbytes >= HOST_BUFFER_BYTES and not (self.host_buffers == "allow" or (self.host_buffers == "pinned" and pinned)):
             what = "an unpinned host buffer" if self.host_buffers == "pinned" else "a host buffer"
-            raise DeviceMistake(f"{getattr(func, '__name__', func)} made {what} of {nbytes} bytes on a GPU path")
-        return _as(Pinned, out) if pinned else out
+            raise DeviceMistake(f"{name} made {what} of {nbytes} bytes on a GPU path")
 
     @staticmethod
     def _move(func: Any, args: tuple, kwargs: dict) -> Any:
