@@ -174,6 +174,15 @@ def _emulation_mode(key: str, value: Any) -> str:
     return mode
 
 
+def _torch_device(key: str, value: Any) -> str:
+    """cpu, cuda or cuda:N (whether that GPU is there is checked when the engine is built)."""
+    text = str(value).strip().lower()
+    head, _, index = text.partition(":")
+    if head not in ("cpu", "cuda") or (index and (head == "cpu" or not index.isdigit())):
+        raise ConfigError(key, f"invalid device {_short(value)}; valid: cpu, cuda, cuda:N")
+    return text
+
+
 def _non_negative(key: str, value: Any) -> Any:
     if value < 0:
         raise ConfigError(key, f"must be 0 or more, got {_short(value)}")
@@ -335,6 +344,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("reference.model", (str,), "tiny-moe", "the embedded reference model",
         choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense", "bench-moe", "bench-quick")),
     Key("reference.seed", (int,), 0, "seed of the embedded reference model's random weights"),
+    Key("reference.device", (str,), "cpu", "where the embedded reference engine's weights live and its forward "
+        "runs: cpu, cuda or cuda:N", check=_torch_device),
 )
 KEYS: dict[str, Key] = {k.path: k for k in SCHEMA}
 
