@@ -44,3 +44,14 @@ def test_a_refit_into_the_engine_on_a_gpu_serves_what_the_host_engine_serves(own
     assert same_bytes
     assert torch.equal(served[0], expected[0]) and torch.equal(served[1], expected[1])
     assert served[0].device.type == "cpu"  # log-probs come back on the host
+
+
+def test_the_trainer_on_a_gpu_scores_where_its_weights_are():
+    host = rs.trainer()
+    ids = rs.token_ids()
+    expected = host.log_probs(ids)
+    with FakeCuda(host_buffers="allow"):
+        on_gpu = type(host)(host.config, {k: v.to("cuda") for k, v in host.weights.items()})
+        got = on_gpu.log_probs(ids)  # the batch on the host, the weights on the device
+    assert got[0].device.type == "cpu"
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
