@@ -387,6 +387,7 @@ def phase_fused(ctx: dict[str, Any]) -> dict[str, Any]:
         peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
         return (logp.detach(), ent.detach(), h.grad, weight.grad.clone()), peak  # type: ignore[union-attr]
 
+    per_token: float | None = None  # the materialized path's peak bytes per token, from the largest T that fit
     for tokens in ctx["fused_tokens"]:
         cell: dict[str, Any] = {}
         g.manual_seed(tokens)
@@ -404,9 +405,17 @@ def phase_fused(ctx: dict[str, Any]) -> dict[str, Any]:
             cell["entropy_max_abs_err"] = float((fused[1] - plain[1]).abs().max())
             cell["grad_hidden_rel_err"] = float((fused[2].float() - plain[2].float()).norm() / plain[2].float().norm())
             cell["grad_weight_rel_err"] = float((fused[3].float() - plain[3].float()).norm() / plain[3].float().norm())
+        if cell["materialized_peak_bytes"] is not None:
+            per_token = cell["materialized_peak_bytes"] / tokens
+        elif per_token is not None:  # it did not fit: its peak grows with T (the logits and their gradient)
+            cell["materialized_peak_estimate_bytes"] = int(per_token * tokens)
         if cell["fused_peak_bytes"] is not None:
-            materialized = cell["materialized_peak_bytes"] or cell["logits_bytes"]  # a lower bound when it did not fit
+            materialized = (cell["materialized_peak_bytes"] or cell.get("materialized_peak_estimate_bytes")
+                            or cell["logits_bytes"])
             cell["peak_share"] = cell["fused_peak_bytes"] / materialized
+            cell["peak_share_against"] = ("measured" if cell["materialized_peak_bytes"] else
+                                          "estimated from the largest T that fit" if "materialized_peak_estimate_bytes"
+                                          in cell else "the float32 logits alone (a lower bound)")
         out["tokens"][str(tokens)] = cell
         del fused, plain
     errors = [c for c in out["tokens"].values() if "logprob_max_abs_err" in c]

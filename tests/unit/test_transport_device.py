@@ -131,3 +131,11 @@ def test_the_shared_memory_ring_from_a_gpu_trainer_crosses_the_host_through_pinn
     source.close()
     receiver.close()
     assert list(got) == list(expected) and all(torch.equal(got[n], t) for n, t in expected.items())
+
+
+def test_the_collectives_device_follows_the_backend(monkeypatch):
+    from adapters.distributed.collectives import backend_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # the rank's GPU, as NCCL ranks set it
+    assert backend_device("nccl") == torch.device("cuda", 1)
+    assert backend_device("gloo") == torch.device("cpu")
