@@ -280,6 +280,7 @@ class BucketPlanner:
         empty = torch.empty(0, dtype=torch.uint8, device=self.device)
         while True:
             buf: torch.Tensor | None = None
+            pinned = False  # buf is pinned host memory: the copies into it may run asynchronously
             home: torch.device | None = None  # the device of this bucket's tensors
             metas: list[TensorMeta] = []
             refs: list[torch.Tensor] = []  # by reference: the tensors themselves
@@ -318,7 +319,8 @@ class BucketPlanner:
                 else:
                     if buf is None:
                         buf = self._buffer(pooled, self.bucket_bytes, t.device)
-                    buf[offset : offset + nbytes].copy_(_as_bytes(t), non_blocking=buf.is_pinned())
+                        pinned = buf.is_pinned()
+                    buf[offset : offset + nbytes].copy_(_as_bytes(t), non_blocking=pinned)
                 metas.append(TensorMeta(name, _shape(t.shape), t.dtype, offset, nbytes))
                 seen.add(name)
                 used = offset + nbytes
