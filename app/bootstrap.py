@@ -237,7 +237,7 @@ class Services:
         trainer = trainer or self.trainer_model()
         rollout = self.config.rollout
         by_reference = rollout.deployment == "colocated" or (
-            rollout.name == "vllm" and rollout.engine_kwargs.vllm.transport == "shm")  # the ring copy packs them
+            rollout.name == "vllm" and rollout.engine_kwargs.vllm.transport in ("shm", "cuda_ipc", "auto"))  # the ring's copy packs them
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
                             probe=self.post_refit_probe(trainer),
                             restore=restore or self.config.rollout.checkpoint_engine.restore,

@@ -25,7 +25,7 @@ from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS, LAYOUT_DELTA_
 NoneType = type(None)
 SYNC_BACKENDS = ("naive", "nccl", "gloo", LAYOUT_DELTA_BACKEND, *DELTA_BACKENDS)
 WIRE_FORMATS = ("bucketed", *DELTA_WIRE_FORMATS)
-VLLM_TRANSPORTS = ("shm", "gloo")
+VLLM_TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc", "auto")  # domain.refit.transport_choice.CHOICES
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -188,6 +188,15 @@ def _emulation_mode(key: str, value: Any) -> str:
     return mode
 
 
+def _torch_device(key: str, value: Any) -> str:
+    """cpu, cuda or cuda:N (whether that GPU is there is checked when the engine is built)."""
+    text = str(value).strip().lower()
+    head, _, index = text.partition(":")
+    if head not in ("cpu", "cuda") or (index and (head == "cpu" or not index.isdigit())):
+        raise ConfigError(key, f"invalid device {_short(value)}; valid: cpu, cuda, cuda:N")
+    return text
+
+
 def _non_negative(key: str, value: Any) -> Any:
     if value < 0:
         raise ConfigError(key, f"must be 0 or more, got {_short(value)}")
@@ -266,8 +275,10 @@ SCHEMA: tuple[Key, ...] = (
         "disaggregated: seconds the engine host may take to start and connect back; past them it is "
         "killed with its engine processes", check=_positive_seconds),
     Key("rollout.engine_kwargs.vllm.transport", (str,), "shm",
-        "disaggregated: how buckets reach the engine's workers: shm (a shared-memory ring on this host) or "
-        "gloo (a process group over TCP)", choices=VLLM_TRANSPORTS),
+        "disaggregated: how buckets reach the engine's workers: shm (a shared-memory ring on this host), "
+        "gloo (a process group over TCP), nccl (GPU to GPU, any hosts), cuda_ipc (the trainer's GPU buffers "
+        "mapped by workers on this host) or auto (by where the tensors and workers live; docs/engines.md)",
+        choices=VLLM_TRANSPORTS),
     Key("rollout.engine_kwargs.vllm.url", (str, NoneType), None,
         "attached: the vLLM server's base URL (http://127.0.0.1:8000), started with dev mode and "
         "--weight-transfer-config '{\"backend\": \"rl_refit\"}' (docs/attach.md)", check=_url),
@@ -360,6 +371,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("reference.model", (str,), "tiny-moe", "the embedded reference model",
         choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense", "bench-moe", "bench-quick")),
     Key("reference.seed", (int,), 0, "seed of the embedded reference model's random weights"),
+    Key("reference.device", (str,), "cpu", "where the embedded reference engine's weights live and its forward "
+        "runs: cpu, cuda or cuda:N", check=_torch_device),
 )
 KEYS: dict[str, Key] = {k.path: k for k in SCHEMA}
 

@@ -213,6 +213,7 @@ class ReferenceConfig:
 
     model: str = _key("reference.model")
     seed: int = _key("reference.seed")
+    device: str = _key("reference.device")
 
 
 @attrs.frozen(kw_only=True)

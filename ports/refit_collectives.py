@@ -29,6 +29,13 @@ class RefitCollectives(Protocol):
         record (0 when the transport needs none)."""
         ...
 
+    @property
+    def bucket_device(self) -> torch.device | None:
+        """Where a source packs its buckets for the transport: the transport's device when its
+        buckets must be there (the host for gloo: pinned when the tensors are on a GPU; the GPU
+        for NCCL), or None: on the tensors' own device."""
+        ...
+
     def agree(self, step: str, status: RankStatus) -> tuple[RankStatus, ...]:
         """Every rank's status at an agreement point (all ranks take part).
 

@@ -31,6 +31,11 @@ from domain.refit.topology import RefitWorld
 _STATUS_PAD = 16  # bytes in front of a gathered piece: its holder's failure flag
 
 
+def backend_device(backend: str) -> torch.device:
+    """Where a process group's tensors must live: this rank's current GPU for NCCL, else the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend.lower() == "nccl" else torch.device("cpu")
+
+
 @attrs.define
 class TorchDistCollectives:
     """RefitCollectives over torch.distributed: the process groups of one RefitWorld.
@@ -46,7 +51,9 @@ class TorchDistCollectives:
         phase_timeout_s: bound on waits that include other ranks' work (turns, agreement).
         bucket_bytes: receive buffer capacity.
         window: buckets in flight per stream (2 = double buffering).
-        device: receive buffers' device (CPU for gloo; the rank's GPU for NCCL).
+        device: where every tensor of the world's collectives and streams lives: None (the
+            default) follows the default world's backend: the host for gloo, this rank's current
+            GPU for NCCL (which sends only GPU tensors).
     """
 
     world: RefitWorld
@@ -55,7 +62,7 @@ class TorchDistCollectives:
     phase_timeout_s: float = 600.0
     bucket_bytes: int = 64 << 20
     window: int = 2
-    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), converter=torch.device)
+    device: torch.device | None = attrs.field(default=None, converter=attrs.converters.optional(torch.device))
     _groups: dict[tuple[int, ...], Any] = attrs.field(init=False, factory=dict)
     _transports: dict[int, TorchDistTransport] = attrs.field(init=False, factory=dict)
 
@@ -67,6 +74,8 @@ class TorchDistCollectives:
                 f"the process group has {dist.get_world_size()} ranks but the refit world needs {self.world.size} "
                 f"({self.world.layout.describe()}, {self.world.engines} engines)"
             )
+        if self.device is None:
+            self.device = backend_device(str(dist.get_backend()))
         timeout = datetime.timedelta(seconds=max(self.step_timeout_s, self.phase_timeout_s))
         layout, engines = self.world.layout, self.world.engine_ranks
         wanted = [tuple(range(self.world.size))]
@@ -78,6 +87,15 @@ class TorchDistCollectives:
             if ranks not in self._groups:  # the same order on every rank
                 self._groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
 
+    @property
+    def _device(self) -> torch.device:
+        return self.device if self.device is not None else torch.device("cpu")  # resolved at construction
+
+    @property
+    def bucket_device(self) -> torch.device:
+        """Packed buckets are made where the streams run (pinned on the host for a GPU trainer over gloo)."""
+        return self._device
+
     def _group(self, ranks: Sequence[int]) -> Any:
         return self._groups[tuple(ranks)]
 
@@ -88,8 +106,8 @@ class TorchDistCollectives:
 
     def agree(self, step: str, status: RankStatus) -> tuple[RankStatus, ...]:
         ranks = tuple(range(self.world.size))
-        out = [torch.empty(STATUS_BYTES, dtype=torch.uint8) for _ in ranks]
-        work = dist.all_gather(out, encode_status(status), group=self._group(ranks), async_op=True)
+        out = [torch.empty(STATUS_BYTES, dtype=torch.uint8, device=self._device) for _ in ranks]
+        work = dist.all_gather(out, encode_status(status).to(self._device), group=self._group(ranks), async_op=True)
         wait_work(work, self.rank, f"agreement: {step}", self.phase_timeout_s, ranks)
         return tuple(decode_status(t) for t in out)
 
@@ -97,19 +115,19 @@ class TorchDistCollectives:
         layout = self.world.layout
         c = layout.coords(source)
         ranks = (*layout.tp_ranks(c.stage, c.ep_rank), *self.world.engine_ranks)
-        t = torch.tensor([int(failed), next_index], dtype=torch.int64)
+        t = torch.tensor([int(failed), next_index], dtype=torch.int64, device=self._device)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group(ranks), async_op=True)
         wait_work(work, self.rank, step, self.phase_timeout_s, ranks)
         return bool(t[0]), int(t[1])
 
     def tp_exchange(self, holders: Sequence[int], step: str, failed: bool, amax: torch.Tensor) -> tuple[bool, torch.Tensor]:
-        t = torch.tensor([float(failed), float(amax)], dtype=torch.float64)
+        t = torch.tensor([float(failed), float(amax)], dtype=torch.float64, device=self._device)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group(holders), async_op=True)
         wait_work(work, self.rank, step, self.step_timeout_s, holders)
-        return bool(t[0] > 0), t[1].to(torch.float32)
+        return bool(t[0] > 0), t[1].to(device=amax.device, dtype=torch.float32)
 
     def tp_gather(self, holders: Sequence[int], step: str, piece: torch.Tensor, failed: bool) -> tuple[bool, list[torch.Tensor]]:
-        send = torch.zeros(_STATUS_PAD + piece.numel(), dtype=torch.uint8)
+        send = torch.zeros(_STATUS_PAD + piece.numel(), dtype=torch.uint8, device=self._device)
         send[0] = int(failed)
         send[_STATUS_PAD:] = piece
         source = holders[0]
@@ -118,7 +136,7 @@ class TorchDistCollectives:
         wait_work(work, self.rank, step, self.step_timeout_s, holders)
         if gather is None:
             return failed, []
-        return failed or any(bool(g[0]) for g in gather), [g[_STATUS_PAD:] for g in gather]
+        return failed or any(bool(g[0]) for g in gather), [g[_STATUS_PAD:].to(piece.device) for g in gather]
 
     def transport(self, source: int, refit_id: int) -> TorchDistTransport:
         t = self._transports.get(source)
@@ -126,7 +144,7 @@ class TorchDistCollectives:
             ranks = (source, *self.world.engine_ranks)
             t = TorchDistTransport(
                 self._group(ranks), source, self.rank, ranks, refit_id, self.bucket_bytes,
-                self.step_timeout_s, self.window, self.device,
+                self.step_timeout_s, self.window, self._device,
             )
             self._transports[source] = t  # receive buffers are kept from one refit to the next
         t.refit_id = refit_id

@@ -171,7 +171,8 @@ class TorchDistTransport:
             else:
                 header = Header(FrameKind.BUCKET, self.refit_id, bucket.index, bucket.is_last, bucket.nbytes,
                                 layout=layout.digest)
-                messages = self._lead_messages(bucket.buffer, bucket.metas, bucket.nbytes, encode_lead(header), step)
+                messages = self._lead_messages(bucket.buffer, bucket.metas, bucket.nbytes,
+                                               encode_lead(header, device=bucket.buffer.device), step)
             sent = []
             for what, t in messages:
                 t = t if t.device == self.device else t.to(self.device)
@@ -197,7 +198,7 @@ class TorchDistTransport:
         return [(f"{step} lead", lead)] + ([(f"{step} data", buffer[:nbytes])] if nbytes else [])
 
     def _control_parts(self, header: Header, body: torch.Tensor) -> list[torch.Tensor]:
-        control, rest = encode_control(header, body)
+        control, rest = encode_control(header, body, self.device)  # NCCL sends only the device's tensors
         return [control] if rest is None else [control, rest]
 
     def _control(self, header: Header, body: torch.Tensor, step: str) -> float:
@@ -223,9 +224,9 @@ class TorchDistTransport:
         self._layout = None  # both ends relearn the layout with the next stream
         if layout is not None and sent < len(layout):
             nbytes, metas = layout.buckets[sent]
-            lead = encode_lead(Header(FrameKind.ABORT, self.refit_id, sent, layout=layout.digest), text)
+            lead = encode_lead(Header(FrameKind.ABORT, self.refit_id, sent, layout=layout.digest), text, self.device)
             filler = torch.zeros(max(nbytes, LEAD_BYTES), dtype=torch.uint8, device=self.device)
-            for what, t in self._lead_messages(filler, metas, nbytes, lead.to(self.device), f"abort of bucket {sent}"):
+            for what, t in self._lead_messages(filler, metas, nbytes, lead, f"abort of bucket {sent}"):
                 self._bcast(t, what)
             return
         body = encode_text(text[:4000])
@@ -347,7 +348,7 @@ class TorchDistTransport:
 
     def _receive_control(self, rx: _Receive, step: str) -> tuple[Header, torch.Tensor]:
         if self._control_buf is None:
-            self._control_buf = torch.empty(CONTROL_BYTES + self._slack, dtype=torch.uint8)
+            self._control_buf = torch.empty(CONTROL_BYTES + self._slack, dtype=torch.uint8, device=self.device)
         control = self._control_buf[:CONTROL_BYTES]
         self._complete(rx, self._post(control, step))
         header, meta, rest = decode_control(control, self.refit_id, self.source)
@@ -358,7 +359,7 @@ class TorchDistTransport:
             limits.check_abort(header, self.source)
         meta = meta.clone()
         if rest:
-            more = torch.empty(rest + self._slack, dtype=torch.uint8)[:rest]
+            more = torch.empty(rest + self._slack, dtype=torch.uint8, device=self.device)[:rest]
             self._complete(rx, self._post(more, f"{step} (metadata)"))
             meta = torch.cat([meta, more])
         return header, meta

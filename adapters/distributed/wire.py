@@ -60,11 +60,11 @@ class Header:
     meta_len: int = 0
     layout: int = 0
 
-    def to_tensor(self) -> torch.Tensor:
-        """int64 [HEADER_WORDS]."""
+    def to_tensor(self, device: torch.device | None = None) -> torch.Tensor:
+        """int64 [HEADER_WORDS], on `device` (the host when None)."""
         words = [MAGIC, int(self.kind), self.refit_id, self.index, int(self.is_last), self.nbytes, self.meta_len,
                  self.layout]
-        return torch.tensor(words, dtype=torch.int64)
+        return torch.tensor(words, dtype=torch.int64, device=device)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor, refit_id: int, source: int) -> Header:
@@ -97,22 +97,27 @@ RECEIVE_SLACK = 64 << 10
 _INLINE = CONTROL_BYTES - HEADER_WORDS * 8
 
 
-def encode_control(header: Header, body: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode_control(header: Header, body: torch.Tensor,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A header and its metadata (or error text) as one fixed-size control message.
 
     Args:
         header: the frame header (its meta_len must be body's length).
         body: uint8 metadata or error text.
+        device: where the message is made (the transport's device: NCCL sends only GPU tensors);
+            the host when None.
 
     Returns:
-        (control message uint8 [CONTROL_BYTES], the rest of the body that did not fit, or None).
-        One small message per bucket instead of two: per-message latency dominates small ones.
+        (control message uint8 [CONTROL_BYTES], the rest of the body that did not fit, or None),
+        both on `device`. One small message per bucket instead of two: per-message latency
+        dominates small ones.
     """
-    out = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
-    out[: HEADER_WORDS * 8] = header.to_tensor().view(torch.uint8)
+    out = torch.zeros(CONTROL_BYTES, dtype=torch.uint8, device=device)
+    out[: HEADER_WORDS * 8] = header.to_tensor(device).view(torch.uint8)
     n = min(body.numel(), _INLINE)
     out[HEADER_WORDS * 8 : HEADER_WORDS * 8 + n] = body[:n]
-    return out, (body[n:] if body.numel() > n else None)
+    rest = body[n:].to(out.device) if body.numel() > n else None
+    return out, rest
 
 
 def decode_control(control: torch.Tensor, refit_id: int, source: int) -> tuple[Header, torch.Tensor, int]:
@@ -266,12 +271,13 @@ class StreamLayout:
         return bool(metas) and metas[0].offset >= LEAD_BYTES
 
 
-def encode_lead(header: Header, text: str = "") -> torch.Tensor:
-    """A lead record: the header words, then (ABORT) as much of the error text as fits."""
+def encode_lead(header: Header, text: str = "", device: torch.device | None = None) -> torch.Tensor:
+    """A lead record on `device` (the host when None): the header words, then (ABORT) as much of
+    the error text as fits."""
     body = text.encode()[:_LEAD_TEXT]
     header = attrs.evolve(header, meta_len=len(body))
-    out = torch.zeros(LEAD_BYTES, dtype=torch.uint8)
-    out[: HEADER_WORDS * 8] = header.to_tensor().view(torch.uint8)
+    out = torch.zeros(LEAD_BYTES, dtype=torch.uint8, device=device)
+    out[: HEADER_WORDS * 8] = header.to_tensor(device).view(torch.uint8)
     if body:
         out[HEADER_WORDS * 8 : HEADER_WORDS * 8 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
     return out

@@ -16,6 +16,11 @@ from adapters.hf.names import checkpoint_names
 from adapters.reference.model import log_probs_from_logits
 from adapters.reference.trainer import perturb_tensors_
 from domain.errors import CheckpointError
+from domain.forward.fused_logprob import fused_logprob_entropy
+
+# config fields through which a transformers model changes its logits after the head's matmul
+# (Gemma's soft-capping, Cohere's and Granite's scales): such models are scored from their logits
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 @attrs.define
@@ -70,16 +75,45 @@ class HfModuleTrainer:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of each next token and entropies, float32 [B, T - 1], from the model's forward."""
+        """Log-probs of each next token and entropies, float32 [B, T - 1] on the host.
+
+        Computed on the model's device through the fused, chunked path
+        (domain.forward.fused_logprob): the decoder's final hidden states against the output
+        weight, chunk by chunk, never the [B, T, V] logits. A model whose logits are more than
+        `hidden @ W^T` (a head with a bias, soft-capped or scaled logits) is scored from its own
+        logits instead, still on its device.
+        """
         vocab = int(self.config.vocab_size)
         if input_ids.dtype != torch.int64 or input_ids.dim() != 2 or input_ids.shape[1] < 2:
             raise ValueError(f"input_ids must be int64 [B, T] with T >= 2, got {input_ids.dtype} {tuple(input_ids.shape)}")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"input_ids must lie in [0, {vocab}), the model's vocabulary")
         device = next(self.model.parameters()).device
+        ids = input_ids.to(device)
+        head = self._plain_head()
         with torch.no_grad():
-            logits = self.model(input_ids=input_ids.to(device)).logits
-        return log_probs_from_logits(logits.float().cpu(), input_ids, temperature)
+            if head is None:
+                logits = self.model(input_ids=ids).logits
+                logp, entropy = log_probs_from_logits(logits, ids, temperature)
+            else:
+                hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state
+                logp, entropy = fused_logprob_entropy(hidden[:, :-1], head.weight, ids[:, 1:], temperature=temperature)
+        return logp.float().cpu(), entropy.float().cpu()
+
+    def _plain_head(self) -> Any:
+        """The output layer when the logits are exactly `decoder output @ weight^T` (a Linear
+        without bias, no soft-capping or scaling in the config), else None."""
+        get_decoder = getattr(self.model, "get_decoder", None)
+        get_head = getattr(self.model, "get_output_embeddings", None)
+        if get_decoder is None or get_head is None:
+            return None
+        head = get_head()
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+            return None
+        config = self.config
+        if any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_TRANSFORMS):
+            return None
+        return head
 
     # --- what the demo does to a trainer ----------------------------------------------------
 

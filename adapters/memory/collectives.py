@@ -123,6 +123,10 @@ class InMemoryCollectives:
     def lead_bytes(self) -> int:
         return 0  # buckets travel as objects: no lead record
 
+    @property
+    def bucket_device(self) -> torch.device | None:
+        return None  # buckets travel as objects: they stay where their tensors are
+
     def _tp_engines(self, source: int) -> tuple[int, ...]:
         layout = self.shared.world.layout
         c = layout.coords(source)

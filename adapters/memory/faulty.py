@@ -222,6 +222,10 @@ class FaultyCollectives:
     def lead_bytes(self) -> int:
         return self.inner.lead_bytes
 
+    @property
+    def bucket_device(self) -> torch.device | None:
+        return self.inner.bucket_device
+
     def agree(self, step: str, status: RankStatus) -> tuple[RankStatus, ...]:
         if step == "begin":
             self.trigger.refit += 1

@@ -77,6 +77,8 @@ class ReferenceEngine:
         reset_kv_scales: reset placeholder KV-cache scales after a quantized refit (turning it
             off reproduces engines that leave the placeholders).
         verifiers: extra checks run on every commit group before it is committed.
+        device: where the live weights, the staging and the forward live (a GPU: the refit's
+            copies are device to device); log-probs come back on the host.
     """
 
     config: ReferenceModelConfig
@@ -85,6 +87,7 @@ class ReferenceEngine:
     kv_cache_scheme: Mapping[str, object] | None = None
     reset_kv_scales: bool = True
     verifiers: list[Verifier] = attrs.field(factory=list)
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), converter=torch.device)
     layout: EngineLayout = attrs.field(init=False)
     postprocess_counts: dict[str, int] = attrs.field(init=False, factory=dict)
     refits_committed: int = attrs.field(init=False, default=0)
@@ -113,11 +116,11 @@ class ReferenceEngine:
         self._guard = EngineGuard(on_fail=self._fail)
         self.layout = EngineLayout.build(self.config, self.plan)
         self._live = {
-            key: {local: torch.zeros(shape, dtype=dtype) for local, (shape, dtype) in m.live.items()}
+            key: {local: torch.zeros(shape, dtype=dtype, device=self.device) for local, (shape, dtype) in m.live.items()}
             for key, m in self.layout.modules.items()
         }
         self._kv = {
-            f"layers.{i}.attn.{s}": torch.ones((), dtype=torch.float32)
+            f"layers.{i}.attn.{s}": torch.ones((), dtype=torch.float32, device=self.device)
             for i in range(self.config.num_layers) for s in KV_SCALES
         }
 
@@ -250,7 +253,7 @@ class ReferenceEngine:
         staged = self._staged.setdefault(key, {})
         if local not in staged:
             shape, dtype = self.layout.modules[key].staging()[local]
-            staged[local] = t = torch.empty(shape, dtype=dtype)
+            staged[local] = t = torch.empty(shape, dtype=dtype, device=self.device)
             self._staged_bytes += t.numel() * t.element_size()
             self._peak_bytes = max(self._peak_bytes, self._staged_bytes)
             for index, view in self._refs.get(key, {}).pop(local, []):
@@ -411,8 +414,10 @@ class ReferenceEngine:
         """Rollout log-probs and entropies, float32 [B, T - 1] (RolloutEngine port)."""
         self._guard.check_serving()
         check_input_ids(self.config, input_ids)
-        logits = forward_logits(self.config, self.effective_weights(), input_ids, self._act)
-        return log_probs_from_logits(logits, input_ids, temperature)
+        ids = input_ids.to(self.device)
+        logits = forward_logits(self.config, self.effective_weights(), ids, self._act)
+        logp, entropy = log_probs_from_logits(logits, ids, temperature)
+        return logp.cpu(), entropy.cpu()
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy continuations of token-id prompts (EngineInspection port); refused while stale
@@ -427,7 +432,7 @@ class ReferenceEngine:
         for i, prompt in enumerate(prompts):
             by_length.setdefault(len(prompt), []).append(i)
         for rows in by_length.values():  # prompts of one length decode as one batch
-            ids = torch.tensor([list(prompts[i]) for i in rows], dtype=torch.long)
+            ids = torch.tensor([list(prompts[i]) for i in rows], dtype=torch.long, device=self.device)
             start = ids.shape[1]
             for _ in range(max_tokens):
                 logits = forward_logits(self.config, self.effective_weights(), ids, self._act)

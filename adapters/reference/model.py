@@ -127,12 +127,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(dtype)
 
 
-def _rope(cfg: ReferenceModelConfig, seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope(cfg: ReferenceModelConfig, seq: int, dtype: torch.dtype,
+          device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, computed on the host (the same values on every device) and moved to `device`."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -213,7 +215,7 @@ def forward_logits(
     """
     act = act or _no_quant
     h = F.embedding(input_ids, w["embed"])
-    rope = _rope(cfg, input_ids.shape[1], h.dtype)
+    rope = _rope(cfg, input_ids.shape[1], h.dtype, h.device)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         h = h + _attention(cfg, w, p, _rms_norm(h, w[p + "input_norm"], cfg.rms_norm_eps), rope, act)

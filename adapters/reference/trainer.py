@@ -113,10 +113,13 @@ class ReferenceTrainer:
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 
     def log_probs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of each next token and entropies, float32 [B, T - 1] (TrainerModel port)."""
+        """Log-probs of each next token and entropies, float32 [B, T - 1] on the host (TrainerModel
+        port), computed where the weights are."""
         check_input_ids(self.config, input_ids)
-        logits = forward_logits(self.config, self.weights, input_ids)
-        return log_probs_from_logits(logits, input_ids, temperature)
+        ids = input_ids.to(next(iter(self.weights.values())).device)
+        logits = forward_logits(self.config, self.weights, ids)
+        logp, entropy = log_probs_from_logits(logits, ids, temperature)
+        return logp.cpu(), entropy.cpu()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of every weight (`restore_` puts it back)."""

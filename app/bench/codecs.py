@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from app.bench.engine_device import synchronizer
 from app.bench.report import BenchReport, measure, measure_interleaved
 from domain.quant.codecs import compile as kernels
 from domain.quant.codecs import quantize_weight
@@ -70,20 +71,25 @@ def _torchao_path(fmt: PrecisionFormat, w: torch.Tensor) -> Callable[[], object]
     return None
 
 
-def run(quick: bool = False) -> BenchReport:
+def run(quick: bool = False, device: str = "cpu") -> BenchReport:
     size = 1024 if quick else 4096
     repeat = 2 if quick else 5
     report = BenchReport("codecs")
-    w = torch.randn(size, size, dtype=torch.bfloat16)
+    w = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     gbytes = w.numel() * w.element_size() / 1e9
-    case = f"{size}x{size} bf16"
+    case = f"{size}x{size} bf16" if w.device.type == "cpu" else f"{size}x{size} bf16 on {w.device}"
     dst = torch.empty_like(w)
-    copy_s = measure(lambda: dst.copy_(w), repeat=repeat)
-    cast_s = measure(lambda: w.to(torch.float8_e4m3fn), repeat=repeat)
+    done = synchronizer(w.device)  # a GPU's queued work is part of each timing
+
+    def timed(fn: Callable[[], object]) -> Callable[[], object]:
+        return lambda: (fn(), done())
+
+    copy_s = measure(timed(lambda: dst.copy_(w)), repeat=repeat)
+    cast_s = measure(timed(lambda: w.to(torch.float8_e4m3fn)), repeat=repeat)
     report.add(case, "copy_ (memory bound)", gbytes / copy_s, "GB/s")
     report.add(case, "bare cast to float8_e4m3fn", gbytes / cast_s, "GB/s", "copy_", gbytes / copy_s)
     for fmt in (FP8_BLOCK, MXFP8, MXFP4, NVFP4):
-        fns = {rule.value: functools.partial(quantize_weight, fmt, w, numerics=rule) for rule in ElementRule}
+        fns = {rule.value: timed(functools.partial(quantize_weight, fmt, w, numerics=rule)) for rule in ElementRule}
         kernels.set_compiled(False)
         eager = measure_interleaved(fns, repeat=repeat)
         kernels.set_compiled(True)
@@ -99,7 +105,7 @@ def run(quick: bool = False) -> BenchReport:
         engine, ct_rule = ElementRule.ENGINE, ElementRule.COMPRESSED_TENSORS
         ours = gbytes / fast_s[engine]
         refs = {"compressed-tensors": _ct_path(fmt, w), "torchao": _torchao_path(fmt, w)}
-        ref_speeds = {name: gbytes / measure(fn, repeat=repeat) for name, fn in refs.items() if fn is not None}
+        ref_speeds = {name: gbytes / measure(timed(fn), repeat=repeat) for name, fn in refs.items() if fn is not None}
         case_name = f"{fmt.name} {case}"
         for name, speed in ref_speeds.items():
             report.add(case_name, "quantize (compiled)", ours, "GB/s", name, speed)

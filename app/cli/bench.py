@@ -32,10 +32,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "checkpoint exported; with `refit --delta`, its shapes too")
     p.add_argument("--deployment", choices=("auto", "colocated", "disaggregated"), default=None,
                    help="with `engine`: the engine's deployment shape (default auto: colocated where vLLM imports)")
-    p.add_argument("--preset", choices=("BF16", "FP8_BLOCK", "MXFP8"), default=None,
-                   help="with `engine`: the rollout plan, linear and MoE alike (default FP8_BLOCK)")
+    p.add_argument("--preset", choices=("BF16", "FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4"), default=None,
+                   help="with `engine`: the rollout plan, linear and MoE alike (default FP8_BLOCK; vLLM's CPU build "
+                        "serves BF16, FP8_BLOCK, MXFP8; the embedded engine (--device) every one)")
     p.add_argument("--repeat", type=int, default=None, metavar="N", help="with `engine`: measured rounds")
     p.add_argument("--bucket-mb", type=float, default=None, metavar="MIB", help="with `engine`: bucket size")
+    p.add_argument("--device", default=None, metavar="DEV",
+                   help="cpu, cuda or cuda:N. With `engine`: refits into the embedded engine on DEV (no vLLM), "
+                        "against a copy_ of the same bytes on DEV; with `codecs`: where the tensors live")
 
 
 def render(report: BenchReport, console: Console) -> None:
@@ -77,6 +81,8 @@ def _engine_or_export(args: argparse.Namespace) -> BenchReport:
         from app.bench.export import run as run_export
 
         return run_export(quick=args.quick, model_dir=model)
+    if getattr(args, "device", None) is not None:
+        return _engine_on_device(args, model)
     from app.bench.engine import EngineBenchSettings
     from app.bench.engine import run as run_engine
 
@@ -90,6 +96,25 @@ def _engine_or_export(args: argparse.Namespace) -> BenchReport:
     except ValueError as err:
         raise ConfigError("refit bench engine", str(err)) from None
     return run_engine(quick=args.quick, settings=settings)
+
+
+def _engine_on_device(args: argparse.Namespace, model: object) -> BenchReport:
+    """`refit bench engine --device DEV`: the embedded engine on DEV (app.bench.engine_device)."""
+    import attrs
+
+    from app.bench.engine_device import DeviceBenchSettings
+    from app.bench.engine_device import run as run_device
+
+    if model is not None or args.deployment is not None:
+        flag = "--model" if model is not None else "--deployment"
+        raise ConfigError(flag, f"{flag} goes with the vLLM engine bench; --device benches the embedded engine")
+    settings = DeviceBenchSettings(args.device, repeat=3 if args.quick else 7)
+    changes = {k: v for k, v in {"preset": args.preset, "repeat": args.repeat, "bucket_mb": args.bucket_mb}.items()
+               if v is not None}
+    if not args.quick:
+        changes.setdefault("bucket_mb", 4.0)
+        changes["model"] = "tiny-moe"
+    return run_device(attrs.evolve(settings, **changes))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
         report: BenchReport = run_lora(quick=args.quick, rank=args.lora)
     elif args.suite in ("engine", "export") and not getattr(args, "delta", False):
         report = _engine_or_export(args)
+    elif getattr(args, "device", None) is not None:
+        if args.suite != "codecs":
+            raise ConfigError("--device", "--device goes with the engine and codecs suites")
+        from app.bench.codecs import run as run_codecs
+
+        report = run_codecs(quick=args.quick, device=args.device)
     elif getattr(args, "delta", False) or getattr(args, "model", None):
         if args.suite != "refit" or not args.delta:
             raise ConfigError("--delta", "--delta goes with the refit suite (refit bench refit --delta); --model "

@@ -79,7 +79,8 @@ def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any
 
     return build_reference_engine(services.embedded.reference_config(), plan,
                                   commit_mode=options.get("commit_mode"),
-                                  kv_cache_scheme=options.get("kv_cache_scheme"))
+                                  kv_cache_scheme=options.get("kv_cache_scheme"),
+                                  device=services.config.reference.device)
 
 
 def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:

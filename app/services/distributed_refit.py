@@ -113,7 +113,7 @@ class DistributedRefitService:
         # Packed buckets leave the room the transport asks for in front (its lead record: one
         # message per bucket). The transport copies each bucket out before its buffer is reused.
         self._planner = Ownership.REUSED.planner(self.bucket_bytes, self.alignment, window=self.window,
-                                                 lead_bytes=self.comm.lead_bytes)
+                                                 lead_bytes=self.comm.lead_bytes, device=self.comm.bucket_device)
 
     @property
     def rank(self) -> int:
@@ -252,7 +252,10 @@ class DistributedRefitService:
 
     def _receive(self, tx: RefitTransaction, source: int, next_index: int) -> int:
         """Receive one source's buckets into the engine; returns the next bucket index."""
-        keep = tx.keeps_buckets
+        # Kept buckets (a replay copy, on the host) are received in place where the stream runs on
+        # the host; a stream on a GPU lands in the transport's buffers and the copy keeps them.
+        where = self.comm.bucket_device
+        keep = tx.keeps_buckets and (where is None or where.type == "cpu")
         run = tx.run
 
         def consume(bucket: Bucket) -> None:

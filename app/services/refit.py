@@ -22,7 +22,7 @@ from app.services.verification import PostRefitProbe
 from domain.errors import ConfigError, DeltaBaseMismatch, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
-from domain.refit.buckets import DEFAULT_ALIGNMENT
+from domain.refit.buckets import DEFAULT_ALIGNMENT, BucketPlanner
 from domain.refit.delta_sync import DeltaBase, DeltaSender
 from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.run import RefitRun, StageClock
@@ -78,9 +78,10 @@ class RefitService:
     reports: list[RefitReport] = attrs.field(factory=list)
     _next_id: int = attrs.field(init=False, default=1)
     _replay: ReplayCopy | None = attrs.field(init=False, default=None)
+    _planner: tuple[tuple[object, ...], BucketPlanner] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        self.ownership.planner(self.bucket_bytes, self.alignment)  # validate the sizes now, not mid-refit
+        self._bucket_planner()  # validate the sizes now, not mid-refit
         if self.restore is not None:
             self.restore.check(self.engine.commit_mode)
         if self.delta is not None:
@@ -172,12 +173,18 @@ class RefitService:
         quantized = clock.timed("quantize", quantize_stream(self.plan, exported))
         if self.delta is not None:
             quantized = clock.timed("delta", self.delta.stage(quantized))
-        planner = self.ownership.planner(self.bucket_bytes, self.alignment)
-        for bucket in clock.timed("pack", planner.pack(quantized)):
+        for bucket in clock.timed("pack", self._bucket_planner().pack(quantized)):
             tx.load(bucket, owned=self.ownership is Ownership.OWNED)
             if self.progress is not None:
                 self.progress(run.source_bytes, total)
             del bucket  # the engine keeps what it needs; the next bucket is built without this one
+
+    def _bucket_planner(self) -> BucketPlanner:
+        """One planner for every refit while the settings stay (its reused buffers stay allocated)."""
+        key = (self.ownership, self.bucket_bytes, self.alignment)
+        if self._planner is None or self._planner[0] != key:
+            self._planner = (key, self.ownership.planner(self.bucket_bytes, self.alignment))
+        return self._planner[1]
 
     @staticmethod
     def _counted(run: RefitRun, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

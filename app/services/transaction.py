@@ -65,11 +65,13 @@ class Ownership(enum.Enum):
     OWNED = "owned"  # a buffer of the bucket's own, valid until the refit ends (and kept for a replay)
     REUSED = "reused"  # `window` sender buffers, overwritten once the transport copied the bytes out
 
-    def planner(self, bucket_bytes: int, alignment: int, *, window: int = 1, lead_bytes: int = 0) -> BucketPlanner:
-        """The bucket planner of this ownership (validates the sizes)."""
+    def planner(self, bucket_bytes: int, alignment: int, *, window: int = 1, lead_bytes: int = 0,
+                device: torch.device | None = None) -> BucketPlanner:
+        """The bucket planner of this ownership (validates the sizes); `device`: where packed
+        buckets live (None: on their tensors' device)."""
         return BucketPlanner(bucket_bytes, alignment, reuse_buffer=self is Ownership.REUSED,
                              buffers=window if self is Ownership.REUSED else 1, lead_bytes=lead_bytes,
-                             by_reference=self is Ownership.BY_REFERENCE)
+                             by_reference=self is Ownership.BY_REFERENCE, device=device)
 
 
 class Restore(enum.Enum):

@@ -3,6 +3,10 @@
 The planner packs a stream, in order, into uint8 buffers of at most `bucket_bytes`, every tensor
 at an offset aligned to `alignment` bytes. A tensor larger than a bucket travels alone (as a view
 of its own bytes, without a copy). The final bucket is always marked last, even when it is empty.
+A bucket lives on one device: the device of its tensors (a bucket ends where the stream's tensors
+change device), or the planner's `device` where the transport needs another (a CPU device for a
+transport that crosses the host; the buffers are then pinned when the tensors are on a GPU, and
+filled by asynchronous copies that complete before the bucket is handed on).
 The receiver unpacks a bucket into views of its buffer without copying, and must copy or consume
 them before it acknowledges the bucket (returns from `load_bucket`): the sender may reuse the
 buffer for the next bucket as soon as it has.
@@ -162,10 +166,32 @@ class Bucket:
         copy of every tensor into `out` (flat uint8 of at least `nbytes`; allocated if None)."""
         if not self.by_reference:
             return self
-        out = torch.empty(self.nbytes, dtype=torch.uint8) if out is None else out
+        out = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device) if out is None else out
         for m, t in zip(self.metas, self.tensors, strict=True):
-            out[m.offset : m.end].copy_(_as_bytes(t))
+            out[m.offset : m.end].copy_(_as_bytes(t), non_blocking=out.is_pinned())
+        _settle(out.device, (t.device for t in self.tensors))
         return Bucket(self.index, out, self.metas, self.is_last)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the bucket's bytes are: its buffer's device, or by reference its tensors'."""
+        return self.tensors[0].device if self.tensors else self.buffer.device
+
+
+def _settle(dest: torch.device, sources: Iterable[torch.device]) -> None:
+    """Wait for the asynchronous copies from a GPU into pinned host memory at `dest` (a
+    device-to-device copy stays ordered on the device's stream and needs no wait)."""
+    if dest.type != "cpu":
+        return
+    for d in {d for d in sources if d.type == "cuda"}:
+        torch.cuda.current_stream(d).synchronize()
+
+
+def _allocate(nbytes: int, device: torch.device, source: torch.device) -> torch.Tensor:
+    """A flat uint8 buffer on `device`; on the host for a GPU's tensors, pinned (the copies out
+    of the GPU run asynchronously, at the link's full rate)."""
+    pinned = device.type == "cpu" and source.type == "cuda"
+    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pinned)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -198,6 +224,12 @@ class BucketPlanner:
             retained), for an engine in the same process. The tensors must stay unchanged until
             the refit ends (a trainer paused for the refit; quantized outputs nobody else holds).
             The grouping into buckets is the same as packed.
+        device: where packed buckets' buffers live. None: on the device of their tensors (a
+            bucket ends where the stream's tensors change device; a lone large tensor is a view
+            of itself). A device other than the tensors' (a CPU device for a transport that
+            crosses the host): every tensor is copied to it, into pinned memory when the tensors
+            are on a GPU, and the copies complete before the bucket is handed on. By reference
+            buckets ignore it (they never copy).
     """
 
     bucket_bytes: int
@@ -206,6 +238,7 @@ class BucketPlanner:
     buffers: int = 1
     lead_bytes: int = 0
     by_reference: bool = False
+    device: torch.device | None = attrs.field(default=None, converter=attrs.converters.optional(torch.device))
     # With reuse_buffer, the buffers stay allocated from one pack() to the next (no page faults
     # per refit); one pack() at a time per planner.
     _pool: list[torch.Tensor | None] = attrs.field(init=False, factory=list, eq=False, repr=False)
@@ -241,18 +274,14 @@ class BucketPlanner:
         it = iter(named_tensors)
         pending = next(it, None)
         index = 0
-        pool = self._pool
-        pool.extend([None] * (self.buffers - len(pool)))
-        pooled = 0  # buckets packed into a pool buffer so far (lone large tensors use none)
+        self._pool.extend([None] * (self.buffers - len(self._pool)))
+        pooled = 0  # buckets packed into a pool buffer so far (lone large tensors need one only off their device)
         seen: set[str] = set()
-        empty = torch.empty(0, dtype=torch.uint8)
+        empty = torch.empty(0, dtype=torch.uint8, device=self.device)
         while True:
-            shared = None
-            if self.reuse_buffer and not self.by_reference:
-                if pool[pooled % self.buffers] is None:
-                    pool[pooled % self.buffers] = torch.empty(self.bucket_bytes, dtype=torch.uint8)
-                shared = pool[pooled % self.buffers]
-            buf = shared if shared is not None else None
+            buf: torch.Tensor | None = None
+            pinned = False  # buf is pinned host memory: the copies into it may run asynchronously
+            home: torch.device | None = None  # the device of this bucket's tensors
             metas: list[TensorMeta] = []
             refs: list[torch.Tensor] = []  # by reference: the tensors themselves
             used = self.lead_bytes
@@ -262,27 +291,36 @@ class BucketPlanner:
                     raise BucketLayoutError(f"tensor {name!r} appears twice in the refit stream")
                 nbytes = t.numel() * t.element_size()
                 offset = align_up(used, self.alignment)
+                if metas and (offset + nbytes > self.bucket_bytes or t.device != home):
+                    break  # the current bucket is full, or the next tensor lives elsewhere: send it first
                 if offset + nbytes > self.bucket_bytes:
-                    if metas:
-                        break  # the current bucket is full: send it first
-                    # Larger than a bucket: it travels alone, as a view of its own bytes.
+                    # Larger than a bucket: it travels alone, as a view of its own bytes (a copy only
+                    # when the buckets live on another device).
                     seen.add(name)
                     pending = next(it, None)
                     meta = TensorMeta(name, _shape(t.shape), t.dtype, 0, nbytes)
                     if self.by_reference:
                         yield Bucket(index, empty, (meta,), pending is None, retained=True, tensors=(_contiguous(t),))
-                    else:
+                    elif self.device is None or self.device == t.device:
                         yield Bucket(index, _as_bytes(t), (meta,), is_last=pending is None)
+                    else:
+                        own = self._buffer(pooled, nbytes, t.device)[:nbytes]
+                        own.copy_(_as_bytes(t), non_blocking=own.is_pinned())
+                        _settle(own.device, (t.device,))
+                        pooled += 1
+                        yield Bucket(index, own, (meta,), is_last=pending is None)
                     index += 1
                     if pending is None:
                         return
                     continue
+                home = t.device
                 if self.by_reference:
                     refs.append(_contiguous(t))
                 else:
                     if buf is None:
-                        buf = torch.empty(self.bucket_bytes, dtype=torch.uint8)
-                    buf[offset : offset + nbytes].copy_(_as_bytes(t))
+                        buf = self._buffer(pooled, self.bucket_bytes, t.device)
+                        pinned = buf.is_pinned()
+                    buf[offset : offset + nbytes].copy_(_as_bytes(t), non_blocking=pinned)
                 metas.append(TensorMeta(name, _shape(t.shape), t.dtype, offset, nbytes))
                 seen.add(name)
                 used = offset + nbytes
@@ -292,12 +330,27 @@ class BucketPlanner:
             elif buf is None:
                 yield Bucket(index, empty, (), pending is None)  # the empty last bucket of an empty stream
             else:
-                # a shared buffer is kept whole (the transport slices what it sends); an own one is trimmed
-                yield Bucket(index, buf if shared is not None else buf[:used], _metas(metas), pending is None)
+                if home is not None:
+                    _settle(buf.device, (home,))
+                # a pooled buffer is kept whole (the transport slices what it sends); an own one is trimmed
+                yield Bucket(index, buf if self.reuse_buffer else buf[:used], _metas(metas), pending is None)
+                pooled += 1
             index += 1
-            pooled += 1
             if pending is None:
                 return
+
+    def _buffer(self, pooled: int, nbytes: int, source: torch.device) -> torch.Tensor:
+        """A buffer of at least `nbytes` on the buckets' device for tensors on `source`: with
+        reuse_buffer, pool buffer `pooled % buffers` (allocated once, grown only for a larger lone
+        tensor, kept across refits); otherwise a fresh one."""
+        device = self.device if self.device is not None else source
+        if not self.reuse_buffer:
+            return _allocate(nbytes, device, source)
+        slot = pooled % self.buffers
+        held = self._pool[slot]
+        if held is None or held.numel() < nbytes or held.device != device:
+            held = self._pool[slot] = _allocate(max(nbytes, self.bucket_bytes), device, source)
+        return held
 
 
 def pack_buckets(

@@ -77,11 +77,23 @@ class StorageCheck:
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's dtype, shape and bytes (what "the same weights" means, bit for bit)."""
-    t = t.detach().cpu().contiguous()
+    """A hex digest of a tensor's dtype, shape and bytes (what "the same weights" means, bit for bit),
+    computed where the tensor lives: no host copy of it is made.
+
+    On the host it is sha256 over the bytes. On a GPU the bytes are folded on the device into a
+    128-bit fingerprint (`_device_fingerprint`), and only those 16 bytes cross to the host; the
+    sha256 then covers dtype, shape and the fingerprint. Digests therefore compare tensors on the
+    same kind of device (an engine's weights against a cold start of the same engine).
+    """
+    t = t.detach()
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if not t.numel():
+        return h.hexdigest()
+    if t.device.type == "cpu":
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+    h.update(f"fold128@{t.device.type}|".encode())
+    h.update(_device_fingerprint(t).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -96,3 +108,33 @@ def weight_digest(t: torch.Tensor) -> str:
     """`tensor_digest`, or UNREADABLE for an emptied tensor whose values the engine keeps elsewhere."""
     return UNREADABLE if t.numel() == 0 else tensor_digest(t)
 
+
+# odd 64-bit constants (splitmix64's and xorshift*'s multipliers, as signed int64)
+_K1, _K2, _K3, _K4 = -7046029254386353131, -4658895280553007687, -7723592293110705685, 0x2545F4914F6CDD1D
+_FOLD_WORDS = 1 << 22  # 32 MiB of int64 temporaries per step on the device
+
+
+def _device_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 lanes folding every byte of `t` where it lives: each 8-byte word is mixed with its
+    index (so order counts), and the mixed words are summed (wrapping) in two independent ways.
+    The tail of fewer than 8 bytes is folded as one zero-padded word. Memory: one step's
+    temporaries (`_FOLD_WORDS` words), never a copy of the tensor (unless it is not contiguous)."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    n = raw.numel() // 8
+    lanes = torch.zeros(2, dtype=torch.int64, device=t.device)
+    words = raw[: n * 8].view(torch.int64)
+    for start in range(0, n, _FOLD_WORDS):
+        _fold(lanes, words[start : start + _FOLD_WORDS], start)
+    if raw.numel() > n * 8:
+        tail = torch.zeros(8, dtype=torch.uint8, device=t.device)
+        tail[: raw.numel() - n * 8] = raw[n * 8 :]
+        _fold(lanes, tail.view(torch.int64), n)
+    return lanes
+
+
+def _fold(lanes: torch.Tensor, words: torch.Tensor, start: int) -> None:
+    index = torch.arange(start, start + words.numel(), dtype=torch.int64, device=words.device)
+    x = (words ^ (index * _K1)) * _K2
+    x = (x ^ (x >> 31)) * _K3
+    lanes[0] += x.sum()
+    lanes[1] += ((x ^ (x >> 29)) * _K4).sum()

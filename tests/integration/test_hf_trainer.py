@@ -89,8 +89,9 @@ def test_log_probs_are_the_models_own_forward_and_both_sources_agree(dirs, name)
     logp, entropy = module.log_probs(ids)
     with torch.no_grad():
         ref = torch.log_softmax(module.model(input_ids=ids).logits.float()[:, :-1], dim=-1)
-    assert torch.equal(logp, ref.gather(-1, ids[:, 1:, None])[..., 0])
-    assert torch.allclose(entropy, -(ref.exp() * ref).sum(-1))
+    # the fused path reduces in another order than log_softmax: equal up to fp32 rounding
+    assert torch.allclose(logp, ref.gather(-1, ids[:, 1:, None])[..., 0], rtol=0, atol=1e-5)
+    assert torch.allclose(entropy, -(ref.exp() * ref).sum(-1), rtol=0, atol=1e-5)
     streamed = HfCheckpointTrainer.open(dirs[name]).log_probs(ids)
     assert torch.equal(streamed[0], logp) and torch.equal(streamed[1], entropy)
 
@@ -116,3 +117,42 @@ def test_a_directory_that_is_no_checkpoint_is_named(tmp_path) -> None:
         HfModuleTrainer.from_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="does not exist"):
         HfCheckpointTrainer.open(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_never_make_the_logits(dirs, temperature) -> None:
+    module = HfModuleTrainer.from_pretrained(dirs["tiny-qwen3"])
+    ids = torch.randint(0, 512, (3, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # the materialized computation, before the hook goes on
+        ref = torch.log_softmax(module.model(input_ids=ids).logits.float()[:, :-1] / temperature, dim=-1)
+    vocab = module.config.vocab_size
+    made: list[tuple[int, ...]] = []
+    hook = module.model.lm_head.register_forward_hook(lambda mod, args, out: made.append(tuple(out.shape)))
+
+    class Shapes(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dim() >= 3 and out.shape[-1] == vocab:
+                made.append(tuple(out.shape))
+            return out
+
+    try:
+        with Shapes():
+            logp, entropy = module.log_probs(ids, temperature=temperature)
+    finally:
+        hook.remove()
+    assert made == []  # no [B, T, V] tensor, and the head's forward never ran
+    assert torch.allclose(logp, ref.gather(-1, ids[:, 1:, None])[..., 0], rtol=0, atol=1e-5)
+    assert torch.allclose(entropy, -(ref.exp() * ref).sum(-1), rtol=0, atol=1e-5)
+
+
+def test_a_model_with_soft_capped_logits_is_scored_from_its_logits(dirs) -> None:
+    module = HfModuleTrainer.from_pretrained(dirs["tiny-qwen3"])
+    module.model.config.final_logit_softcapping = 30.0  # the fused path cannot apply it
+    calls: list[int] = []
+    hook = module.model.lm_head.register_forward_hook(lambda mod, args, out: calls.append(1))
+    try:
+        module.log_probs(torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(3)))
+    finally:
+        hook.remove()
+    assert calls == [1]
