@@ -293,7 +293,8 @@ class AsyncLlmControl:
         self._run(lambda: self.engine.update_weight_version(version))
 
     def weight_version(self) -> str | None:
-        return self._run(self.engine.get_weight_version)  # type: ignore[no-any-return]
+        version = self._run(self.engine.get_weight_version)
+        return None if version is None else str(version)
 
     def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         from vllm import SamplingParams
@@ -302,8 +303,7 @@ class AsyncLlmControl:
         params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0)
         rows = []
         for i, row in enumerate(input_ids.tolist()):
-            final = self._run(lambda row=row, i=i: _last(self.engine.generate(
-                TokensPrompt(prompt_token_ids=row), params, request_id=f"rl-refit-logprobs-{id(self)}-{i}")))
+            final = self._generate(TokensPrompt(prompt_token_ids=row), params, f"rl-refit-logprobs-{id(self)}-{i}")
             per_pos = final.prompt_logprobs[1:]
             rows.append([float(pos[tok].logprob) for tok, pos in zip(row[1:], per_pos, strict=True)])
         return torch.tensor(rows, dtype=torch.float32)
@@ -315,10 +315,13 @@ class AsyncLlmControl:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         out = []
         for i, prompt in enumerate(prompts):
-            final = self._run(lambda prompt=prompt, i=i: _last(self.engine.generate(
-                TokensPrompt(prompt_token_ids=prompt), params, request_id=f"rl-refit-greedy-{id(self)}-{i}")))
+            final = self._generate(TokensPrompt(prompt_token_ids=prompt), params, f"rl-refit-greedy-{id(self)}-{i}")
             out.append(list(final.outputs[0].token_ids))
         return out
+
+    def _generate(self, prompt: Any, params: Any, request_id: str) -> Any:
+        """One request's final output."""
+        return self._run(lambda: _last(self.engine.generate(prompt, params, request_id=request_id)))
 
     def close(self) -> None:
         return None  # the engine is the caller's
@@ -444,7 +447,8 @@ class RayControl:
         self._get(self.actor.update_weight_version.remote(version))
 
     def weight_version(self) -> str | None:
-        return self._get(self.actor.get_weight_version.remote())  # type: ignore[no-any-return]
+        version = self._get(self.actor.get_weight_version.remote())
+        return None if version is None else str(version)
 
     def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         raise NotImplementedError("prompt log-probs through a Ray actor: expose them on the actor, or verify "

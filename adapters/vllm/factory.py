@@ -312,7 +312,7 @@ def attach_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost
                 "reset_running_requests": section.reset_running_requests}
     from adapters.vllm.guardian import Guardian
 
-    return attach(control, expected, bucket_bytes=host.bucket_bytes, settings=settings,  # type: ignore[no-any-return]
+    return attach(control, expected, bucket_bytes=host.bucket_bytes, settings=settings,
                   guard=lambda token: Guardian.start(url, token, section.api_key))
 
 

@@ -69,7 +69,9 @@ class Receiver(Protocol):
     """A bucket transport's receiving end (adapters.distributed: the ring's or the side group's)."""
 
     refit_id: int
-    device: torch.device
+
+    @property
+    def device(self) -> torch.device: ...
 
     def receive(self, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None = None) -> Any: ...
 
@@ -158,7 +160,7 @@ class _GroupReceiver:
 
     @property
     def device(self) -> torch.device:
-        return self.transport.device  # type: ignore[no-any-return]
+        return self.transport.device
 
     def receive(self, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None = None) -> Any:
         return self.transport.receive(consume, allocate=allocate)

@@ -29,7 +29,7 @@ from tests.vllm.servers import ROOT, StreamingClient, server_environment, vllm_s
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_config
+from app.cli.demo_engine import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings
 from domain.errors import RefitFailed, RefitIncomplete
 from domain.quant.plan import QuantizationPlan
@@ -44,8 +44,8 @@ def _settings(preset: str | None) -> EngineDemoSettings:
 
 
 def _config(settings: EngineDemoSettings, url: str | None = None) -> Any:
-    config = engine_config(attrs.evolve(settings, url=url), 0.25)
-    return config
+    # cold starts: two engines starting at once on two loaded cores
+    return with_vllm(engine_config(attrs.evolve(settings, url=url), 0.25), start_timeout_s=900)
 
 
 def _shm_rings() -> set[str]:
@@ -296,30 +296,35 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from adapters.vllm.attached import Expected, attach
 from adapters.vllm.controls import AsyncLlmControl
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_config
+from app.cli.demo_engine import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
 
-model, cache, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-loop = asyncio.new_event_loop()
-threading.Thread(target=loop.run_forever, daemon=True).start()
-args = AsyncEngineArgs(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
-                       seed=0, worker_extension_cls="adapters.vllm.extension.RefitWorkerExtension",
-                       weight_transfer_config={"backend": "rl_refit"})
-async def make():
-    return AsyncLLM.from_engine_args(args)
-llm = asyncio.run_coroutine_threadsafe(make(), loop).result()
-settings = EngineDemoSettings(deployment="attached", plan=QuantizationPlan.from_presets(None, None), model="micro-dense")
-services = bootstrap(engine_config(settings, 0.25))
-trainer = services.trainer_model()
-engine = attach(AsyncLlmControl(llm, loop), Expected(), bucket_bytes=services.bucket_bytes, settings={})
-svc = services.refit_service(engine=engine, trainer=trainer)
-comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, work, cache)
-trainer.perturb_(1, 0.02)
-record = comparer.compare(engine, trainer, svc.refit(), 1)
-engine.close()
-llm.shutdown()
-print("RESULT " + json.dumps({"equals_cold_start": record.equals_cold_start, "record": str(record)}), flush=True)
+def main():
+    model, cache, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    args = AsyncEngineArgs(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+                           seed=0, worker_extension_cls="adapters.vllm.extension.RefitWorkerExtension",
+                           weight_transfer_config={"backend": "rl_refit"})
+    async def make():
+        return AsyncLLM.from_engine_args(args)
+    llm = asyncio.run_coroutine_threadsafe(make(), loop).result()
+    settings = EngineDemoSettings(deployment="attached", plan=QuantizationPlan.from_presets(None, None), model="micro-dense")
+    services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900))
+    trainer = services.trainer_model()
+    engine = attach(AsyncLlmControl(llm, loop), Expected(), bucket_bytes=services.bucket_bytes, settings={})
+    svc = services.refit_service(engine=engine, trainer=trainer)
+    comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, work, cache)
+    trainer.perturb_(1, 0.02)
+    record = comparer.compare(engine, trainer, svc.refit(), 1)
+    engine.close()
+    llm.shutdown()
+    print("RESULT " + json.dumps({"equals_cold_start": record.equals_cold_start, "record": str(record)}), flush=True)
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with spawn
+    main()
 """
 
 
