@@ -148,14 +148,16 @@ class AttachedWorkers(WorkerQueries):
     Attributes:
         control: the engine's control plane.
         bucket_bytes: the bucket capacity.
-        transport: how buckets travel: "shm" (the ring: the engine runs on this host) or "gloo".
+        transport: how buckets travel (rollout.engine_kwargs.vllm.transport): shm, gloo, nccl,
+            cuda_ipc, or auto (by where the trainer's tensors and the workers live,
+            domain.refit.transport_choice).
         pause_mode: how generation pauses around a refit: keep (in-flight requests freeze and
             continue after it), abort or wait.
         reset_running_requests: also drop the KV of requests in flight (their continuation is then
             computed with the new weights: on-policy).
         timeout_s: bound on joining and on every wait of a stream.
         slot_bytes: shm: bytes of each of the ring's slots.
-        host: gloo: the address the side group's store listens on.
+        host: gloo, nccl: the address the side group's store listens on (reachable by the workers).
         token: this trainer's session token (fresh per engine).
     """
 
@@ -170,6 +172,9 @@ class AttachedWorkers(WorkerQueries):
     token: str = attrs.field(factory=lambda: secrets.token_hex(16))
     workers: int = 1
     guardian: Any = None  # adapters.vllm.guardian.Guardian: resumes the server if this trainer dies mid-refit
+    source_device: str = "cpu"  # where the trainer's tensors live (the transport's choice)
+    receiver_device: str = "cpu"  # where the workers' weights live
+    _link: Any = attrs.field(init=False, default=None)
     _sender: Any = attrs.field(init=False, default=None)
     _stream: Any = attrs.field(init=False, default=None)
     _update: _Update | None = attrs.field(init=False, default=None)
@@ -223,23 +228,34 @@ class AttachedWorkers(WorkerQueries):
     # --- the refit steps (VllmWorkers) ----------------------------------------------------------
 
     def _init_transfer(self) -> None:
+        """Offer the transport, hand its rendezvous and the session token to every worker (vLLM's
+        `init_weight_transfer_engine`, in a thread: a side group's workers wait in it until this
+        end joins), and accept them."""
+        from adapters.distributed.transports import offer_transport
         from adapters.vllm.session import InitInfo
+        from domain.refit.transport_choice import choose_transport
 
-        if self.transport != "shm":
-            raise ServerMismatch(f"transport {self.transport!r} to an attached engine: only shm (the engine on "
-                                 "this host) is wired here; set rollout.engine_kwargs.vllm.transport=shm")
-        from adapters.distributed.shm_transport import ShmSource
-
-        source = ShmSource.serve(self.workers, slot_bytes=min(self.bucket_bytes, self.slot_bytes),
-                                 timeout_s=self.timeout_s)
+        choice = choose_transport(self.transport, source_device=self.source_device,
+                                  receiver_device=self.receiver_device, same_host=self.control.same_host,
+                                  config_key="rollout.engine_kwargs.vllm.transport")
+        offer = offer_transport(choice.name, self.workers, self.bucket_bytes, timeout_s=self.timeout_s,
+                                host=self.host, slot_bytes=self.slot_bytes)
+        info = InitInfo(self.token, rl_refit_version(), choice.name, offer.rendezvous, self.bucket_bytes,
+                        self.timeout_s)
+        init = _Update(lambda: self.control.init_weight_transfer_engine(attrs.asdict(info)))
         try:
-            info = InitInfo(self.token, rl_refit_version(), "shm", source.rendezvous.to_dict(), self.bucket_bytes,
-                            self.timeout_s)
-            self.control.init_weight_transfer_engine(attrs.asdict(info))
-        except BaseException:
-            source.close()
-            raise
-        self._sender = source.accept()
+            link = offer.accept()
+        except BaseException as err:
+            offer.close()
+            failed = init.wait(self.timeout_s)
+            raise self._worker_error(failed) from err if failed is not None else err
+        failed = init.wait(self.timeout_s)
+        if failed is not None:
+            link.close()
+            raise self._worker_error(failed) from None
+        self._link, self._sender = link, link.transport
+        log.info("attached: the workers joined the transport", transport=choice.name, reason=choice.reason,
+                 workers=self.workers)
 
     def begin(self) -> None:
         from adapters.vllm.remote import _Stream
@@ -331,9 +347,9 @@ class AttachedWorkers(WorkerQueries):
 
     def close(self) -> None:
         """Let go of the server (it keeps running): end the transport, resume if this trainer paused it."""
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            sender.close()
+        link, self._link, self._sender = self._link, None, None
+        if link is not None:
+            link.close()
         if self._paused:
             with contextlib.suppress(Exception):
                 self._resume()
@@ -379,6 +395,7 @@ def attach(control: EngineControl, expected: Expected, *, bucket_bytes: int, set
     infos = probe(control, expected)
     token = secrets.token_hex(16)
     workers = AttachedWorkers(control, bucket_bytes, workers=len(infos), token=token,
-                              guardian=None if guard is None else guard(token), **dict(settings))
+                              guardian=None if guard is None else guard(token),
+                              receiver_device=torch.device(infos[0].device).type, **dict(settings))
     return VllmRolloutEngine(workers, log_prob_fn=ControlLogProbs(control), greedy_fn=ControlGreedy(control),
                              restores=True, serves_from_start=infos[0].weights == "checkpoint")

@@ -45,6 +45,11 @@ class EngineControl(Protocol):
         """The engine, in words, for messages (its URL, "an AsyncLLM", ...)."""
         ...
 
+    @property
+    def same_host(self) -> bool:
+        """The engine's workers run on this host (a ring or CUDA IPC can reach them)."""
+        ...
+
     def collective_rpc(self, method: str, request: dict[str, Any]) -> list[Any]:
         """Every worker's answer to the worker-extension method `method` with `request`."""
         ...
@@ -105,6 +110,11 @@ class HttpControl:
     @property
     def where(self) -> str:
         return f"the vLLM server at {self.url}"
+
+    @property
+    def same_host(self) -> bool:
+        host = urllib.parse.urlsplit(self.url).hostname or ""
+        return host in ("localhost", "::1") or host.startswith("127.")
 
     # --- requests ---
 
@@ -246,6 +256,8 @@ class AsyncLlmControl:
     def where(self) -> str:
         return "the AsyncLLM engine"
 
+    same_host = True  # its engine core and workers are this process's children
+
     def _run(self, coro_fn: Callable[[], Any]) -> Any:
         try:
             running = asyncio.get_running_loop()
@@ -348,6 +360,8 @@ class LlmControl:
     def where(self) -> str:
         return "the in-process vLLM LLM"
 
+    same_host = True
+
     def collective_rpc(self, method: str, request: dict[str, Any]) -> list[Any]:
         return list(self.llm.collective_rpc(method, args=(request,)))
 
@@ -407,6 +421,8 @@ class RayControl:
     @property
     def where(self) -> str:
         return f"the Ray actor {self.actor!r}"
+
+    same_host: bool = False  # a Ray actor may run on any node: say True when it runs on this one
 
     def _get(self, ref: Any) -> Any:
         import ray

@@ -199,7 +199,7 @@ class RefitWorkerExtension:
         weights = "dummy" if str(getattr(load, "value", load)) == "dummy" else "checkpoint"
         return p.InfoReply(rl_refit_version(), self._rl_refit_session() is not None, int(getattr(self, "rank", 0)),
                            int(config.parallel_config.world_size), str(model.model),
-                           getattr(model, "quantization", None), weights)
+                           getattr(model, "quantization", None), weights, str(self._rl_refit_state().device))
 
     def _rl_refit_on_report(self) -> p.ReportReply:
         session = self._rl_refit_required_session()

@@ -308,8 +308,12 @@ def attach_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost
     expected = Expected(model=start.model_path or None, quantization=kwargs.get("quantization"),
                         server_flags=server_flags(kwargs))
     control = HttpControl(url, timeout_s=float(section.start_timeout_s) + 600.0, api_key=section.api_key)
+    import torch
+
+    # the trainer's tensors are on its GPU when it has one (the transport's `auto` choice reads it)
     settings = {"transport": section.transport, "pause_mode": section.pause_mode,
-                "reset_running_requests": section.reset_running_requests}
+                "reset_running_requests": section.reset_running_requests,
+                "source_device": "cuda" if torch.cuda.is_available() else "cpu"}
     from adapters.vllm.guardian import Guardian
 
     return attach(control, expected, bucket_bytes=host.bucket_bytes, settings=settings,

@@ -419,6 +419,7 @@ class InfoReply(Record):
     model: str = attrs.field(converter=str)
     quantization: str | None = attrs.field(converter=lambda v: None if v is None else str(v))
     weights: str = attrs.field(converter=str, default="checkpoint")  # "dummy": started without weights
+    device: str = attrs.field(converter=str, default="cpu")  # where the worker's weights live
 
 
 @attrs.frozen

@@ -43,6 +43,7 @@ from adapters.vllm.errors import SessionRefused
 from adapters.vllm.worker import FinalizeStats, WorkerRefit
 from domain.errors import EngineStale, RefitLifecycleError, WireProtocolError
 from domain.refit.buckets import Bucket, unpack_bucket
+from domain.refit.transport_choice import TRANSPORTS
 
 log = structlog.get_logger()
 
@@ -87,7 +88,8 @@ class InitInfo:
     Attributes:
         token: the trainer's session token (hex).
         version: the trainer's rl-refit version; the worker refuses another.
-        transport: "shm" (the ring on this host) or "gloo"/"nccl" (a side group).
+        transport: shm (the ring on this host), cuda_ipc (the trainer's GPU buffers on this host),
+            gloo or nccl (a side group); adapters.distributed.transports builds each.
         rendezvous: where the transport is found (ShmRendezvous or side_group.Rendezvous, as dict).
         bucket_bytes: the bucket capacity.
         timeout_s: bound on joining and on every wait of a stream.
@@ -96,7 +98,7 @@ class InitInfo:
 
     token: str = attrs.field(converter=str)
     version: str = attrs.field(converter=str)
-    transport: str = attrs.field(converter=str, validator=attrs.validators.in_(("shm", "gloo", "nccl")))
+    transport: str = attrs.field(converter=str, validator=attrs.validators.in_(TRANSPORTS))
     rendezvous: dict[str, Any] = attrs.field(converter=dict)
     bucket_bytes: int = attrs.field(converter=int)
     timeout_s: float = attrs.field(converter=float, default=120.0)
@@ -130,46 +132,37 @@ class UpdateInfo:
 
 def join(info: InitInfo, rank: int) -> Receiver:
     """The receiving end of the trainer's transport, as worker `rank` (1 and up)."""
-    if info.transport == "shm":
-        from adapters.distributed.shm_transport import ShmRendezvous, connect
+    from adapters.distributed.transports import join_transport
 
-        return connect(ShmRendezvous.from_dict(info.rendezvous), rank, info.bucket_bytes)
-    from adapters.distributed.side_group import Rendezvous, SideGroup
-    from adapters.distributed.transport import TorchDistTransport
-
-    group = SideGroup.join(Rendezvous.from_dict(info.rendezvous), rank)
-    transport = TorchDistTransport(group, source=0, rank=rank, peers=group.ranks, bucket_bytes=info.bucket_bytes,
-                                   timeout_s=info.timeout_s, device=group.device)
-    return _GroupReceiver(transport, group)
+    return _Linked(join_transport(info.transport, info.rendezvous, rank, info.bucket_bytes))
 
 
 @attrs.define
-class _GroupReceiver:
-    """A side group's transport, closed with its group."""
+class _Linked:
+    """A transport's receiving end and what closes it (adapters.distributed.transports.TransportLink)."""
 
-    transport: Any
-    group: Any
+    link: Any
 
     @property
     def refit_id(self) -> int:
-        return int(self.transport.refit_id)
+        return int(self.link.transport.refit_id)
 
     @refit_id.setter
     def refit_id(self, value: int) -> None:
-        self.transport.refit_id = value
+        self.link.transport.refit_id = value
 
     @property
     def device(self) -> torch.device:
-        return self.transport.device
+        return torch.device(self.link.transport.device)
 
     def receive(self, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None = None) -> Any:
-        return self.transport.receive(consume, allocate=allocate)
+        return self.link.transport.receive(consume, allocate=allocate)
 
     def forget_layout(self) -> None:
-        self.transport.forget_layout()
+        self.link.transport.forget_layout()
 
     def close(self) -> None:
-        self.group.close()
+        self.link.close()
 
 
 @attrs.define
@@ -182,7 +175,8 @@ class WorkerSession:
         reload_from_disk: puts the server's own checkpoint back (vLLM's `reload_weights` from the
             model path it started with); None when it started with dummy weights.
         joiner: joins a transport (tests replace it).
-        allocate: a receive buffer of n bytes (huge pages on CPU).
+        allocate: a receive buffer of n bytes of its own (huge pages on CPU); None: a plain tensor
+            on the transport's device.
     """
 
     refit: WorkerRefit
@@ -275,8 +269,10 @@ class WorkerSession:
             self.received.append(bucket)  # its buffer is this worker's own: kept, and loaded without a copy
             loaded += self.refit.load(list(unpack_bucket(bucket)), True)
 
+        # each bucket in a buffer of its own: kept as the backup, never overwritten by the next stream
+        allocate = self.allocate or (lambda n: torch.empty(n, dtype=torch.uint8, device=receiver.device))
         try:
-            receiver.receive(consume, allocate=self.allocate)
+            receiver.receive(consume, allocate=allocate)
         except BaseException as err:
             self._failed(f"receiving refit {info.refit_id}", err)
             raise

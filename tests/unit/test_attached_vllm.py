@@ -44,6 +44,7 @@ class FakeServer:
     (EngineControl). Worker calls cross as JSON text, as over vLLM's HTTP `/collective_rpc`."""
 
     where = "the fake server"
+    same_host = True
 
     def __init__(self, models: list[FakeVllmModel], *, from_disk: bool = True, version: str | None = None) -> None:
         cls = fake_worker_class(RefitWorkerExtension)
@@ -340,5 +341,38 @@ def test_two_workers_receive_one_ring_and_both_restore() -> None:
         assert _failed(_service(engine, seed=1)).outcome is RefitOutcome.ROLLED_BACK
         assert _equal(_weights(models[0]), live) and _equal(_weights(models[1]), live)
         assert not server.paused
+    finally:
+        engine.close()
+
+
+@pytest.mark.distributed
+def test_a_side_group_carries_the_buckets_when_the_ring_cannot() -> None:
+    """transport=gloo: the workers wait in init until the trainer joins (init runs in a thread)."""
+    model = FakeVllmModel()
+    server = FakeServer([model])
+    engine = attach(server, Expected(), bucket_bytes=1 << 20, settings={"timeout_s": 60.0, "transport": "gloo"})
+    try:
+        assert _service(engine).refit().ok
+        live = _weights(model)
+        model.fail_at_call = model.load_calls
+        assert _failed(_service(engine, seed=1)).outcome is RefitOutcome.ROLLED_BACK
+        assert _equal(_weights(model), live)
+        model.fail_at_call = None
+        assert _service(engine, seed=2).refit().ok
+    finally:
+        engine.close()
+
+
+def test_a_transport_that_cannot_reach_the_workers_is_refused_naming_the_key() -> None:
+    from domain.errors import ConfigError
+
+    server = FakeServer([FakeVllmModel()])
+    engine = attach(server, Expected(), bucket_bytes=1 << 20, settings={"transport": "cuda_ipc"})
+    try:
+        with pytest.raises(RefitFailed) as info:
+            _service(engine).refit()
+        assert isinstance(info.value.__cause__, ConfigError)
+        assert "rollout.engine_kwargs.vllm.transport" in str(info.value)
+        assert not server.paused  # refused before anything was touched; the server serves on
     finally:
         engine.close()
