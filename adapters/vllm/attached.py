@@ -245,10 +245,12 @@ class AttachedWorkers(WorkerQueries):
         init = _Update(lambda: self.control.init_weight_transfer_engine(attrs.asdict(info)))
         try:
             link = offer.accept()
-        except BaseException as err:
+        except BaseException:
             offer.close()
             failed = init.wait(self.timeout_s)
-            raise self._worker_error(failed) from err if failed is not None else err
+            if failed is not None:  # the workers' own error says why they never joined
+                raise self._worker_error(failed) from None
+            raise
         failed = init.wait(self.timeout_s)
         if failed is not None:
             link.close()
