@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from adapters.distributed.shm_transport import _CHUNK, _HELLO, _MAGIC, ShmRendezvous, ShmSource, ShmTransport
+from adapters.distributed.shm_transport import _CHUNK, ShmRendezvous, ShmSource, ShmTransport
 
 DEFAULT_SLOTS = 2
 
@@ -180,7 +180,7 @@ def connect(rendezvous: CudaIpcRendezvous, rank: int, bucket_bytes: int,
     try:
         sock.settimeout(rv.timeout_s)
         sock.connect(rv.socket_path)
-        sock.sendall(_HELLO.pack(_MAGIC, rank))
+        sock.sendall(rv.hello(rank))
     except BaseException:
         sock.close()
         raise

@@ -24,7 +24,9 @@ expected one raises WireProtocolError, after which the receiver refuses every la
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
+import secrets
 import shutil
 import socket
 import struct
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import structlog
 import torch
 
 from adapters.distributed.receiving import consume_draining
@@ -58,6 +61,8 @@ from domain.errors import (
 from domain.refit.buckets import Bucket
 from domain.refit.status import TransferStats
 
+log = structlog.get_logger()
+
 DEFAULT_SLOTS = 4
 DEFAULT_SLOT_BYTES = 32 << 20
 _RING = "ring"
@@ -68,7 +73,7 @@ _MAGIC = b"RFSH"
 _FRAME, _CHUNK = 1, 2  # a wire Header (and its metadata or text) / a filled slot
 _CHUNK_BODY = struct.Struct("<QQQ")  # the slot's sequence number, its offset in the bucket, its bytes
 _ACK = struct.Struct("<Q")  # receiver -> source: the sequence number of the slot it released
-_HELLO = struct.Struct("<4sQ")  # receiver -> source, once: magic and rank
+_HELLO = struct.Struct("<4sQ16s")  # receiver -> source, once: magic, rank and the ring's token
 _HEADER_BYTES = HEADER_WORDS * 8
 
 
@@ -94,6 +99,9 @@ class ShmRendezvous:
         slot_bytes: bytes of each slot.
         receivers: how many receivers the source waits for.
         timeout_s: bound on connecting and on every wait.
+        token: what a receiver proves itself with (hex, 16 bytes): only those who were handed the
+            rendezvous know it. The socket's directory is private (0700) too, but a process of the
+            same user could still connect first.
     """
 
     directory: str
@@ -101,6 +109,7 @@ class ShmRendezvous:
     slot_bytes: int
     receivers: int
     timeout_s: float = 60.0
+    token: str = attrs.field(factory=lambda: secrets.token_hex(16))
 
     def __attrs_post_init__(self) -> None:
         if self.slots < 1 or self.slot_bytes < 1 or self.receivers < 1:
@@ -117,6 +126,24 @@ class ShmRendezvous:
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
+
+    def hello(self, rank: int) -> bytes:
+        """What a receiver of `rank` says first on the socket."""
+        return _HELLO.pack(_MAGIC, rank, bytes.fromhex(self.token))
+
+    def refusal(self, data: bytes, taken: Iterable[int]) -> str | None:
+        """Why a receiver's hello is refused (None: it is accepted): not the protocol, not the ring's
+        token, a rank outside 1..receivers, or a rank another receiver already holds."""
+        magic, rank, token = _HELLO.unpack(data)
+        if magic != _MAGIC:
+            return "a malformed hello (not this protocol)"
+        if not hmac.compare_digest(token, bytes.fromhex(self.token)):
+            return f"a hello of rank {rank} without the ring's token"
+        if not 1 <= rank <= self.receivers:
+            return f"rank {rank}, outside 1..{self.receivers}"
+        if rank in set(taken):
+            return f"rank {rank} again"
+        return None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShmRendezvous:
@@ -182,11 +209,15 @@ class ShmSource:
         return cls(rv, ring, listener)
 
     def accept(self, timeout_s: float | None = None) -> ShmTransport:
-        """Wait for every receiver to connect and say its rank, then remove the directory (the
-        ring lives on in the mappings). Raises CollectiveTimeout when one does not come in time."""
+        """Wait for every receiver to connect and prove itself (the ring's token, a rank in
+        1..receivers, each rank once), then remove the directory (the ring lives on in the
+        mappings). A connection that does not prove itself is closed and the wait goes on: an
+        impostor cannot take a receiver's place. Raises CollectiveTimeout when the receivers do
+        not all come in time (naming how many were refused)."""
         rv = self.rendezvous
         wait = rv.timeout_s if timeout_s is None else timeout_s
         peers: dict[int, socket.socket] = {}
+        refused: list[str] = []
         deadline = time.monotonic() + wait
         try:
             while len(peers) < rv.receivers:
@@ -194,19 +225,24 @@ class ShmSource:
                 try:
                     conn, _ = self.listener.accept()
                 except TimeoutError as err:
+                    extra = f"; refused: {', '.join(refused)}" if refused else ""
                     raise CollectiveTimeout(0, f"the shared-memory ring's receivers connecting ({len(peers)} of "
-                                               f"{rv.receivers} came)", wait, tuple(sorted(peers))) from err
-                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                                               f"{rv.receivers} came{extra})", wait, tuple(sorted(peers))) from err
+                conn.settimeout(max(min(deadline - time.monotonic(), 10.0), 0.001))
                 try:
-                    magic, rank = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-                except (TimeoutError, ConnectionError, EOFError) as err:
+                    data = _recv_exact(conn, _HELLO.size)
+                except (TimeoutError, ConnectionError, EOFError, OSError) as err:
                     conn.close()
-                    raise PeerLost(f"a receiver of the shared-memory ring connected but did not say its rank: {err}") from err
-                if magic != _MAGIC or rank in peers or rank < 1:
+                    refused.append(f"a connection that said nothing ({type(err).__name__})")
+                    continue
+                why = rv.refusal(data, peers)
+                if why is not None:
                     conn.close()
-                    raise WireProtocolError(f"a receiver of the shared-memory ring sent a malformed hello (rank {rank})")
+                    refused.append(why)
+                    log.warning("the shared-memory ring refused a receiver", why=why)
+                    continue
                 conn.settimeout(rv.timeout_s)
-                peers[rank] = conn
+                peers[_HELLO.unpack(data)[1]] = conn
         except BaseException:
             for conn in peers.values():
                 conn.close()
@@ -240,7 +276,7 @@ def connect(rendezvous: ShmRendezvous, rank: int, bucket_bytes: int) -> ShmTrans
     try:
         sock.settimeout(rv.timeout_s)
         sock.connect(rv.socket_path)
-        sock.sendall(_HELLO.pack(_MAGIC, rank))
+        sock.sendall(rv.hello(rank))
     except BaseException:
         sock.close()
         raise

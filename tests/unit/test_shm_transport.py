@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
+import structlog.testing
 import torch
 
 from adapters.distributed.receiving import receive_buffer
@@ -254,14 +256,50 @@ def test_a_ring_of_another_size_is_refused(tmp_path: Path) -> None:
     source.close()
 
 
-def test_a_stranger_on_the_socket_is_refused() -> None:
-    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=5)
+def _stranger(source: ShmSource, hello: bytes) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(source.rendezvous.socket_path)
-    s.sendall(b"GET / HTTP/1.1\r\n\r\n")
-    with pytest.raises(WireProtocolError, match="malformed hello"):
+    s.sendall(hello)
+    return s
+
+
+@pytest.mark.parametrize(("hello", "why"), [
+    (b"GET / HTTP/1.1\r\n\r\n" + bytes(10), "malformed hello"),
+    (b"RFSH" + (1).to_bytes(8, "little") + bytes(16), "without the ring's token"),
+])
+def test_a_stranger_on_the_socket_is_refused_and_the_real_receiver_still_joins(hello: bytes, why: str) -> None:
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=30)
+    stranger = _stranger(source, hello)  # connects first, as an impostor of the same user could
+    end = connect(source.rendezvous, 1, BUCKET)
+    with structlog.testing.capture_logs() as logs:
+        transport = source.accept()
+    assert transport.peers == (0, 1)
+    assert any(why in str(e.get("why")) for e in logs), logs
+    assert stranger.recv(1) == b""  # its connection was closed
+    stranger.close()
+    end.close()
+    transport.close()
+
+
+def test_a_rank_beyond_the_receiver_count_is_refused() -> None:
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=30)
+    intruder = _stranger(source, source.rendezvous.hello(99))  # knows the token, claims a rank that is not there
+    end = connect(source.rendezvous, 1, BUCKET)
+    with structlog.testing.capture_logs() as logs:
+        transport = source.accept()
+    assert transport.peers == (0, 1)
+    assert any("rank 99, outside 1..1" in str(e.get("why")) for e in logs), logs
+    intruder.close()
+    end.close()
+    transport.close()
+
+
+def test_receivers_refused_are_named_when_the_real_ones_never_come() -> None:
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=1.0)
+    stranger = _stranger(source, b"RFSH" + (1).to_bytes(8, "little") + bytes(16))
+    with pytest.raises(CollectiveTimeout, match="refused: a hello of rank 1 without the ring's token"):
         source.accept()
-    s.close()
+    stranger.close()
 
 
 def test_a_ring_that_cannot_be_made_says_where_and_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
