@@ -44,6 +44,7 @@ HOST = textwrap.dedent("""
         error = ErrorReply("RuntimeError", "wrapper").to_plain()
         channel.send(Hello(spec["token"], os.getpid(), error=error).to_plain())
         sys.exit(1)
+    open(os.path.join(spec["private_dir"], "ipc-socket"), "w").write("")  # where vLLM's IPC sockets go
     channel.send(Hello(spec["token"], os.getpid(), [ReadyReply(0, "cpu", os.getpid()).to_plain()]).to_plain())
     while True:
         message = channel.receive(None)
@@ -222,3 +223,27 @@ def test_an_engine_that_does_not_start_leaves_no_model_directory_behind(deployme
         build_vllm_engine(services.config.rollout.engine_kwargs.vllm, engine_start(services, "vllm"), host,
                           deployment=deployment)
     assert len(made) == 1 and made[0].parent == tmp_path and not made[0].exists()
+
+
+def test_the_engines_temporary_files_go_into_a_directory_of_its_own_removed_with_it(fake_host) -> None:  # type: ignore[no-untyped-def]
+    start, _ = fake_host
+    process = start("serve")
+    assert process.reaper is not None and process.reaper.private_dir is not None
+    private = process.reaper.private_dir
+    assert (private / "ipc-socket").exists()  # the host's files landed there, not in the temp directory
+    process.close()
+    assert not private.exists()
+
+
+def test_a_worker_error_keeps_the_log_the_error_may_name(fake_host) -> None:  # type: ignore[no-untyped-def]
+    from adapters.vllm.protocol import Abort
+    from domain.errors import TransportAborted
+
+    start, tmp = fake_host
+    process = start("serve")
+    with pytest.raises(TransportAborted):
+        process.workers_call(Abort())
+    process.close()
+    assert process.proc.returncode == 0  # a clean shutdown, yet
+    assert (tmp / "host.log").exists()  # kept: a worker failed on this engine
+
