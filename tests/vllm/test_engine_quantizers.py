@@ -116,7 +116,9 @@ def test_nvfp4_per_token_activations_follow_vllms_per_token_scale_and_ref_nvfp4_
     # vLLM's per-token NVFP4 experts (quantize_nvfp4_per_token_input) hand FlashInfer the base scale
     # NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE: the decode scale is amax * base, the encode scale its
     # reciprocal, and each 1 x 16 block is scaled as ref_nvfp4_quant scales it with that encode scale.
-    from vllm.model_executor.layers.quantization.utils.flashinfer_utils import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE
+    from vllm.model_executor.layers.quantization.utils.flashinfer_utils import (
+        NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE,
+    )
 
     x = _activations(3)
     ours = fake_quantize_activation(ActivationScheme.NVFP4_PER_TOKEN, x, numerics=ENGINE)
