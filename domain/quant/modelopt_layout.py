@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-LAYOUT = "modelopt-nvfp4"
+LAYOUT = "modelopt-nvfp4"  # domain.quant.support.MODELOPT_NVFP4
 QUANT_METHOD = "modelopt"
 QUANT_ALGO = "NVFP4"
 GROUP_SIZE = 16

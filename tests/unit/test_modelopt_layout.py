@@ -3,12 +3,14 @@ decode scale, the config vLLM reads). Against vLLM's own quantizer: tests/vllm/t
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
 from domain.quant import modelopt_layout as mo
 from domain.quant.codecs import nvfp4_global_scale, quantize_weight
 from domain.quant.formats import NVFP4
+from domain.quant.plan import QuantizationPlan
 
 
 def test_tensors_keep_the_codes_and_store_the_decode_scale() -> None:
@@ -40,3 +42,62 @@ def test_config_is_modelopts_nvfp4_with_the_bf16_modules_excluded() -> None:
     assert qc == {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
                   "ignore": ["lm_head", "model.layers.0.self_attn.q_proj"], "kv_cache_scheme": None}
     assert mo.PER_TOKEN_OVERRIDE == {"moe": {"activation": "nvfp4_per_token"}}
+
+
+def _moe(layers: int = 2, experts: int = 2) -> list[tuple[str, torch.Tensor]]:
+    out = [("model.embed_tokens.weight", torch.randn(128, 64))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.self_attn.q_proj.weight", torch.randn(64, 64)), (f"{p}.mlp.gate.weight", torch.randn(experts, 64))]
+        out += [(f"{p}.mlp.experts.{e}.{n}_proj.weight", torch.randn(*s) * (e + 1)) for e in range(experts)
+                for n, s in (("gate", (32, 64)), ("up", (32, 64)), ("down", (64, 32)))]
+    return out + [("lm_head.weight", torch.randn(128, 64))]
+
+
+def test_the_stream_writes_vllms_per_token_nvfp4_experts_in_modelopts_layout() -> None:
+    from adapters.compressed_tensors.quantization_config import NUMERICS_KEY, engine_quantization_config
+    from app.services.planning import bf16_linear_modules
+    from domain.quant.stream import checkpoint_specs, quantize_stream
+    from tests.dispatching import DispatchInput, resolve
+
+    model = _moe()
+    ignore = ("re:.*layers\\.0\\..*",)  # the first layer BF16, as with first_last_layers_bf16
+    res = resolve(DispatchInput(engine="vllm", requested=QuantizationPlan.from_presets(moe="NVFP4", ignore=ignore)))
+    plan = res.plan
+    out = dict(quantize_stream(plan, model))
+    ct = dict(quantize_stream(attrs.evolve(plan, expert_layout="compressed-tensors"), model))
+    e1 = "model.layers.1.mlp.experts.1"
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        m = f"{e1}.{proj}"
+        assert torch.equal(out[f"{m}.weight"], ct[f"{m}.weight_packed"])
+        assert torch.equal(out[f"{m}.weight_scale"].view(torch.uint8), ct[f"{m}.weight_scale"].view(torch.uint8))
+        assert torch.equal(out[f"{m}.weight_scale_2"], (1.0 / ct[f"{m}.weight_global_scale"]).reshape(()))
+    assert torch.equal(out[f"{e1}.gate_proj.weight_scale_2"], out[f"{e1}.up_proj.weight_scale_2"])
+    assert out["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.float32  # ignored: BF16 source as is
+    assert out["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float32  # Linear layers unquantized
+    # the names and shapes are known before anything is computed
+    specs = [sp for n, t in model for sp in checkpoint_specs(plan, n, tuple(t.shape), t.dtype)]
+    assert [(sp.name, sp.shape, sp.dtype) for sp in specs] == [(n, tuple(t.shape), t.dtype) for n, t in out.items()]
+    # the config: ModelOpt NVFP4, every BF16 Linear and the BF16 experts layer excluded
+    kept = bf16_linear_modules(plan, [(n, tuple(t.shape)) for n, t in model])
+    qc = engine_quantization_config(res, kept)
+    assert qc is not None and qc.pop(NUMERICS_KEY)
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "NVFP4"
+    assert {"model.layers.0.mlp.experts", "model.layers.1.self_attn.q_proj", "lm_head"} <= set(qc["ignore"])
+    assert not any(i.startswith("model.layers.1.mlp.experts") for i in qc["ignore"])
+
+
+def test_vllm_starts_modelopt_checkpoints_with_the_per_token_expert_override() -> None:
+    from adapters.vllm.factory import vllm_engine_kwargs
+    from adapters.vllm.profile import BACKEND_POLICY
+    from domain.quant.backend_policy import decide_backends
+
+    plan = QuantizationPlan.from_presets(moe="NVFP4")
+    decision = decide_backends(BACKEND_POLICY, plan, (10, 0), layout=mo.LAYOUT)
+    kwargs = vllm_engine_kwargs(mo.quantization_config(["lm_head"]), decision)
+    assert kwargs["quantization"] == "modelopt"
+    assert kwargs["quantization_config"] == {"moe": {"activation": "nvfp4_per_token"}}
+    assert kwargs["hf_overrides"]["quantization_config"]["quant_algo"] == "NVFP4"
+    assert "TRT-LLM" in decision.moe.reason and decision.moe.backend == "auto"
+    ct = vllm_engine_kwargs({"quant_method": "compressed-tensors"}, decision)
+    assert "quantization_config" not in ct
