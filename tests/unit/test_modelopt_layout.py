@@ -51,7 +51,7 @@ def _moe(layers: int = 2, experts: int = 2) -> list[tuple[str, torch.Tensor]]:
         out += [(f"{p}.self_attn.q_proj.weight", torch.randn(64, 64)), (f"{p}.mlp.gate.weight", torch.randn(experts, 64))]
         out += [(f"{p}.mlp.experts.{e}.{n}_proj.weight", torch.randn(*s) * (e + 1)) for e in range(experts)
                 for n, s in (("gate", (32, 64)), ("up", (32, 64)), ("down", (64, 32)))]
-    return out + [("lm_head.weight", torch.randn(128, 64))]
+    return [*out, ("lm_head.weight", torch.randn(128, 64))]
 
 
 def test_the_stream_writes_vllms_per_token_nvfp4_experts_in_modelopts_layout() -> None:
