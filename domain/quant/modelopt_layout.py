@@ -67,16 +67,36 @@ def rename(name: str) -> str:
     return f"{module}.{LOCAL_NAMES[local]}" if module and local in LOCAL_NAMES else name
 
 
+# Fused modules vLLM builds from several checkpoint modules, by the members' local names. vLLM's
+# exclusion matches a fused module only through the model's `packed_modules_mapping`, which some
+# models leave without gate_up_proj (Qwen3-MoE), so the fused name is listed too.
+FUSED: Mapping[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def with_fused_names(modules: Iterable[str]) -> list[str]:
+    """`modules`, plus the fused module (`...qkv_proj`, `...gate_up_proj`) of every group whose
+    members are all there."""
+    names = list(dict.fromkeys(modules))
+    present = set(names)
+    for m in list(names):
+        prefix, _, local = m.rpartition(".")
+        for fused, members in FUSED.items():
+            if local == members[0] and all(f"{prefix}.{x}" in present for x in members):
+                names.append(f"{prefix}.{fused}")
+    return names
+
+
 def quantization_config(exclude_modules: Iterable[str]) -> dict[str, Any]:
     """config.json's `quantization_config` for NVFP4 experts in ModelOpt's layout.
 
     Args:
         exclude_modules: every module kept in BF16 (dense Linear layers, `lm_head`, the routers, and
             the experts layer `model.layers.N.mlp.experts` of a layer whose experts stay BF16).
-            vLLM matches them exactly, as substrings and as fnmatch patterns.
+            vLLM matches them exactly, as substrings and as fnmatch patterns; fused modules whose
+            members are all listed are added (`with_fused_names`).
 
     Returns:
         The dict vLLM's ModelOptNvFp4Config reads (its config.json form: `quant_algo`, `ignore`).
     """
     return {"quant_method": QUANT_METHOD, "quant_algo": QUANT_ALGO, "group_size": GROUP_SIZE,
-            "ignore": sorted(set(exclude_modules)), "kv_cache_scheme": None}
+            "ignore": sorted(set(with_fused_names(exclude_modules))), "kv_cache_scheme": None}

@@ -41,6 +41,12 @@ def test_config_is_modelopts_nvfp4_with_the_bf16_modules_excluded() -> None:
     qc = mo.quantization_config(["lm_head", "model.layers.0.self_attn.q_proj", "lm_head"])
     assert qc == {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
                   "ignore": ["lm_head", "model.layers.0.self_attn.q_proj"], "kv_cache_scheme": None}
+    # a fused module whose members are all kept is listed by its own name too
+    p = "model.layers.0"
+    kept = [f"{p}.self_attn.{x}_proj" for x in "qkv"] + [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj"]
+    ignore = mo.quantization_config(kept)["ignore"]
+    assert f"{p}.self_attn.qkv_proj" in ignore and f"{p}.mlp.gate_up_proj" in ignore
+    assert mo.with_fused_names([f"{p}.mlp.gate_proj"]) == [f"{p}.mlp.gate_proj"]  # up_proj is quantized
     assert mo.PER_TOKEN_OVERRIDE == {"moe": {"activation": "nvfp4_per_token"}}
 
 
