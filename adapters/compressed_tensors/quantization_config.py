@@ -288,7 +288,7 @@ def engine_quantization_config(
     kept = list(bf16_modules) if bf16_modules is not None else [*naming.DEFAULT_IGNORE, *plan.ignore]
     if layout == modelopt_layout.LAYOUT:
         # vLLM's ModelOpt config excludes a routed-experts layer by its own name (`...mlp.experts`).
-        layers = {naming.experts_layer(m) for m in kept} - {None}
+        layers = [layer for m in kept if (layer := naming.experts_layer(m)) is not None]
         return {**modelopt_layout.quantization_config([*kept, *layers]), NUMERICS_KEY: numerics_metadata(plan)}
     if layout == SGLANG_MXFP8:
         config = sglang_mxfp8_config(kept)

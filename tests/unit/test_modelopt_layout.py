@@ -107,3 +107,19 @@ def test_vllm_starts_modelopt_checkpoints_with_the_per_token_expert_override() -
     assert "TRT-LLM" in decision.moe.reason and decision.moe.backend == "auto"
     ct = vllm_engine_kwargs({"quant_method": "compressed-tensors"}, decision)
     assert "quantization_config" not in ct
+
+
+def test_sharded_exports_name_modelopt_experts_as_the_stream_does() -> None:
+    from domain.quant.stream import quantize_stream
+    from domain.refit.shard_quant import checkpoint_items, quantize_shard
+
+    plan = QuantizationPlan(moe=NVFP4, expert_layout="modelopt")
+    name = "model.layers.1.mlp.experts.0.down_proj.weight"
+    w = torch.randn(64, 32)
+    d = plan.decide(name, (64, 32))
+    gs = nvfp4_global_scale(w)
+    items = checkpoint_items(plan, d, quantize_shard(plan, d, w, gs))
+    want = list(quantize_stream(plan, [(name, w)]))
+    assert [n for n, _ in items] == [n for n, _ in want]
+    for (_, a), (_, b) in zip(items, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))

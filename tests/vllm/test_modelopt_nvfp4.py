@@ -160,3 +160,15 @@ def test_per_token_experts_in_vllms_kernel_match_the_per_token_reference(vllm_co
     assert ((out.double() - want.to(torch.bfloat16).double()).norm() / want.norm()).item() < 1e-6
     a16 = _reference(x, d13, d2, ids, weights, ActivationScheme.NONE)
     assert ((out.double() - a16).norm() / a16.norm()).item() > 1e-2  # the activations are quantized
+
+
+def test_qat_nvfp4_fake_quantizes_activations_as_the_per_token_experts_quantize_them() -> None:
+    from adapters.vllm.moe_emulation_experts import TorchNvfp4PerTokenExperts
+    from domain.quant.plan import QuantizationPlan
+    from domain.quant.qat import fake_quantize_input
+
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 2, 7).unsqueeze(-1)
+    plan = QuantizationPlan.from_presets(moe="NVFP4")  # QAT mode nvfp4: per-token activations
+    qat = fake_quantize_input(plan, ActivationScheme.NVFP4_PER_TOKEN, x)
+    rollout = TorchNvfp4PerTokenExperts._activations(None, x)  # type: ignore[arg-type]  # self is unused
+    assert torch.equal(qat.view(torch.int32), rollout.view(torch.int32))
