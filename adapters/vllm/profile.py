@@ -225,7 +225,7 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
              _v(_Q + "utils/flashinfer_utils.py", "55-66"), _v(_ORACLE + "nvfp4.py", "203-213"),
              _v("vllm/model_executor/layers/fused_moe/experts/trtllm_nvfp4_moe.py", "219-228"),
              _v("vllm/config/quantization.py", "45-45")),
-            (READ, CPU_ENGINE, CPU_SERVED),
+            (READ, CPU_SERVED),
             note="GPU backend: FlashInfer TRT-LLM NVFP4 experts on SM100 (Blackwell), the only backend the method "
                  "accepts for per-token activations; on vLLM's CPU build rl-refit's emulation plugin answers it "
                  "with plain-torch experts (adapters.vllm.moe_emulation)"),
