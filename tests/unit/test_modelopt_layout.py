@@ -123,3 +123,15 @@ def test_sharded_exports_name_modelopt_experts_as_the_stream_does() -> None:
     assert [n for n, _ in items] == [n for n, _ in want]
     for (_, a), (_, b) in zip(items, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_qat_nvfp4_with_nvfp4_experts_plans_as_served_on_vllm(capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from app.cli.main import main
+
+    assert main(["plan", "--json", "rollout.name=vllm", "rollout.quantization.moe=NVFP4",
+                 "actor.megatron.qat.enable=true", "actor.megatron.qat.mode=nvfp4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["plan"]["layout"] == "modelopt-nvfp4" and report["plan"]["moe_activation"] == "nvfp4_per_token"
+    assert report["engine_config"]["quant_method"] == "modelopt"
