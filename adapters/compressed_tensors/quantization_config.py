@@ -43,7 +43,7 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised only without 
 
 from adapters.engine_profile import SGLANG_MXFP8
 from domain.errors import ConfigError
-from domain.quant import naming
+from domain.quant import modelopt_layout, naming
 from domain.quant.ct_config import unignored
 from domain.quant.dispatch import Resolution
 from domain.quant.formats import ActivationScheme, PrecisionFormat
@@ -286,6 +286,10 @@ def engine_quantization_config(
     if resolution.as_written and native is not None:
         return _ignoring(as_written_config(native.config, extra_ignore), bf16_modules)
     kept = list(bf16_modules) if bf16_modules is not None else [*naming.DEFAULT_IGNORE, *plan.ignore]
+    if layout == modelopt_layout.LAYOUT:
+        # vLLM's ModelOpt config excludes a routed-experts layer by its own name (`...mlp.experts`).
+        layers = [layer for m in kept if (layer := naming.experts_layer(m)) is not None]
+        return {**modelopt_layout.quantization_config([*kept, *layers]), NUMERICS_KEY: numerics_metadata(plan)}
     if layout == SGLANG_MXFP8:
         config = sglang_mxfp8_config(kept)
     elif layout == NATIVE_FP8:

@@ -11,6 +11,7 @@ Nothing here reads the environment: the composition root hands over what it read
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,6 +24,7 @@ from adapters.vllm.cpu_emulation import ENV_VAR as CPU_EMULATION_ENV
 from adapters.vllm.cpu_emulation import parse_mode
 from adapters.vllm.engine import VllmRolloutEngine, remove_dirs
 from domain.errors import ConfigError
+from domain.quant import modelopt_layout
 from domain.quant.backend_policy import DEEP_GEMM, BackendDecision
 from domain.refit.session import CommitMode
 
@@ -88,6 +90,8 @@ def vllm_engine_kwargs(
     overrides, quantization = with_quantization_config(kwargs.get("hf_overrides") or {}, quantization_config)
     if quantization is not None:
         kwargs["quantization"] = quantization
+    if quantization == modelopt_layout.QUANT_METHOD:  # ModelOpt's layout: NVFP4 experts, per-token activations
+        kwargs["quantization_config"] = copy.deepcopy(dict(modelopt_layout.PER_TOKEN_OVERRIDE))
     if overrides:
         kwargs["hf_overrides"] = overrides
     else:

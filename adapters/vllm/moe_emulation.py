@@ -12,6 +12,7 @@ cannot run on the CPU platform:
 | FP8_BLOCK | `compressed_tensors_moe_w8a8_fp8.select_fp8_moe_backend` | `NONE` (its CPU backends need AMX) | `TRITON`, `TorchFp8BlockExperts` |
 | MXFP8 | `compressed_tensors_moe_w8a8_mxfp8.select_mxfp8_moe_backend` | `EMULATION`, `Mxfp8EmulationTritonExperts` | `EMULATION`, `TorchMxfp8Experts` |
 | NVFP4 (weight-only) | `compressed_tensors_moe_w4a4_nvfp4.select_nvfp4_moe_backend` | NotImplementedError (no backend takes W4A16 here) | `EMULATION`, `TorchNvfp4Experts` |
+| NVFP4, per-token activations (ModelOpt) | `modelopt.select_nvfp4_moe_backend` | NotImplementedError (no backend takes `nvfp4_per_token` here) | `FLASHINFER_TRTLLM`, `TorchNvfp4PerTokenExperts` |
 
 The backend named is one whose weight conversion vLLM performs as a no-op on these tensors
 (`convert_to_fp8_moe_kernel_format` for TRITON and EMULATION; `convert_to_nvfp4_moe_kernel_format`
@@ -20,6 +21,17 @@ for EMULATION keeps the packed weights and block scales, and turns the global sc
 layerwise reload a refit runs stay vLLM's code, and give the layout vLLM's GPU Triton paths read.
 Only the experts class is ours (adapters.vllm.moe_emulation_experts): it dequantizes each routed
 expert's weights by their scales and runs the two GEMMs in FP32 (`experts_forward`).
+
+ModelOpt NVFP4 experts with the expert activation override `nvfp4_per_token`
+(`ModelOptNvFp4FusedMoE`) accept no backend but FlashInfer TRT-LLM: its `__init__` raises unless
+the look-up answers `FLASHINFER_TRTLLM`, the backend vLLM uses on SM100. So the answer names that
+backend, and the method's one other global whose work depends on it,
+`modelopt.convert_to_nvfp4_moe_kernel_format`, is wrapped too: on the CPU platform, for our
+experts, it runs vLLM's own conversion for the `EMULATION` backend, which keeps the packed weights,
+block scales and `weight_scale_2` decode scales as loaded (TRT-LLM's would shuffle them for its
+cubins with FlashInfer, which the CPU build lacks). Every other step (weight creation, the
+per-token method's input scales filled with 1.0, loading, the quant config, the kernel's
+prepare/finalize, the layerwise reload) stays vLLM's.
 
 MXFP4 is not steered: `CompressedTensorsW4A4Mxfp4MoEMethod` selects no backend on CPU; it
 hard-codes Marlin and repacks the weights for it in `process_weights_after_loading`
@@ -49,6 +61,7 @@ from adapters.vllm.cpu_emulation import resolve
 # vLLM's logger tree (as cpu_emulation's): its handler and format apply to children of "vllm".
 LOGGER = "vllm.rl_refit.moe_emulation"
 _CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+_MODELOPT = "vllm.model_executor.layers.quantization.modelopt"
 _EXPERTS = "adapters.vllm.moe_emulation_experts"
 # Set on every wrapper this module installs: how `install` recognises its own work.
 _MARK = "__rl_refit_moe_emulation__"
@@ -78,6 +91,8 @@ PATCHES: tuple[SelectorPatch, ...] = (
                   __name__ + ":steer_mxfp8"),
     SelectorPatch("NVFP4", _CT_MOE + "compressed_tensors_moe_w4a4_nvfp4", "select_nvfp4_moe_backend",
                   __name__ + ":steer_nvfp4"),
+    SelectorPatch("NVFP4", _MODELOPT, "select_nvfp4_moe_backend", __name__ + ":steer_modelopt_nvfp4"),
+    SelectorPatch("NVFP4", _MODELOPT, "convert_to_nvfp4_moe_kernel_format", __name__ + ":convert_modelopt_nvfp4"),
 )
 
 # (module, name) -> vLLM's function, for every global this process has wrapped.
@@ -221,6 +236,48 @@ def steer_nvfp4(original: Callable[..., Any]) -> Callable[..., Any]:
             return NvFp4MoeBackend.EMULATION, ours
 
     return select_nvfp4_moe_backend
+
+
+def steer_modelopt_nvfp4(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ModelOpt's `select_nvfp4_moe_backend`: where vLLM finds no backend for NVFP4 experts
+    with per-token NVFP4 activations on the CPU platform, answer FLASHINFER_TRTLLM (the only backend
+    `ModelOptNvFp4FusedMoE` accepts for them) with TorchNvfp4PerTokenExperts. Other keys keep
+    vLLM's answer."""
+
+    def select_nvfp4_moe_backend(config: Any, weight_key: Any, activation_key: Any) -> tuple[Any, Any]:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4DynamicToken
+
+        try:
+            return original(config, weight_key, activation_key)
+        except NotImplementedError as err:
+            if activation_key != kNvfp4DynamicToken or not _on_cpu():
+                raise
+            from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
+
+            ours = resolve(_EXPERTS + ":TorchNvfp4PerTokenExperts")
+            ok, reason = _fits(ours, config, weight_key, activation_key)
+            if not ok:
+                raise NotImplementedError(f"{err} (rl-refit's {ours.__name__}: {reason})") from err
+            _log_choice("NVFP4 per-token (ModelOpt)", NvFp4MoeBackend.FLASHINFER_TRTLLM, ours, str(err))
+            return NvFp4MoeBackend.FLASHINFER_TRTLLM, ours
+
+    return select_nvfp4_moe_backend
+
+
+def convert_modelopt_nvfp4(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ModelOpt's `convert_to_nvfp4_moe_kernel_format`: on the CPU platform, FLASHINFER_TRTLLM
+    can only be steer_modelopt_nvfp4's answer (vLLM's TRT-LLM experts need an SM100 GPU), and its
+    experts read the weights as loaded, so vLLM's EMULATION conversion (a no-op on the weights, block
+    scales and decode scales) runs instead of TRT-LLM's FlashInfer shuffles."""
+
+    def convert_to_nvfp4_moe_kernel_format(nvfp4_backend: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
+
+        if nvfp4_backend is NvFp4MoeBackend.FLASHINFER_TRTLLM and _on_cpu():
+            nvfp4_backend = NvFp4MoeBackend.EMULATION
+        return original(nvfp4_backend, *args, **kwargs)
+
+    return convert_to_nvfp4_moe_kernel_format
 
 
 # --- the numerics (plain torch) --------------------------------------------------------------------

@@ -17,6 +17,7 @@ Activations, per format, as vLLM's GPU kernels for it receive them:
 | TorchFp8BlockExperts | e4m3, FP32 block scales | W8A8: vLLM's `QuantFP8`, dynamic 1 x block_k groups (its torch path; the dense FP8 block kernel's) |
 | TorchMxfp8Experts | e4m3, E8M0 1x32 scales (`dequant_mxfp8_to_bf16`, exact) | W8A8: vLLM's `mxfp8_e4m3_quantize` (its torch path on CPU), as the native MXFP8 MoE kernels; vLLM's own Mxfp8EmulationTritonExperts keeps BF16 |
 | TorchNvfp4Experts | packed e2m1, e4m3 1x16 scales x 1/global scale (`dequantize_to_dtype`) | BF16 (weight-only NVFP4) |
+| TorchNvfp4PerTokenExperts | the same, the decode scale being ModelOpt's `weight_scale_2` | NVFP4 per token, as FlashInfer's TRT-LLM experts quantize both GEMM inputs (`domain.quant.codecs.activations.nvfp4_per_token`, decoded e2m1 x block scale x per-token scale) |
 
 Imported only on a vLLM engine's CPU platform.
 """
@@ -46,11 +47,13 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
     kFp8Static128BlockSym,
     kMxfp8Dynamic,
     kMxfp8Static,
+    kNvfp4DynamicToken,
     kNvfp4Static,
 )
 from vllm.platforms import current_platform
 
 from adapters.vllm.moe_emulation import dequantize_fp8_block, dequantize_groups, experts_forward
+from domain.quant.codecs.activations import nvfp4_per_token, nvfp4_per_token_dequantize
 
 NVFP4_GROUP_SIZE = 16
 
@@ -188,3 +191,24 @@ class TorchNvfp4Experts(_TorchExperts):
         assert scale is not None and alpha is not None
         # alpha is vLLM's 1 / weight_global_scale (convert_to_nvfp4_moe_kernel_format's w*_scale_2).
         return dequantize_to_dtype(w[e], scale[e], alpha[e], torch.float32, NVFP4_GROUP_SIZE, swizzle=False)
+
+
+class TorchNvfp4PerTokenExperts(TorchNvfp4Experts):
+    """NVFP4 experts with per-token NVFP4 activations (ModelOpt NVFP4 checkpoints, expert activation
+    override `nvfp4_per_token`) in plain torch: what vLLM's FlashInfer TRT-LLM experts compute on
+    SM100, where both GEMM inputs are quantized per token with the base scale 1 / (448 * 6)
+    (`quantize_nvfp4_per_token_input` before GEMM1; the same kernel on GEMM1's BF16 output)."""
+
+    SCHEME = (kNvfp4Static, kNvfp4DynamicToken)
+
+    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig,
+                 per_token_activation: bool = True) -> None:
+        # make_nvfp4_moe_kernel passes per_token_activation=True for the FLASHINFER_TRTLLM backend.
+        if not per_token_activation:
+            raise ValueError("TorchNvfp4PerTokenExperts computes per-token NVFP4 activations only")
+        super().__init__(moe_config, quant_config)
+
+    def _activations(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % NVFP4_GROUP_SIZE:
+            raise ValueError(f"NVFP4 activations need a multiple of {NVFP4_GROUP_SIZE} features, got {x.shape[-1]}")
+        return nvfp4_per_token_dequantize(*nvfp4_per_token(x.reshape(-1, x.shape[-1])))

@@ -21,13 +21,15 @@ from __future__ import annotations
 from adapters.engine_profile import NATIVE_LAYOUTS, SGLANG_MXFP8, StaticEngineProfile
 from domain.quant.backend_policy import AUTO, BackendChoice, BackendPolicy, KernelRole, deep_gemm
 from domain.quant.dispatch_types import EngineDispatch
-from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, PrecisionFormat
+from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, PrecisionFormat
 from domain.quant.formats import ActivationScheme as A
+from domain.quant.plan import QuantizationPlan
 from domain.quant.support import (
     COMPRESSED_TENSORS,
     CPU_ENGINE,
     CPU_SERVED,
     GPU_SCRIPT,
+    MODELOPT_NVFP4,
     NATIVE_FP8,
     READ,
     Cell,
@@ -52,6 +54,7 @@ _SCH = _Q + "compressed_tensors/schemes/"
 _MOE = _Q + "compressed_tensors/compressed_tensors_moe/"
 _ORACLE = "vllm/model_executor/layers/fused_moe/oracle/"
 _KERNELS = "vllm/model_executor/kernels/linear/__init__.py"
+_MO = _Q + "modelopt.py"
 
 
 def _v(path: str, lines: str) -> str:
@@ -196,8 +199,9 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
                    "w2_input_global_scale and selects kernels for a static activation global scale; the trainer "
                    "exports neither scale, so the engine would use the dummy load's values, or uninitialised memory "
                    "after a refit",
-            instead="serve NVFP4 experts weight-only (rollout.quantization.moe_activation: none), or MXFP4 / MXFP8 "
-                    "experts"),
+            instead="keep rollout.quantization.linear null: vLLM serves per-token NVFP4 experts from ModelOpt's "
+                    "NVFP4 layout (the modelopt-nvfp4 cell), which the export uses when the experts are the only "
+                    "quantized role; or serve NVFP4 experts weight-only (rollout.quantization.moe_activation: none)"),
     Verdict(_cell("moe", "NVFP4", A.NONE), True,
             "CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True): w13/w2_weight_packed u8, w13/w2_weight_scale e4m3, "
             "w13_weight_global_scale f32 [E, 2], w2_weight_global_scale f32 [E]; weight-only kernels",
@@ -210,6 +214,28 @@ VLLM_VERDICTS: tuple[Verdict, ...] = (
                  "moe_backend=flashinfer_trtllm would fail at start-up, so it is not requested. Those unexported "
                  "scales keep the experts' processing until finalize_refit "
                  "(vllm/model_executor/model_loader/reload/layerwise.py:269-275)"),
+    # --- ModelOpt's NVFP4 layout (domain.quant.modelopt_layout) -------------------------------------
+    Verdict(_cell("moe", "NVFP4", A.NVFP4_PER_TOKEN, MODELOPT_NVFP4), True,
+            "ModelOptNvFp4FusedMoE with the expert activation override nvfp4_per_token (engine argument "
+            "quantization_config={moe: {activation: nvfp4_per_token}}): w13_weight/w2_weight u8, "
+            "w13_weight_scale/w2_weight_scale e4m3, w13_weight_scale_2 f32 [E, 2] (gate and up share one), "
+            "w2_weight_scale_2 f32 [E]; input scales filled with 1.0; activations NVFP4 per token "
+            "(quantize_nvfp4_per_token_input, base scale 1 / (448 * 6)) on the FlashInfer TRT-LLM backend",
+            (_v(_MO, "860-886"), _v(_MO, "748-751"), _v(_MO, "912-1038"), _v(_MO, "1051-1053"),
+             _v(_Q + "utils/flashinfer_utils.py", "55-66"), _v(_ORACLE + "nvfp4.py", "203-213"),
+             _v("vllm/model_executor/layers/fused_moe/experts/trtllm_nvfp4_moe.py", "219-228"),
+             _v("vllm/config/quantization.py", "45-45")),
+            (READ, CPU_SERVED),
+            note="GPU backend: FlashInfer TRT-LLM NVFP4 experts on SM100 (Blackwell), the only backend the method "
+                 "accepts for per-token activations; on vLLM's CPU build rl-refit's emulation plugin answers it "
+                 "with plain-torch experts (adapters.vllm.moe_emulation)"),
+    Verdict(_cell("linear", "NVFP4", A.NVFP4_PER_TOKEN, MODELOPT_NVFP4), False,
+            "ModelOpt NVFP4 Linear (quant_algo NVFP4): W4A4 with a static input scale",
+            (_v(_MO, "2752-2755"), _v(_MO, "748-751")), (READ,),
+            reason="vLLM's ModelOpt NVFP4 Linear quantizes activations with the checkpoint's static input scale; "
+                   "the nvfp4_per_token override applies to the experts only",
+            instead="keep rollout.quantization.linear null with per-token NVFP4 experts, or serve NVFP4 Linear "
+                    "layers weight-only (rollout.quantization.linear_activation: none)"),
     # --- native layouts ------------------------------------------------------------------------------
     Verdict(_cell("linear", "FP8_BLOCK", A.FP8_GROUP_128, NATIVE_FP8), True,
             "Fp8LinearMethod (quant_method: fp8, block [128, 128]): weight e4m3, weight_scale_inv f32 blocks",
@@ -257,17 +283,31 @@ def _role(role: KernelRole, fmt: PrecisionFormat, act: A, native: bool, cap: tup
                                              "DeepGEMM would compute FP8 1x128 activations instead of MXFP8")
         return BackendChoice(role, AUTO, "MXFP4 experts: vLLM ignores moe_backend=deep_gemm here and runs CUTLASS "
                                          "MXFP4 x MXFP4 where the GPU has it")
+    if role == "moe" and act is A.NVFP4_PER_TOKEN:
+        return BackendChoice(role, AUTO, "NVFP4 experts, per-token activations (ModelOpt layout): FlashInfer "
+                                         "TRT-LLM on SM100, the only backend vLLM accepts for them (automatic "
+                                         "selection puts it first)")
     return BackendChoice(role, AUTO, f"{fmt.name} weight-only: vLLM's W4A16 kernels (FlashInfer TRT-LLM has none)")
 
 
 BACKEND_POLICY = BackendPolicy(
     NAME, _role, hopper_e8m0_off=True, ue8m0_where=_v(_Q + "utils/fp8_utils.py", "1213-1214"))
 
+def default_layout(plan: QuantizationPlan) -> str:
+    """The layout a plan from rollout.quantization reaches vLLM in: NVFP4 experts with per-token
+    activations, the only quantized role, in ModelOpt's NVFP4 layout (vLLM serves per-token NVFP4
+    experts from it alone); everything else as compressed-tensors."""
+    if (plan.moe.name == NVFP4.name and plan.effective_moe_activation is A.NVFP4_PER_TOKEN
+            and not plan.linear.is_quantized and not plan.targets):
+        return MODELOPT_NVFP4
+    return COMPRESSED_TENSORS
+
+
 VLLM = StaticEngineProfile(
     NAME,
-    EngineDispatch(NAME, NATIVE_LAYOUTS, support=SupportTable(NAME, PINNED_VLLM, VLLM_VERDICTS)),
+    EngineDispatch(NAME, NATIVE_LAYOUTS, default_layout, SupportTable(NAME, PINNED_VLLM, VLLM_VERDICTS)),
     package=PACKAGE,
     pinned_version=PINNED_VLLM,
     backend_policy=BACKEND_POLICY,
-    table_layouts={MXFP8.name: (SGLANG_MXFP8,), FP8_BLOCK.name: (NATIVE_FP8,)},
+    table_layouts={MXFP8.name: (SGLANG_MXFP8,), FP8_BLOCK.name: (NATIVE_FP8,), NVFP4.name: (MODELOPT_NVFP4,)},
 )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from domain.errors import ConfigError
+from domain.quant.support import MODELOPT_NVFP4
 
 if TYPE_CHECKING:
     from adapters.engine_start import EngineStart
@@ -70,7 +71,17 @@ def engine_start(services: Services, engine: str, plan: QuantizationPlan | None 
     from adapters.engine_start import EngineStart
 
     report = services.plan_report(services.checkpoint(), plan=plan)
-    return EngineStart(report.plan, report.engine_config, report.resolution.layout,
+    engine_config = report.engine_config
+    if not report.shapes and report.resolution.layout == MODELOPT_NVFP4:
+        # ModelOpt's config excludes modules by name (no `re:` entries): without a checkpoint the
+        # engine serves the embedded model, whose names are known.
+        from adapters.compressed_tensors.quantization_config import engine_quantization_config
+        from adapters.reference.config import hf_weight_shapes
+        from app.services.planning import bf16_linear_modules
+
+        shapes = hf_weight_shapes(services.embedded.reference_config())
+        engine_config = engine_quantization_config(report.resolution, bf16_linear_modules(report.plan, shapes))
+    return EngineStart(report.plan, engine_config, report.resolution.layout,
                        services.engines.backend_decision(engine, report.plan), services.config.model.path)
 
 

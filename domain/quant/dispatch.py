@@ -25,7 +25,7 @@ from domain.errors import (
     UnsupportedQuantMethod,
 )
 from domain.keys import key
-from domain.quant import naming
+from domain.quant import modelopt_layout, naming
 from domain.quant.ct_config import model_differences
 from domain.quant.dispatch_types import (
     PURPOSES,
@@ -457,5 +457,7 @@ def resolve(inp: DispatchInput, shapes: Shapes | None = None, *, engine: EngineD
     _apply(rules_for(engine), ctx, outcomes)
     if is_engine_native(src.layout):
         plan = attrs.evolve(plan, scale_name="weight_scale_inv")
+    if src.layout == modelopt_layout.LAYOUT:
+        plan = attrs.evolve(plan, expert_layout="modelopt")
     return Resolution(plan, src.source, src.layout, src.native, tuple(sorted(outcomes, key=lambda o: o.rule)),
                       served=served, as_written=as_written)

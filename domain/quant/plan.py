@@ -229,6 +229,9 @@ class QuantizationPlan:
             only some Linear layers (empty: every dense / expert Linear weight is quantized).
         numerics: the element rule: ENGINE (the engine's own quantizers, default) or
             COMPRESSED_TENSORS (llm-compressor checkpoints byte for byte).
+        expert_layout: the names NVFP4 expert tensors take: "compressed-tensors" (default) or
+            "modelopt" (`weight`, `weight_scale`, `weight_scale_2`: domain.quant.modelopt_layout),
+            the layout vLLM serves per-token NVFP4 experts in.
     """
 
     linear: PrecisionFormat = BF16
@@ -240,6 +243,8 @@ class QuantizationPlan:
     linear_activation: ActivationScheme | None = attrs.field(default=None, validator=_check_activation)
     targets: tuple[TargetGroup, ...] = attrs.field(default=(), converter=_to_groups)
     numerics: ElementRule = ElementRule.ENGINE
+    expert_layout: str = attrs.field(default="compressed-tensors",
+                                     validator=attrs.validators.in_(("compressed-tensors", "modelopt")))
 
     @classmethod
     def bf16(cls) -> QuantizationPlan:

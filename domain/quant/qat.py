@@ -161,6 +161,8 @@ def exported_values(plan: QuantizationPlan, named: Sequence[tuple[str, Tensor]])
         name -> tensor of the input's shape and dtype; tensors the plan keeps BF16 are returned
         unchanged. Raises the exporter's errors (NonDivisibleTensors, InvalidTensor) by name.
     """
+    # The same codes under compressed-tensors' names (ModelOpt's layout renames them only).
+    plan = attrs.evolve(plan, expert_layout="compressed-tensors")
     out = dict(quantize_stream(plan, named))
     values: dict[str, Tensor] = {}
     for name, t in named:

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 import attrs
 import torch
 
-from domain.quant import naming
-from domain.quant.formats import ElementType, PrecisionFormat, ScaleEncoding
+from domain.quant import modelopt_layout, naming
+from domain.quant.formats import NVFP4, ElementType, PrecisionFormat, ScaleEncoding
 from domain.quant.plan import QuantizationPlan, TensorDecision
 from domain.quant.units import Unit, export_units
 
@@ -39,8 +39,8 @@ def checkpoint_names(plan: QuantizationPlan, decision: TensorDecision, shape: tu
         modules = [m for m, _, _ in naming.expert_split(decision.name, tuple(shape))]
     else:
         modules = [naming.module_name(decision.name)]
-    locals_ = tuple(_local(plan, n) for n in decision.format.tensor_names)
-    return tuple(f"{m}.{loc}" for m in modules for loc in locals_)
+    return tuple(_stored(plan, decision.format, m, f"{m}.{_local(plan, n)}")
+                 for m in modules for n in decision.format.tensor_names)
 
 
 @attrs.frozen
@@ -88,7 +88,20 @@ def format_specs(fmt: PrecisionFormat, module: str, shape: tuple[int, int], scal
 
 def _format_specs(plan: QuantizationPlan, fmt: PrecisionFormat, module: str, shape: tuple[int, ...]) -> list[TensorSpec]:
     n, k = shape
-    return format_specs(fmt, module, (n, k), plan.scale_name)
+    specs = format_specs(fmt, module, (n, k), plan.scale_name)
+    if not _modelopt(plan, fmt, module):
+        return specs
+    return [TensorSpec(modelopt_layout.rename(s.name), s.dtype, () if s.name.endswith(".weight_global_scale") else s.shape)
+            for s in specs]
+
+
+def _modelopt(plan: QuantizationPlan, fmt: PrecisionFormat, module: str) -> bool:
+    """Whether `module`'s tensors take ModelOpt's NVFP4 names: the plan's experts, in that layout."""
+    return plan.expert_layout == "modelopt" and fmt.name == NVFP4.name and naming.experts_layer(module) is not None
+
+
+def _stored(plan: QuantizationPlan, fmt: PrecisionFormat, module: str, name: str) -> str:
+    return modelopt_layout.rename(name) if _modelopt(plan, fmt, module) else name
 
 
 def checkpoint_specs(
@@ -131,6 +144,8 @@ def _quantize(plan: QuantizationPlan, fmt: PrecisionFormat, w: Tensor, name: str
 
 def _emit(plan: QuantizationPlan, module: str, weight: Tensor, fmt, global_scale=None) -> Iterator[tuple[str, Tensor]]:
     tensors = _quantize(plan, fmt, weight, f"{module}.weight", global_scale)
+    if _modelopt(plan, fmt, module):
+        tensors = modelopt_layout.modelopt_tensors(tensors)
     for local, tensor in tensors.items():
         yield f"{module}.{_local(plan, local)}", tensor
 

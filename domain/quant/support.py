@@ -30,7 +30,10 @@ BF16_LAYOUT = "bf16"
 COMPRESSED_TENSORS = "compressed-tensors"
 NATIVE_FP8 = "native-fp8"
 NATIVE_PASSTHROUGH = "native-passthrough"
-NEUTRAL_LAYOUTS = (BF16_LAYOUT, COMPRESSED_TENSORS, NATIVE_PASSTHROUGH)
+# ModelOpt's NVFP4 experts (domain.quant.modelopt_layout.LAYOUT): compressed-tensors' block scale
+# name, its own element and global-scale names.
+MODELOPT_NVFP4 = "modelopt-nvfp4"
+NEUTRAL_LAYOUTS = (BF16_LAYOUT, COMPRESSED_TENSORS, NATIVE_PASSTHROUGH, MODELOPT_NVFP4)
 
 # How a verdict was reached.
 READ = "read"  # the cited engine code, read in the pinned release

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from domain.errors import ShardingError
-from domain.quant import naming
+from domain.quant import modelopt_layout, naming
 from domain.quant.formats import ElementRule
 from domain.quant.plan import QuantizationPlan, TensorDecision
 from domain.refit.buckets import align_up
@@ -126,6 +126,8 @@ def checkpoint_items(
     if not decision.is_quantized:
         return [(decision.name, tensors["weight"])]
     module = naming.module_name(decision.name)
+    if plan.expert_layout == "modelopt" and decision.format.name == "NVFP4" and naming.experts_layer(module):
+        return [(f"{module}.{k}", t) for k, t in modelopt_layout.modelopt_tensors(tensors).items()]
     return [(f"{module}.{plan.scale_name if k == 'weight_scale' else k}", t) for k, t in tensors.items()]
 
 

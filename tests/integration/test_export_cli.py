@@ -319,3 +319,24 @@ def test_plan_refuses_a_refit_of_a_native_layout_the_trainer_cannot_produce(
     err = capsys.readouterr().err
     assert "NativeRefitUnsupported" in err and "dispatch rule 1" in err and "BF16 tensors" in err
     assert main(["plan", "--model", str(src), "rollout.name=vllm", "rollout.quantization.moe=MXFP4"]) == 0
+
+
+def test_vllm_per_token_nvfp4_experts_export_in_modelopts_layout(moe_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "modelopt"
+    assert main(["export", "--model", str(moe_dir), "--out", str(out), "rollout.name=vllm",
+                 "rollout.quantization.moe=NVFP4", "rollout.quantization.ignore=['re:.*layers\\.0\\..*']"]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["quant_algo"], qc["group_size"]) == ("modelopt", "NVFP4", 16)
+    assert "model.layers.0.mlp.experts" in qc["ignore"] and "lm_head" in qc["ignore"]
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    experts = [n for n in tensors if ".mlp.experts." in n and not n.startswith("model.layers.0.")]
+    assert experts and not any(n.endswith(("weight_packed", "weight_global_scale")) for n in tensors)
+    gate = next(n.removesuffix(".weight_scale_2") for n in experts if n.endswith("gate_proj.weight_scale_2"))
+    assert tensors[f"{gate}.weight"].dtype == torch.uint8 and tensors[f"{gate}.weight_scale"].dtype == torch.float8_e4m3fn
+    scale_2 = tensors[f"{gate}.weight_scale_2"]
+    assert scale_2.shape == () and scale_2.dtype == torch.float32
+    assert torch.equal(scale_2, tensors[f"{gate.removesuffix('gate_proj')}up_proj.weight_scale_2"])  # shared
+    layer0 = [n for n in tensors if n.startswith("model.layers.0.mlp.experts.")]
+    assert layer0 and all(tensors[n].dtype == torch.bfloat16 for n in layer0)  # kept BF16 by the ignore entry

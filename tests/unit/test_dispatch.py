@@ -257,10 +257,14 @@ def test_rule6_sglang_rejects_mxfp8_linear_with_mxfp4_moe() -> None:
     assert resolve(DispatchInput(engine="vllm", requested=plan(linear="MXFP8", moe="MXFP4"))).plan.is_quantized
 
 
-def test_rule6_no_engine_serves_per_token_nvfp4() -> None:
+def test_rule6_per_token_nvfp4_experts_only_on_vllm_in_modelopts_layout() -> None:
+    with pytest.raises(EngineRejectsQuantization, match=r"moe=NVFP4 with nvfp4_per_token.*input_global_scale"):
+        resolve(DispatchInput(engine="sglang", requested=plan(moe="NVFP4")))
+    res = resolve(DispatchInput(engine="vllm", requested=plan(moe="NVFP4")))
+    assert res.layout == "modelopt-nvfp4" and res.plan.expert_layout == "modelopt"
+    with pytest.raises(EngineRejectsQuantization, match=r"moe=NVFP4 with nvfp4_per_token.*input_global_scale"):
+        resolve(DispatchInput(engine="vllm", requested=plan(linear="FP8_BLOCK", moe="NVFP4")))
     for engine in ("sglang", "vllm"):
-        with pytest.raises(EngineRejectsQuantization, match=r"moe=NVFP4 with nvfp4_per_token.*input_global_scale"):
-            resolve(DispatchInput(engine=engine, requested=plan(moe="NVFP4")))
         assert resolve(DispatchInput(engine=engine, requested=plan(moe="NVFP4", moe_activation="none"))).plan.is_quantized
 
 
@@ -348,7 +352,7 @@ def test_docs_support_matrix_matches_the_rules() -> None:
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "support-matrix.md").read_text()
     text = text.split("\n## By preset pair", 1)[1].split("\n## Cells", 1)[0]
-    layouts = {"BF16": "bf16", "ct": "compressed-tensors", "mxfp8-native": "sglang-mxfp8"}
+    layouts = {"BF16": "bf16", "ct": "compressed-tensors", "mxfp8-native": "sglang-mxfp8", "modelopt": "modelopt-nvfp4"}
     checked = 0
     for section in text.split("\n### ")[1:]:
         section = section.split("\n## ")[0]

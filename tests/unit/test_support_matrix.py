@@ -17,7 +17,7 @@ from domain.errors import EngineCellUnsupported, EngineRejectsQuantization, Unsu
 from domain.quant import support
 from domain.quant.formats import FORMATS, ActivationScheme
 from domain.quant.plan import ACTIVATIONS, QuantizationPlan
-from domain.quant.support import COMPRESSED_TENSORS, NATIVE_FP8, Cell, Verdict
+from domain.quant.support import COMPRESSED_TENSORS, MODELOPT_NVFP4, NATIVE_FP8, Cell, Verdict
 from tests import dispatching
 from tests.dispatching import DispatchInput, check_cells, resolve
 
@@ -97,7 +97,12 @@ def _dispatch(cell: Cell) -> DispatchInput:
         # preset beside it (FP8_BLOCK, shown in both roles)
         other = "moe" if cell.role == "linear" else "linear"
         return DispatchInput(engine="sglang", requested=attrs.evolve(_only(cell), **{other: FORMATS["FP8_BLOCK"]}))
-    if cell.layout == COMPRESSED_TENSORS or (cell.engine, cell.layout) == ("sglang", SGLANG_MXFP8):
+    if (cell.engine, cell.layout, cell.role, cell.fmt) == ("vllm", COMPRESSED_TENSORS, "moe", "NVFP4") and (
+            cell.activation is ActivationScheme.NVFP4_PER_TOKEN):
+        # vLLM serves per-token NVFP4 experts alone in ModelOpt's layout: compressed-tensors ones need a
+        # quantized Linear beside them (FP8_BLOCK, shown)
+        return DispatchInput(engine="vllm", requested=attrs.evolve(_only(cell), linear=FORMATS["FP8_BLOCK"]))
+    if cell.layout in (COMPRESSED_TENSORS, MODELOPT_NVFP4) or (cell.engine, cell.layout) == ("sglang", SGLANG_MXFP8):
         return DispatchInput(engine=cell.engine, requested=_only(cell))
     return DispatchInput(engine=cell.engine, model_config={"quantization_config": NATIVE_CONFIGS[cell.layout]})
 
@@ -116,6 +121,11 @@ def test_refit_plan_rejects_the_cell_with_the_engines_reason(v: Verdict) -> None
                  v.reason, v.where[0], v.instead):
         assert part in text
     assert isinstance(err, EngineRejectsQuantization) and isinstance(err, ValueError)
+    if c.layout == MODELOPT_NVFP4:  # no plan with quantized Linear layers takes ModelOpt's layout
+        with pytest.raises(EngineCellUnsupported) as as_ct:
+            resolve(_dispatch(c))
+        assert as_ct.value.layout == COMPRESSED_TENSORS
+        return
     # the same through the dispatch, from the configuration or the checkpoint the cell comes from
     with pytest.raises(EngineCellUnsupported) as via_plan:
         resolve(_dispatch(c))
@@ -133,10 +143,25 @@ def test_a_shown_cell_passes_and_its_plan_row_is_unchanged(v: Verdict) -> None:
     assert rule6.startswith("ok:") and f"{c.role} {c.fmt}/{c.activation.value}" in rule6
 
 
-@pytest.mark.parametrize("v", [v for v in SHOWN if v.cell.layout != COMPRESSED_TENSORS], ids=_id)
+@pytest.mark.parametrize("v", [v for v in SHOWN if v.cell.layout not in (COMPRESSED_TENSORS, MODELOPT_NVFP4)], ids=_id)
 def test_a_shown_native_cell_passes_in_its_layout(v: Verdict) -> None:
     res = resolve(_dispatch(v.cell))
     assert res.layout == v.cell.layout and res.plan.scale_name == "weight_scale_inv"
+
+
+def test_per_token_nvfp4_experts_alone_are_served_by_vllm_in_modelopts_layout() -> None:
+    plan = QuantizationPlan.from_presets(moe="NVFP4")  # nvfp4_per_token, the preset's default
+    res = resolve(DispatchInput(engine="vllm", requested=plan))
+    assert res.layout == MODELOPT_NVFP4 and res.plan.expert_layout == "modelopt"
+    assert res.plan.scale_name == "weight_scale"  # not an engine-native layout
+    v = VERDICTS[Cell("vllm", MODELOPT_NVFP4, "moe", "NVFP4", ActivationScheme.NVFP4_PER_TOKEN)]
+    assert v.shown and "TRT-LLM" in v.note and "SM100" in v.note
+    # with a quantized Linear beside them, the experts stay compressed-tensors, which vLLM refuses
+    with pytest.raises(EngineCellUnsupported, match="input_global_scale"):
+        resolve(DispatchInput(engine="vllm", requested=attrs.evolve(plan, linear=FORMATS["FP8_BLOCK"])))
+    # SGLang has no per-token NVFP4 experts in any layout
+    with pytest.raises(EngineRejectsQuantization):
+        resolve(DispatchInput(engine="sglang", requested=plan))
 
 
 def test_static_nvfp4_stays_rejected_for_every_engine_before_the_table() -> None:

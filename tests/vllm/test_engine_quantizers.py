@@ -112,14 +112,22 @@ def test_mx_activations_equal_vllms_quantizers() -> None:
                        _bits(want4.reshape(32, 512).to(x.dtype)))
 
 
-def test_nvfp4_per_token_activations_follow_ref_nvfp4_quant_per_token() -> None:
+def test_nvfp4_per_token_activations_follow_vllms_per_token_scale_and_ref_nvfp4_quant() -> None:
+    # vLLM's per-token NVFP4 experts (quantize_nvfp4_per_token_input) hand FlashInfer the base scale
+    # NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE: the decode scale is amax * base, the encode scale its
+    # reciprocal, and each 1 x 16 block is scaled as ref_nvfp4_quant scales it with that encode scale.
+    from vllm.model_executor.layers.quantization.utils.flashinfer_utils import (
+        NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE,
+    )
+
     x = _activations(3)
     ours = fake_quantize_activation(ActivationScheme.NVFP4_PER_TOKEN, x, numerics=ENGINE)
+    base = torch.tensor(NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, dtype=torch.float32)
     for t in range(x.shape[0]):
         row = x[t:t + 1]
-        gs = ref.nvfp4_global_scale(row)
-        values, scale = ref.nvfp4(row, gs)
-        want = (values.reshape(1, 32, 16) * (scale.unsqueeze(-1) / gs)).reshape(1, 512).to(x.dtype)
+        per_token_scale = row.float().abs().amax() * base
+        values, scale = ref.nvfp4(row, (1.0 / per_token_scale).reshape(1))
+        want = (values.reshape(1, 32, 16) * scale.unsqueeze(-1) * per_token_scale).reshape(1, 512).to(x.dtype)
         assert torch.equal(_bits(ours[t:t + 1]), _bits(want)), t
 
 

@@ -38,7 +38,10 @@ def wrapped():  # type: ignore[no-untyped-def]
     """The three look-ups wrapped for this test, and the process left as it was found."""
     before = moe_emulation.installed()
     moe_emulation.install(FORMATS)
-    yield {p.format: importlib.import_module(p.module) for p in moe_emulation.PATCHES}
+    modules: dict[str, object] = {}
+    for p in moe_emulation.PATCHES:  # each format's compressed-tensors MoE method module (listed first)
+        modules.setdefault(p.format, importlib.import_module(p.module))
+    yield modules
     if not before:
         moe_emulation.undo()
 
@@ -60,23 +63,26 @@ def _moe_config():  # type: ignore[no-untyped-def]
 def test_install_wraps_vllms_lookups_idempotently_and_undo_restores_them() -> None:
     from vllm.model_executor.layers.fused_moe.oracle import fp8, mxfp8, nvfp4
 
-    vllms = {"FP8_BLOCK": fp8.select_fp8_moe_backend, "MXFP8": mxfp8.select_mxfp8_moe_backend,
-             "NVFP4": nvfp4.select_nvfp4_moe_backend}
-    modules = {p.format: (importlib.import_module(p.module), p.name) for p in moe_emulation.PATCHES}
+    # Each wrapped global is vLLM's oracle function, imported by the MoE method's module.
+    vllms = {"select_fp8_moe_backend": fp8.select_fp8_moe_backend,
+             "select_mxfp8_moe_backend": mxfp8.select_mxfp8_moe_backend,
+             "select_nvfp4_moe_backend": nvfp4.select_nvfp4_moe_backend,
+             "convert_to_nvfp4_moe_kernel_format": nvfp4.convert_to_nvfp4_moe_kernel_format}
+    modules = [(importlib.import_module(p.module), p.name) for p in moe_emulation.PATCHES]
     before = moe_emulation.installed()
     moe_emulation.undo()
     try:
-        for fmt, (module, name) in modules.items():
-            assert getattr(module, name) is vllms[fmt]  # the MoE method module calls vLLM's oracle
+        for module, name in modules:
+            assert getattr(module, name) is vllms[name]
         assert moe_emulation.install(("MXFP4",)) == []  # not steered (Marlin-only conversion on CPU)
-        assert len(moe_emulation.install(FORMATS)) == 3
-        wrappers = {fmt: getattr(m, n) for fmt, (m, n) in modules.items()}
-        assert all(wrappers[fmt] is not vllms[fmt] for fmt in FORMATS)
+        assert len(moe_emulation.install(FORMATS)) == len(modules) == 5
+        wrappers = [getattr(m, n) for m, n in modules]
+        assert all(w is not vllms[n] for w, (_, n) in zip(wrappers, modules, strict=True))
         moe_emulation.install(FORMATS)
-        assert {fmt: getattr(m, n) for fmt, (m, n) in modules.items()} == wrappers  # not wrapped twice
-        assert sorted(moe_emulation.installed().values(), key=id) == sorted(vllms.values(), key=id)
-        assert len(moe_emulation.undo()) == 3
-        assert all(getattr(m, n) is vllms[fmt] for fmt, (m, n) in modules.items())
+        assert [getattr(m, n) for m, n in modules] == wrappers  # not wrapped twice
+        assert sorted(moe_emulation.installed().values(), key=id) == sorted((vllms[n] for _, n in modules), key=id)
+        assert len(moe_emulation.undo()) == 5
+        assert all(getattr(m, n) is vllms[n] for m, n in modules)
         assert moe_emulation.undo() == []
     finally:
         moe_emulation.undo()

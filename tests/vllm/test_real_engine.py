@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from domain.quant.support import COMPRESSED_TENSORS, CPU_SERVED
+from domain.quant.support import COMPRESSED_TENSORS, CPU_SERVED, MODELOPT_NVFP4
 from tests.dispatching import verdicts
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
@@ -53,6 +53,8 @@ CELLS: dict[str, dict[str, Any]] = {
     "MXFP4-experts": {"model": "micro-moe", "linear": "MXFP8", "moe": "MXFP4"},
     "NVFP4-dense": {"model": "micro-dense", "linear": "NVFP4", "linear_activation": "none"},
     "NVFP4-experts": {"model": "micro-moe", "linear": "MXFP8", "moe": "NVFP4", "moe_activation": "none"},
+    # per-token NVFP4 experts, alone: ModelOpt's NVFP4 layout (adapters/vllm/profile.py)
+    "NVFP4-experts-per-token": {"model": "micro-moe", "moe": "NVFP4"},
 }
 
 
@@ -67,6 +69,8 @@ def _served() -> frozenset[str]:
         c = v.cell
         if c.engine == "vllm" and c.layout == COMPRESSED_TENSORS and CPU_SERVED in v.how:
             names.add(f"{c.fmt}-{'dense' if c.role == 'linear' else 'experts'}")
+        elif c.engine == "vllm" and c.layout == MODELOPT_NVFP4 and CPU_SERVED in v.how:
+            names.add(f"{c.fmt}-experts-per-token")
     return frozenset(names)
 
 

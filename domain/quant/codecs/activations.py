@@ -5,8 +5,11 @@ All schemes work along the last (hidden) dimension, per token, under the plan's 
 - FP8 1x128 groups: float32 scale = amax_group / 448 per 128 values (edge group allowed); the
   engine's kernel (per_token_group_quant_fp8) clamps amax to 1e-10 and divides.
 - MXFP8 / MXFP4: the weights' 1x32 blocks and E8M0 exponent rule.
-- NVFP4 per token: a global scale per token ((6 * 448) / amax_token), then the weights' 1x16 E4M3
-  block scales and element order.
+- NVFP4 per token, engine rule: the per-token quantizer vLLM's FlashInfer TRT-LLM experts call
+  (`quantize_nvfp4_per_token_input`: FlashInfer's `nvfp4_quantize` with the base scale
+  1 / (448 * 6) and `per_token_activation=True`; its CUDA kernel `nvfp4QuantAndPerTokenScaleKernel`,
+  fast-math path), see `nvfp4_per_token`. Under the compressed-tensors rule (which has no per-token
+  path): a global scale per token ((6 * 448) / amax_token), then the weights' block rule.
 - NVFP4 static: one calibrated global scale (input_global_scale) for every token.
 """
 
@@ -17,13 +20,65 @@ import torch
 from domain.errors import InvalidTensor, UnsupportedDtype
 from domain.quant.codecs import fp8_block, mx, nvfp4
 from domain.quant.codecs.checks import FLOAT_DTYPES, check_last_dim
-from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ActivationScheme, ElementRule, MxScaleRule
+from domain.quant.codecs.elements import e2m1_values, unpack_fp4
+from domain.quant.formats import (
+    F4E2M1_MAX,
+    F8E4M3_MAX,
+    FP8_BLOCK,
+    MXFP4,
+    MXFP8,
+    NVFP4,
+    ActivationScheme,
+    ElementRule,
+    MxScaleRule,
+)
 
 _GROUP = (1, FP8_BLOCK.block_size[1])  # one token x the weight block's K: 1 x 128
+# vLLM's NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE (quantization/utils/flashinfer_utils.py), which the
+# kernel receives as a float32 (`float globalScaleInv`).
+PER_TOKEN_BASE_GLOBAL_SCALE = 1.0 / (F8E4M3_MAX * F4E2M1_MAX)
 
 
 def _per_token(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
+
+
+def nvfp4_per_token(x: torch.Tensor, name: str = "activation") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 activations with one FP32 decode scale per token, as vLLM's per-token NVFP4 experts
+    quantize them (FlashInfer's `nvfp4QuantAndPerTokenScaleKernel`, fast-math path), ported
+    expression by expression:
+
+    - `perTokenScale = rowAmax * globalScaleInv`, globalScaleInv = float32(1 / (448 * 6));
+    - `globalEncodeScale = reciprocal(perTokenScale)`;
+    - per 1 x 16 block (`cvt_warp_fp16_to_fp4`): `SFValue = e4m3(globalEncodeScale * (vecMax *
+      reciprocal(6)))`, elements `E2M1(x * reciprocal(SFValue * reciprocal(globalEncodeScale)))`,
+      0 where the block is all zeros;
+    - the GEMM decodes a token's values as `e2m1 * SFValue * perTokenScale`.
+
+    The kernel's `rcp.approx.ftz.f32` is written as ref_nvfp4_quant writes it for vLLM's
+    `scaled_fp4_quant` (the engine rule's weights): 1 / t, with t = 0 read as 1e8, so an all-zero
+    token gives zeros and never NaN.
+
+    Args:
+        x: [T, H] activations (H a multiple of 16).
+        name: for errors.
+
+    Returns:
+        (packed e2m1 uint8 [T, H/2], block scales e4m3 [T, H/16], per-token decode scales float32 [T, 1]).
+    """
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    per_token_scale = amax * torch.tensor(PER_TOKEN_BASE_GLOBAL_SCALE, dtype=torch.float32)
+    encode = nvfp4.engine_reciprocal(per_token_scale)
+    packed, scale = nvfp4.quantize(x, name, encode, ElementRule.ENGINE)
+    return packed, scale, per_token_scale
+
+
+def nvfp4_per_token_dequantize(packed: torch.Tensor, scale: torch.Tensor, per_token_scale: torch.Tensor) -> torch.Tensor:
+    """float32 [T, H] = e2m1 x block scale x per-token decode scale (what the GEMM multiplies)."""
+    block = NVFP4.block_size[1]
+    values = e2m1_values(unpack_fp4(packed))
+    x = values.reshape(values.shape[0], -1, block) * scale.float().unsqueeze(-1)
+    return (x * per_token_scale.float().unsqueeze(-1)).reshape(values.shape)
 
 
 @torch.no_grad()
@@ -42,6 +97,8 @@ def _fake_quantize(
         out = mx.dequantize(elements, scale, fmt)
     elif scheme in (ActivationScheme.NVFP4_PER_TOKEN, ActivationScheme.NVFP4_STATIC):
         check_last_dim(t, name, k_multiple=NVFP4.k_multiple, fmt_name=scheme.value)
+        if scheme is ActivationScheme.NVFP4_PER_TOKEN and rule is ElementRule.ENGINE:
+            return nvfp4_per_token_dequantize(*nvfp4_per_token(t, name)).reshape(x.shape).to(x.dtype)
         if scheme is ActivationScheme.NVFP4_PER_TOKEN:
             gs = nvfp4.global_scale(t.unsqueeze(-2), name=name, rule=rule)  # [T, 1]: one per token
         elif global_scale is None:

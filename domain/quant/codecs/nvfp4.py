@@ -64,6 +64,9 @@ def _reciprocal(t: torch.Tensor) -> torch.Tensor:
     return 1.0 / (t + (t == 0) * 1e8)
 
 
+engine_reciprocal = _reciprocal  # the engine rule's reciprocal, for the per-token activation quantizer
+
+
 def _quantize_kernel(
     w: torch.Tensor, gscale: torch.Tensor, block: int, rule: ElementRule
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
