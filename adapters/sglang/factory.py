@@ -20,6 +20,15 @@ class SglangSettings(Protocol):
     @property
     def kv_cache_dtype(self) -> str: ...
 
+    @property
+    def url(self) -> str | None: ...
+
+    @property
+    def api_key(self) -> str | None: ...
+
+    @property
+    def pause_mode(self) -> str: ...
+
 
 def sglang_kwargs(section: SglangSettings, start: EngineStart) -> dict[str, Any]:
     """The SGLang server arguments for one start: the model, the user's model-config overrides
@@ -50,3 +59,17 @@ def build_sglang_engine(section: SglangSettings, start: EngineStart, *, sync_bac
     return SglangRolloutEngine(EngineClient.launch(**sglang_kwargs(section, start)), start.plan,
                                native_mxfp8=start.layout == "sglang-mxfp8", sync_backend=sync_backend,
                                wire_format=wire_format)
+
+
+def attach_sglang_engine(section: SglangSettings, start: EngineStart, *, sync_backend: str, wire_format: str,
+                         commit_mode: CommitMode | None = None) -> SglangRolloutEngine:
+    """An engine over the SGLang server at `section.url`, which the user started
+    (rollout.deployment: attached): probed first, never stopped by rl-refit (docs/attach.md)."""
+    from adapters.sglang.http_client import attach
+
+    check_commit_mode(commit_mode, CommitMode.TRANSACTIONAL, "sglang")
+    if not section.url:
+        raise ValueError("attach_sglang_engine needs rollout.engine_kwargs.sglang.url")
+    return attach(section.url, start.plan, model=start.model_path or None, pause_mode=section.pause_mode,
+                  api_key=section.api_key, native_mxfp8=start.layout == "sglang-mxfp8", sync_backend=sync_backend,
+                  wire_format=wire_format)

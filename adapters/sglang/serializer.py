@@ -40,9 +40,9 @@ def _reduce_storage_shared_file(storage: torch.UntypedStorage) -> tuple[Any, ...
     """torch's `reduce_storage` under the file_system strategy, literally (torch 2.x)."""
     if storage.device.type != "cpu":
         return reductions.reduce_storage(storage)  # CUDA storages travel inside their tensor's handle
-    metadata = storage._share_filename_cpu_()  # type: ignore[attr-defined]
+    metadata = storage._share_filename_cpu_()
     cache_key = metadata[1]
-    storage._shared_incref()  # type: ignore[attr-defined]  # the receiver's rebuild decrefs it
+    storage._shared_incref()  # the receiver's rebuild decrefs it
     reductions.shared_cache[cache_key] = reductions.StorageWeakRef(storage)
     return (reductions.rebuild_storage_filename, (type(storage), *metadata))
 
@@ -104,7 +104,7 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
         if not found:
             raise RuntimeError(f"Invalid device_uuid={device}")
         args = (*args[:_CUDA_DEVICE_ARG], found[0], *args[_CUDA_DEVICE_ARG + 1:])
-    return reductions.rebuild_cuda_tensor(*args)  # type: ignore[no-any-return]
+    return reductions.rebuild_cuda_tensor(*args)
 
 
 class SafeUnpickler(pickle.Unpickler):

@@ -8,6 +8,7 @@ BEGIN (carries the staging rule as JSON bytes), FINAL (rebuild now) and ABORT (r
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import attrs
 import torch
@@ -75,7 +76,7 @@ class StagingRule:
         return refit_id, cls(**data)
 
 
-def _payload(t: torch.Tensor) -> dict[str, object]:
+def _payload(t: torch.Tensor) -> dict[str, Any]:
     data = json.loads(bytes(t.detach().cpu().to(torch.uint8).tolist()).decode())
     if not isinstance(data, dict):
         raise ValueError("the BEGIN marker's payload is not a JSON object")

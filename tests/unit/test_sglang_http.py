@@ -23,7 +23,14 @@ from domain.errors import EngineUpdateFailed, RefitFailed
 from domain.quant.stream import quantize_stream
 from domain.refit.buckets import pack_buckets
 from domain.refit.report import RefitOutcome
-from tests.engine_fakes.sglang import UNSENT, FakeSglangEngine, FakeSglangModel, FakeTrainer, plan_for, trainer_weights
+from tests.engine_fakes.sglang import (
+    UNSENT,
+    FakeSglangEngine,
+    FakeSglangModel,
+    FakeTrainer,
+    plan_for,
+    trainer_weights,
+)
 from tests.engine_fakes.sglang_server import FakeSglangServer
 
 BUCKET = 12_000  # several buckets per layer: scales and experts straddle buckets
@@ -163,10 +170,10 @@ def test_an_unreachable_url_is_one_typed_line() -> None:
 
 
 def test_a_server_without_rl_refits_loader_is_refused() -> None:
-    with FakeSglangServer(FakeSglangEngine(FakeSglangModel(), custom_weight_loaders=())) as server:
-        with pytest.raises(ServerMismatch, match=r"without rl-refit's weight loader.*--custom-weight-loader "
-                                                 r"adapters\.sglang\.loader\.load"):
-            attach(server.url, plan_for(None, None))
+    refused = pytest.raises(ServerMismatch, match=r"without rl-refit's weight loader.*--custom-weight-loader "
+                                                  r"adapters\.sglang\.loader\.load")
+    with FakeSglangServer(FakeSglangEngine(FakeSglangModel(), custom_weight_loaders=())) as server, refused:
+        attach(server.url, plan_for(None, None))
 
 
 def test_a_server_without_the_routes_is_refused_before_anything_is_written() -> None:
@@ -180,16 +187,16 @@ def test_a_server_without_the_routes_is_refused_before_anything_is_written() -> 
 
 
 def test_a_server_of_another_model_is_refused() -> None:
-    with FakeSglangServer(FakeSglangEngine(FakeSglangModel()), model_path="/ckpt/other") as server:
-        with pytest.raises(ServerMismatch, match=r"serves '/ckpt/other', not '/ckpt/mine' \(model\.path\)"):
-            attach(server.url, plan_for(None, None), model="/ckpt/mine")
+    refused = pytest.raises(ServerMismatch, match=r"serves '/ckpt/other', not '/ckpt/mine' \(model\.path\)")
+    with FakeSglangServer(FakeSglangEngine(FakeSglangModel()), model_path="/ckpt/other") as server, refused:
+        attach(server.url, plan_for(None, None), model="/ckpt/mine")
 
 
 def test_a_loader_exception_stops_sglang_so_the_attached_loader_never_raises(
         served: tuple[FakeSglangModel, FakeSglangServer]) -> None:
     """What the fake mirrors: SGLang does not catch a custom loader's exception (its scheduler stops).
     A refit that raises there (the in-process engine's contract) takes the server down."""
-    model, server = served
+    _, server = served
     client = HttpClient(server.url)
     client.begin_weight_update()
     with pytest.raises(ServerUnreachable, match="closed connection"):  # no BEGIN marker: the loader raises
@@ -242,3 +249,29 @@ def test_the_attached_engine_has_the_in_process_engines_commit_mode() -> None:
     with FakeSglangServer(FakeSglangEngine(FakeSglangModel())) as server:
         engine = attach(server.url, plan_for(None, None))
         assert isinstance(engine, AttachedSglangEngine) and engine.commit_mode.value == "transactional"
+
+
+# --- the configuration ---------------------------------------------------------------------------
+
+SGLANG = ["rollout.name=sglang", "reference.model=micro-moe", "rollout.deployment=attached"]
+
+
+def test_the_composition_root_attaches_to_the_configured_url() -> None:
+    """Without sglang installed here: it runs in the server."""
+    from app.bootstrap import bootstrap
+
+    with FakeSglangServer(FakeSglangEngine(FakeSglangModel())) as server:
+        services = bootstrap(overrides=[*SGLANG, f"rollout.engine_kwargs.sglang.url={server.url}",
+                                        "rollout.engine_kwargs.sglang.pause_mode=in_place"])
+        engine = services.rollout_engine()
+        assert isinstance(engine, AttachedSglangEngine) and engine.client.url == server.url  # type: ignore[attr-defined]
+        assert engine.client.pause_mode == "in_place" and engine.plan == services.plan  # type: ignore[attr-defined]
+        assert server.events == ["/server_info"]  # probed; nothing paused, nothing written
+
+
+def test_attached_without_a_url_names_the_key() -> None:
+    from app.bootstrap import bootstrap
+    from domain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.engine_kwargs\.sglang\.url: .*give its URL"):
+        bootstrap(overrides=SGLANG).rollout_engine()
