@@ -139,7 +139,8 @@ class FakeSglangServer:
         if not self.engine.session:
             return 400, {"success": False, "message": "update_weights_from_tensor must run between "
                          "begin_weight_update() and end_weight_update()"}
-        named = deserialize(payloads[0])  # TpModelWorker.deserialize_own_rank, rank 0
+        # every TP rank deserializes its own payload (TpModelWorker.deserialize_own_rank); rank 0's is loaded
+        named, *_ = [deserialize(p) for p in payloads]
         load_format = body.get("load_format")
         if load_format is not None and load_format not in self.engine.custom_weight_loaders:
             raise _SchedulerDied(f"Unknown load_format={load_format}")
@@ -156,3 +157,38 @@ class _SchedulerDied(Exception):
 
 def _result(ok: bool, message: str) -> tuple[int, dict[str, Any]]:
     return (200 if ok else 400), {"success": ok, "message": message}
+
+
+def main() -> None:
+    """Serve a fake SGLang engine in a process of its own (tests: tensors then cross processes):
+    `python -m tests.engine_fakes.sglang_server LINEAR MOE` prints its URL, then serves until stdin
+    closes. GET /rl_refit_test/weights answers the model's tensors (torch.save, base64)."""
+    import base64
+    import io
+    import sys
+
+    import torch
+
+    from tests.engine_fakes.sglang import FakeSglangModel
+
+    linear, moe = (None if a == "none" else a for a in sys.argv[1:3])
+    torch.manual_seed(0)
+    model = FakeSglangModel(linear=linear, moe=moe)
+    server = FakeSglangServer(FakeSglangEngine(model))
+    route = server.route
+
+    def with_weights(method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        if path == "/rl_refit_test/weights":
+            buf = io.BytesIO()
+            torch.save({n: t.detach().clone() for n, t in model.state_dict().items()}, buf)
+            return 200, {"weights": base64.b64encode(buf.getvalue()).decode()}
+        return route(method, path, body)
+
+    server.route = with_weights  # type: ignore[method-assign]
+    print(server.url, flush=True)
+    sys.stdin.read()
+    server.close()
+
+
+if __name__ == "__main__":
+    main()

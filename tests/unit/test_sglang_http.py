@@ -230,12 +230,19 @@ def test_tensors_cross_to_another_process_through_shared_memory() -> None:
     code = ("import sys, torch\nfrom adapters.sglang.serializer import deserialize\n"
             "got = deserialize(sys.stdin.read())\n"
             "print([(n, str(t.dtype), list(t.shape), t.float().sum().item()) for n, t in got])\n"
-            "got[0][1].fill_(7)\n")
+            "got[0][1].fill_(7)\n"
+            "del got\n")  # a process that exits still mapping a segment leaves it in /dev/shm
     out = subprocess.run([sys.executable, "-c", code], input=payload, text=True, capture_output=True, timeout=120,
                          check=True).stdout
     assert out.strip() == expected
     assert torch.equal(named[0][1], torch.full((3, 4), 7, dtype=torch.bfloat16))  # the same memory, not a copy
     assert torch.multiprocessing.get_sharing_strategy() == strategy  # the process-wide strategy is untouched
+    del named
+    import gc
+    import os
+
+    gc.collect()
+    assert [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{os.getpid()}_")] == []
 
 
 def test_the_ported_unpickler_refuses_what_sglangs_refuses() -> None:
@@ -275,3 +282,38 @@ def test_attached_without_a_url_names_the_key() -> None:
 
     with pytest.raises(ConfigError, match=r"rollout\.engine_kwargs\.sglang\.url: .*give its URL"):
         bootstrap(overrides=SGLANG).rollout_engine()
+
+
+def test_a_server_in_another_process_refits_equal_to_the_direct_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The tensors cross to the server's process as shared memory, and the loader's outcome comes
+    back through the status file it writes there; nothing of the refits stays in /dev/shm."""
+    import base64
+    import io
+    import json
+    import os
+    import urllib.request
+
+    plan = plan_for("MXFP8", None, True)
+    torch.manual_seed(0)
+    direct_model = FakeSglangModel(linear="MXFP8")
+    direct = SglangRolloutEngine(FakeSglangEngine(direct_model), plan, native_mxfp8=True)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.engine_fakes.sglang_server", "MXFP8", "none"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        engine = attach(url, plan, native_mxfp8=True)
+        for refit_id in (1, 2):
+            refit(direct, refit_id, refit_id)
+            refit(engine, refit_id, refit_id)
+        with urllib.request.urlopen(f"{url}/rl_refit_test/weights", timeout=60) as resp:
+            raw = base64.b64decode(json.loads(resp.read())["weights"])
+        served = torch.load(io.BytesIO(raw))
+        assert same(served, {n: t.detach() for n, t in direct_model.state_dict().items()})
+        leftovers = [f for f in os.listdir("/dev/shm") if f.startswith((f"torch_{os.getpid()}_", f"torch_{proc.pid}_"))]
+        assert leftovers == []
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=60)
