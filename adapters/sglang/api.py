@@ -40,6 +40,7 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("contains", "sglang.srt.entrypoints.http_server:server_info", ("build_server_info(server_args",)),
     ("contains", "sglang.srt.utils.common:build_server_info", ("server_args.resolved_dict()",)),
     ("field", "sglang.srt.arg_groups.fields.parallel:tp_size", ()),
+    ("field", "sglang.srt.arg_groups.fields.model:model_path", ()),
     ("values", "sglang.srt.entrypoints.http_server:pause_generation", ("/pause_generation",)),
     ("symbol", "sglang.srt.managers.io_struct:PauseGenerationReqInput", ("mode",)),
     ("values", "sglang.srt.managers.io_struct:PauseGenerationReqInput", ("abort", "retract", "in_place")),
