@@ -24,13 +24,10 @@ sglang is not imported: the routes' request bodies are written as SGLang 0.5.23 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +38,8 @@ import torch
 
 from adapters.sglang.engine import NamedTensors, SglangRolloutEngine
 from adapters.sglang.serializer import serialize
-from adapters.sglang.staging import BEGIN_MARKER, LOADER_PATH, StagingRule, with_status
+from adapters.sglang.staging import LOADER_PATH
+from adapters.sglang.status import LoaderStatus
 from adapters.vllm.errors import ServerMismatch, ServerUnreachable
 from domain.errors import EngineUpdateFailed
 from domain.quant.plan import QuantizationPlan
@@ -74,24 +72,15 @@ class HttpClient:
     timeout_s: float = 600.0
     tp_size: int = 1
     flush_tries: int = FLUSH_TRIES
-    _status_dir: str = attrs.field(init=False)
-    _refit_id: int | None = attrs.field(init=False, default=None)
-    _calls: int = attrs.field(init=False, default=0)
-    _unrestored: str | None = attrs.field(init=False, default=None)  # why the loader could not restore
+    status: LoaderStatus = attrs.field(init=False)  # what the loader did with each call
     paused: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
-        # The loader reports each call's outcome in a file here (0700: only this user, as the shm).
-        self._status_dir = tempfile.mkdtemp(prefix="rl-refit-sglang-")
-        weakref.finalize(self, shutil.rmtree, self._status_dir, True)
+        self.status = LoaderStatus(self.where)
 
     @property
     def where(self) -> str:
         return f"the SGLang server at {self.url}"
-
-    @property
-    def status_path(self) -> str:
-        return str(Path(self._status_dir) / "status.json")
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -159,7 +148,6 @@ class HttpClient:
     def begin_weight_update(self) -> tuple[bool, str]:
         self.request("POST", "/pause_generation", {"mode": self.pause_mode})
         self.paused = True
-        self._unrestored = None
         try:
             ok, message = self._post("/begin_weight_update", {})
         except BaseException:
@@ -171,44 +159,23 @@ class HttpClient:
 
     def update_weights_from_tensor(self, named_tensors: NamedTensors, load_format: str,
                                    flush_cache: bool) -> tuple[bool, str]:
-        named = list(named_tensors)
-        if named and named[0][0] == BEGIN_MARKER:
-            self._refit_id, _ = StagingRule.from_tensor(named[0][1])
-            self._calls = 0
-            Path(self.status_path).unlink(missing_ok=True)
-            named[0] = (BEGIN_MARKER, with_status(named[0][1], self.status_path))
-        self._calls += 1
-        if self._unrestored is not None:
-            return False, f"rl-refit's loader could not restore the previous weights: {self._unrestored}"
+        named = self.status.outgoing(named_tensors)
+        refused = self.status.refused()
+        if refused is not None:
+            return refused
         body = {"serialized_named_tensors": [serialize(named) for _ in range(self.tp_size)],
                 "load_format": load_format, "flush_cache": False}  # flushed once, at the end, retried
         ok, message = self._post("/update_weights_from_tensor", body)
         if not ok:
             return False, message
-        return self._loader_outcome()
-
-    def _loader_outcome(self) -> tuple[bool, str]:
-        try:
-            status = json.loads(Path(self.status_path).read_text())
-        except (OSError, ValueError):
-            status = None
-        if not isinstance(status, dict) or status.get("refit_id") != self._refit_id or status.get("call") != self._calls:
-            return False, (f"{self.where} did not report what rl-refit's loader did with call {self._calls} of refit "
-                           f"{self._refit_id}: run the server on this host, as this user, with rl-refit installed")
-        error = status.get("error")
-        if error is None:
-            return True, "Success"
-        if not status.get("restored", True):
-            self._unrestored = str(error)
-            return False, f"rl-refit's loader failed and could not restore the previous weights: {error}"
-        return False, f"rl-refit's loader failed ({error}); the server restored its previous weights"
+        return self.status.outcome()
 
     def end_weight_update(self) -> tuple[bool, str]:
         ok, message = self._post("/end_weight_update", {})
-        if self._unrestored is not None:
+        if self.status.unrestored is not None:
             log.error("the SGLang server could not restore its weights; it stays paused", where=self.where,
-                      why=self._unrestored)
-            return False, f"{message}; {self.where} stays paused: {self._unrestored}"
+                      why=self.status.unrestored)
+            return False, f"{message}; {self.where} stays paused: {self.status.unrestored}"
         self.flush_cache()
         self._continue()
         return ok, message
@@ -239,12 +206,12 @@ class HttpClient:
     def close(self) -> None:
         """Let go of the server (it keeps running): continue generation if this client paused it
         and the weights are whole."""
-        if self.paused and self._unrestored is None:
+        if self.paused and self.status.unrestored is None:
             try:
                 self._continue()
             except (ServerUnreachable, ServerMismatch, EngineUpdateFailed) as err:
                 log.warning("could not continue the SGLang server's generation", where=self.where, error=str(err))
-        shutil.rmtree(self._status_dir, ignore_errors=True)
+        self.status.close()
 
 
 _PINNED = "0.5.23"

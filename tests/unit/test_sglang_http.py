@@ -210,7 +210,7 @@ def test_a_loader_exception_stops_sglang_so_the_attached_loader_never_raises(
 def test_close_lets_go_without_stopping_the_server(served: tuple[FakeSglangModel, FakeSglangServer]) -> None:
     _, server = served
     engine = attach(server.url, plan_for(None, None))
-    status_dir = engine.client._status_dir  # type: ignore[attr-defined]
+    status_dir = engine.client.status.directory  # type: ignore[attr-defined]
     engine.close()
     assert not server.dead and server.paused is None
     import os
@@ -317,3 +317,32 @@ def test_a_server_in_another_process_refits_equal_to_the_direct_path(tmp_path) -
         assert proc.stdin is not None
         proc.stdin.close()
         proc.wait(timeout=60)
+
+
+def test_the_in_process_engine_client_gets_a_failure_reported_not_raised_into_sglang() -> None:
+    """sglang.Engine runs the loader in its scheduler process too, which an exception would stop:
+    EngineClient reads the loader's status file as the HTTP client does."""
+    from adapters.sglang.client import EngineClient
+
+    model = FakeSglangModel(linear="MXFP8")
+    fake = FakeSglangEngine(model)
+    plan = plan_for("MXFP8", None, True)
+    engine = SglangRolloutEngine(EngineClient(fake), plan, native_mxfp8=True)
+    refit(engine, 1, 1)
+    live = snapshot(model)
+    real_load, calls = model.load_weights, {"n": 0}
+
+    def failing(weights):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected load failure")
+        return real_load(weights)
+
+    model.load_weights = failing  # type: ignore[method-assign]
+    with pytest.raises(EngineUpdateFailed, match=r"loader failed \(RuntimeError: injected load failure\); the engine "
+                                                 r"restored"):
+        refit(engine, 2, 2)  # the fake would have let an exception through: the loader did not raise
+    assert same(live, snapshot(model)) and not engine.is_stale and not fake.session
+    model.load_weights = real_load  # type: ignore[method-assign]
+    refit(engine, 3, 3)
+    assert not same(live, snapshot(model))
