@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -70,6 +71,10 @@ def attach_sglang_engine(section: SglangSettings, start: EngineStart, *, sync_ba
     check_commit_mode(commit_mode, CommitMode.TRANSACTIONAL, "sglang")
     if not section.url:
         raise ValueError("attach_sglang_engine needs rollout.engine_kwargs.sglang.url")
-    return attach(section.url, start.plan, model=start.model_path or None, pause_mode=section.pause_mode,
+    kwargs = sglang_kwargs(section, start)
+    flags = " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
+                     for k, v in kwargs.items() if k in ("quantization", "json_model_override_args"))
+    return attach(section.url, start.plan, model=start.model_path or None, quantization=kwargs.get("quantization"),
+                  server_flags=flags, pause_mode=section.pause_mode,
                   api_key=section.api_key, native_mxfp8=start.layout == "sglang-mxfp8", sync_backend=sync_backend,
                   wire_format=wire_format)

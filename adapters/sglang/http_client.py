@@ -125,9 +125,11 @@ class HttpClient:
 
     # --- the probe ------------------------------------------------------------------------------
 
-    def probe(self, model: str | None = None) -> dict[str, Any]:
+    def probe(self, model: str | None = None, quantization: str | None = None,
+              server_flags: str = "") -> dict[str, Any]:
         """The server's /server_info, after checking rl-refit can refit it: its custom weight
-        loaders include rl-refit's, and it serves `model` (when given). Sets `tp_size`."""
+        loaders include rl-refit's, it serves `model` (when given) with the plan's `quantization`
+        method (None: BF16; `server_flags` start it for the plan). Sets `tp_size`."""
         _, info = self.request("GET", "/server_info")
         if not isinstance(info, dict):
             raise ServerMismatch(f"{self.where} answered /server_info with {str(info)[:200]!r}: attach to an "
@@ -140,6 +142,11 @@ class HttpClient:
         if model is not None and served is not None and not _same_model(str(served), model):
             raise ServerMismatch(f"{self.where} serves {served!r}, not {model!r} (model.path): attach to the "
                                  "server of this model, or set model.path to the served one")
+        if (info.get("quantization") or None) != (quantization or None):
+            flags = f" ({server_flags})" if server_flags else ""
+            raise ServerMismatch(f"{self.where} was started with quantization={info.get('quantization')!r}, but the "
+                                 f"plan needs {quantization!r}: restart the server with the plan's flags{flags}, or "
+                                 "change rollout.quantization to what the server serves")
         self.tp_size = int(info.get("tp_size") or 1)
         return info
 
@@ -244,7 +251,8 @@ class AttachedSglangEngine(SglangRolloutEngine):
             close()
 
 
-def attach(url: str, plan: QuantizationPlan, *, model: str | None = None, pause_mode: str = "retract",
+def attach(url: str, plan: QuantizationPlan, *, model: str | None = None, quantization: str | None = None,
+           server_flags: str = "", pause_mode: str = "retract",
            api_key: str | None = None, native_mxfp8: bool = False, sync_backend: str | None = None,
            wire_format: str | None = None, timeout_s: float = 600.0) -> AttachedSglangEngine:
     """An engine over the SGLang server at `url`, which the user started, after probing it.
@@ -253,6 +261,8 @@ def attach(url: str, plan: QuantizationPlan, *, model: str | None = None, pause_
         url: the server's base URL.
         plan: the rollout plan (the server must have been started for it).
         model: the model path it should serve (None: not checked).
+        quantization: SGLang's `quantization` method the plan needs (None: BF16).
+        server_flags: the server arguments that start a server for the plan (said when it differs).
         pause_mode: SGLang's pause mode around a refit (retract, in_place, abort).
         api_key: the server's API key, if any.
         native_mxfp8: the dispatch chose SGLang's native MXFP8 layout.
@@ -261,6 +271,6 @@ def attach(url: str, plan: QuantizationPlan, *, model: str | None = None, pause_
         timeout_s: bound on each request.
     """
     client = HttpClient(url, pause_mode=pause_mode, api_key=api_key, timeout_s=timeout_s)
-    client.probe(model)
+    client.probe(model, quantization, server_flags)
     return AttachedSglangEngine(client, plan, native_mxfp8=native_mxfp8, sync_backend=sync_backend,
                                 wire_format=wire_format)

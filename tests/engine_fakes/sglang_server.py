@@ -32,10 +32,11 @@ class FakeSglangServer:
     """A loopback HTTP server answering SGLang's refit routes for `engine`."""
 
     def __init__(self, engine: FakeSglangEngine, *, tp_size: int = 1, model_path: str = "/ckpt/fake",
-                 routes: bool = True) -> None:
+                 routes: bool = True, quantization: str | None = None) -> None:
         self.engine = engine
         self.tp_size = tp_size
         self.model_path = model_path
+        self.quantization = quantization  # the server's --quantization
         self.routes = routes  # False: a server without the weight routes (an older or another server)
         self.paused: str | None = None
         self.busy_flushes = 0
@@ -104,7 +105,7 @@ class FakeSglangServer:
             return 404, {"detail": "Not Found"}
         if path == "/server_info" and method == "GET":
             return 200, {"custom_weight_loader": list(self.engine.custom_weight_loaders), "tp_size": self.tp_size,
-                         "model_path": self.model_path, "version": "0.5.23"}
+                         "model_path": self.model_path, "quantization": self.quantization, "version": "0.5.23"}
         if path == "/health":
             return 200, ""
         if path == "/pause_generation":

@@ -346,3 +346,16 @@ def test_the_in_process_engine_client_gets_a_failure_reported_not_raised_into_sg
     model.load_weights = real_load  # type: ignore[method-assign]
     refit(engine, 3, 3)
     assert not same(live, snapshot(model))
+
+
+def test_a_server_started_for_another_quantization_is_refused_with_the_plans_flags() -> None:
+    from app.bootstrap import bootstrap
+
+    with FakeSglangServer(FakeSglangEngine(FakeSglangModel())) as server:  # started BF16
+        services = bootstrap(overrides=[*SGLANG, f"rollout.engine_kwargs.sglang.url={server.url}",
+                                        "rollout.quantization.linear=FP8_BLOCK", "rollout.quantization.moe=FP8_BLOCK"])
+        with pytest.raises(ServerMismatch, match=r"started with quantization=None, but the plan needs "
+                                                 r"'compressed-tensors': restart the server with the plan's flags "
+                                                 r"\(--quantization compressed-tensors --json-model-override-args '\{"):
+            services.rollout_engine()
+        assert server.events == ["/server_info"]
