@@ -112,6 +112,9 @@ def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -
     if rollout.deployment == "attached":
         from adapters.sglang.factory import attach_sglang_engine
 
+        if rollout.replicas > 1:
+            raise ConfigError("rollout.replicas", "an attached SGLang deployment refits one server "
+                              "(rollout.engine_kwargs.sglang.url): set rollout.replicas=1")
         if not rollout.engine_kwargs.sglang.url:
             raise ConfigError("rollout.engine_kwargs.sglang.url", "rollout.deployment=attached refits a server you "
                               "started: give its URL (http://HOST:PORT)")

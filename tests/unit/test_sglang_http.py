@@ -359,3 +359,12 @@ def test_a_server_started_for_another_quantization_is_refused_with_the_plans_fla
                                                  r"\(--quantization compressed-tensors --json-model-override-args '\{"):
             services.rollout_engine()
         assert server.events == ["/server_info"]
+
+
+def test_attached_sglang_refits_one_server() -> None:
+    from app.bootstrap import bootstrap
+    from domain.errors import ConfigError
+
+    services = bootstrap(overrides=[*SGLANG, "rollout.engine_kwargs.sglang.url=http://127.0.0.1:9", "rollout.replicas=2"])
+    with pytest.raises(ConfigError, match=r"rollout\.replicas: .*set rollout\.replicas=1"):
+        services.rollout_engine()
