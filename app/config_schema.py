@@ -257,7 +257,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("rollout.deployment", (str,), "colocated",
         "where the engine runs: colocated (in the trainer's process, verl's hybrid engine: buckets by "
         "reference), disaggregated (its own processes: buckets over a side process group) or attached (a "
-        "vLLM server the user started: rollout.engine_kwargs.vllm.url; rl-refit starts nothing)",
+        "vLLM or SGLang server the user started: rollout.engine_kwargs.vllm.url or "
+        "rollout.engine_kwargs.sglang.url; rl-refit starts nothing)",
         choices=("colocated", "disaggregated", "attached")),
     Key("rollout.replicas", (int,), 1,
         "engine replicas (data-parallel rollout) one refit updates, all or nothing; vLLM replicas run "
@@ -304,6 +305,15 @@ SCHEMA: tuple[Key, ...] = (
     Key("rollout.verify.seq_len", (int,), 16, "tokens per probe sequence", check=_at_least(2)),
     Key("rollout.engine_kwargs.sglang.kv_cache_dtype", (str,), "auto",
         "SGLang's KV-cache dtype (auto, fp8_e4m3, fp8_e5m2)", choices=("auto", "fp8_e4m3", "fp8_e5m2")),
+    Key("rollout.engine_kwargs.sglang.url", (str, NoneType), None,
+        "attached: the SGLang server's base URL (http://127.0.0.1:30000), started with "
+        "--custom-weight-loader adapters.sglang.loader.load (docs/attach.md)", check=_url),
+    Key("rollout.engine_kwargs.sglang.api_key", (str, NoneType), None,
+        "attached: the server's --api-key or --admin-api-key, if any"),
+    Key("rollout.engine_kwargs.sglang.pause_mode", (str,), "retract",
+        "attached: SGLang's pause mode around a refit: retract (in-flight requests wait and continue after "
+        "it, their KV recomputed with the new weights), in_place (they freeze on their old KV) or abort",
+        choices=("retract", "in_place", "abort")),
     Key("rollout.checkpoint_engine.backend", (str,), "naive", "weight-sync backend", choices=SYNC_BACKENDS),
     Key("rollout.checkpoint_engine.update_weights_bucket_megabytes", (int, float), 512,
         "size bound of one weight-sync bucket, MiB", check=_bucket_mib),

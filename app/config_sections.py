@@ -74,6 +74,9 @@ class SglangEngineConfig:
     hf_overrides: Mapping[str, Any] | None = _key("rollout.engine_kwargs.sglang.hf_overrides")
     use_deep_gemm: bool | None = _key("rollout.engine_kwargs.sglang.use_deep_gemm")
     kv_cache_dtype: str = _key("rollout.engine_kwargs.sglang.kv_cache_dtype")
+    url: str | None = _key("rollout.engine_kwargs.sglang.url")
+    api_key: str | None = _key("rollout.engine_kwargs.sglang.api_key")
+    pause_mode: str = _key("rollout.engine_kwargs.sglang.pause_mode")
 
 
 @attrs.frozen(kw_only=True)

@@ -13,6 +13,7 @@ import torch
 
 from adapters.sglang.engine import NamedTensors
 from adapters.sglang.profile import PINNED_SGLANG
+from adapters.sglang.status import LoaderStatus
 from domain.refit.storage import StorageFingerprint
 
 
@@ -35,6 +36,8 @@ class EngineClient:
     """
 
     engine: Any
+    # SGLang's scheduler stops on a loader's exception: the loader reports failures here instead
+    status: LoaderStatus = attrs.field(factory=lambda: LoaderStatus("the SGLang engine"))
 
     @classmethod
     def launch(cls, **server_kwargs: Any) -> EngineClient:
@@ -57,8 +60,13 @@ class EngineClient:
 
     def update_weights_from_tensor(self, named_tensors: NamedTensors, load_format: str,
                                    flush_cache: bool) -> tuple[bool, str]:
-        return _ok(self.engine.update_weights_from_tensor(named_tensors, load_format=load_format,
-                                                          flush_cache=flush_cache))
+        named = self.status.outgoing(named_tensors)
+        refused = self.status.refused()
+        if refused is not None:
+            return refused
+        ok, message = _ok(self.engine.update_weights_from_tensor(named, load_format=load_format,
+                                                                 flush_cache=flush_cache))
+        return self.status.outcome() if ok else (ok, message)
 
     def end_weight_update(self) -> tuple[bool, str]:
         return _ok(self.engine.end_weight_update())

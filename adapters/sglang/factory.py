@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -19,6 +20,15 @@ class SglangSettings(Protocol):
 
     @property
     def kv_cache_dtype(self) -> str: ...
+
+    @property
+    def url(self) -> str | None: ...
+
+    @property
+    def api_key(self) -> str | None: ...
+
+    @property
+    def pause_mode(self) -> str: ...
 
 
 def sglang_kwargs(section: SglangSettings, start: EngineStart) -> dict[str, Any]:
@@ -50,3 +60,21 @@ def build_sglang_engine(section: SglangSettings, start: EngineStart, *, sync_bac
     return SglangRolloutEngine(EngineClient.launch(**sglang_kwargs(section, start)), start.plan,
                                native_mxfp8=start.layout == "sglang-mxfp8", sync_backend=sync_backend,
                                wire_format=wire_format)
+
+
+def attach_sglang_engine(section: SglangSettings, start: EngineStart, *, sync_backend: str, wire_format: str,
+                         commit_mode: CommitMode | None = None) -> SglangRolloutEngine:
+    """An engine over the SGLang server at `section.url`, which the user started
+    (rollout.deployment: attached): probed first, never stopped by rl-refit (docs/attach.md)."""
+    from adapters.sglang.http_client import attach
+
+    check_commit_mode(commit_mode, CommitMode.TRANSACTIONAL, "sglang")
+    if not section.url:
+        raise ValueError("attach_sglang_engine needs rollout.engine_kwargs.sglang.url")
+    kwargs = sglang_kwargs(section, start)
+    flags = " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
+                     for k, v in kwargs.items() if k in ("quantization", "json_model_override_args"))
+    return attach(section.url, start.plan, model=start.model_path or None, quantization=kwargs.get("quantization"),
+                  server_flags=flags, pause_mode=section.pause_mode,
+                  api_key=section.api_key, native_mxfp8=start.layout == "sglang-mxfp8", sync_backend=sync_backend,
+                  wire_format=wire_format)

@@ -28,6 +28,8 @@ does not have backs up every module outside the decoder layers.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import time
 import weakref
@@ -39,7 +41,14 @@ import structlog
 import torch
 from torch import nn
 
-from adapters.sglang.staging import ABORT_MARKER, BEGIN_MARKER, FINAL_MARKER, MARKER_PREFIX, StagingRule
+from adapters.sglang.staging import (
+    ABORT_MARKER,
+    BEGIN_MARKER,
+    FINAL_MARKER,
+    MARKER_PREFIX,
+    StagingRule,
+    status_of,
+)
 from domain.errors import EngineTensorMismatch, RefitLifecycleError, StorageRebound
 
 log = structlog.get_logger()
@@ -87,6 +96,14 @@ def load(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     if loader is None:
         loader = _LOADERS[model] = RefitLoader(model)
     loader.receive(list(named_tensors))
+
+
+def write_status(path: str, status: dict[str, object]) -> None:
+    """Replace the status file at once (the trainer never reads half of it)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(status, f)
+    os.replace(tmp, path)
 
 
 def loader_for(model: nn.Module) -> RefitLoader | None:
@@ -137,9 +154,37 @@ class RefitLoader:
     _views: dict[tuple[object, ...], torch.Tensor] = attrs.field(factory=dict)
     _backup_bytes: int = 0
     _staged: list[tuple[str, torch.Tensor]] = attrs.field(factory=list)
+    status_path: str | None = None  # where each call's outcome is written (None: failures raise)
+    calls: int = 0  # calls of the current refit, BEGIN's included
 
     def receive(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Handle one `update_weights_from_tensor` call (markers first/last, tensors between)."""
+        """Handle one `update_weights_from_tensor` call (markers first/last, tensors between).
+
+        When the refit's BEGIN marker names a status file (the attached deployment), a failure is
+        restored and written there instead of raised: SGLang does not catch a custom loader's
+        exception, and its scheduler process stops on it, taking the server down.
+        """
+        if named and named[0][0] == BEGIN_MARKER:
+            self.status_path, self.calls = status_of(named[0][1]), 0
+        if self.status_path is None:
+            self._receive(named)
+            return
+        self.calls += 1
+        error: str | None = None
+        restored = True
+        try:
+            self._receive(named)
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+            try:
+                self.abort(error)  # nothing to do when the failure already restored
+            except Exception as again:
+                restored = False
+                error = f"{error}; restore failed: {type(again).__name__}: {again}"
+        write_status(self.status_path, {"refit_id": self.refit_id, "call": self.calls, "error": error,
+                                        "restored": restored})
+
+    def _receive(self, named: list[tuple[str, torch.Tensor]]) -> None:
         if named and named[0][0] == BEGIN_MARKER:
             self._begin(named.pop(0)[1])
         end = named.pop()[0] if named and named[-1][0] in (FINAL_MARKER, ABORT_MARKER) else None

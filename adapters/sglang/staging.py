@@ -8,6 +8,7 @@ BEGIN (carries the staging rule as JSON bytes), FINAL (rebuild now) and ABORT (r
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import attrs
 import torch
@@ -69,9 +70,31 @@ class StagingRule:
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> tuple[int, StagingRule]:
         """Read a BEGIN marker's payload back: (refit id, rule)."""
-        data = json.loads(bytes(t.detach().cpu().to(torch.uint8).tolist()).decode())
+        data = _payload(t)
         refit_id = int(data.pop("refit_id"))
+        data.pop("status", None)
         return refit_id, cls(**data)
+
+
+def _payload(t: torch.Tensor) -> dict[str, Any]:
+    data = json.loads(bytes(t.detach().cpu().to(torch.uint8).tolist()).decode())
+    if not isinstance(data, dict):
+        raise ValueError("the BEGIN marker's payload is not a JSON object")
+    return data
+
+
+def with_status(t: torch.Tensor, path: str) -> torch.Tensor:
+    """A BEGIN payload that also names the file where the loader reports each call's outcome
+    instead of raising into SGLang's scheduler (an exception there stops the server): the
+    attached deployment (adapters.sglang.http_client)."""
+    payload = json.dumps({**_payload(t), "status": path}).encode()
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).clone()
+
+
+def status_of(t: torch.Tensor) -> str | None:
+    """The status file a BEGIN payload names (None: the loader raises on failure)."""
+    status = _payload(t).get("status")
+    return None if status is None else str(status)
 
 
 def marker(name: str) -> tuple[str, torch.Tensor]:

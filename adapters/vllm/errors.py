@@ -31,11 +31,11 @@ class WorkerError(EngineUpdateFailed):
 
 
 class ServerUnreachable(RefitError, ConnectionError):
-    """An attached vLLM server did not answer (wrong URL, not started yet, died): names the URL."""
+    """An attached vLLM or SGLang server did not answer (wrong URL, not started yet, died): names the URL."""
 
 
 class ServerMismatch(RefitError, ValueError):
-    """An attached vLLM server is not the one the configuration describes (dev mode off, no
+    """An attached vLLM or SGLang server is not the one the configuration describes (dev mode off, no
     rl-refit backend or worker extension, another rl-refit version, another model, a quantization
     it was not started with): names what differs and the flag or key that fixes it."""
 

@@ -118,6 +118,21 @@ def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -
     from adapters.sglang.factory import build_sglang_engine
 
     rollout = services.config.rollout
+    if rollout.deployment == "disaggregated":
+        raise ConfigError("rollout.deployment", "sglang runs colocated only (sglang.Engine in this process), or "
+                          "attached to a server you started (rollout.deployment=attached)")
+    if rollout.deployment == "attached":
+        from adapters.sglang.factory import attach_sglang_engine
+
+        if rollout.replicas > 1:
+            raise ConfigError("rollout.replicas", "an attached SGLang deployment refits one server "
+                              "(rollout.engine_kwargs.sglang.url): set rollout.replicas=1")
+        if not rollout.engine_kwargs.sglang.url:
+            raise ConfigError("rollout.engine_kwargs.sglang.url", "rollout.deployment=attached refits a server you "
+                              "started: give its URL (http://HOST:PORT)")
+        return attach_sglang_engine(rollout.engine_kwargs.sglang, engine_start(services, "sglang", plan),
+                                    sync_backend=rollout.checkpoint_engine.backend, wire_format=rollout.wire_format,
+                                    commit_mode=options.get("commit_mode"))
     return build_sglang_engine(rollout.engine_kwargs.sglang, engine_start(services, "sglang", plan),
                                sync_backend=rollout.checkpoint_engine.backend, wire_format=rollout.wire_format,
                                commit_mode=options.get("commit_mode"))
@@ -177,7 +192,9 @@ def _megatron_sharded(services: Services, model: object, layout: ParallelLayout,
 ENGINES: dict[str, AdapterEntry] = {
     "reference": AdapterEntry("adapters.reference.engine.ReferenceEngine", _reference_engine),
     "vllm": AdapterEntry("adapters.vllm.engine.VllmRolloutEngine", _vllm_engine, "vllm", "vllm", remote=True),
-    "sglang": AdapterEntry("adapters.sglang.engine.SglangRolloutEngine", _sglang_engine, "sglang", "sglang"),
+    # remote: attached to the user's server (sglang is needed there, not here); never disaggregated
+    "sglang": AdapterEntry("adapters.sglang.engine.SglangRolloutEngine", _sglang_engine, "sglang", "sglang",
+                           remote=True),
 }
 TRAINERS: dict[str, AdapterEntry] = {
     "reference": AdapterEntry("adapters.reference.trainer.ReferenceTrainer", _reference_trainer),

@@ -188,7 +188,7 @@ def _check(src: Source, kind: str, target: str, details: tuple[str, ...]) -> str
         return f"{target}: no keyword {missing}" if missing else None
     if kind in ("member", "contains"):
         found = _find(src, module, head)
-        if found is None or not isinstance(found[1], (ast.ClassDef, ast.FunctionDef)):
+        if found is None or not isinstance(found[1], (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             return f"{target}: {head} not defined"
         node: ast.AST | bool | None = found[1]
         if attr:

@@ -84,6 +84,10 @@ MUTATIONS = {
          "postprocess_weights: source no longer contains ['quant_method.process_weights_after_loading(module)']"),
         ("sglang.srt.arg_groups.fields.model", "    custom_weight_loader: A[", "    weight_loader_plugins: A[",
          "custom_weight_loader: no such field"),
+        ("sglang.srt.entrypoints.http_server", '@app.post("/pause_generation")', '@app.post("/pause")',
+         "pause_generation: missing values ['/pause_generation']"),
+        ("sglang.srt.utils.common", "ForkingPickler(buf).dump(obj)", "pickle.Pickler(buf).dump(obj)",
+         "MultiprocessingSerializer.serialize: source no longer contains ['ForkingPickler(buf).dump(obj)']"),
     ],
 }
 
