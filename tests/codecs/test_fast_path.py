@@ -50,22 +50,20 @@ def test_float_e2m1_encoder_equals_reference_on_every_midpoint(signed_zero) -> N
     assert torch.equal(fast_elements.pack_fp4(fast_elements.e2m1_codes(pairs, signed_zero=signed_zero)), ref_packed)
 
 
+def _kernel_calls(w: torch.Tensor, numerics: ElementRule):
+    """(what, kernel, args) of every FP4 kernel variant on `w`; the kernels take `fast` last."""
+    for scale_rule in MxScaleRule:
+        yield f"MXFP4 {scale_rule.value}", mx._quantize_kernel, (w, ElementType.E2M1, 32, scale_rule, numerics)
+    yield "NVFP4", nvfp4._quantize_kernel, (w, nvfp4.global_scale(w, rule=numerics), 16, numerics)
+
+
 @pytest.mark.parametrize("numerics", list(ElementRule))
 def test_fast_kernels_run_eagerly_equal_reference_kernels(numerics) -> None:
     for fmt in (MXFP4, NVFP4):
         for name, w in _adversarial(fmt).items():
-            if fmt is NVFP4:
-                args: tuple = (w, nvfp4.global_scale(w, rule=numerics), 16, numerics)
-                kernel = nvfp4._quantize_kernel
-            else:
-                kernel = mx._quantize_kernel
-                for scale_rule in MxScaleRule:
-                    args = (w, ElementType.E2M1, 32, scale_rule, numerics)
-                    for a, b in zip(kernel(*args, False), kernel(*args, True), strict=True):
-                        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (fmt.name, name, scale_rule)
-                continue
-            for a, b in zip(kernel(*args, False), kernel(*args, True), strict=True):
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (fmt.name, name)
+            for what, kernel, args in _kernel_calls(w, numerics):
+                for ref, fast in zip(kernel(*args, False), kernel(*args, True), strict=True):
+                    assert torch.equal(ref.view(torch.uint8), fast.view(torch.uint8)), (what, name)
 
 
 @pytest.fixture
