@@ -6,6 +6,7 @@ the operation order the codecs had before the rules were named, eager and compil
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 
@@ -79,6 +80,7 @@ def run(quick: bool = False) -> BenchReport:
     size = 1024 if quick else 4096
     repeat = 2 if quick else 5
     report = BenchReport("codecs")
+    load_before = _load_average()
     w = torch.randn(size, size, dtype=torch.bfloat16)
     gbytes = w.numel() * w.element_size() / 1e9
     case = f"{size}x{size} bf16"
@@ -125,10 +127,20 @@ def run(quick: bool = False) -> BenchReport:
         report.notes.append(_stages_note(fmt, w, repeat))
     report.notes += shares
     report.notes.append(_bound_note(gbytes / copy_s, gbytes / cast_s))
+    report.notes.append(f"load average (1 min) before and after: {load_before} and {_load_average()} on "
+                        f"{os.cpu_count()} cores (other work on the machine skews every timing; the shares are "
+                        "measured in turns, so a load change hits the codec and its bound alike)")
     report.notes.append("ratio = ours / baseline throughput; against copy_ it is the share of the memory bound")
     report.notes.append("rows without a rule measure the default rule (engine); 'compressed-tensors rule' is the "
                         "operation order of the codecs before the element rules were named, run in turns with it")
     return report
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _share_note(fmt: PrecisionFormat, share: float) -> str:
