@@ -47,6 +47,7 @@ import logging
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,8 @@ WRITE_RELOAD = "write checkpoint + vLLM reload_weights"
 LOAD_WEIGHTS = "per-bucket model.load_weights, unprocessed (timing floor only: serves wrong weights)"
 RESTART = "engine start (a restart instead of a refit)"
 COPY = "copy_ of the same bytes in this process (the memory bound)"
+BF16_REFIT = "rl-refit refit of the same model in BF16 (same run)"
+QUANTIZED_BOUND = 1.5  # a quantized refit takes at most this many times the same model's BF16 refit
 
 
 @attrs.frozen
@@ -183,6 +186,11 @@ class EngineTimings:
         engine_peak_bytes: over the same refit, the sum over the engine host's processes of each
             one's peak RSS above its RSS before (an upper bound of their joint peak growth; None:
             colocated, the engine is in the trainer's process).
+        codec: the refit's codec path choice (app.services.codec_path.CodecPathChoice.to_dict).
+        bf16_refit: a quantized preset's run: the same model's BF16 refits, measured in the same run
+            by an engine of its own started after this one closed (empty: BF16, or it failed).
+        bf16_phases: those BF16 refits by phase, the median.
+        bf16_error: why the BF16 refits could not be measured.
     """
 
     deployment: str
@@ -211,6 +219,10 @@ class EngineTimings:
     copy_seconds: float | None = None
     receive: tuple[float, ...] = ()
     transport: str | None = None
+    codec: dict[str, Any] | None = None
+    bf16_refit: tuple[float, ...] = ()
+    bf16_phases: dict[str, float] = attrs.field(factory=dict)
+    bf16_error: str | None = None
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -276,6 +288,11 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
     report.add(case, metric, ours, "s", RESTART, t.start, figure="other", preset=settings.preset.upper())
     if write is not None:
         report.add(case, "write checkpoint (quantize + one safetensors file)", write, "s")
+    bf16 = _median(t.bf16_refit)
+    if bf16 is not None:
+        report.add(case, metric, ours, "s", BF16_REFIT, bf16, figure="other", preset=settings.preset.upper())
+        if "quantize" in t.phases:
+            report.add(case, "quantize phase of the refit", t.phases["quantize"], "s", BF16_REFIT, bf16)
     if t.source_bytes:
         bound = t.source_bytes / 1e9 / t.copy_seconds if t.copy_seconds else None
         report.add(case, "rl-refit refit throughput (BF16 source bytes)", t.source_bytes / 1e9 / ours, "GB/s",
@@ -295,7 +312,24 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
     target = speed_target(ours, reload, layerwise)
     if target is not None:
         report.notes.append(target)
+    report.notes += _quantized_notes(settings, t, ours, bf16)
     return report
+
+
+def _quantized_notes(settings: EngineBenchSettings, t: EngineTimings, ours: float, bf16: float | None) -> list[str]:
+    notes = []
+    if t.codec is not None:
+        notes.append(f"codec path: {t.codec['path']} ({t.codec['reason']}); chosen before the first refit, "
+                     f"outside every timing (warm-up {t.codec['warmup_seconds']:.1f} s)")
+    if bf16 is not None:
+        verdict = "met" if ours <= QUANTIZED_BOUND * bf16 else "NOT met"
+        phases = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t.bf16_phases.items())
+        notes.append(f"bound: {verdict}, the {settings.preset.upper()} refit takes {ours / bf16:.2f}x the BF16 refit "
+                     f"of the same model (at most {QUANTIZED_BOUND:g}x); the BF16 refits by phase, median ms: {phases} "
+                     "(an engine of their own, started after this one closed, same threads and buckets)")
+    if t.bf16_error:
+        notes.append(f"the BF16 refit of the same model could not be measured: {t.bf16_error}")
+    return notes
 
 
 def time_split(refit: float, receive: float | None, load: float | None, layerwise: float | None) -> str | None:
@@ -500,10 +534,16 @@ class _Bench:
     def write(self) -> None:
         from safetensors.torch import save_file
 
+        tensors = {name: t.contiguous() for name, t in self.quantized()}
+        save_file(tensors, str(self.workdir / "model.safetensors"), metadata={"format": "pt"})
+
+    def quantized(self) -> Any:
+        """The refit's checkpoint tensors, quantized on the refit's codec path."""
+        from app.services.codec_path import on_path
         from domain.quant.stream import quantize_stream
 
-        tensors = {name: t.contiguous() for name, t in quantize_stream(self.svc.plan, self.svc.trainer.named_weights())}
-        save_file(tensors, str(self.workdir / "model.safetensors"), metadata={"format": "pt"})
+        svc = self.svc
+        return on_path(svc.codec_choice().path, quantize_stream(svc.plan, svc.trainer.named_weights()))
 
     def reload(self) -> None:
         self.workers.call(BenchReload(str(self.workdir)))
@@ -511,12 +551,10 @@ class _Bench:
     def buckets_only(self) -> None:
         """The refit's buckets, through the same workers and ownership, with nothing else around
         them (the worker's bench mode says what it does with them: a floor)."""
-        from domain.quant.stream import quantize_stream
-
         svc, workers = self.svc, self.engine.workers
         planner = svc.ownership.planner(svc.bucket_bytes, svc.alignment)
         workers.begin()
-        for bucket in planner.pack(quantize_stream(svc.plan, svc.trainer.named_weights())):
+        for bucket in planner.pack(self.quantized()):
             workers.load(bucket)
         workers.finalize(False)
 
@@ -638,8 +676,57 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
         (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
         reload_error, load_error, put_back, bench.svc.bucket_bytes, trainer_peak, engine_peak,
         tuple(times.get("layerwise", ())), layerwise_error, layerwise_same, copy, tuple(times.get("receive", ())),
-        transport=getattr(bench.engine.workers, "backend", None),
+        transport=getattr(bench.engine.workers, "backend", None), codec=bench.svc.codec_choice().to_dict(),
     )
+
+
+_BF16_MARK = "rl-refit-bf16-refits "
+_BF16_CHILD = "import sys; from app.bench.engine import bf16_refits_child; bf16_refits_child(sys.argv[1])"
+
+
+def bf16_refits_child(settings_json: str) -> None:
+    """In a child process: start the settings' engine (BF16), refit once, then measure `repeat`
+    refits after a warm-up one; print their seconds and median phases as one marked JSON line."""
+    import json
+
+    from app.bootstrap import bootstrap
+    from app.logging import configure_logging
+
+    configure_logging(level=logging.WARNING)
+    settings = EngineBenchSettings(**json.loads(settings_json))
+    services = bootstrap(_config(settings, settings.deployment))
+    threads = settings.trainer_threads_for(settings.deployment, os.cpu_count() or 1, torch.cuda.is_available())
+    if threads is not None:
+        torch.set_num_threads(threads)
+    trainer = services.trainer_model()
+    engine: Any = services.rollout_engine()
+    try:
+        svc = services.refit_service(engine=engine, trainer=trainer)
+        svc.refit()
+        times = _rounds({"refit": lambda: svc.refit()}, settings.repeat)["refit"]
+        phases = _median_phases([dict(r.timings) for r in svc.reports[-settings.repeat:]])
+    finally:
+        engine.close()
+    sys.stdout.write(_BF16_MARK + json.dumps({"refit": times, "phases": phases}) + "\n")
+
+
+def _bf16_refits(settings: EngineBenchSettings, deployment: str) -> dict[str, Any]:
+    """The same model's BF16 refits, in a child process (one engine at a time: this run's engine is
+    closed): EngineTimings' bf16_refit, bf16_phases, bf16_error."""
+    import json
+
+    child = attrs.evolve(settings, preset="BF16", deployment=deployment)
+    try:
+        done = subprocess.run([sys.executable, "-c", _BF16_CHILD, json.dumps(attrs.asdict(child))],
+                              capture_output=True, text=True, timeout=3600, env={**os.environ})
+    except (OSError, subprocess.SubprocessError) as err:
+        return {"bf16_error": _error(err)}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(_BF16_MARK):
+            out = json.loads(line[len(_BF16_MARK):])
+            return {"bf16_refit": tuple(out["refit"]), "bf16_phases": out["phases"]}
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return {"bf16_error": f"the child exited with {done.returncode}: {tail}"}
 
 
 def _copy_bound(trainer: Any, repeat: int) -> float:
@@ -730,9 +817,12 @@ def run(quick: bool = False, settings: EngineBenchSettings | None = None) -> Ben
     threads = torch.get_num_threads()
     load_before = _load_average()
     try:
-        report = build_report(settings, measure(settings))
+        timings = measure(settings)
     finally:
         torch.set_num_threads(threads)  # vLLM lowers this process's threads when it runs here
+    if settings.preset.upper() != "BF16":
+        timings = attrs.evolve(timings, **_bf16_refits(settings, timings.deployment))
+    report = build_report(settings, timings)
     report.notes.append(f"load average (1 min) before and after: {load_before} and {_load_average()} on "
                         f"{os.cpu_count()} cores (other work on the machine skews every timing)")
     return report

@@ -17,6 +17,7 @@ import attrs
 import structlog
 import torch
 
+from app.services.codec_path import CodecPathChoice, choose_codec_path, on_path
 from app.services.transaction import Alone, Ownership, RefitTransaction, ReplayCopy, Restore, describe_plan
 from app.services.verification import PostRefitProbe
 from domain.errors import ConfigError, DeltaBaseMismatch, RefitFailed
@@ -62,6 +63,9 @@ class RefitService:
             commit; a mismatch fails the refit and leaves the engine stale); None: not run.
         delta: the delta sender of a `layout_delta` refit (the engine must be a DeltaEngine);
             None: every refit sends every tensor whole.
+        codec_path: auto (before the first refit, outside its timings, choose the compiled codec
+            path where it is bit-identical to the eager one on the model and faster:
+            app.services.codec_path) or eager.
         reports: every refit's report, oldest first.
     """
 
@@ -75,7 +79,9 @@ class RefitService:
     progress: Progress | None = None
     probe: PostRefitProbe | None = None
     delta: DeltaSender | None = None
+    codec_path: str = "auto"
     reports: list[RefitReport] = attrs.field(factory=list)
+    _codec: CodecPathChoice | None = attrs.field(init=False, default=None)
     _next_id: int = attrs.field(init=False, default=1)
     _replay: ReplayCopy | None = attrs.field(init=False, default=None)
     _planner: tuple[tuple[object, ...], BucketPlanner] | None = attrs.field(init=False, default=None)
@@ -92,6 +98,14 @@ class RefitService:
             if self.restore_policy is Restore.REPLAY:  # the previous refit's records need the dropped copies
                 raise ConfigError(key, "layout_delta cannot restore by replaying the previous refit's buckets "
                                   "(they hold deltas); use rollout.checkpoint_engine.restore: engine or stale")
+
+    def codec_choice(self) -> CodecPathChoice:
+        """The codec path this service's refits quantize with, chosen on the first call."""
+        if self._codec is None:
+            self._codec = choose_codec_path(self.plan, self.trainer, self.codec_path)
+            structlog.get_logger().info("codec path", path=self._codec.path.value, reason=self._codec.reason,
+                                        warmup_s=round(self._codec.warmup_seconds, 3))
+        return self._codec
 
     @property
     def restore_policy(self) -> Restore:
@@ -111,6 +125,7 @@ class RefitService:
         Raises:
             RefitFailed: carrying the report (outcome ROLLED_BACK or STALE), the cause chained.
         """
+        self.codec_choice()  # outside the refit's timings
         try:
             return self._attempt()
         except RefitFailed as failed:
@@ -137,7 +152,7 @@ class RefitService:
         if tx.staged() and tx.commit():
             if self.delta is not None:
                 self.delta.commit()
-            report = self._with_delta(tx.succeed())
+            report = self._annotated(tx.succeed())
             self.reports.append(report)
             log.info("refit", **report.log_fields())
             return report
@@ -152,7 +167,7 @@ class RefitService:
             "the engine's previous weights were restored, bit for bit"
             if run.engine is EngineState.RESTORED else "the engine kept its previous weights, bit for bit"
         )
-        report = self._with_delta(tx.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}"))
+        report = self._annotated(tx.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}"))
         self.reports.append(report)
         log.error("refit", **report.log_fields())
         raise RefitFailed(report.error or "", report=report) from tx.cause
@@ -170,7 +185,7 @@ class RefitService:
         run.where = "export"
         total = self._total_bytes()
         exported = clock.timed("export", self._counted(run, self.trainer.named_weights()))
-        quantized = clock.timed("quantize", quantize_stream(self.plan, exported))
+        quantized = clock.timed("quantize", on_path(self.codec_choice().path, quantize_stream(self.plan, exported)))
         if self.delta is not None:
             quantized = clock.timed("delta", self.delta.stage(quantized))
         for bucket in clock.timed("pack", self._bucket_planner().pack(quantized)):
@@ -204,7 +219,8 @@ class RefitService:
                                            error=f"{type(err).__name__}: {err}")
             return DeltaBase()
 
-    def _with_delta(self, report: RefitReport) -> RefitReport:
+    def _annotated(self, report: RefitReport) -> RefitReport:
+        report = attrs.evolve(report, codec_path=self.codec_choice().path.value)
         if self.delta is None:
             return report
         return attrs.evolve(report, delta=self.delta.report(self._delta_base()))

@@ -67,6 +67,8 @@ class RefitReport:
             engine on this side).
         delta: a `layout_delta` refit's figures: full or delta and why, bytes sent against a full
             refit's, both sides' host copies (None for other backends).
+        codec_path: the path the codecs quantized with: `eager` (the reference) or `compiled`
+            (the fast path, bit-identical on this machine); None: not reported.
     """
 
     refit_id: int
@@ -88,6 +90,7 @@ class RefitReport:
     probe: ProbeCheck | None = None
     engine_state: str = "-"
     delta: DeltaReport | None = None
+    codec_path: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -108,7 +111,7 @@ class RefitReport:
             "gbps": round(self.throughput_gbps, 4), "peak_staging_mb": round(self.peak_staging_bytes / 2**20, 3),
             "storage": str(self.storage), "kv_scales_reset": self.kv_scales_reset, "error": self.error,
             "parameters_written": self.parameters_written, "unwritten": len(self.unwritten),
-            "probe": str(self.probe) if self.probe is not None else None,
+            "probe": str(self.probe) if self.probe is not None else None, "codec_path": self.codec_path,
         } | (_delta_fields(self.delta) if self.delta is not None else {})
 
     def to_dict(self) -> dict[str, object]:

@@ -40,3 +40,17 @@ def special_weight(n: int, k: int, dtype: torch.dtype, *, block: int = 32, seed:
                 x[r, sl] = x[r, sl] * scale
     big = torch.finfo(dtype).max
     return x.clamp(-big, big).to(dtype)
+
+
+def signed_zeros_and_decades(n: int, k: int, *, seed: int = 0) -> torch.Tensor:
+    """[n, k] float32: blocks of 32 that alternate between signed zeros (-0.0 and +0.0 beside tiny
+    negatives that round to zero) and values spread over 5 decades (1e-3 to 1e2) within one block."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=g)
+    decades = 10.0 ** torch.randint(-3, 2, (n, k), generator=g).float()
+    blocks = x.reshape(n, k // 32, 32)
+    zeros = torch.where(torch.rand(n, k // 32, 32, generator=g) < 0.5, -0.0, 0.0)
+    zeros[..., :4] = -1e-30  # negative, below every element's smallest step
+    zeros[..., 4] = 1e-3  # a non-zero maximum, so the block's scale is finite and small
+    out = torch.where(torch.arange(k // 32).view(1, -1, 1) % 2 == 0, zeros, (x * decades).reshape(blocks.shape))
+    return out.reshape(n, k)

@@ -343,3 +343,25 @@ def test_memory_rows_compare_each_side_with_its_bound() -> None:
     metrics = {r.metric for r in colocated.rows}
     assert "engine processes: peak RSS growth during a refit (sum over processes)" not in metrics
     assert any("its row is the trainer's" in n for n in colocated.notes)
+
+
+# --- a quantized preset against the same model in BF16 -------------------------------------------
+
+
+def test_quantized_rows_put_the_refit_and_its_quantize_phase_next_to_the_bf16_refit() -> None:
+    codec = {"path": "compiled", "reason": "bit-identical", "warmup_seconds": 12.0, "eager_seconds": 1.0,
+             "compiled_seconds": 0.3}
+    t = timings(phases={"export": 0.01, "quantize": 0.08, "pack": 0.01}, bf16_refit=(0.1, 0.2, 0.4),
+                bf16_phases={"export": 0.01, "pack": 0.02}, codec=codec)
+    report = build_report(EngineBenchSettings(preset="FP8_BLOCK"), t)
+    rows = {(r.metric, r.baseline): r for r in report.rows}
+    refit = rows[("refit time", engine.BF16_REFIT)]
+    assert refit.value == statistics.median(REFIT) and refit.baseline_value == 0.2
+    assert rows[("quantize phase of the refit", engine.BF16_REFIT)].value == 0.08
+    assert any(n.startswith("bound: met, the FP8_BLOCK refit takes 1.00x the BF16 refit") for n in report.notes)
+    assert any(n.startswith("codec path: compiled (bit-identical)") for n in report.notes)
+    slow = build_report(EngineBenchSettings(preset="FP8_BLOCK"), timings(bf16_refit=(0.1,)))
+    assert any(n.startswith("bound: NOT met, the FP8_BLOCK refit takes 2.00x") for n in slow.notes)
+    failed = build_report(EngineBenchSettings(preset="FP8_BLOCK"), timings(bf16_error="ValueError: no engine"))
+    assert not any(r.baseline == engine.BF16_REFIT for r in failed.rows)
+    assert "the BF16 refit of the same model could not be measured: ValueError: no engine" in failed.notes

@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from domain.errors import InvalidTensor
+from domain.quant.codecs import compile as kernels
 from domain.quant.codecs import fp8_block, mx, nvfp4
 from domain.quant.codecs.checks import check_weight
 from domain.quant.formats import FP8_BLOCK, MXFP4, MXFP8, NVFP4, ElementRule, MxScaleRule, PrecisionFormat
@@ -156,6 +157,28 @@ def quantize_weight(
 # peak scratch memory is bounded whatever the tensor's size. Every block lies within one chunk
 # (chunks are whole multiples of the block's rows), so chunking never changes a bit.
 CHUNK_ELEMENTS = 2**18
+# The compiled path's chunks: larger (a compiled call costs tens of microseconds, and its kernel
+# keeps no float32 temporaries), and a power of two of rows for a given row length, so that every
+# weight with that row length (and whole chunks) reuses one compiled kernel.
+COMPILED_CHUNK_ELEMENTS = 2**20
+
+
+def chunk_rows(k: int, block_rows: int, path: kernels.CodecPath) -> int:
+    """Rows per chunk for a weight whose rows hold `k` elements.
+
+    Args:
+        k: the row length.
+        block_rows: the format's block rows (chunks hold whole blocks).
+        path: the codec path.
+
+    Returns:
+        Eager: about CHUNK_ELEMENTS per chunk; compiled: the largest power of two of rows within
+        COMPILED_CHUNK_ELEMENTS (at least one block).
+    """
+    if path is kernels.CodecPath.EAGER:
+        return max(block_rows, CHUNK_ELEMENTS // max(k, 1) // block_rows * block_rows)
+    rows = 1 << max(0, (COMPILED_CHUNK_ELEMENTS // max(k, 1)).bit_length() - 1)
+    return max(block_rows, rows // block_rows * block_rows)
 
 
 def _encode_rows(
@@ -167,8 +190,7 @@ def _encode_rows(
     numerics: ElementRule,
     scale_rule: MxScaleRule | None,
 ) -> Tensors:
-    block_rows = fmt.block_size[0]
-    rows = max(block_rows, CHUNK_ELEMENTS // max(w.shape[-1], 1) // block_rows * block_rows)
+    rows = chunk_rows(w.shape[-1], fmt.block_size[0], kernels.current())
     if w.shape[0] <= rows:
         return codec.encode(w, name, global_scale, numerics, scale_rule)
     parts = [codec.encode(w[i:i + rows], name, global_scale, numerics, scale_rule) for i in range(0, w.shape[0], rows)]

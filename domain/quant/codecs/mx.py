@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from domain.quant.codecs import compile as kernels
+from domain.quant.codecs import fast_elements
 from domain.quant.codecs.checks import check_finite_amax
 from domain.quant.codecs.elements import e2m1_codes, e2m1_values, pack_fp4, to_e4m3, unpack_fp4
 from domain.quant.formats import E8M0_EXPONENT_BIAS, ElementRule, ElementType, MxScaleRule, PrecisionFormat
@@ -53,16 +54,19 @@ def _exp2(e: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_kernel(
-    w: torch.Tensor, element: ElementType, block: int, scale_rule: MxScaleRule, rule: ElementRule
+    w: torch.Tensor, element: ElementType, block: int, scale_rule: MxScaleRule, rule: ElementRule, fast: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = w.float().reshape(*w.shape[:-1], w.shape[-1] // block, block)
     amax = x.abs().amax(dim=-1, keepdim=True)
     e = e8m0_rceil(amax, element.max) if scale_rule is MxScaleRule.RCEIL else e8m0_even(amax, element.emax)
     scaled = (x / _exp2(e - E8M0_EXPONENT_BIAS)).clamp(-element.max, element.max).reshape(w.shape)
+    signed_zero = rule is ElementRule.ENGINE
     if element is ElementType.E4M3:
         elements = to_e4m3(scaled)
+    elif fast:
+        elements = fast_elements.pack_fp4(fast_elements.e2m1_codes(scaled, signed_zero=signed_zero))
     else:
-        elements = pack_fp4(e2m1_codes(scaled, signed_zero=rule is ElementRule.ENGINE))
+        elements = pack_fp4(e2m1_codes(scaled, signed_zero=signed_zero))
     return elements, e.to(torch.uint8).squeeze(-1), amax
 
 

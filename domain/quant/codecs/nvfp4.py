@@ -23,6 +23,7 @@ import torch
 from domain.errors import UnsupportedShape
 from domain.keys import key
 from domain.quant.codecs import compile as kernels
+from domain.quant.codecs import fast_elements
 from domain.quant.codecs.checks import check_finite_amax
 from domain.quant.codecs.elements import e2m1_codes, e2m1_values, pack_fp4, to_e4m3, unpack_fp4
 from domain.quant.formats import F4E2M1_MAX, F8E4M3_MAX, NVFP4, ElementRule
@@ -68,7 +69,7 @@ engine_reciprocal = _reciprocal  # the engine rule's reciprocal, for the per-tok
 
 
 def _quantize_kernel(
-    w: torch.Tensor, gscale: torch.Tensor, block: int, rule: ElementRule
+    w: torch.Tensor, gscale: torch.Tensor, block: int, rule: ElementRule, fast: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = w.float().reshape(*w.shape[:-1], w.shape[-1] // block, block)
     amax = x.abs().amax(dim=-1, keepdim=True)
@@ -81,8 +82,12 @@ def _quantize_kernel(
         scale = torch.where(scale == 0, E4M3_EPS, scale)
         scaled = x / (scale / gs)
     scaled = scaled.clamp(-F4E2M1_MAX, F4E2M1_MAX).reshape(w.shape)
-    codes = e2m1_codes(scaled, signed_zero=rule is ElementRule.ENGINE)
-    return pack_fp4(codes), scale.squeeze(-1).to(torch.float8_e4m3fn), amax
+    signed_zero = rule is ElementRule.ENGINE
+    if fast:
+        packed = fast_elements.pack_fp4(fast_elements.e2m1_codes(scaled, signed_zero=signed_zero))
+    else:
+        packed = pack_fp4(e2m1_codes(scaled, signed_zero=signed_zero))
+    return packed, scale.squeeze(-1).to(torch.float8_e4m3fn), amax
 
 
 def quantize(
