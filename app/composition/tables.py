@@ -111,7 +111,10 @@ def _reference_trainer(services: Services, model: object | None) -> TrainerModel
     ref = services.config.reference
     checkpoint = services.checkpoint()
     if checkpoint is not None:  # the reference model at the checkpoint's shapes, holding its weights
-        trainer = ReferenceTrainer.from_hf_weights(services.embedded.reference_config(), checkpoint.iter_tensors())
+        from adapters.reference.hf_config import ties_head
+
+        trainer = ReferenceTrainer.from_hf_weights(services.embedded.reference_config(), checkpoint.iter_tensors(),
+                                                   tied=ties_head(checkpoint.config))
     else:
         trainer = ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
     return with_adapter(services, trainer)
