@@ -142,6 +142,9 @@ def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
         raise ConfigError("actor.strategy", "hf: set model.path to a Hugging Face checkpoint directory, or pass "
                           "the transformers model, bootstrap(config, model=...)")
     if services.config.actor.hf.load_model:  # in memory and trainable (what the demo's steps perturb)
+        from adapters.hf_checkpoint.config_checks import check_checkpoint_config
+
+        check_checkpoint_config(services.checkpoint(path))  # type: ignore[arg-type]  # before transformers builds it
         return HfModuleTrainer.from_pretrained(path)
     from adapters.hf.checkpoint import HfCheckpointTrainer
 
