@@ -42,9 +42,11 @@ from domain.errors.distributed import (
 )
 from domain.errors.engine import (
     EngineBusy,
+    EngineClosed,
     EngineStale,
     EngineTensorMismatch,
     EngineUpdateFailed,
+    RefitInProgress,
 )
 from domain.errors.forward import (
     FusedForwardModeError,
@@ -123,6 +125,7 @@ __all__ = [
     "DeltaRecordError",
     "DistributedRefitFailed",
     "EngineBusy",
+    "EngineClosed",
     "EngineCellUnsupported",
     "EngineRejectsQuantization",
     "EngineStale",
@@ -174,6 +177,7 @@ __all__ = [
     "RankFailed",
     "RefitError",
     "RefitFailed",
+    "RefitInProgress",
     "RefitIncomplete",
     "RefitLifecycleError",
     "RefitVerificationFailed",
