@@ -2,9 +2,10 @@
 
 Hypothesis generates configuration dictionaries (as YAML files), command-line overrides, ignore
 patterns (with the shapes that make a backtracking regex engine take exponential time), the
-config.json of a `--model DIR` (`refit demo`, `refit bench engine`), safetensors files with arbitrary headers and headers that lie about a valid file's dtypes, shapes and offsets
-(overlapping, out of bounds, truncated), and index files, and runs `refit plan` and `refit export`
-on them through `app.cli.main.main` in this process: the exit status must be 0 or 2, an error
+config.json of a `--model DIR` (for `refit demo` and `refit bench engine`), safetensors files with
+arbitrary headers and headers that lie about a valid file's dtypes, shapes and offsets
+(overlapping, out of bounds, truncated), and index files, and runs `refit plan`, `refit export`
+and the others on them through `app.cli.main.main` in this process: the exit status must be 0 or 2, an error
 must be one line on stderr with no traceback and no "internal error", and every input must be
 done within 10 s (the examples' deadline). Example counts keep the file within about a minute on
 two cores.
