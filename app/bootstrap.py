@@ -26,7 +26,7 @@ from app.composition.trainer_side import TrainerWiring
 from app.composition.world import WorldWiring
 from app.config import load_config
 from app.config_sections import RefitConfig
-from domain.errors import ConfigError
+from domain.errors import ConfigError, ConfigTypeError
 from domain.quant.plan import QuantizationPlan
 from domain.quant.rules import LAYOUT_DELTA_BACKEND
 from domain.refit.delta_sync import DeltaSender
@@ -124,6 +124,7 @@ class Services:
         """
         from app.services.planning import make_plan
 
+        _check_arguments(plan=plan)
         return make_plan(self.config, checkpoint, purpose=purpose, profile=self.engine_profile(), plan=plan)
 
     def check_environment(self) -> None:
@@ -162,6 +163,7 @@ class Services:
     def rollout_engine(self, plan: QuantizationPlan | None = None, *, commit_mode: CommitMode | None = None,
                        kv_cache_scheme: Mapping[str, object] | None = None) -> RolloutEngine:
         """A new engine from ENGINES[rollout.name] (the one given to bootstrap, if any)."""
+        _check_arguments(plan=plan)
         if self.engine is not None:
             return self.engine
         name = self.config.rollout.name
@@ -230,6 +232,7 @@ class Services:
         from app.services.refit import RefitService
         from app.services.transaction import Ownership
 
+        _check_arguments(plan=plan, inject_fault=inject_fault, fault_after=fault_after, restore=restore)
         plan = plan or self.plan
         engine = engine or self.rollout_engine(plan, kv_cache_scheme=kv_cache_scheme)
         if inject_fault:
@@ -294,6 +297,20 @@ class Services:
         return VllmHost(python=lambda: host_python(self.engines.configured_python()), environ=dict(os.environ),
                         export_environment=os.environ.update, embedded_model_dir=self.embedded.model_dir,
                         bucket_bytes=self.bucket_bytes, cpus=tuple(sorted(os.sched_getaffinity(0))))
+
+
+def _check_arguments(**given: object) -> None:
+    """ConfigTypeError for an argument of a public entry point that has the wrong type, naming it
+    (instead of an AttributeError deep inside)."""
+    expected: dict[str, tuple[type, ...]] = {"plan": (QuantizationPlan,), "inject_fault": (str,),
+                                             "fault_after": (int,), "restore": (str,)}
+    hints = {"plan": "QuantizationPlan.from_presets(linear='FP8_BLOCK', moe='NVFP4'), or None for the configuration's"}
+    for name, value in given.items():
+        types = expected[name]
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            hint = f"; pass {hints[name]}" if name in hints else ""
+            raise ConfigTypeError(name, f"expected {' or '.join(t.__name__ for t in types)}, got "
+                                  f"{type(value).__name__} {value!r:.80}{hint}")
 
 
 def bootstrap(

@@ -204,6 +204,7 @@ def build_config(tree: Mapping[str, Any] | None = None, overrides: Sequence[str]
     """
     if tree is not None and not isinstance(tree, Mapping):
         raise ConfigTypeError("<root>", f"a configuration is a mapping of sections, got {type(tree).__name__}")
+    check_overrides(overrides)
     flat, unused = _flatten(tree or {})
     for text in overrides:
         written, value = parse_override(text)
@@ -222,6 +223,18 @@ def build_config(tree: Mapping[str, Any] | None = None, overrides: Sequence[str]
     return RefitConfig.from_values(values, tuple(unused))
 
 
+def check_overrides(overrides: object) -> None:
+    """Raise ConfigTypeError unless `overrides` is a list (or tuple) of `KEY=VALUE` strings: a
+    lone string would be read one character at a time."""
+    if isinstance(overrides, str | bytes) or not isinstance(overrides, Sequence):
+        raise ConfigTypeError("overrides", f"expected a list of 'KEY=VALUE' strings, got {type(overrides).__name__} "
+                              f"{_short(overrides)}; e.g. overrides=['rollout.quantization.linear=FP8_BLOCK']")
+    for item in overrides:
+        if not isinstance(item, str):
+            raise ConfigTypeError("overrides", f"each override is a 'KEY=VALUE' string, got {type(item).__name__} "
+                                  f"{_short(item)}")
+
+
 def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides: Sequence[str] = ()) -> RefitConfig:
     """Load a configuration from a YAML file, a dict, or nothing (defaults), then apply overrides.
 
@@ -234,6 +247,10 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides:
     """
     if source is None or isinstance(source, Mapping):
         return build_config(source, overrides)
+    if not isinstance(source, str | Path):
+        raise ConfigTypeError("config", f"expected a YAML file path, a mapping or None, got {type(source).__name__} "
+                              f"{_short(source)}")
+    check_overrides(overrides)
     path = Path(source)
     if path.is_dir():
         raise ConfigError("CONFIG", f"configuration file {str(path)!r} is a directory; pass a YAML file")

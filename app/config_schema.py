@@ -397,4 +397,7 @@ def validate_value(key: Key, value: Any) -> Any:
     if key.choices is not None and value not in key.choices:
         valid = ", ".join("null" if c is None else str(c) for c in key.choices)
         raise ConfigError(key.path, f"invalid value {_short(value)}; valid: {valid}")
-    return key.check(key.path, value) if key.check else value
+    value = key.check(key.path, value) if key.check else value
+    if isinstance(value, float) and not math.isfinite(value):  # a NaN bound passes every `<` check, and fails all
+        raise ConfigError(key.path, f"must be a finite number, got {value}")
+    return value

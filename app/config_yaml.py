@@ -34,6 +34,23 @@ class _StrictLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted", event.start_mark)
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        # PyYAML keeps the last of two equal keys; an override given twice is refused, so is this
+        first: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = first.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: SafeLoader's own error says so
+                break
+            if seen is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (line {seen.line + 1} and line "
+                    f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
 
 _StrictLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
 

@@ -452,5 +452,6 @@ class ReferenceEngine:
                 for i in range(self.config.num_layers)}
 
     def close(self) -> None:
-        """Nothing to release: the engine is tensors in this process."""
-        return None
+        """Abort a refit in progress; afterwards every refit and request is refused with
+        EngineClosed (the engine is tensors in this process: nothing else to release)."""
+        self._guard.close()

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 from adapters.reference.config import ReferenceModelConfig
+from adapters.reference.hf_config import config_from_hf
+
+__all__ = ["MAX_POSITIONS", "config_from_hf", "hf_config", "write_checkpoint", "write_config"]
 
 MAX_POSITIONS = 4096
 
@@ -104,61 +107,3 @@ def write_checkpoint(cfg: ReferenceModelConfig, named_weights: Iterable[tuple[st
     tensors = {name: t.detach().contiguous().clone() for name, t in named_weights}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
-
-
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-
-
-def config_from_hf(config: dict[str, Any], where: str = "config.json") -> ReferenceModelConfig:
-    """The reference model of a Qwen3 / Qwen3-MoE `config.json` (the embedded engine computes
-    those two architectures only).
-
-    Args:
-        config: the parsed config.json.
-        where: the file, for errors.
-
-    Returns:
-        The ReferenceModelConfig at the checkpoint's shapes.
-
-    Raises:
-        CheckpointError: another architecture, or a Qwen3 feature the reference model does not
-            compute (attention biases, sliding windows, rope scaling, unnormalised top-k).
-    """
-    from domain.errors import CheckpointError
-
-    model_type = config.get("model_type")
-    if model_type not in _ARCHITECTURES:
-        raise CheckpointError(f"{where}: model_type {model_type!r}; the embedded reference engine computes qwen3 and "
-                              "qwen3_moe only: run this model with --engine vllm")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    unsupported = [k for k, bad in (
-        ("attention_bias", bool(config.get("attention_bias"))),
-        ("use_sliding_window", bool(config.get("use_sliding_window"))),
-        ("rope_parameters.rope_type", rope.get("rope_type", rope.get("type", "default")) != "default"),
-        ("norm_topk_prob", model_type == "qwen3_moe" and not config.get("norm_topk_prob", False)),
-        ("decoder_sparse_step", int(config.get("decoder_sparse_step", 1)) != 1),
-    ) if bad]
-    if unsupported:
-        raise CheckpointError(f"{where}: {', '.join(unsupported)} is not computed by the embedded reference engine; "
-                              "run this model with --engine vllm")
-    heads = int(config["num_attention_heads"])
-    moe = model_type == "qwen3_moe"
-    try:
-        return ReferenceModelConfig(
-            vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-            num_layers=int(config["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-            intermediate_size=int(config["intermediate_size"]),
-            # transformers 5 writes num_local_experts; older configs (and vLLM's) num_experts
-            num_experts=int(config.get("num_local_experts") or config["num_experts"]) if moe else 0,
-            num_experts_per_tok=int(config.get("num_experts_per_tok", 2)) if moe else 2,
-            moe_intermediate_size=int(config["moe_intermediate_size"]) if moe else 0,
-            mlp_only_layers=tuple(config.get("mlp_only_layers") or ()) if moe else (),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))),
-        )
-    except KeyError as err:
-        raise CheckpointError(f"{where}: has no {err.args[0]!r}; a {model_type} config needs it") from None
-    except ValueError as err:
-        raise CheckpointError(f"{where}: {err}") from None

@@ -67,11 +67,12 @@ class ReferenceTrainer:
 
     @classmethod
     def from_hf_weights(cls, config: ReferenceModelConfig, named: Iterable[tuple[str, torch.Tensor]],
-                        dtype: torch.dtype = torch.bfloat16) -> ReferenceTrainer:
+                        dtype: torch.dtype = torch.bfloat16, *, tied: bool = False) -> ReferenceTrainer:
         """A trainer holding a checkpoint's weights (Hugging Face names) in the fused layout.
 
-        A tied checkpoint has no `lm_head.weight`: the reference model has no tied head, so its
-        head starts as a copy of the embeddings (training-like steps then move the two apart).
+        A tied checkpoint (`tied`) has no `lm_head.weight`: the reference model has no tied head,
+        so its head starts as a copy of the embeddings (training-like steps then move the two
+        apart). An untied one must hold its head.
 
         Raises:
             CheckpointError: a tensor the model has no place for, of the wrong shape, or missing.
@@ -91,7 +92,7 @@ class ReferenceTrainer:
                                       f"{tuple(target[slot.rows].shape)}")
             target[slot.rows].copy_(t)
             seen.add(name.removesuffix(".weight"))
-        if "lm_head" not in seen and "model.embed_tokens" in seen:
+        if tied and "lm_head" not in seen and "model.embed_tokens" in seen:
             weights["lm_head"].copy_(weights["embed"])
             seen.add("lm_head")
         missing = sorted(set(table) - seen)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from app.bench.child import run_reporting, typed_error
 from app.bench.memory import process_kib, reset_peak_rss
 from app.bench.report import BenchReport
 
@@ -140,7 +141,7 @@ def _child(which: str, src: str, out: str) -> None:
 
     base = reset_peak_rss()
     t0 = time.perf_counter()
-    fn(src, out)
+    run_reporting(lambda: fn(src, out))
     seconds = time.perf_counter() - t0
     peak = process_kib("VmHWM")
     sys.stdout.write(json.dumps({"seconds": seconds, "peak_kib": peak, "base_kib": base}) + "\n")
@@ -150,6 +151,9 @@ def _run_child(which: str, src: Path, out: Path) -> dict[str, Any]:
     code = f"import sys; from app.bench.export import _child; _child({which!r}, {str(src)!r}, {str(out)!r})"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
                           cwd=Path(__file__).resolve().parents[2])
+    typed = typed_error(proc.stdout) if proc.returncode == 2 else None
+    if typed is not None:  # e.g. NonFiniteTensor: what `refit export` says on the same directory
+        raise typed
     if proc.returncode != 0:
         raise RuntimeError(f"bench child {which!r} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

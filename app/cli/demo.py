@@ -102,9 +102,10 @@ def _summary(result: DemoResult) -> list[dict[str, Any]]:
         rows.append({
             "arm": arm, "refits_ok": len(recs), "mb_per_refit": mb,
             "refit_ms": 1e3 * sum(r.report.timings["total"] for r in recs) / max(len(recs), 1),
-            "k3_kl": sum(p.k3_kl for p in probes) / max(len(probes), 1),
-            "mean_abs_logp_diff": sum(p.mean_abs_logp_diff for p in probes) / max(len(probes), 1),
-            "prob_diff_max": max((p.prob_diff_max for p in probes), default=0.0),
+            # None (shown as "-"): nothing was measured, which is not a mismatch of 0
+            "k3_kl": sum(p.k3_kl for p in probes) / len(probes) if probes else None,
+            "mean_abs_logp_diff": sum(p.mean_abs_logp_diff for p in probes) / len(probes) if probes else None,
+            "prob_diff_max": max((p.prob_diff_max for p in probes), default=None),
             "kv_scales_reset": max((r.report.kv_scales_reset for r in recs), default=0),
         })
     for row in rows:
@@ -131,13 +132,24 @@ def _render(result: DemoResult, console: Console) -> None:
         comp.add_column(col, justify="left" if col == "arm" else "right")
     summary = _summary(result)
     for row in summary:
-        ratio = f"{row['vs_bf16_bytes']:.2f}x" if row["vs_bf16_bytes"] is not None else "-"
-        comp.add_row(str(row["arm"]), f"{row['mb_per_refit']:.2f}", ratio, f"{row['refit_ms']:.0f}",
-                     f"{row['k3_kl']:.3e}", f"{row['mean_abs_logp_diff']:.3e}", f"{row['prob_diff_max']:.3e}",
+        live = row["refits_ok"] > 0  # an arm without a live refit sent and timed nothing to compare
+        comp.add_row(str(row["arm"]), _cell(row["mb_per_refit"] if live else None, ".2f"),
+                     _cell(row["vs_bf16_bytes"] if live else None, ".2f", "x"),
+                     _cell(row["refit_ms"] if live else None, ".0f"), _cell(row["k3_kl"], ".3e"),
+                     _cell(row["mean_abs_logp_diff"], ".3e"), _cell(row["prob_diff_max"], ".3e"),
                      str(row["kv_scales_reset"]))
     console.print(comp)
     for line in _failures(result) + _notes(result, summary):
         console.print(f"- {line}")
+
+
+def _cell(value: float | None, spec: str, unit: str = "") -> str:
+    return "-" if value is None else format(value, spec) + unit
+
+
+def arms_without_live_refit(result: DemoResult) -> list[str]:
+    """The arms none of whose refits went live: the demo measured nothing for them, and exits 1."""
+    return [arm for arm in result.arms if not any(r.report.ok for r in result.of(arm))]
 
 
 def _failures(result: DemoResult) -> list[str]:
@@ -160,8 +172,12 @@ def _notes(result: DemoResult, summary: list[dict[str, Any]]) -> list[str]:
         exact = all(r.probe.metrics.k3_kl == 0 and r.probe.metrics.mean_abs_logp_diff == 0 for r in bf16)  # type: ignore[union-attr]
         notes.append("BF16 refits: k3 KL = 0 and |dlogp| = 0 exactly (bit-identical weights and logits)"
                      if exact else "BF16 refits: NOT bit-identical (a bug: BF16 should be exact)")
-    ranked = sorted((r for r in summary if r["refits_ok"]), key=lambda r: r["k3_kl"])
-    notes.append("mismatch, lowest first: " + " < ".join(str(r["arm"]) for r in ranked))
+    ranked = sorted((r for r in summary if r["k3_kl"] is not None), key=lambda r: r["k3_kl"])
+    if ranked:
+        notes.append("mismatch, lowest first: " + " < ".join(str(r["arm"]) for r in ranked))
+    dead = arms_without_live_refit(result)
+    if dead:
+        notes.append(f"no refit of {', '.join(dead)} went live: nothing was measured there (exit status 1)")
     if result.fault_fired is False:
         notes.append(f"the injected fault {result.settings.inject_fault} never fired (fewer buckets than K?)")
     return notes
@@ -286,9 +302,9 @@ def run(args: argparse.Namespace) -> int:
             "notes": _failures(result) + _notes(result, _summary(result)), "plot": args.plot,
         }
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
-        return 0
+        return 1 if arms_without_live_refit(result) else 0
     console = Console(width=max(Console().width, 120))
     _render(result, console)
     if args.plot:
         console.print(f"- plot written to {args.plot}")
-    return 0
+    return 1 if arms_without_live_refit(result) else 0

@@ -76,6 +76,7 @@ def check_layout(services: Any, world: Any, settings: DemoSettings) -> None:
     cfg, layout = services.embedded.reference_config(), world.layout
     for flag, size, count, what in (("--tp", layout.tp, cfg.num_heads, "attention heads"),
                                     ("--tp", layout.tp, cfg.num_kv_heads, "key/value heads"),
+                                    ("--pp", layout.pp, cfg.num_layers, "layers"),
                                     ("--ep", layout.ep, cfg.num_experts, "routed experts")):
         if count % size:
             raise ConfigError(flag, f"{size} does not divide the {count} {what} of {settings.model}; use a divisor "

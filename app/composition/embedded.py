@@ -36,9 +36,9 @@ class EmbeddedWiring:
         config = self.services.config
         checkpoint = self.services.checkpoint() if config.actor.strategy == "reference" else None
         if checkpoint is not None:
-            from adapters.reference.hf import config_from_hf
+            from adapters.reference.hf_config import config_from_checkpoint
 
-            return config_from_hf(checkpoint.config, str(checkpoint.path / "config.json"))
+            return config_from_checkpoint(checkpoint)
         return preset(config.reference.model)
 
     def reference_shapes(self) -> list[tuple[str, tuple[int, ...]]]:

@@ -148,7 +148,10 @@ def _reference_trainer(services: Services, model: object | None) -> TrainerModel
     ref = services.config.reference
     checkpoint = services.checkpoint()
     if checkpoint is not None:  # the reference model at the checkpoint's shapes, holding its weights
-        trainer = ReferenceTrainer.from_hf_weights(services.embedded.reference_config(), checkpoint.iter_tensors())
+        from adapters.reference.hf_config import ties_head
+
+        trainer = ReferenceTrainer.from_hf_weights(services.embedded.reference_config(), checkpoint.iter_tensors(),
+                                                   tied=ties_head(checkpoint.config))
     else:
         trainer = ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
     return with_adapter(services, trainer)
@@ -176,6 +179,9 @@ def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
         raise ConfigError("actor.strategy", "hf: set model.path to a Hugging Face checkpoint directory, or pass "
                           "the transformers model, bootstrap(config, model=...)")
     if services.config.actor.hf.load_model:  # in memory and trainable (what the demo's steps perturb)
+        from adapters.hf_checkpoint.config_checks import check_checkpoint_config
+
+        check_checkpoint_config(services.checkpoint(path))  # type: ignore[arg-type]  # before transformers builds it
         return HfModuleTrainer.from_pretrained(path)
     from adapters.hf.checkpoint import HfCheckpointTrainer
 

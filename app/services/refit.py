@@ -162,6 +162,7 @@ class RefitService:
         if self.delta is not None:
             self.delta.discard(run.error or "")
         state = (
+            "it never began on the engine and changed nothing there" if not run.began else
             "the engine is stale and refuses to serve until a full refit succeeds"
             if run.outcome() is RefitOutcome.STALE else
             "the engine's previous weights were restored, bit for bit"

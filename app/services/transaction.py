@@ -333,6 +333,10 @@ class RefitTransaction:
         engine = self.engine
         if engine is None:
             return EngineState.NONE
+        if not self.run.began:  # refused at begin (e.g. another thread's refit in progress): it touched nothing
+            self.run.engine = EngineState.KEPT
+            self.status = attrs.evolve(self.status, engine=EngineState.KEPT)
+            return EngineState.KEPT
         if self.run.engine is not EngineState.COMMITTED and self.run.began:
             engine.abort_refit(reason)  # a no-op when the engine already dropped it
         lost = self.run.engine is EngineState.COMMITTED or engine.is_stale

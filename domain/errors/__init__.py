@@ -42,9 +42,11 @@ from domain.errors.distributed import (
 )
 from domain.errors.engine import (
     EngineBusy,
+    EngineClosed,
     EngineStale,
     EngineTensorMismatch,
     EngineUpdateFailed,
+    RefitInProgress,
 )
 from domain.errors.forward import (
     FusedForwardModeError,
@@ -124,6 +126,7 @@ __all__ = [
     "DistributedRefitFailed",
     "EngineBusy",
     "EngineCellUnsupported",
+    "EngineClosed",
     "EngineRejectsQuantization",
     "EngineStale",
     "EngineTensorMismatch",
@@ -174,6 +177,7 @@ __all__ = [
     "RankFailed",
     "RefitError",
     "RefitFailed",
+    "RefitInProgress",
     "RefitIncomplete",
     "RefitLifecycleError",
     "RefitVerificationFailed",

@@ -20,3 +20,12 @@ class EngineBusy(RefitLifecycleError):
 
 class EngineUpdateFailed(RefitError, RuntimeError):
     """The rollout engine reported that a weight-update call failed; carries the engine's message."""
+
+
+class RefitInProgress(RefitLifecycleError):
+    """A refit was asked to begin while another caller's refit is in progress on the same engine:
+    it did not start, and changed nothing (the other refit goes on)."""
+
+
+class EngineClosed(RefitLifecycleError):
+    """The engine was closed: it neither refits nor serves; build a new one."""

@@ -9,11 +9,12 @@ the engine is stale afterwards.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import attrs
 
-from domain.errors import EngineBusy, EngineStale
+from domain.errors import EngineBusy, EngineClosed, EngineStale, RefitInProgress
 from domain.refit.buckets import Bucket
 from domain.refit.session import RefitSession
 
@@ -31,11 +32,16 @@ class EngineGuard:
         session: the engine side's refit session.
         stale_reason: why the engine refuses to serve, or None when it serves. An engine starts
             stale: until its first refit its weights are whatever it was built or started with.
+        closed: `close()` was called: the engine neither refits nor serves.
     """
 
     on_fail: Callable[[str], None] | None = None
     session: RefitSession = attrs.field(factory=RefitSession)
     stale_reason: str | None = NOT_REFITTED
+    closed: bool = False
+    # begin is atomic: of two threads beginning at once, one refit begins and the other is told so
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+    _owner: int | None = attrs.field(default=None, init=False, repr=False)
 
     @property
     def refit_id(self) -> int | None:
@@ -50,16 +56,43 @@ class EngineGuard:
         return self.stale_reason is not None
 
     def begin(self, refit_id: int) -> None:
-        """Open refit `refit_id`; RefitLifecycleError when one is in progress."""
-        self.session.begin(refit_id)
+        """Open refit `refit_id`.
+
+        Raises:
+            EngineClosed: after `close()`.
+            RefitInProgress: another thread's refit is in progress (this one changes nothing).
+            RefitLifecycleError: this thread's own refit is in progress.
+        """
+        with self._lock:
+            self.check_open()
+            if self.session.in_progress and self._owner != threading.get_ident():
+                raise RefitInProgress(
+                    f"refit {refit_id} did not begin: refit {self.session.refit_id} of another thread is "
+                    f"{self.session.state.value} on this engine; this one changed nothing. Refit an engine from "
+                    "one thread at a time, or wait for that refit to end")
+            self.session.begin(refit_id)
+            self._owner = threading.get_ident()
 
     def accept(self, bucket: Bucket) -> None:
         """Accept the next bucket; BucketSequenceError when it is out of order, twice or late."""
+        self.check_open()
         self.session.accept(bucket)
 
     def finalize(self) -> None:
         """Move to finalizing; BucketSequenceError before the last bucket, RefitLifecycleError twice."""
+        self.check_open()
         self.session.finalize()
+
+    def check_open(self) -> None:
+        """Raise EngineClosed after `close()`."""
+        if self.closed:
+            raise EngineClosed("the engine was closed: it neither refits nor serves; build a new engine")
+
+    def close(self) -> None:
+        """The engine is closing: abort a refit in progress (its `on_fail`), then refuse every refit
+        and every request with EngineClosed."""
+        self.abort("the engine was closed")
+        self.closed = True
 
     def commit(self) -> None:
         """The refit is live: the engine serves it."""
@@ -92,7 +125,9 @@ class EngineGuard:
         self.stale_reason = reason
 
     def check_serving(self) -> None:
-        """Raise EngineBusy while a refit is in progress and EngineStale while stale."""
+        """Raise EngineClosed after close, EngineBusy while a refit is in progress and EngineStale
+        while stale."""
+        self.check_open()
         if self.session.in_progress:
             raise EngineBusy(
                 f"refit {self.session.refit_id} is {self.session.state.value}; the engine does not serve "

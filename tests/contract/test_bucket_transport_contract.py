@@ -112,7 +112,7 @@ def receiver(scenario: str, transport: Any) -> dict[str, Any]:
 def _inprocess(scenario: str, window: int) -> tuple[dict, dict]:
     from adapters.distributed.inprocess import InProcessTransport
 
-    t = InProcessTransport(window=window, timeout_s=10)
+    t = InProcessTransport(window=window, timeout_s=60)
     box: dict[str, dict] = {}
     th = threading.Thread(target=lambda: box.setdefault("recv", receiver(scenario, t)))
     th.start()
@@ -126,7 +126,7 @@ def world_rank(rank: int, window: int, lead_bytes: int) -> list[dict[str, Any]]:
     from adapters.distributed.collectives import TorchDistCollectives
     from domain.refit.topology import RefitWorld
 
-    comm = TorchDistCollectives(RefitWorld(), rank, step_timeout_s=20, phase_timeout_s=20, bucket_bytes=BUCKET,
+    comm = TorchDistCollectives(RefitWorld(), rank, step_timeout_s=60, phase_timeout_s=60, bucket_bytes=BUCKET,
                                 window=window)
     out = []
     for i, scenario in enumerate(SEQUENCE):
@@ -174,7 +174,7 @@ def _shm_runs(scenario: str, window: int) -> list[tuple[dict, dict]]:
 
     runs = []
     for slot_bytes in (BUCKET // 2 - 8, 2 * BUCKET):
-        source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=window, slot_bytes=slot_bytes, timeout_s=20)
+        source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=window, slot_bytes=slot_bytes, timeout_s=60)
         box: dict[str, dict] = {}
         th = threading.Thread(target=lambda box=box, end=end: box.setdefault("recv", receiver(scenario, end)))
         th.start()

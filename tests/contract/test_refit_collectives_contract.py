@@ -58,7 +58,7 @@ def scenario(rank: int, comm: Any) -> dict[str, Any]:
 
 
 def _in_memory() -> list[dict[str, Any]]:
-    shared = InMemoryWorld(WORLD, step_timeout_s=10, phase_timeout_s=10)
+    shared = InMemoryWorld(WORLD, step_timeout_s=60, phase_timeout_s=60)
     results: dict[int, Any] = {}
 
     def run(rank: int) -> None:

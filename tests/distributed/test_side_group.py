@@ -36,7 +36,7 @@ def _worker(rv: dict[str, Any], mode: str, results: Any) -> None:
         init = f"file://{f.name}"
     dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     group = SideGroup.join(Rendezvous.from_dict(rv), 1)
-    transport = TorchDistTransport(group, source=0, rank=1, peers=group.ranks, bucket_bytes=BUCKET, timeout_s=30)
+    transport = TorchDistTransport(group, source=0, rank=1, peers=group.ranks, bucket_bytes=BUCKET, timeout_s=120)
     out: list[Any] = []
     for refit in (1, 2):
         transport.refit_id = refit
@@ -61,12 +61,13 @@ def _worker(rv: dict[str, Any], mode: str, results: Any) -> None:
 
 def _run(mode: str) -> tuple[int, list[Any], list[list[tuple[str, torch.Tensor]]]]:
     ctx = mp.get_context("spawn")
-    rv, store = SideGroup.serve("127.0.0.1", 2, timeout_s=30)
+    # generous ceilings: a spawned worker on a busy machine takes tens of seconds to import torch and join
+    rv, store = SideGroup.serve("127.0.0.1", 2, timeout_s=300)
     results = ctx.Queue()
     proc = ctx.Process(target=_worker, args=(rv.to_dict(), mode, results))
     proc.start()
     group = SideGroup.join(rv, 0, store)
-    transport = TorchDistTransport(group, source=0, rank=0, peers=group.ranks, bucket_bytes=BUCKET, timeout_s=30,
+    transport = TorchDistTransport(group, source=0, rank=0, peers=group.ranks, bucket_bytes=BUCKET, timeout_s=120,
                                    window=1)
     sent = [_named(1), _named(2)]
     for refit, named in zip((1, 2), sent, strict=True):
@@ -84,8 +85,8 @@ def _run(mode: str) -> tuple[int, list[Any], list[list[tuple[str, torch.Tensor]]
                 transport.send(aborting())
         else:
             transport.send(buckets)
-    world, out = results.get(timeout=60)
-    proc.join(30)
+    world, out = results.get(timeout=300)
+    proc.join(120)
     group.close()
     return world, out, sent
 

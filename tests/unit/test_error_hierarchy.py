@@ -26,6 +26,8 @@ BASES = {
     "DeltaRecordError": "RefitError, ValueError",
     "DistributedRefitFailed": "RefitFailed",
     "EngineBusy": "RefitLifecycleError",
+    "EngineClosed": "RefitLifecycleError",
+    "RefitInProgress": "RefitLifecycleError",
     "EngineCellUnsupported": "EngineRejectsQuantization",
     "EngineProcessError": "RefitError, RuntimeError",
     "EngineRefitUnsupported": "RefitError, NotImplementedError",

@@ -1,10 +1,11 @@
 """Whatever a user feeds `refit`, it ends in a clean success or one line with exit status 2.
 
 Hypothesis generates configuration dictionaries (as YAML files), command-line overrides, ignore
-patterns (with the shapes that make a backtracking regex engine take exponential time), safetensors
-files with arbitrary headers and headers that lie about a valid file's dtypes, shapes and offsets
-(overlapping, out of bounds, truncated), and index files, and runs `refit plan` and `refit export`
-on them through `app.cli.main.main` in this process: the exit status must be 0 or 2, an error
+patterns (with the shapes that make a backtracking regex engine take exponential time), the
+config.json of a `--model DIR` (for `refit demo` and `refit bench engine`), safetensors files with
+arbitrary headers and headers that lie about a valid file's dtypes, shapes and offsets
+(overlapping, out of bounds, truncated), and index files, and runs `refit plan`, `refit export`
+and the others on them through `app.cli.main.main` in this process: the exit status must be 0 or 2, an error
 must be one line on stderr with no traceback and no "internal error", and every input must be
 done within 10 s (the examples' deadline). Example counts keep the file within about a minute on
 two cores.
@@ -294,3 +295,51 @@ def test_lying_safetensors_headers(lie: str, command: str, data: st.DataObject, 
         (model / "config.json").write_text("{}")
         extra = ["--out", str(Path(d) / "out")] if command == "export" else ["--json"]
         _run([command, "--model", str(model), *extra, "rollout.quantization.linear=FP8_BLOCK"], capsys)
+
+
+# --- config.json of `refit demo --model DIR` and `refit bench engine --model DIR` ------------------
+
+_CONFIG_KEYS = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+                "attention_bias", "use_sliding_window", "tie_word_embeddings", "model_type", "num_experts",
+                "num_experts_per_tok", "moe_intermediate_size", "mlp_only_layers", "decoder_sparse_step",
+                "norm_topk_prob", "text_config"]
+config_values = st.one_of(
+    values, st.integers(min_value=-3, max_value=600), st.sampled_from([10**9, 10**12, 2**40, 2**63, 0.5, 128.5, "128"]),
+    st.fixed_dictionaries({"rope_type": st.sampled_from(["default", "yarn", 1]), "rope_theta": scalars}),
+)
+
+
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from adapters.reference.config import MICRO_DENSE
+    from adapters.reference.hf import write_checkpoint
+    from adapters.reference.trainer import ReferenceTrainer
+
+    path = write_checkpoint(MICRO_DENSE, ReferenceTrainer.from_seed(MICRO_DENSE, 0).named_weights(),
+                            tmp_path_factory.mktemp("fuzz-config") / "m")
+    assert main(["demo", "--model", str(path), "--steps", "0", "--json"]) == 0  # imports and warm-up, outside the deadlines
+    return path
+
+
+@settings(_settings, max_examples=25)
+@given(edits=st.dictionaries(st.sampled_from(_CONFIG_KEYS), config_values, min_size=1, max_size=3),
+       drop=st.lists(st.sampled_from(_CONFIG_KEYS), max_size=2), command=st.sampled_from(["demo", "bench"]))
+def test_config_json_of_a_model_directory(edits: dict[str, Any], drop: list[str], command: str, dense_checkpoint: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
+    import os
+
+    config = json.loads((dense_checkpoint / "config.json").read_text())
+    for key in drop:
+        config.pop(key, None)
+    config.update(edits)
+    with tempfile.TemporaryDirectory() as d:
+        model = Path(d) / "m"
+        model.mkdir()
+        os.link(dense_checkpoint / "model.safetensors", model / "model.safetensors")
+        (model / "config.json").write_text(json.dumps(config))
+        # the engine bench checks config.json before it needs vLLM: a valid one ends in "needs vllm" (exit 2)
+        argv = (["demo", "--model", str(model), "--steps", "0", "--json"] if command == "demo"
+                else ["bench", "engine", "--model", str(model)])
+        _run(argv, capsys)
+    capsys.readouterr()

@@ -60,7 +60,7 @@ def test_buckets_arrive_in_order_intact_with_rotating_buffers(window: int) -> No
             got[name] = view.clone()
         consumed[0] += 1
 
-    box = _run(InProcessTransport(window=window, timeout_s=10), counted(), consume)
+    box = _run(InProcessTransport(window=window, timeout_s=60), counted(), consume)
     assert "send_error" not in box and "recv_error" not in box, box
     assert indices == list(range(len(indices))) and len(indices) > 5
     assert all(torch.equal(got[n], t) for n, t in stream) and len(got) == len(stream)
@@ -81,7 +81,7 @@ def test_source_failure_aborts_the_receiver() -> None:
         yield from BucketPlanner(4096).pack(_stream(4))
         raise ValueError("export of layer 3 failed")
 
-    box = _run(InProcessTransport(timeout_s=5), failing(), lambda b: None)
+    box = _run(InProcessTransport(timeout_s=60), failing(), lambda b: None)
     assert isinstance(box["send_error"], ValueError)
     assert isinstance(box["recv_error"], TransportAborted) and "export of layer 3 failed" in str(box["recv_error"])
 
@@ -95,7 +95,7 @@ def test_consumer_failure_drains_the_stream_then_raises() -> None:
             raise RuntimeError("engine load failed")
 
     buckets = list(BucketPlanner(4096).pack(_stream(20)))
-    box = _run(InProcessTransport(timeout_s=5), iter(buckets), consume)
+    box = _run(InProcessTransport(timeout_s=60), iter(buckets), consume)
     assert "send_error" not in box and box["send"].buckets == len(buckets)  # the sender finished
     assert isinstance(box["recv_error"], RuntimeError) and seen == [0, 1]  # nothing consumed after it
 
@@ -130,11 +130,11 @@ def test_double_buffering_packs_the_next_bucket_while_this_one_is_consumed(windo
 
     def consume(b: Bucket) -> None:
         if window == 2 and b.index + 1 < 5:
-            assert started.setdefault(b.index + 1, threading.Event()).wait(timeout=10), "no overlap"
+            assert started.setdefault(b.index + 1, threading.Event()).wait(timeout=60), "no overlap"
         order.append(("released", b.index))
         released.append(b.index)
 
-    box = _run(InProcessTransport(window=window, timeout_s=15), produce(), consume)
+    box = _run(InProcessTransport(window=window, timeout_s=60), produce(), consume)
     assert "send_error" not in box and "recv_error" not in box, box
     produced_at = {i: order.index(("produced", i)) for _, i in order if ("produced", i) in order}
     released_at = {i: order.index(("released", i)) for i in released}
@@ -147,7 +147,7 @@ def test_double_buffering_packs_the_next_bucket_while_this_one_is_consumed(windo
 
 def test_a_receiver_that_keeps_buckets_gets_by_reference_buckets_packed_into_its_own_buffers() -> None:
     stream = _stream()
-    transport = InProcessTransport(window=2, timeout_s=10)
+    transport = InProcessTransport(window=2, timeout_s=60)
     kept: list[Bucket] = []
     box: dict[str, object] = {}
     th = threading.Thread(target=lambda: box.setdefault(

@@ -1,0 +1,70 @@
+"""The fields of a checkpoint's config.json that transformers and the engines build a model from,
+checked against the tensors present before anything is built (docs/errors.md#checkpointerror):
+an integer where one must be, at least 1, and no larger than the tensors allow, so that a
+`vocab_size` of 10**12 or a `num_hidden_layers` of 10**9 is one line naming the key instead of an
+allocation that fails deep inside a library, or a model built for ever."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from domain.errors import CheckpointError
+from domain.quant.naming import layer_index
+
+if TYPE_CHECKING:
+    from adapters.hf_checkpoint.reader import HfCheckpoint
+
+# Keys every causal LM's config needs (null refused); then sizes that may be absent or null.
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_SIZES = ("intermediate_size", "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
+          "num_local_experts", "num_experts_per_tok", "n_routed_experts")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "norm_topk_prob")
+
+
+def _sections(config: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    text = config.get("text_config")
+    return [("", config)] + ([("text_config.", text)] if isinstance(text, Mapping) else [])
+
+
+def check_model_config(config: Mapping[str, Any], tensors: list[tuple[str, tuple[int, ...]]],
+                       where: str = "config.json") -> None:
+    """Raise CheckpointError naming the key when a field the model is built from has the wrong
+    type, is below 1, or exceeds what the tensors hold.
+
+    Args:
+        config: the parsed config.json.
+        tensors: the checkpoint's (name, shape) pairs (headers only).
+        where: the file, for errors.
+    """
+    largest = max((d for _, shape in tensors for d in shape), default=0)
+    layers = {i for name, _ in tensors if (i := layer_index(name)) is not None}
+    bound = max(largest, len(tensors))  # a count of experts may be stacked in a dimension or split in tensors
+    for prefix, section in _sections(config):
+        has_sizes = any(k in section for k in _REQUIRED)
+        for key in (*_REQUIRED, *_SIZES) if has_sizes else ():
+            if key not in section or (section[key] is None and key not in _REQUIRED):
+                continue
+            value = section[key]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise CheckpointError(f"{where}: {prefix}{key} is {json.dumps(value)}; it must be an integer")
+            held = max(layers) + 1 if layers else 0
+            high = (held or bound) if key == "num_hidden_layers" else bound
+            if not 1 <= value <= max(high, 1):
+                what = (f"the checkpoint holds tensors of {held} layers" if key == "num_hidden_layers" and held
+                        else f"no tensor of the checkpoint has a dimension above {largest}")
+                raise CheckpointError(f"{where}: {prefix}{key} is {value}; it must be at least 1, and {what}; "
+                                      f"correct {key}")
+        for key in ("rope_parameters", "rope_scaling"):
+            if section.get(key) is not None and not isinstance(section[key], Mapping):
+                raise CheckpointError(f"{where}: {prefix}{key} is {section[key]!r}; it must be an object such as "
+                                      '{"rope_type": "default", "rope_theta": 1000000.0}, or null')
+        for key in _FLAGS:
+            if section.get(key) is not None and not isinstance(section[key], bool):
+                raise CheckpointError(f"{where}: {prefix}{key} is {section[key]!r}; it must be true or false")
+
+
+def check_checkpoint_config(checkpoint: HfCheckpoint) -> None:
+    """check_model_config on a checkpoint directory's config.json and tensors (headers only)."""
+    check_model_config(checkpoint.config, checkpoint.tensor_shapes(raw=True), str(checkpoint.path / "config.json"))
