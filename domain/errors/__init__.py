@@ -45,6 +45,8 @@ from domain.errors.engine import (
     EngineStale,
     EngineTensorMismatch,
     EngineUpdateFailed,
+    ServerMismatch,
+    ServerUnreachable,
 )
 from domain.errors.forward import (
     FusedForwardModeError,
@@ -178,6 +180,8 @@ __all__ = [
     "RefitLifecycleError",
     "RefitVerificationFailed",
     "RemovedConfigKey",
+    "ServerMismatch",
+    "ServerUnreachable",
     "ShardingError",
     "SharedMemoryUnavailable",
     "SourceChanged",
