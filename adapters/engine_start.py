@@ -39,3 +39,17 @@ def check_commit_mode(asked: CommitMode | None, engine_mode: CommitMode, engine:
     if asked is not None and asked is not engine_mode:
         raise ConfigError("rollout.commit_mode", f"{engine} commits {engine_mode.value} only; leave it unset or "
                           f"set {engine_mode.value}")
+
+
+def same_model(served: str, wanted: str) -> bool:
+    """Whether a server that says it serves `served` serves the model at `wanted` (model.path):
+    the same string, or paths to the same directory."""
+    from pathlib import Path
+
+    if served == wanted:
+        return True
+    try:
+        return Path(served).resolve() == Path(wanted).resolve()
+    except OSError:
+        return False
+

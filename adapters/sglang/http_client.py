@@ -23,25 +23,21 @@ sglang is not imported: the routes' request bodies are written as SGLang 0.5.23 
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
 import structlog
 import torch
 
+from adapters.engine_start import same_model
 from adapters.sglang.engine import NamedTensors, SglangRolloutEngine
 from adapters.sglang.serializer import serialize
 from adapters.sglang.staging import LOADER_PATH
 from adapters.sglang.status import LoaderStatus
-from adapters.vllm.errors import ServerMismatch, ServerUnreachable
-from domain.errors import EngineUpdateFailed
+from adapters.system.http import JsonServer
+from domain.errors import EngineUpdateFailed, ServerMismatch, ServerUnreachable
 from domain.quant.plan import QuantizationPlan
 from domain.refit.storage import StorageFingerprint
 
@@ -86,35 +82,12 @@ class HttpClient:
 
     def request(self, method: str, path: str, body: Any = None, *, query: Mapping[str, Any] | None = None,
                 ok_codes: tuple[int, ...] = (200,)) -> tuple[int, Any]:
-        """(status, answer) of `method path`: the JSON answer, else its text; a status outside
-        `ok_codes` and 400 raises."""
-        url = f"{self.url}{path}"
-        if query:
-            url += "?" + urllib.parse.urlencode(dict(query))
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(url, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return resp.status, _answer(resp.read())
-        except urllib.error.HTTPError as err:
-            raw = err.read()
-            if err.code == 400 and 400 in ok_codes:
-                return 400, _answer(raw)
-            if err.code == 404:
-                raise ServerMismatch(f"{self.where} has no route {path}: attach to an SGLang {_PINNED} server "
-                                     "(python -m sglang.launch_server)") from None
-            if err.code in (401, 403):
-                raise ServerMismatch(f"{self.where} refused {path} ({err.code}): give its --api-key or "
-                                     "--admin-api-key (rollout.engine_kwargs.sglang.api_key)") from None
-            text = raw.decode(errors="replace")[:2000]
-            raise EngineUpdateFailed(f"{self.where} answered {err.code} to {method} {path}: {text}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            raise ServerUnreachable(f"{self.where} did not answer {method} {path}: {reason}; check the URL "
-                                    "(rollout.engine_kwargs.sglang.url) and that the server is up") from None
+        """(status, answer) of `method path` (adapters.system.http.JsonServer: the JSON answer, else
+        its text; a status outside `ok_codes` raises, one typed line)."""
+        server = JsonServer(self.url, self.where, "rollout.engine_kwargs.sglang.url", self.api_key,
+                            "--api-key / --admin-api-key: rollout.engine_kwargs.sglang.api_key",
+                            f"attach to an SGLang {_PINNED} server (python -m sglang.launch_server)", self.timeout_s)
+        return server.request(method, path, body, query=query, ok_codes=ok_codes)
 
     def _post(self, path: str, body: Any) -> tuple[bool, str]:
         """A weight route's (success, message): 200 or 400 with SGLang's {"success", "message"}."""
@@ -139,7 +112,7 @@ class HttpClient:
             raise ServerMismatch(f"{self.where} runs without rl-refit's weight loader: start it with "
                                  f"--custom-weight-loader {LOADER_PATH} (rl-refit installed in its environment)")
         served = info.get("model_path")
-        if model is not None and served is not None and not _same_model(str(served), model):
+        if model is not None and served is not None and not same_model(str(served), model):
             raise ServerMismatch(f"{self.where} serves {served!r}, not {model!r} (model.path): attach to the "
                                  "server of this model, or set model.path to the served one")
         if (info.get("quantization") or None) != (quantization or None):
@@ -224,21 +197,6 @@ class HttpClient:
 _PINNED = "0.5.23"
 
 
-def _answer(raw: bytes) -> Any:
-    text = raw.decode(errors="replace")
-    try:
-        return json.loads(text) if text.strip() else None
-    except ValueError:
-        return text
-
-
-def _same_model(served: str, wanted: str) -> bool:
-    if served == wanted:
-        return True
-    try:
-        return Path(served).resolve() == Path(wanted).resolve()
-    except OSError:
-        return False
 
 
 @attrs.define

@@ -32,9 +32,9 @@ import attrs
 import structlog
 import torch
 
+from adapters.engine_start import same_model
 from adapters.vllm.controls import PAUSE_MODES, EngineControl
 from adapters.vllm.engine import Aborted
-from adapters.vllm.errors import ServerMismatch
 from adapters.vllm.protocol import (
     ErrorReply,
     FinalizeReply,
@@ -51,6 +51,7 @@ from adapters.vllm.protocol import (
 )
 from adapters.vllm.session import rl_refit_version
 from domain import errors
+from domain.errors import ServerMismatch
 
 log = structlog.get_logger()
 
@@ -93,7 +94,7 @@ def probe(control: EngineControl, expected: Expected) -> list[InfoReply]:
             raise ServerMismatch(f"{control.where} runs rl-refit {info.version}, this trainer {mine}: install the "
                                  "same rl-refit version on both sides")
     first = infos[0]
-    if expected.model is not None and not _same_model(first.model, expected.model):
+    if expected.model is not None and not same_model(first.model, expected.model):
         raise ServerMismatch(f"{control.where} serves {first.model!r}, not {expected.model!r} (model.path): attach to "
                              "the server of this model, or set model.path to the served one")
     if (first.quantization or None) != (expected.quantization or None):
@@ -103,16 +104,6 @@ def probe(control: EngineControl, expected: Expected) -> list[InfoReply]:
                              "or change rollout.quantization to what the server serves")
     return infos
 
-
-def _same_model(served: str, wanted: str) -> bool:
-    from pathlib import Path
-
-    if served == wanted:
-        return True
-    try:
-        return Path(served).resolve() == Path(wanted).resolve()
-    except OSError:
-        return False
 
 
 @attrs.define

@@ -31,8 +31,8 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from adapters.vllm.errors import ServerMismatch, ServerUnreachable
-from domain.errors import EngineUpdateFailed
+from adapters.system.http import JsonServer
+from domain.errors import EngineUpdateFailed, ServerMismatch, ServerUnreachable
 
 PAUSE_MODES = ("keep", "abort", "wait")
 
@@ -120,32 +120,13 @@ class HttpControl:
 
     def request(self, method: str, path: str, body: Any = None, *, query: dict[str, Any] | None = None,
                 timeout_s: float | None = None) -> Any:
-        """The server's JSON answer to `method path` (None for an empty body)."""
-        url = f"{self.url}{path}"
-        if query:
-            url += "?" + urllib.parse.urlencode({k: _query(v) for k, v in query.items()})
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(url, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s if timeout_s is None else timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as err:
-            text = err.read().decode(errors="replace")[:2000]
-            if err.code == 404:
-                raise ServerMismatch(f"{self.where} has no route {path}: start it with VLLM_SERVER_DEV_MODE=1 (the RL "
-                                     "routes and /collective_rpc exist only in dev mode)") from None
-            if err.code == 401:
-                raise ServerMismatch(f"{self.where} refused {path} (401): give its --api-key "
-                                     "(rollout.engine_kwargs.vllm.api_key)") from None
-            raise EngineUpdateFailed(f"{self.where} answered {err.code} to {method} {path}: {text}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            raise ServerUnreachable(f"{self.where} did not answer {method} {path}: {reason}; check the URL "
-                                    "(rollout.engine_kwargs.vllm.url) and that the server is up") from None
-        return json.loads(raw) if raw.strip() else None
+        """The server's JSON answer to `method path` (None for an empty body); one typed line for
+        every way it fails (adapters.system.http.JsonServer)."""
+        server = JsonServer(self.url, self.where, "rollout.engine_kwargs.vllm.url", self.api_key,
+                            "its --api-key: rollout.engine_kwargs.vllm.api_key",
+                            "start it with VLLM_SERVER_DEV_MODE=1 (the RL routes and /collective_rpc exist only in "
+                            "dev mode)", self.timeout_s)
+        return server.request(method, path, body, query=query, timeout_s=timeout_s)[1]
 
     def health(self) -> bool:
         """True when `/health` answers 200."""
@@ -231,9 +212,6 @@ class HttpControl:
     def close(self) -> None:
         return None  # nothing is held: the server keeps running
 
-
-def _query(value: Any) -> str:
-    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 # --- an AsyncLLM object ------------------------------------------------------------------------

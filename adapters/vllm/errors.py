@@ -30,16 +30,6 @@ class WorkerError(EngineUpdateFailed):
         super().__init__(f"a vLLM worker raised {remote_type}: {message}")
 
 
-class ServerUnreachable(RefitError, ConnectionError):
-    """An attached vLLM or SGLang server did not answer (wrong URL, not started yet, died): names the URL."""
-
-
-class ServerMismatch(RefitError, ValueError):
-    """An attached vLLM or SGLang server is not the one the configuration describes (dev mode off, no
-    rl-refit backend or worker extension, another rl-refit version, another model, a quantization
-    it was not started with): names what differs and the flag or key that fixes it."""
-
-
 class SessionRefused(RefitError, PermissionError):
     """A worker refused a refit call whose session token is not the one of the trainer that holds
     its refit session (another trainer, or a stranger on the server's port)."""

@@ -184,7 +184,7 @@ class RefitWorkerExtension:
     def _rl_refit_required_session(self) -> WorkerSession:
         session = self._rl_refit_session()
         if session is None:
-            from adapters.vllm.errors import ServerMismatch
+            from domain.errors import ServerMismatch
 
             raise ServerMismatch("this vLLM server was not started with rl-refit's weight-transfer backend: "
                                  "start it with --weight-transfer-config '{\"backend\": \"rl_refit\"}'")

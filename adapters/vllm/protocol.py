@@ -33,7 +33,6 @@ import torch
 from adapters.vllm.errors import (
     EngineProcessError,
     EngineRefitUnsupported,
-    ServerMismatch,
     SessionRefused,
     WorkerError,
 )
@@ -491,7 +490,7 @@ _CROSSING: tuple[type[BaseException], ...] = (
     errors.InvalidTensor, errors.UnsupportedQuantMethod, errors.DeltaBaseMismatch, errors.DeltaRecordError,
     errors.AdapterUpdateFailed, errors.LoraError,
     ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, NotImplementedError, AssertionError,
-    TimeoutError, ConnectionError, OSError, MemoryError, WorkerError, SessionRefused, ServerMismatch,
+    TimeoutError, ConnectionError, OSError, MemoryError, WorkerError, SessionRefused, errors.ServerMismatch, errors.ServerUnreachable,
     errors.SharedMemoryUnavailable,
 )
 ERRORS: dict[str, type[BaseException]] = {cls.__name__: cls for cls in _CROSSING}

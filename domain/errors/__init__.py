@@ -47,6 +47,8 @@ from domain.errors.engine import (
     EngineTensorMismatch,
     EngineUpdateFailed,
     RefitInProgress,
+    ServerMismatch,
+    ServerUnreachable,
 )
 from domain.errors.forward import (
     FusedForwardModeError,
@@ -182,6 +184,8 @@ __all__ = [
     "RefitLifecycleError",
     "RefitVerificationFailed",
     "RemovedConfigKey",
+    "ServerMismatch",
+    "ServerUnreachable",
     "ShardingError",
     "SharedMemoryUnavailable",
     "SourceChanged",

@@ -29,3 +29,14 @@ class RefitInProgress(RefitLifecycleError):
 
 class EngineClosed(RefitLifecycleError):
     """The engine was closed: it neither refits nor serves; build a new one."""
+
+
+class ServerUnreachable(RefitError, ConnectionError):
+    """A server rl-refit attaches to (vLLM's, SGLang's) did not answer: wrong URL, not started yet,
+    or died; names the URL and the key that holds it."""
+
+
+class ServerMismatch(RefitError, ValueError):
+    """A server rl-refit attaches to is not one it can refit for this configuration (a route,
+    backend, loader or worker extension missing, another rl-refit version, another model, a
+    quantization it was not started with): names what differs and the flag or key that fixes it."""

@@ -14,8 +14,8 @@ import pytest
 
 from adapters.vllm.attached import Expected, probe
 from adapters.vllm.controls import HttpControl
-from adapters.vllm.errors import ServerMismatch, ServerUnreachable
 from adapters.vllm.guardian import Guardian
+from domain.errors import ServerMismatch, ServerUnreachable
 
 
 class FakeVllmHttp:

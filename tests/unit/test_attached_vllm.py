@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from adapters.vllm.attached import AttachedWorkers, Expected, attach, probe
-from adapters.vllm.errors import ServerMismatch, SessionRefused
+from adapters.vllm.errors import SessionRefused
 from adapters.vllm.extension import RefitWorkerExtension
 from adapters.vllm.session import InitInfo, UpdateInfo, WorkerSession, rl_refit_version
 from adapters.vllm.worker import WorkerRefit
 from app.services.refit import RefitService
-from domain.errors import EngineStale, RefitFailed, WireProtocolError
+from domain.errors import EngineStale, RefitFailed, ServerMismatch, WireProtocolError
 from domain.refit.report import RefitOutcome
 from tests.engine_fakes.vllm import (
     FakeLayerwise,

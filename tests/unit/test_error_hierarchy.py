@@ -104,8 +104,7 @@ BASES = {
 }
 # The errors only one engine adapter raises, kept in that adapter.
 IN_ADAPTERS = {"EngineProcessError": adapters.vllm.errors, "EngineRefitUnsupported": adapters.vllm.errors,
-               "WorkerError": adapters.vllm.errors, "ServerUnreachable": adapters.vllm.errors,
-               "ServerMismatch": adapters.vllm.errors, "SessionRefused": adapters.vllm.errors}
+               "WorkerError": adapters.vllm.errors, "SessionRefused": adapters.vllm.errors}
 
 
 def _package_classes() -> dict[str, type]:

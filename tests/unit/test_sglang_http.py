@@ -17,9 +17,8 @@ from adapters.sglang import loader as refit_loader
 from adapters.sglang.engine import SglangRolloutEngine
 from adapters.sglang.http_client import AttachedSglangEngine, HttpClient, attach
 from adapters.sglang.serializer import deserialize, serialize
-from adapters.vllm.errors import ServerMismatch, ServerUnreachable
 from app.services.refit import RefitService
-from domain.errors import EngineUpdateFailed, RefitFailed
+from domain.errors import EngineUpdateFailed, RefitFailed, ServerMismatch, ServerUnreachable
 from domain.quant.stream import quantize_stream
 from domain.refit.buckets import pack_buckets
 from domain.refit.report import RefitOutcome
