@@ -316,8 +316,13 @@ class VllmRolloutEngine:
         return restored
 
     def close(self) -> None:
-        """Shut the engine down (its workers) and remove what was made for it."""
+        """Shut the engine down (its workers; an attached server is only let go of) and remove what
+        was made for it. A refit in progress is aborted first; afterwards every refit and request
+        raises EngineClosed. Idempotent."""
+        if self._guard.closed:
+            return
         try:
+            self._guard.close()
             self.workers.close()
         finally:
             remove_dirs(self.owned_dirs)
@@ -325,6 +330,7 @@ class VllmRolloutEngine:
     # --- queries and serving ----------------------------------------------------------------
 
     def storage_fingerprint(self) -> StorageFingerprint:
+        self._guard.check_open()
         return self.workers.fingerprint()
 
     def delta_base(self) -> DeltaBase:
@@ -402,10 +408,12 @@ class VllmRolloutEngine:
 
     def digests(self) -> dict[str, str]:
         """sha256 of every parameter and buffer of the (first) worker, to compare engines bit for bit."""
+        self._guard.check_open()
         return self.workers.digests()
 
     def kv_scales(self) -> dict[str, list[float]]:
         """Each attention layer's q/k/v/prob scales on the (first) worker."""
+        self._guard.check_open()
         return self.workers.kv_scales()
 
 

@@ -376,3 +376,20 @@ def test_a_transport_that_cannot_reach_the_workers_is_refused_naming_the_key() -
         assert not server.paused  # refused before anything was touched; the server serves on
     finally:
         engine.close()
+
+
+def test_a_closed_engine_answers_closed_and_the_server_keeps_serving() -> None:
+    from domain.errors import EngineClosed
+
+    server = FakeServer([FakeVllmModel()])
+    engine = _engine(server)
+    assert _service(engine).refit().ok
+    engine.close()
+    engine.close()  # idempotent
+    with pytest.raises(EngineClosed):
+        engine.log_probs(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(RefitFailed) as info:
+        _service(engine, seed=1).refit()
+    assert isinstance(info.value.__cause__, EngineClosed)
+    assert "close" in server.calls and not server.paused
+    assert server.log_probs(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 3)  # the server was let go, not stopped
