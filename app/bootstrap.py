@@ -111,6 +111,16 @@ class Services:
 
         return HfCheckpoint(path)
 
+    def check_checkpoint_config(self, path: str | None = None) -> None:
+        """The checkpoint's config.json against its tensors, before anything is built from it
+        (adapters.hf_checkpoint.config_checks): CheckpointError naming the key; nothing without a
+        checkpoint."""
+        checkpoint = self.checkpoint(path)
+        if checkpoint is not None:
+            from adapters.hf_checkpoint.config_checks import check_checkpoint_config
+
+            check_checkpoint_config(checkpoint)
+
     def plan_report(self, checkpoint: HfCheckpoint | None = None, *, purpose: str = "refit",
                     plan: QuantizationPlan | None = None) -> PlanReport:
         """Every decision of the rollout quantization, for the configuration (and a checkpoint).

@@ -131,6 +131,9 @@ def _join(rank: int, size: int, port: Any, pg_timeout_s: float, host: str) -> No
         store = dist.TCPStore(host, port.value, size, is_master=False, timeout=timeout)
     backend = register_bound_gloo(host)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    # Every rank has joined before any runs: rank 0 serves the store, and a rank 0 that finished
+    # and exited while another still read the store mid-join reset that rank's connection.
+    dist.barrier()
 
 
 def _child(fn: Callable[..., Any], rank: int, size: int, port: Any, results: Any, args: tuple[Any, ...],

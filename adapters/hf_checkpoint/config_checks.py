@@ -56,6 +56,8 @@ def check_model_config(config: Mapping[str, Any], tensors: list[tuple[str, tuple
                         else f"no tensor of the checkpoint has a dimension above {largest}")
                 raise CheckpointError(f"{where}: {prefix}{key} is {value}; it must be at least 1, and {what}; "
                                       f"correct {key}")
+        if has_sizes:
+            _check_embedding(section, prefix, tensors, where)
         for key in ("rope_parameters", "rope_scaling"):
             if section.get(key) is not None and not isinstance(section[key], Mapping):
                 raise CheckpointError(f"{where}: {prefix}{key} is {section[key]!r}; it must be an object such as "
@@ -63,6 +65,21 @@ def check_model_config(config: Mapping[str, Any], tensors: list[tuple[str, tuple
         for key in _FLAGS:
             if section.get(key) is not None and not isinstance(section[key], bool):
                 raise CheckpointError(f"{where}: {prefix}{key} is {section[key]!r}; it must be true or false")
+
+
+def _check_embedding(section: Mapping[str, Any], prefix: str, tensors: list[tuple[str, tuple[int, ...]]],
+                     where: str) -> None:
+    """vocab_size and hidden_size against the token embedding's [vocab, hidden] shape, when the
+    checkpoint has one (a model is built at the config's sizes and then refuses the tensor)."""
+    shapes = [shape for name, shape in tensors if name.endswith("embed_tokens.weight") and len(shape) == 2]
+    if len(shapes) != 1:
+        return
+    rows, cols = shapes[0]
+    for key, held in (("vocab_size", rows), ("hidden_size", cols)):
+        value = section.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value != held:
+            raise CheckpointError(f"{where}: {prefix}{key} is {value}, but the token embedding is [{rows}, {cols}]; "
+                                  f"correct {key} to {held}")
 
 
 def check_checkpoint_config(checkpoint: HfCheckpoint) -> None:

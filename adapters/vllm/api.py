@@ -170,6 +170,7 @@ USES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:kMxfp8Dynamic", ()),
     ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:kMxfp8Static", ()),
     ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:kNvfp4Static", ()),
+    ("symbol", "vllm.model_executor.layers.quantization.utils.quant_utils:kNvfp4DynamicToken", ()),
     # the rl_refit weight-transfer backend (transfer_backend.py: worker side; transfer_trainer.py:
     # trainer side; plugin.py registers it), and the attached engine's control (controls.py)
     ("symbol", "vllm.distributed.weight_transfer.base:WeightTransferEngine", ()),

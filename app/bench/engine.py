@@ -718,7 +718,7 @@ def _bf16_refits(settings: EngineBenchSettings, deployment: str) -> dict[str, An
     child = attrs.evolve(settings, preset="BF16", deployment=deployment)
     try:
         done = subprocess.run([sys.executable, "-c", _BF16_CHILD, json.dumps(attrs.asdict(child))],
-                              capture_output=True, text=True, timeout=3600, env={**os.environ})
+                              capture_output=True, text=True, timeout=3600)  # this environment, inherited
     except (OSError, subprocess.SubprocessError) as err:
         return {"bf16_error": _error(err)}
     for line in reversed(done.stdout.splitlines()):

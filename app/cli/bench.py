@@ -72,10 +72,9 @@ def _engine_or_export(args: argparse.Namespace) -> BenchReport:
             model = model_or_directory(())(model)  # a directory with a config.json
         except argparse.ArgumentTypeError as err:
             raise ConfigError("--model", str(err).replace("an embedded model () or ", "")) from None
-        from adapters.hf_checkpoint.config_checks import check_checkpoint_config
-        from adapters.hf_checkpoint.reader import HfCheckpoint
+        from app.bootstrap import bootstrap
 
-        check_checkpoint_config(HfCheckpoint(model))  # before any child or engine builds from it
+        bootstrap().check_checkpoint_config(model)  # before any child or engine builds from it
     engine_only = {"--deployment": getattr(args, "deployment", None), "--preset": getattr(args, "preset", None),
                    "--repeat": getattr(args, "repeat", None), "--bucket-mb": getattr(args, "bucket_mb", None)}
     if args.suite == "export":

@@ -145,9 +145,7 @@ def run_engine(args: argparse.Namespace) -> int:
     settings = engine_settings(args)
     services = bootstrap(engine_config(settings, args.bucket_mb))
     if is_directory(settings.model):  # before the engine starts from its config.json
-        from adapters.hf_checkpoint.config_checks import check_checkpoint_config
-
-        check_checkpoint_config(services.checkpoint(settings.model))  # type: ignore[arg-type]
+        services.check_checkpoint_config(settings.model)
     console = None if args.json else Console(width=max(Console().width, 140), stderr=False)
     if console is not None:
         console.print(f"attaching to the {settings.engine} server at {settings.url} ..." if settings.url else

@@ -162,7 +162,7 @@ class DistributedRefitService:
             if tx.begin():
                 self._stream(tx)
             if tx.staged() and tx.commit():
-                report = tx.succeed()  # on every rank: the refit is live on every engine
+                report = self._sided(tx.succeed())  # on every rank: the refit is live on every engine
                 self.reports.append(report)
                 log.info("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
                 return report
@@ -172,16 +172,21 @@ class DistributedRefitService:
             self._broken = f"{type(err).__name__} at {getattr(err, 'step', run.where)!r}"
             tx.fail(run.where or "collective", err)
             tx.settle(f"refit {refit_id} failed ({tx.status.error})")
-            report = run.report()
+            report = self._sided(run.report())
             self.reports.append(report)
             if isinstance(err, WORLD_BROKEN):
                 err.report = report
             log.error("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
             raise
-        report = tx.report(failure_summary(refit_id, statuses))
+        report = self._sided(tx.report(failure_summary(refit_id, statuses)))
         self.reports.append(report)
         log.error("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
         raise DistributedRefitFailed(report.error or "", report=report, statuses=statuses)
+
+    def _sided(self, report: RefitReport) -> RefitReport:
+        """A trainer rank's report says which codec path it quantized with: the eager reference
+        (only the single-process service chooses the compiled path, app.services.codec_path)."""
+        return attrs.evolve(report, codec_path="eager") if self.role is Role.TRAINER else report
 
     def _transaction(self, refit_id: int) -> RefitTransaction:
         commit_mode = self.engine.commit_mode.value if self.engine is not None else None

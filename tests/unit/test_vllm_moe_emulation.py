@@ -89,12 +89,15 @@ def test_undo_leaves_a_later_patch_alone(fake: types.ModuleType) -> None:
 
 def test_one_wrapper_per_lookup_for_formats_the_linear_plugin_knows() -> None:
     names = [f.name for f in cpu_emulation.FORMATS]
-    assert [p.format for p in moe_emulation.PATCHES] == ["FP8_BLOCK", "MXFP8", "NVFP4"]
+    # compressed-tensors' three expert methods; ModelOpt's NVFP4 experts (per-token activations):
+    # its backend choice and its conversion to the kernel's format
+    assert [p.format for p in moe_emulation.PATCHES] == ["FP8_BLOCK", "MXFP8", "NVFP4", "NVFP4", "NVFP4"]
     assert {p.format for p in moe_emulation.PATCHES} <= set(names)
     assert len({(p.module, p.name) for p in moe_emulation.PATCHES}) == len(moe_emulation.PATCHES)
     for patch in moe_emulation.PATCHES:
         assert callable(moe_emulation.resolve(patch.wrapper))  # resolvable without vLLM (vLLM is imported on call)
-        assert patch.module.startswith("vllm.model_executor.layers.quantization.compressed_tensors.")
+        assert patch.module.startswith(("vllm.model_executor.layers.quantization.compressed_tensors.",
+                                        "vllm.model_executor.layers.quantization.modelopt"))
 
 
 # --- numerics -------------------------------------------------------------------------------------
