@@ -206,8 +206,12 @@ def _kill_a_trainer_mid_refit(started: Started, tmp_path: Path) -> None:
                             stderr=subprocess.DEVNULL, env=env, cwd=str(ROOT))
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert b"MID-REFIT" in line, line
+        seen = []
+        for line in proc.stdout:  # the trainer's log lines come first
+            seen.append(line)
+            if b"MID-REFIT" in line or len(seen) > 200:
+                break
+        assert seen and b"MID-REFIT" in seen[-1], seen
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(60)
