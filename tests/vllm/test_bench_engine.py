@@ -39,7 +39,16 @@ def report() -> dict[str, object]:
 
 
 def test_every_baseline_is_measured(report: dict[str, object]) -> None:
-    from app.bench.engine import BF16_REFIT, COPY, LAYERWISE, LOAD_WEIGHTS, RECEIVE, RELOAD, RESTART, WRITE_RELOAD
+    from app.bench.engine import (
+        BF16_REFIT,
+        COPY,
+        LAYERWISE,
+        LOAD_WEIGHTS,
+        RECEIVE,
+        RELOAD,
+        RESTART,
+        WRITE_RELOAD,
+    )
 
     rows = {r["baseline"]: r for r in report["rows"] if r["baseline"]}  # type: ignore[attr-defined]
     measured = [RELOAD, LAYERWISE, RECEIVE, WRITE_RELOAD, LOAD_WEIGHTS, RESTART]
