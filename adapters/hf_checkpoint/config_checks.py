@@ -7,6 +7,7 @@ allocation that fails deep inside a library, or a model built for ever."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,7 @@ def check_model_config(config: Mapping[str, Any], tensors: list[tuple[str, tuple
                                       f"correct {key}")
         if has_sizes:
             _check_embedding(section, prefix, tensors, where)
+            _check_projections(section, prefix, tensors, where)
         for key in ("rope_parameters", "rope_scaling"):
             if section.get(key) is not None and not isinstance(section[key], Mapping):
                 raise CheckpointError(f"{where}: {prefix}{key} is {section[key]!r}; it must be an object such as "
@@ -80,6 +82,50 @@ def _check_embedding(section: Mapping[str, Any], prefix: str, tensors: list[tupl
         if isinstance(value, int) and not isinstance(value, bool) and value != held:
             raise CheckpointError(f"{where}: {prefix}{key} is {value}, but the token embedding is [{rows}, {cols}]; "
                                   f"correct {key} to {held}")
+
+
+# Model types whose decoder layers are laid out as Llama's: q/k/v/o and gate/up/down projections whose
+# shapes follow from the config alone, and no layer beyond num_hidden_layers (no multi-token head).
+_LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+_PROJECTION = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
+
+
+def _check_projections(section: Mapping[str, Any], prefix: str, tensors: list[tuple[str, tuple[int, ...]]],
+                       where: str) -> None:
+    """The attention and dense MLP projections, and the layer count, against the sizes that build
+    them, for the Llama-like model types (a model built at other sizes refuses the tensor, or
+    silently drops the layers beyond its count)."""
+    if section.get("model_type") not in _LLAMA_LIKE:
+        return
+    sizes = {k: section.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                         "intermediate_size", "num_hidden_layers")}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in sizes.items()
+               if k in ("hidden_size", "num_attention_heads", "num_hidden_layers")):
+        return  # the integer checks above name the key
+    hidden, heads, layers = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_hidden_layers"]
+    kv = sizes["num_key_value_heads"] if isinstance(sizes["num_key_value_heads"], int) else heads
+    head_dim = sizes["head_dim"] if isinstance(sizes["head_dim"], int) else hidden // heads
+    inter = sizes["intermediate_size"]
+    keys = f"{prefix}num_attention_heads, {prefix}num_key_value_heads, {prefix}head_dim and {prefix}hidden_size"
+    expected = {
+        "self_attn.q_proj": ((heads * head_dim, hidden), keys), "self_attn.k_proj": ((kv * head_dim, hidden), keys),
+        "self_attn.v_proj": ((kv * head_dim, hidden), keys), "self_attn.o_proj": ((hidden, heads * head_dim), keys),
+    }
+    if isinstance(inter, int) and not isinstance(inter, bool):
+        mlp_keys = f"{prefix}intermediate_size and {prefix}hidden_size"
+        expected |= {"mlp.gate_proj": ((inter, hidden), mlp_keys), "mlp.up_proj": ((inter, hidden), mlp_keys),
+                     "mlp.down_proj": ((hidden, inter), mlp_keys)}
+    for name, shape in tensors:
+        m = _PROJECTION.search(name)
+        if m is None:
+            continue
+        if int(m.group(1)) >= layers:
+            raise CheckpointError(f"{where}: {prefix}num_hidden_layers is {layers}, but the checkpoint holds {name!r} "
+                                  f"(layer {m.group(1)}); correct num_hidden_layers")
+        want = expected.get(m.group(2))
+        if want is not None and len(shape) == 2 and tuple(shape) != want[0]:
+            raise CheckpointError(f"{where}: {name!r} is {list(shape)}, but {want[1]} make it {list(want[0])}; "
+                                  "correct those keys")
 
 
 def check_checkpoint_config(checkpoint: HfCheckpoint) -> None:

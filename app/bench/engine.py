@@ -614,6 +614,7 @@ def measure(settings: EngineBenchSettings) -> EngineTimings:
     here = _vllm_here()
     deployment = resolve_deployment(settings.deployment, here)
     services = bootstrap(_config(settings, deployment))
+    services.check_checkpoint_config()  # a malformed config.json is one line, before any engine or model is built
     python = services.engines.vllm_python() if deployment == "disaggregated" else None
     reason = skip_reason(deployment, vllm_here=here, engine_python=python,
                          engine_python_has_vllm=_python_has_vllm(python) if python else None)

@@ -328,6 +328,8 @@ def dense_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_config_json_of_a_model_directory(edits: dict[str, Any], drop: list[str], command: str, dense_checkpoint: Path,
                                           capsys: pytest.CaptureFixture) -> None:
     import os
+    import sys
+    from unittest import mock
 
     config = json.loads((dense_checkpoint / "config.json").read_text())
     for key in drop:
@@ -338,8 +340,10 @@ def test_config_json_of_a_model_directory(edits: dict[str, Any], drop: list[str]
         model.mkdir()
         os.link(dense_checkpoint / "model.safetensors", model / "model.safetensors")
         (model / "config.json").write_text(json.dumps(config))
-        # the engine bench checks config.json before it needs vLLM: a valid one ends in "needs vllm" (exit 2)
+        # the engine bench checks config.json before it needs vLLM: a valid one ends in "needs vllm" (exit 2),
+        # whether or not .venv-vllm exists (its engine host's python is this one, which has no vLLM)
         argv = (["demo", "--model", str(model), "--steps", "0", "--json"] if command == "demo"
-                else ["bench", "engine", "--model", str(model)])
-        _run(argv, capsys)
+                else ["bench", "engine", "--model", str(model), "--deployment", "disaggregated"])
+        with mock.patch.dict(os.environ, {"RL_REFIT_VLLM_PYTHON": sys.executable}):
+            _run(argv, capsys)
     capsys.readouterr()
