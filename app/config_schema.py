@@ -269,12 +269,12 @@ SCHEMA: tuple[Key, ...] = (
     Key("rollout.engine_kwargs.vllm.environment", (dict,), {},
         "environment variables the vLLM engine starts with (e.g. VLLM_CPU_KVCACHE_SPACE)", free=True),
     Key("rollout.engine_kwargs.vllm.python", (str, NoneType), None,
-        "disaggregated: the Python that runs the engine host (vLLM and rl-refit installed); null = "
+        "disaggregated: the Python that runs the vLLM server (vLLM and rl-refit installed); null = "
         "$RL_REFIT_VLLM_PYTHON, else .venv-vllm/bin/python in the working directory or beside the "
         "rl-refit checkout, else this Python"),
     Key("rollout.engine_kwargs.vllm.start_timeout_s", (int, float), 120,
-        "disaggregated: seconds the engine host may take to start and connect back; past them it is "
-        "killed with its engine processes", check=_positive_seconds),
+        "disaggregated: seconds the vLLM server may take to start serving; past them it is killed with "
+        "its engine processes", check=_positive_seconds),
     Key("rollout.engine_kwargs.vllm.transport", (str,), "shm",
         "disaggregated: how buckets reach the engine's workers: shm (a shared-memory ring on this host), "
         "gloo (a process group over TCP), nccl (GPU to GPU, any hosts), cuda_ipc (the trainer's GPU buffers "

@@ -22,10 +22,11 @@ its refits (docs/attach.md).
 from __future__ import annotations
 
 import contextlib
+import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -52,6 +53,7 @@ from adapters.vllm.protocol import (
 from adapters.vllm.session import rl_refit_version
 from domain import errors
 from domain.errors import ServerMismatch
+from domain.refit.buckets import Bucket
 
 log = structlog.get_logger()
 
@@ -104,6 +106,62 @@ def probe(control: EngineControl, expected: Expected) -> list[InfoReply]:
                              "or change rollout.quantization to what the server serves")
     return infos
 
+
+
+_END = object()
+
+
+@attrs.define
+class _Stream:
+    """One refit's bucket stream: a sender thread runs the transport, fed one bucket at a time."""
+
+    transport: Any
+    _inbox: queue.Queue[Any] = attrs.field(init=False, factory=lambda: queue.Queue(maxsize=1))
+    _acks: queue.Queue[int] = attrs.field(init=False, factory=queue.Queue)
+    _error: BaseException | None = attrs.field(init=False, default=None)
+    _thread: threading.Thread = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="rl-refit-bucket-sender", daemon=True)
+        self._thread.start()
+
+    def _buckets(self) -> Iterator[Bucket]:
+        while True:
+            item = self._inbox.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            self._acks.put(item.index)  # with one bucket in flight, resuming means it is on the wire
+
+    def _run(self) -> None:
+        try:
+            self.transport.send(self._buckets())
+        except BaseException as err:
+            self._error = err
+        finally:
+            self._acks.put(-1)  # wakes a waiting put()
+
+    def put(self, bucket: Bucket) -> None:
+        """Send one bucket; returns when it is on the wire (its buffer may then be reused)."""
+        self._raise()
+        self._inbox.put(bucket)
+        self._acks.get()
+        self._raise()
+
+    def close(self, failure: BaseException | None = None) -> None:
+        """End the stream (END, or ABORT with `failure`) and wait for the sender."""
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._inbox.put(_END if failure is None else failure, timeout=self.transport.timeout_s)
+            self._thread.join(self.transport.timeout_s + 5.0)
+        if failure is None:
+            self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 @attrs.define
@@ -165,6 +223,7 @@ class AttachedWorkers(WorkerQueries):
     guardian: Any = None  # adapters.vllm.guardian.Guardian: resumes the server if this trainer dies mid-refit
     source_device: str = "cpu"  # where the trainer's tensors live (the transport's choice)
     receiver_device: str = "cpu"  # where the workers' weights live
+    transport_used: str | None = attrs.field(init=False, default=None)  # the transport the buckets take
     _link: Any = attrs.field(init=False, default=None)
     _sender: Any = attrs.field(init=False, default=None)
     _stream: Any = attrs.field(init=False, default=None)
@@ -246,13 +305,11 @@ class AttachedWorkers(WorkerQueries):
         if failed is not None:
             link.close()
             raise self._worker_error(failed) from None
-        self._link, self._sender = link, link.transport
+        self._link, self._sender, self.transport_used = link, link.transport, choice.name
         log.info("attached: the workers joined the transport", transport=choice.name, reason=choice.reason,
                  workers=self.workers)
 
     def begin(self) -> None:
-        from adapters.vllm.remote import _Stream
-
         self._pause()
         try:
             if self._sender is None:
@@ -373,7 +430,7 @@ class ControlGreedy:
 
 
 def attach(control: EngineControl, expected: Expected, *, bucket_bytes: int, settings: Mapping[str, Any],
-           guard: Callable[[str], Any] | None = None) -> Any:
+           guard: Callable[[str], Any] | None = None, owned_dirs: tuple[str, ...] = ()) -> Any:
     """A VllmRolloutEngine over the engine `control` reaches, after `probe` checked it.
 
     Args:
@@ -382,6 +439,7 @@ def attach(control: EngineControl, expected: Expected, *, bucket_bytes: int, set
         bucket_bytes: the refit's bucket size.
         settings: AttachedWorkers' options (transport, pause_mode, reset_running_requests, timeout_s).
         guard: starts the guardian of this session from its token (None: no guardian).
+        owned_dirs: directories made for this engine, removed when it closes.
     """
     from adapters.vllm.engine import VllmRolloutEngine
 
@@ -391,4 +449,4 @@ def attach(control: EngineControl, expected: Expected, *, bucket_bytes: int, set
                               guardian=None if guard is None else guard(token),
                               receiver_device=torch.device(infos[0].device).type, **dict(settings))
     return VllmRolloutEngine(workers, log_prob_fn=ControlLogProbs(control), greedy_fn=ControlGreedy(control),
-                             restores=True, serves_from_start=infos[0].weights == "checkpoint")
+                             restores=True, serves_from_start=infos[0].weights == "checkpoint", owned_dirs=owned_dirs)

@@ -113,7 +113,7 @@ class ExtensionWorkers(WorkerQueries):
 
     Colocated: with `VLLM_ENABLE_V1_MULTIPROCESSING=0` and one worker the bucket's tensors reach
     the worker by reference (the worker copies them before the call returns). With the
-    multiprocess engine, tensors do not survive collective_rpc: use remote.RemoteWorkers.
+    multiprocess engine, tensors do not survive collective_rpc: attach to it (adapters.vllm.attached).
     """
 
     llm: Any

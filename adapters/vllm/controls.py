@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from adapters.system.http import JsonServer
+from adapters.vllm.protocol import from_json_safe, json_safe
 from domain.errors import EngineUpdateFailed, ServerMismatch, ServerUnreachable
 
 PAUSE_MODES = ("keep", "abort", "wait")
@@ -149,12 +150,13 @@ class HttpControl:
     # --- EngineControl ---
 
     def collective_rpc(self, method: str, request: dict[str, Any]) -> list[Any]:
-        # vLLM's HTTP collective_rpc passes string arguments only: the request travels as JSON text
-        answer = self.request("POST", "/collective_rpc", {"method": method, "args": [json.dumps(request)]})
+        # vLLM's HTTP collective_rpc passes string arguments only: the request travels as JSON text,
+        # bytes base64-encoded either way (adapters.vllm.protocol.json_safe)
+        answer = self.request("POST", "/collective_rpc", {"method": method, "args": [json.dumps(json_safe(request))]})
         results = (answer or {}).get("results")
         if not isinstance(results, list):
             raise ServerMismatch(f"{self.where} answered collective_rpc({method}) with {answer!r}")
-        return results
+        return [from_json_safe(r) for r in results]
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.request("POST", "/init_weight_transfer_engine", {"init_info": init_info})

@@ -13,7 +13,7 @@ from domain.refit.delta_sync import DeltaBase
 
 
 def base_to_plain(base: DeltaBase) -> list[object]:
-    """A worker's DeltaBase as a list that crosses collective_rpc and the engine host's pipe."""
+    """A worker's DeltaBase as a list that crosses collective_rpc (msgpack, or a server's JSON)."""
     return [base.digest, base.host_bytes, base.patch_seconds]
 
 

@@ -4,12 +4,14 @@ The adapter talks to the workers through `VllmWorkers`, one typed method per ref
 - `LocalWorkers` runs a WorkerRefit in this process (fakes, tests);
 - `adapters.vllm.client.ExtensionWorkers` runs it inside the workers of an in-process `vllm.LLM`
   started with rl-refit's worker extension (colocated: buckets by reference);
-- `adapters.vllm.remote.RemoteWorkers` drives an engine in another process and streams the
-  buckets to its workers over a side process group (disaggregated).
+- `adapters.vllm.attached.AttachedWorkers` drives a vLLM server (the user's, or one rl-refit
+  started: adapters.vllm.launcher) through vLLM's own control plane, and streams the buckets to
+  its workers over rl-refit's transport (the shared-memory ring on one host, a side group).
 
 Commit mode PER_LAYER: vLLM processes and commits each layer as soon as its tensors are in and
-keeps no copy of the old weights, so a failure cannot be rolled back: the engine is marked
-stale and refuses to serve until a full refit succeeds.
+keeps no copy of the old weights. In-process workers cannot roll a failure back: the engine is
+marked stale and refuses to serve until a full refit succeeds. A server's workers keep the last
+live refit's buckets and put them back (`restores`).
 """
 
 from __future__ import annotations

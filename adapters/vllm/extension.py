@@ -10,11 +10,11 @@ engine (the default) collective_rpc arguments cross msgpack, where a tensor arri
 
 Two ways in:
 - colocated (trainer and engine in one process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`):
-  `rl_refit_load(Load)` receives a bucket's tensors by reference;
-- disaggregated (the engine in its own process): `rl_refit_join` maps the trainer's shared-memory
-  ring (adapters.distributed.shm_transport) or joins a side process group with the trainer
-  (adapters.distributed.side_group, gloo on CPU, NCCL on GPU), and `rl_refit_receive` receives one
-  refit's whole bucket stream through it and loads each bucket as it lands.
+  `rl_refit_begin`, `rl_refit_load(Load)` with a bucket's tensors by reference, `rl_refit_finalize`;
+- a server (the user's, or one rl-refit started): rl-refit's weight-transfer backend
+  (adapters.vllm.transfer_backend) receives the buckets through rl-refit's transport, and its
+  session's steps go through this class's hooks; `rl_refit_info`, `rl_refit_report`,
+  `rl_refit_restore` and `rl_refit_commit` carry what vLLM's routes cannot.
 
 Either way the buckets go through WorkerRefit: vLLM's layerwise reload, the expert redo, the
 written/unwritten count and the KV-cache scale reset.
@@ -23,11 +23,11 @@ written/unwritten count and the KV-cache scale reset.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 from contextlib import AbstractContextManager
 from typing import Any
 
+import attrs
 import structlog
 import torch
 
@@ -35,9 +35,7 @@ from adapters.vllm import protocol as p
 from adapters.vllm.hooks import VllmHooks
 from adapters.vllm.protocol import answer
 from adapters.vllm.session import WorkerSession
-from adapters.vllm.worker import KV_SCALE_NAMES, WorkerRefit
-from domain.errors import RefitLifecycleError
-from domain.refit.buckets import Bucket, unpack_bucket
+from adapters.vllm.worker import KV_SCALE_NAMES, FinalizeStats, WorkerRefit
 from domain.refit.storage import weight_digest
 
 log = structlog.get_logger()
@@ -69,10 +67,16 @@ class RefitWorkerExtension:
     # --- the worker's refit state -------------------------------------------------------------
 
     def _rl_refit_session(self) -> WorkerSession | None:
-        """The session of the rl_refit weight-transfer backend, when the server runs it."""
+        """The session of the rl_refit weight-transfer backend, when the server runs it; its refit
+        steps go through this extension's hooks (`_rl_refit_on_begin`, `_rl_refit_load_named`,
+        ...), so that a subclass sees them whichever way the refit came."""
         engine = getattr(self, "weight_transfer_engine", None)
         session = getattr(engine, "session", None)
-        return session if isinstance(session, WorkerSession) else None
+        if not isinstance(session, WorkerSession):
+            return None
+        if session.steps is None:
+            session.steps = ExtensionSteps(self)
+        return session
 
     def _rl_refit_state(self) -> WorkerRefit:
         session = self._rl_refit_session()
@@ -101,10 +105,6 @@ class RefitWorkerExtension:
 
     # --- refit steps: each RPC takes its request record and answers its reply record (plain) ------
 
-    def rl_refit_ready(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Prepare the worker (AMX permission, refit state); answers what it is."""
-        return answer(p.Ready, request, self._rl_refit_on_ready)
-
     def rl_refit_begin(self, request: dict[str, Any]) -> dict[str, Any]:
         return answer(p.Begin, request, self._rl_refit_on_begin)
 
@@ -123,21 +123,6 @@ class RefitWorkerExtension:
         """The worker's delta receiver: its copy's digest, host bytes, last patch's seconds (the
         first call turns it on)."""
         return answer(p.DeltaBaseQuery, request, lambda _: p.DeltaBaseReply.of(self._rl_refit_state().delta_base()))
-
-    def rl_refit_join(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Join the trainer's side group as rank 1 + this worker's rank; answers that rank.
-
-        Blocks until every member has joined (the trainer constructs its end meanwhile).
-        """
-        return answer(p.Join, request, self._rl_refit_on_join)
-
-    def rl_refit_receive(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Receive one refit's bucket stream from the trainer and load every bucket; answers the
-        tensors loaded, or what the stream or a load raised (after draining the stream)."""
-        return answer(p.Receive, request, self._rl_refit_on_receive)
-
-    def rl_refit_leave(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(p.Leave, request, lambda _: self._rl_refit_leave())
 
     def rl_refit_fingerprint(self, request: dict[str, Any]) -> dict[str, Any]:
         return answer(p.Fingerprint, request,
@@ -232,10 +217,6 @@ class RefitWorkerExtension:
         drop(worker_manager(self), request.adapter_id)
         return p.Done()
 
-    def _rl_refit_on_ready(self, _: p.Ready) -> p.ReadyReply:
-        refit = self._rl_refit_state()
-        return p.ReadyReply(int(getattr(self, "rank", 0)), str(refit.device), os.getpid())
-
     def _rl_refit_on_begin(self, _: p.Begin) -> p.Record:
         with self._rl_refit_context():
             self._rl_refit_state().begin()
@@ -256,66 +237,25 @@ class RefitWorkerExtension:
             self._rl_refit_state().abort()
         return p.Done()
 
-    # --- the side group (disaggregated) --------------------------------------------------------
+class ExtensionSteps:
+    """A session's refit steps (adapters.vllm.session.RefitSteps) through the extension's hooks."""
 
-    def _rl_refit_on_join(self, request: p.Join) -> p.JoinReply:
-        self._rl_refit_leave()
-        rank = 1 + int(getattr(self, "rank", 0))
-        # the transport, and what leaving closes: the ring's transport itself, or the side group
-        self._rl_refit_transport: Any = None
-        self._rl_refit_link: Any = None
-        if request.transport == "shm":
-            from adapters.distributed.shm_transport import ShmRendezvous, connect
+    def __init__(self, worker: RefitWorkerExtension) -> None:
+        self.worker = worker
 
-            ring = ShmRendezvous.from_dict(request.rendezvous)
-            self._rl_refit_transport = self._rl_refit_link = connect(ring, rank, request.bucket_bytes)
-            log.info("joined the refit's shared-memory ring", rank=rank, receivers=ring.receivers,
-                     slots=ring.slots, slot_bytes=ring.slot_bytes)
-            return p.JoinReply(rank)
-        from adapters.distributed.side_group import Rendezvous, SideGroup
-        from adapters.distributed.transport import TorchDistTransport
+    def begin(self) -> None:
+        self.worker._rl_refit_on_begin(p.Begin())
 
-        group = self._rl_refit_link = SideGroup.join(Rendezvous.from_dict(request.rendezvous), rank)
-        self._rl_refit_transport = TorchDistTransport(
-            group, source=0, rank=rank, peers=group.ranks, bucket_bytes=request.bucket_bytes,
-            timeout_s=request.timeout_s, device=group.device,
-        )
-        log.info("joined the refit side group", rank=rank, world_size=group.rendezvous.world_size,
-                 backend=group.rendezvous.backend)
-        return p.JoinReply(rank)
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]], retained: bool = False) -> int:
+        return self.worker._rl_refit_load_named(named_tensors, retained)
 
-    def _rl_refit_on_receive(self, request: p.Receive) -> p.Loaded:
-        from adapters.distributed.receiving import receive_buffer
+    def finalize(self) -> FinalizeStats:
+        refit = self.worker._rl_refit_state()
+        reply = self.worker._rl_refit_on_finalize(p.Finalize(refit.reset_kv_scales))
+        return FinalizeStats(**{f.name: getattr(reply, f.name) for f in attrs.fields(p.FinalizeReply)})
 
-        transport = getattr(self, "_rl_refit_transport", None)
-        if transport is None:
-            raise RefitLifecycleError("receive before join: call rl_refit_join first")
-        transport.refit_id = request.refit_id
-        if request.relearn:
-            transport.forget_layout()
-        loaded = 0
-
-        def consume(bucket: Bucket) -> None:
-            nonlocal loaded
-            # received into a buffer of its own (`allocate`): nothing else writes it, so vLLM may
-            # keep views of it until the layer is whole, and no copy is made
-            loaded += self._rl_refit_load_named(list(unpack_bucket(bucket)), True)
-
-        def allocate(nbytes: int) -> torch.Tensor:
-            if transport.device.type == "cpu":
-                return receive_buffer(nbytes)  # huge pages: a fresh buffer per bucket faults in fast
-            return torch.empty(nbytes, dtype=torch.uint8, device=transport.device)
-
-        with self._rl_refit_context():
-            transport.receive(consume, allocate=allocate)
-        return p.Loaded(loaded)
-
-    def _rl_refit_leave(self) -> p.Record:
-        link = getattr(self, "_rl_refit_link", None)
-        if link is not None:
-            link.close()
-        self._rl_refit_link = self._rl_refit_transport = None
-        return p.Done()
+    def abort(self) -> None:
+        self.worker._rl_refit_on_abort(p.Abort())
 
 
 def weight_digests(refit: WorkerRefit) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """The vLLM engine, built from its configuration section and the start resolved for a plan: in
-this process (colocated) or in an engine host of its own (disaggregated), and the cold starts
+this process (colocated) or as a vLLM server of its own (disaggregated, adapters.vllm.launcher), and the cold starts
 refits are compared with.
 
 The engine's arguments and environment come from the plan and the backend decision: the
@@ -29,7 +29,7 @@ from domain.quant.backend_policy import DEEP_GEMM, BackendDecision
 from domain.refit.session import CommitMode
 
 if TYPE_CHECKING:
-    from adapters.vllm.remote import ColdEngine
+    from adapters.vllm.launcher import ColdServer
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -170,9 +170,9 @@ class VllmHost:
     """What starting vLLM needs from the process that starts it.
 
     Attributes:
-        python: the engine host's interpreter (called only when a host starts; it may raise
+        python: the vLLM server's interpreter (called only when a server starts; it may raise
             ConfigError naming the setting).
-        environ: this process's environment, which an engine host inherits.
+        environ: this process's environment, which a vLLM server inherits.
         export_environment: sets variables in this process (colocated: vLLM reads them as it starts).
         embedded_model_dir: a directory with the embedded model's config.json (no model.path).
         bucket_bytes: the refit's bucket size (the host's side group allocates it).
@@ -278,13 +278,28 @@ def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section
         local = ExtensionWorkers.launch(**kwargs)
         return VllmRolloutEngine(local, log_prob_fn=LlmLogProbs(local.llm), greedy_fn=LlmGreedy(local.llm),
                                  owned_dirs=owned)
-    from adapters.vllm.remote import EngineProcess, RemoteGreedy, RemoteLogProbs, RemoteWorkers
+    from adapters.vllm.attached import Expected, attach
+    from adapters.vllm.launcher import start_owned
 
-    process = EngineProcess.start(host.python(), kwargs, env={**host.environ, **env},
-                                  start_timeout_s=float(section.start_timeout_s))
-    workers = RemoteWorkers(process, host.bucket_bytes, backend=section.transport)
-    return VllmRolloutEngine(workers, log_prob_fn=RemoteLogProbs(process), greedy_fn=RemoteGreedy(process),
-                             owned_dirs=owned)
+    # the server a user runs, started on loopback and refitted as an attached one (docs/engines.md)
+    control = start_owned(host.python(), kwargs, env={**host.environ, **env},
+                          start_timeout_s=float(section.start_timeout_s))
+    try:
+        return attach(control, Expected(model=str(kwargs["model"]), quantization=kwargs.get("quantization")),
+                      bucket_bytes=host.bucket_bytes, settings=_attach_settings(section), owned_dirs=owned)
+    except BaseException:
+        control.close()
+        raise
+
+
+def _attach_settings(section: VllmSettings) -> dict[str, Any]:
+    """AttachedWorkers' options from the configuration section."""
+    import torch
+
+    # the trainer's tensors are on its GPU when it has one (the transport's `auto` choice reads it)
+    return {"transport": section.transport, "pause_mode": section.pause_mode,
+            "reset_running_requests": section.reset_running_requests,
+            "source_device": "cuda" if torch.cuda.is_available() else "cpu"}
 
 
 def server_flags(kwargs: Mapping[str, Any]) -> str:
@@ -312,27 +327,22 @@ def attach_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost
     expected = Expected(model=start.model_path or None, quantization=kwargs.get("quantization"),
                         server_flags=server_flags(kwargs))
     control = HttpControl(url, timeout_s=float(section.start_timeout_s) + 600.0, api_key=section.api_key)
-    import torch
-
-    # the trainer's tensors are on its GPU when it has one (the transport's `auto` choice reads it)
-    settings = {"transport": section.transport, "pause_mode": section.pause_mode,
-                "reset_running_requests": section.reset_running_requests,
-                "source_device": "cuda" if torch.cuda.is_available() else "cpu"}
     from adapters.vllm.guardian import Guardian
 
-    return attach(control, expected, bucket_bytes=host.bucket_bytes, settings=settings,
+    return attach(control, expected, bucket_bytes=host.bucket_bytes, settings=_attach_settings(section),
                   guard=lambda token: Guardian.start(url, token, section.api_key))
 
 
-def vllm_cold_start(section: VllmSettings, start: EngineStart, host: VllmHost, directory: str) -> ColdEngine:
-    """A vLLM engine host started from a checkpoint directory (its own process, whatever the
-    deployment), with the configuration's engine arguments."""
-    from adapters.vllm.remote import ColdEngine, EngineProcess
+def vllm_cold_start(section: VllmSettings, start: EngineStart, host: VllmHost, directory: str) -> ColdServer:
+    """A vLLM server started from a checkpoint directory (a process of its own, whatever the
+    deployment), with the configuration's engine arguments: what a refit is compared with."""
+    from adapters.vllm.launcher import ColdServer, start_owned
 
     base = {**_base(section, start), "model": str(directory)}
     base.pop("load_format", None)
     kwargs = vllm_engine_kwargs(start.quantization_config, start.decision, kv_cache_dtype=section.kv_cache_dtype,
                                 base=base)
     env = {**host.environ, **_environment(section, start, host, colocated=False, workers=engine_workers(kwargs))}
-    process = EngineProcess.start(host.python(), kwargs, env=env, start_timeout_s=float(section.start_timeout_s))
-    return ColdEngine(process, Path(directory))
+    control = start_owned(host.python(), kwargs, env=env, start_timeout_s=float(section.start_timeout_s),
+                          transfer=False)
+    return ColdServer(control, Path(directory))

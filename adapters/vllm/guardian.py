@@ -9,23 +9,32 @@ killed it) in the middle of a refit, it asks the workers to put their previous w
 (`rl_refit_restore`, with the trainer's session token), drops the prefix cache and resumes the
 server; then it exits. When the pipe closes between refits, it just exits.
 
+Its keeper mode watches a server the trainer started itself (adapters.vllm.launcher): when the
+pipe closes without the trainer's `release` (the trainer died, whatever killed it), it kills the
+server's process group and removes what was made for it (its private directory, its log), so
+that nothing of it outlives the trainer.
+
 It imports the standard library only, so it starts in a fraction of a second.
 
     python -m adapters.vllm.guardian URL   # stdin: the token, the server's API key (or an empty
                                            # line), then the trainer's words; never in argv
+    python -m adapters.vllm.guardian --keep PGID PATH...   # stdin: `release`, or nothing
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from typing import IO, Any
 
-_BEGIN, _END = "begin", "end"
+_BEGIN, _END, _RELEASE = "begin", "end", "release"
 
 
 class Guardian:
@@ -50,6 +59,20 @@ class Guardian:
             with contextlib.suppress(OSError):
                 self.pipe.write(f"{line}\n".encode())
                 self.pipe.flush()
+
+    @classmethod
+    def keep(cls, pgid: int, paths: list[str]) -> Guardian:
+        """Start the keeper of a server this trainer started: process group `pgid`, and `paths`
+        (files or directories) removed with it."""
+        proc = subprocess.Popen([sys.executable, "-m", "adapters.vllm.guardian", "--keep", str(pgid), *paths],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        return cls(proc)
+
+    def release(self) -> None:
+        """The trainer stops the server itself: the keeper exits without touching it."""
+        self._say(_RELEASE)
+        self.close()
 
     def begin(self) -> None:
         """A refit paused the server."""
@@ -93,8 +116,35 @@ def rescue(url: str, token: str, api_key: str | None = None) -> None:
     _post(url, "/resume", api_key=api_key)
 
 
+def keep(pgid: int, paths: list[str]) -> int:
+    """Keeper mode: wait for the pipe to close; without the trainer's `release`, kill the group
+    and remove the paths."""
+    released = False
+    for line in sys.stdin:
+        released = released or line.strip() == _RELEASE
+    if released:
+        return 0
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    for _ in range(300):  # the group's processes exit before their files go
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.1)
+    for path in paths:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--keep"] and len(args) >= 2 and args[1].isdigit():
+        return keep(int(args[1]), args[2:])
     if len(args) != 1:
         print("usage: python -m adapters.vllm.guardian URL  (the session token first on stdin)", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Which Python runs a disaggregated vLLM engine host: the configured one, else a `.venv-vllm`
+"""Which Python runs the vLLM server of a disaggregated engine: the configured one, else a `.venv-vllm`
 in the working directory or beside this checkout (scripts/setup-vllm-env.sh makes it), else this
 interpreter. The composition root passes what it read (the setting, RL_REFIT_VLLM_PYTHON)."""
 
@@ -25,7 +25,7 @@ def configured_python(setting: str | None, variable: str | None) -> tuple[str, s
 
 
 def vllm_python(configured: tuple[str, str] | None, roots: Sequence[Path] | None = None) -> str:
-    """The interpreter of a disaggregated vLLM engine host.
+    """The interpreter of a disaggregated engine's vLLM server.
 
     Args:
         configured: `configured_python(...)`.

@@ -3,12 +3,12 @@ cross with them.
 
 Every side speaks these records: the worker extension (adapters.vllm.extension, inside vLLM's
 workers), the colocated client (adapters.vllm.client.ExtensionWorkers, `LLM.collective_rpc` in
-this process) and the disaggregated one (adapters.vllm.remote.RemoteWorkers, through the engine
-host's control channel). A request names its RPC (`METHOD`, vLLM's collective_rpc method name)
-and its reply record (`REPLY`); `to_plain()` turns a record into a dict of plain values (ints,
-floats, strings, bools, bytes, lists, dicts, tagged with the record's name) that crosses vLLM's
-msgpack and the JSON control channel unchanged, and `from_plain()` rebuilds it, refusing with
-WireProtocolError anything that is not that record.
+this process) and the engine controls (adapters.vllm.controls: a server's HTTP `/collective_rpc`,
+an AsyncLLM's, a Ray actor's). A request names its RPC (`METHOD`, vLLM's collective_rpc method
+name) and its reply record (`REPLY`); `to_plain()` turns a record into a dict of plain values
+(ints, floats, strings, bools, bytes, lists, dicts, tagged with the record's name) that crosses
+vLLM's msgpack unchanged (and JSON with bytes base64-encoded: `json_safe`), and `from_plain()`
+rebuilds it, refusing with WireProtocolError anything that is not that record.
 
 A worker never lets an error escape an RPC (vLLM would turn it into text): it answers with an
 `ErrorReply` (the error's type name, its message and its plain attributes), and the trainer
@@ -117,15 +117,6 @@ class Done(Record):
 
 
 @attrs.frozen
-class ReadyReply(Record):
-    """What a worker is: its rank, the device its refit copies go to, its process id."""
-
-    rank: int = attrs.field(converter=int)
-    device: str = attrs.field(converter=str)
-    pid: int = attrs.field(converter=int)
-
-
-@attrs.frozen
 class Loaded(Record):
     """How many checkpoint tensors a load (or a whole received stream) handed to the model."""
 
@@ -142,13 +133,6 @@ class FinalizeReply(Record):
     parameters_written: int = attrs.field(converter=int, default=-1)
     unwritten: tuple[str, ...] = attrs.field(converter=tuple_of, default=())
     experts_redone: int = attrs.field(converter=int, default=0)
-
-
-@attrs.frozen
-class JoinReply(Record):
-    """The worker's rank in the side group."""
-
-    rank: int = attrs.field(converter=int)
 
 
 @attrs.frozen
@@ -211,14 +195,6 @@ class KvScalesReply(Record):
 
 
 @attrs.frozen
-class Ready(Request[ReadyReply]):
-    """Prepare the worker (AMX permission, refit state)."""
-
-    METHOD: ClassVar[str] = "rl_refit_ready"
-    REPLY: ClassVar[type[Record]] = ReadyReply
-
-
-@attrs.frozen
 class Begin(Request[Done]):
     """Start vLLM's layerwise reload."""
 
@@ -261,33 +237,6 @@ class Abort(Request[Done]):
 
 
 @attrs.frozen
-class Join(Request[JoinReply]):
-    """Disaggregated: join the trainer's bucket stream: its shared-memory ring
-    (`transport="shm"`, adapters.distributed.shm_transport.ShmRendezvous) or its side group
-    (`"side_group"`, adapters.distributed.side_group.Rendezvous)."""
-
-    METHOD: ClassVar[str] = "rl_refit_join"
-    REPLY: ClassVar[type[Record]] = JoinReply
-
-    rendezvous: dict[str, Any] = attrs.field(converter=dict)
-    bucket_bytes: int = attrs.field(converter=int)
-    timeout_s: float = attrs.field(converter=float)
-    transport: str = attrs.field(default="side_group", validator=attrs.validators.in_(("side_group", "shm")))
-
-
-@attrs.frozen
-class Receive(Request[Loaded]):
-    """Disaggregated: receive refit `refit_id`'s bucket stream over the side group and load it;
-    `relearn`: the stream carries its metadata again (its layout may differ: delta refits)."""
-
-    METHOD: ClassVar[str] = "rl_refit_receive"
-    REPLY: ClassVar[type[Record]] = Loaded
-
-    refit_id: int = attrs.field(converter=int)
-    relearn: bool = attrs.field(converter=bool, default=False)
-
-
-@attrs.frozen
 class DeltaBaseReply(Record):
     """A worker's delta receiver (domain.refit.delta_sync.DeltaBase): the digest of the copy it
     holds (None: none), its host bytes, its last patch's seconds."""
@@ -310,14 +259,6 @@ class DeltaBaseQuery(Request[DeltaBaseReply]):
 
     METHOD: ClassVar[str] = "rl_refit_delta_base"
     REPLY: ClassVar[type[Record]] = DeltaBaseReply
-
-
-@attrs.frozen
-class Leave(Request[Done]):
-    """Leave the side group."""
-
-    METHOD: ClassVar[str] = "rl_refit_leave"
-    REPLY: ClassVar[type[Record]] = Done
 
 
 @attrs.frozen
@@ -471,9 +412,9 @@ class Commit(Request[Done]):
     REPLY: ClassVar[type[Record]] = Done
 
 
-REQUESTS: tuple[type[Request[Any]], ...] = (Ready, Begin, Load, Finalize, Abort, Join, Receive, Leave, Fingerprint,
-                                             Digests, LiveWeights, KvScales, DeltaBaseQuery, BenchMode, BenchReload,
-                                             LoraStage, LoraDrop, Info, Report, Restore, Commit)
+REQUESTS: tuple[type[Request[Any]], ...] = (Begin, Load, Finalize, Abort, Fingerprint, Digests, LiveWeights, KvScales,
+                                             DeltaBaseQuery, BenchMode, BenchReload, LoraStage, LoraDrop, Info, Report,
+                                             Restore, Commit)
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -562,13 +503,45 @@ def reply_of(request: Request[R], answers: Sequence[Any]) -> R:
 
 def answer(request_type: type[Q], value: Any, handler: Callable[[Q], Record]) -> dict[str, Any]:
     """The worker side of one RPC: `handler`'s reply to the request in `value`, or the ErrorReply
-    of what it raised, as plain values (nothing escapes to vLLM but a reply)."""
+    of what it raised, as plain values (nothing escapes to vLLM but a reply); JSON-safe
+    (`json_safe`) when the request came as JSON text (vLLM's HTTP `/collective_rpc`, which answers
+    in JSON)."""
     try:
-        return handler(request_type.from_plain(_unwrap(value))).to_plain()
+        out = handler(request_type.from_plain(_unwrap(value))).to_plain()
     except Exception as err:
         traceback.print_exc(file=sys.stderr)  # the worker's log keeps where it was raised
         log.warning("rl-refit worker rpc failed", method=request_type.METHOD, error=f"{type(err).__name__}: {str(err)[:500]}")
-        return ErrorReply.of(err).to_plain()
+        out = ErrorReply.of(err).to_plain()
+    return json_safe(out) if isinstance(value, str) else out
+
+
+_BYTES = "__bytes__"
+
+
+def json_safe(value: Any) -> Any:
+    """Plain values as JSON carries them: bytes as {"__bytes__": base64}."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        import base64
+
+        return {_BYTES: base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def from_json_safe(value: Any) -> Any:
+    """`json_safe`'s inverse."""
+    if isinstance(value, Mapping):
+        if set(value) == {_BYTES}:
+            import base64
+
+            return base64.b64decode(value[_BYTES])
+        return {k: from_json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json_safe(v) for v in value]
+    return value
 
 
 TOKEN = "token"  # the key of a request's session token, beside its record's fields
@@ -581,7 +554,7 @@ def _unwrap(value: Any) -> Any:
         import json
 
         try:
-            value = json.loads(value)
+            value = from_json_safe(json.loads(value))
         except ValueError as err:
             raise errors.WireProtocolError(f"a request that is not JSON: {err}") from err
     if isinstance(value, Mapping) and TOKEN in value:
@@ -612,7 +585,7 @@ def with_token(request: Record, token: str | None) -> dict[str, Any]:
 
 @runtime_checkable
 class WorkerRpc(Protocol):
-    """Workers that answer protocol requests (ExtensionWorkers, RemoteWorkers)."""
+    """Workers that answer protocol requests (ExtensionWorkers, AttachedWorkers)."""
 
     def call(self, request: Request[R]) -> R:
         """The first worker's reply to `request`; raises a worker's error as its own class."""

@@ -66,6 +66,20 @@ class Phase(enum.Enum):
     FINALIZED = "finalized"  # finish succeeded; the trainer may still refuse the refit (restore)
 
 
+class RefitSteps(Protocol):
+    """The steps of one refit on the worker's model (WorkerRefit's; rl-refit's worker extension
+    routes them through its overridable hooks, so a subclass sees every load whichever way the
+    refit came: adapters.vllm.extension)."""
+
+    def begin(self) -> None: ...
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]], retained: bool = False) -> int: ...
+
+    def finalize(self) -> FinalizeStats: ...
+
+    def abort(self) -> None: ...
+
+
 class Receiver(Protocol):
     """A bucket transport's receiving end (adapters.distributed: the ring's or the side group's)."""
 
@@ -184,6 +198,7 @@ class WorkerSession:
     reload_from_disk: Callable[[], None] | None = None
     joiner: Callable[[InitInfo, int], Receiver] = join
     allocate: Callable[[int], torch.Tensor] | None = None
+    steps: RefitSteps | None = attrs.field(init=False, default=None)  # None: the WorkerRefit's own
     token: str | None = attrs.field(init=False, default=None)
     info: InitInfo | None = attrs.field(init=False, default=None)
     phase: Phase = attrs.field(init=False, default=Phase.IDLE)
@@ -196,6 +211,11 @@ class WorkerSession:
     stale_reason: str | None = attrs.field(init=False, default=None)
     restores: int = attrs.field(init=False, default=0)
     restored_since_start: bool = attrs.field(init=False, default=False)
+    went_live: bool = attrs.field(init=False, default=False)  # a refit went live: the checkpoint on disk is old
+
+    @property
+    def _steps(self) -> RefitSteps:
+        return self.steps if self.steps is not None else self.refit
 
     # --- the session ------------------------------------------------------------------------
 
@@ -246,7 +266,7 @@ class WorkerSession:
         self.error = None
         self.report = None
         self.restored_since_start = False
-        self.refit.begin()
+        self._steps.begin()
         self.phase = Phase.LOADING
 
     def update(self, info: UpdateInfo) -> int:
@@ -267,7 +287,7 @@ class WorkerSession:
         def consume(bucket: Bucket) -> None:
             nonlocal loaded
             self.received.append(bucket)  # its buffer is this worker's own: kept, and loaded without a copy
-            loaded += self.refit.load(list(unpack_bucket(bucket)), True)
+            loaded += self._steps.load(list(unpack_bucket(bucket)), True)
 
         # each bucket in a buffer of its own: kept as the backup, never overwritten by the next stream
         allocate = self.allocate or (lambda n: torch.empty(n, dtype=torch.uint8, device=receiver.device))
@@ -284,7 +304,7 @@ class WorkerSession:
         if self.phase is not Phase.LOADING:
             raise RefitLifecycleError(f"worker {self.rank}: load before start: call start_weight_update first")
         try:
-            return self.refit.load(named, False)
+            return self._steps.load(named, False)
         except BaseException as err:
             self._failed("loading", err)
             raise
@@ -295,7 +315,7 @@ class WorkerSession:
         if self.phase is not Phase.LOADING:
             raise RefitLifecycleError(f"worker {self.rank}: finish without a loading refit: start one first")
         try:
-            self.report = self.refit.finalize()
+            self.report = self._steps.finalize()
         except BaseException as err:
             self.phase = Phase.IDLE  # finalize ended the reload either way
             self._failed(f"finalizing refit {self.refit_id}", err, loading=False)
@@ -323,8 +343,10 @@ class WorkerSession:
     # --- internals ----------------------------------------------------------------------------
 
     def _keep_as_backup(self) -> None:
-        keep = self.info is None or self.info.backup
+        # a delta refit's buckets patch the copy they were made against: they cannot be loaded again
+        keep = (self.info is None or self.info.backup) and getattr(self.refit, "delta", None) is None
         self.backup = list(self.received) if keep else None
+        self.went_live = True
         self.received = []
         self.phase = Phase.IDLE
 
@@ -333,7 +355,7 @@ class WorkerSession:
         log.warning("rl-refit refit failed on the worker; restoring the previous weights", rank=self.rank,
                     refit_id=self.refit_id, step=step, error=f"{type(err).__name__}: {err}")
         if loading:
-            self.refit.abort()
+            self._steps.abort()
             self.phase = Phase.IDLE
         self._restore(f"{step}: {type(err).__name__}: {err}")
 
@@ -353,11 +375,13 @@ class WorkerSession:
                     self.refit.abort()
                     raise
                 self.refit.finalize()
-            elif self.reload_from_disk is not None:
+            elif self.reload_from_disk is not None and not self.went_live:
                 self.reload_from_disk()
             else:
-                self.stale_reason = (f"{reason}; no refit went live before and the server started without "
-                                     "weights to reload (load_format=dummy): a full refit must succeed")
+                why = ("no backup of the last live refit is kept (delta refits, or init_info backup=false)"
+                       if self.went_live else "no refit went live before and the server started without weights "
+                       "to reload (load_format=dummy)")
+                self.stale_reason = f"{reason}; {why}: a full refit must succeed"
                 log.error("rl-refit cannot restore: the engine is stale", rank=self.rank, reason=self.stale_reason)
                 return False
         except BaseException as err:

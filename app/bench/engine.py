@@ -677,7 +677,7 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
         (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
         reload_error, load_error, put_back, bench.svc.bucket_bytes, trainer_peak, engine_peak,
         tuple(times.get("layerwise", ())), layerwise_error, layerwise_same, copy, tuple(times.get("receive", ())),
-        transport=getattr(bench.engine.workers, "backend", None), codec=bench.svc.codec_choice().to_dict(),
+        transport=getattr(bench.engine.workers, "transport_used", None), codec=bench.svc.codec_choice().to_dict(),
     )
 
 
@@ -752,13 +752,13 @@ def _refit_memory(bench: _Bench) -> tuple[int, int | None]:
     colocated). Bytes."""
     from app.bench.memory import process_kib, process_tree, reset_peak_rss
 
-    process = getattr(bench.engine.workers, "process", None)
-    pids = process_tree(process.proc.pid) if process is not None else []
+    server = getattr(getattr(bench.engine.workers, "control", None), "server", None)  # the vLLM server rl-refit started
+    pids = process_tree(server.proc.pid) if server is not None else []
     engine_base = {pid: reset_peak_rss(pid) for pid in pids}
     base = reset_peak_rss()
     bench.svc.refit()
     trainer = max(0, process_kib("VmHWM") - base) * 1024  # a page freed since the reset: no growth
-    if process is None:
+    if server is None:
         return trainer, None
     return trainer, sum(max(0, process_kib("VmHWM", pid) - kib) for pid, kib in engine_base.items()) * 1024
 

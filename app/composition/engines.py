@@ -16,7 +16,7 @@ from app.composition.tables import engine_start
 from domain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from adapters.vllm.remote import ColdEngine
+    from adapters.vllm.launcher import ColdServer
     from app.bootstrap import Services
     from domain.quant.backend_policy import BackendDecision
     from domain.quant.plan import QuantizationPlan
@@ -40,13 +40,13 @@ class EngineWiring:
                                  self.services.environ.get("RL_REFIT_VLLM_PYTHON"))
 
     def vllm_python(self) -> str:
-        """The interpreter a disaggregated vLLM engine host runs with: the configured one, else
+        """The interpreter a disaggregated engine's vLLM server runs with: the configured one, else
         ./.venv-vllm/bin/python (or the one beside this checkout), else this interpreter."""
         from adapters.vllm.interpreter import vllm_python
 
         return vllm_python(self.configured_python())
 
-    def cold_start(self, directory: str | Path) -> ColdEngine:
+    def cold_start(self, directory: str | Path) -> ColdServer:
         """An engine of rollout.name started from a checkpoint directory in its own process, for
         comparisons (ports.engine_inspection, log_probs, placeholders); vllm only."""
         name = self.services.config.rollout.name

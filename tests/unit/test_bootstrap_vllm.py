@@ -1,12 +1,13 @@
 """The composition root builds a vLLM engine in either deployment shape from the configuration:
 what it starts, with which arguments and environment, and what it refuses (without starting vLLM:
-the engine host and the in-process LLM are replaced by recorders)."""
+the vLLM server and the in-process LLM are replaced by recorders)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,22 +21,34 @@ BASE = ["rollout.name=vllm", "reference.model=micro-moe", "rollout.quantization.
 
 
 class Started:
+    """Records each vLLM server the factory starts (adapters.vllm.launcher.start_owned) and each
+    attach to one (adapters.vllm.attached.attach), instead of starting anything."""
+
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.attached: list[dict[str, Any]] = []
 
     def start(self, python: str, engine_kwargs: dict[str, Any], **kw: Any) -> object:
         self.calls.append({"python": python, "kwargs": dict(engine_kwargs), **kw})
-        return type("P", (), {"workers": [{"rank": 0}]})()
+        return SimpleNamespace(closed=False)
+
+    def attach(self, control: Any, expected: Any, **kw: Any) -> object:
+        self.attached.append({"control": control, "expected": expected, **kw})
+        return SimpleNamespace(control=control, expected=expected, settings=kw["settings"], close=lambda: None)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> Started:
+        from adapters.vllm import attached, launcher
+
+        monkeypatch.setattr(launcher, "start_owned", self.start)
+        monkeypatch.setattr(attached, "attach", self.attach)
+        return self
 
 
-def test_disaggregated_starts_an_engine_host_without_vllm_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from adapters.vllm import remote
-
-    started = Started()
-    monkeypatch.setattr(remote.EngineProcess, "start", staticmethod(started.start))
+def test_disaggregated_starts_a_vllm_server_without_vllm_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    started = Started().install(monkeypatch)
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/bin/sh\n")
-    fake_python.chmod(0o755)  # the host's python must be one that runs
+    fake_python.chmod(0o755)  # the server's python must be one that runs
     services = bootstrap(overrides=[*BASE, "rollout.deployment=disaggregated",
                                     f"rollout.engine_kwargs.vllm.python={fake_python}"])
     engine = services.rollout_engine()
@@ -52,8 +65,12 @@ def test_disaggregated_starts_an_engine_host_without_vllm_here(monkeypatch: pyte
     assert env["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
     if services.engines.backend_decision("vllm", services.plan).capability is None:
         assert "VLLM_USE_DEEP_GEMM" not in env  # no GPU capability known: no DeepGEMM request
-    assert type(engine.workers).__name__ == "RemoteWorkers" and engine.is_stale  # type: ignore[attr-defined]
-    json.dumps(kwargs)  # plain values only: they cross to the host as JSON
+    # the server it started is attached to as a user's server is, and probed for this plan and model
+    (attached,) = started.attached
+    assert engine.control is attached["control"]  # type: ignore[attr-defined]
+    assert attached["expected"].model == kwargs["model"] and attached["expected"].quantization == "compressed-tensors"
+    assert attached["settings"]["transport"] == "shm" and attached["owned_dirs"] == (kwargs["model"],)
+    json.dumps(kwargs)  # plain values only: they become the server's flags
 
 
 def test_colocated_needs_vllm_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,10 +123,7 @@ def test_new_keys_are_checked(key: str, value: str, match: str) -> None:
 
 
 def _disaggregated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *overrides: str) -> tuple[Any, Started]:
-    from adapters.vllm import remote
-
-    started = Started()
-    monkeypatch.setattr(remote.EngineProcess, "start", staticmethod(started.start))
+    started = Started().install(monkeypatch)
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/bin/sh\n")
     fake_python.chmod(0o755)
@@ -209,7 +223,7 @@ def test_a_tensor_parallel_engine_refuses_the_colocated_shape(monkeypatch: pytes
         services.rollout_engine()
 
 
-def test_vllm_replicas_start_one_host_each_and_refuse_the_colocated_shape(monkeypatch: pytest.MonkeyPatch,
+def test_vllm_replicas_start_one_server_each_and_refuse_the_colocated_shape(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path) -> None:
     from app.services.replicas import ReplicatedEngine
 
@@ -232,4 +246,4 @@ def test_the_transport_decides_how_the_trainer_hands_over_its_buckets(monkeypatc
     services, _ = _disaggregated(monkeypatch, tmp_path, f"rollout.engine_kwargs.vllm.transport={transport}")
     service = services.refit_service()
     assert service.ownership.value == ownership
-    assert service.engine.workers.backend == backend  # type: ignore[attr-defined]
+    assert service.engine.settings["transport"] == backend  # type: ignore[attr-defined]

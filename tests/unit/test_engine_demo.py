@@ -46,7 +46,7 @@ class Inspectable:
 
 @attrs.define
 class Cold(Inspectable):
-    """A cold start's view: log-probs alone, as adapters.vllm.remote.ColdEngine returns them."""
+    """A cold start's view: log-probs alone, as adapters.vllm.launcher.ColdServer returns them."""
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return self.inner.greedy(prompts, max_tokens)

@@ -119,7 +119,7 @@ def test_the_configured_probe_holds_the_embedded_bf16_engine_to_zero(presets: li
 
 @attrs.frozen
 class _Cold:
-    """A cold start's shape: log_probs returns the log-probs alone (adapters.vllm.remote.ColdEngine)."""
+    """A cold start's shape: log_probs returns the log-probs alone (adapters.vllm.launcher.ColdServer)."""
 
     engine: object
 

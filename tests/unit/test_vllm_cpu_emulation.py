@@ -1,6 +1,6 @@
 """The vLLM CPU emulation plugin's decision (adapters.vllm.cpu_emulation), its configuration path
 from rollout.engine_kwargs.vllm.cpu_emulation into the engine's environment, and the short
-engine-start errors (adapters.vllm.remote.root_cause) on real vLLM logs. No vLLM needed: what runs
+engine-start errors (adapters.vllm.launcher.root_cause) on real vLLM logs. No vLLM needed: what runs
 inside a real engine is in tests/vllm/test_cpu_emulation.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from adapters.memory.environment import FixedEnvironmentProbe
 from adapters.system.probe import vllm_cpu_kernels
 from adapters.vllm.cpu_emulation import ENV_VAR, FORMATS, emulated_formats, parse_mode
 from adapters.vllm.factory import vllm_environment
-from adapters.vllm.remote import root_cause
+from adapters.vllm.launcher import root_cause
 from app.bootstrap import bootstrap
 from app.services.doctor_checks import Status, vllm_cpu_checks
 from domain.environment import EnvironmentSnapshot

@@ -1,5 +1,5 @@
 """The vLLM worker protocol (adapters.vllm.protocol): every request and reply record crosses
-plain values, vLLM's msgpack and the JSON control channel unchanged; every error class that may
+plain values, vLLM's msgpack and a server's JSON unchanged; every error class that may
 cross is rebuilt on the trainer's side as itself; anything else is refused or named. Then the
 extension end to end through ExtensionWorkers over fake vLLM workers."""
 
@@ -12,20 +12,6 @@ import pytest
 import torch
 
 from adapters.vllm import protocol as p
-from adapters.vllm.control import (
-    HOST_REQUESTS,
-    CallWorkers,
-    Hello,
-    HostGreedy,
-    HostLogProbs,
-    LogProbsReply,
-    ResetPrefixCache,
-    Shutdown,
-    Tokens,
-    WorkerAnswers,
-    _decode,
-    _encode,
-)
 from adapters.vllm.errors import WorkerError
 from app.services.refit import RefitService
 from domain import errors
@@ -33,15 +19,11 @@ from domain.refit.storage import StorageFingerprint
 from tests.engine_fakes.vllm import FakeTrainer, extension_engine, fp8_plan, msgpack_like
 
 SAMPLES: list[p.Record] = [
-    p.Ready(), p.ReadyReply(1, "cpu", 4242),
     p.Begin(), p.Done(),
     p.Finalize(True), p.FinalizeReply(2, 0.25, 30, 28, ("a.weight", "b.weight"), 1), p.FinalizeReply(0, 0.0, 3),
     p.Abort(),
-    p.Join({"host": "127.0.0.1", "port": 29500, "world_size": 2, "backend": "gloo"}, 1 << 20, 30.0),
-    p.JoinReply(1),
-    p.Receive(7), p.Receive(8, relearn=True), p.Loaded(12),
+    p.Loaded(12),
     p.DeltaBaseQuery(), p.DeltaBaseReply("ab12", 1 << 20, 0.25), p.DeltaBaseReply(None, 0, 0.0),
-    p.Leave(),
     p.Fingerprint(), p.FingerprintReply([["a", 140000, [2, 3], [3, 1], "bfloat16"]]),
     p.Digests(), p.DigestsReply({"a": "00ff", "b": "ee11"}),
     p.LiveWeights(), p.LiveWeightsReply.of({"a": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
@@ -49,14 +31,8 @@ SAMPLES: list[p.Record] = [
     p.KvScales(), p.KvScalesReply({"layers.0.self_attn.attn": [1.0, 1.0, 0.5, 1.0]}),
     p.BenchMode("load_weights"), p.BenchReload("/tmp/ckpt"), p.Seconds(0.5),
     p.ErrorReply("ValueError", "bad", {"key": "x", "peers": [1, 2]}),
-    Hello("token", 12, [p.ReadyReply(0, "cpu", 1).to_plain()]), Hello("token", error=p.ErrorReply("E", "m").to_plain()),
-    CallWorkers("rl_refit_finalize", p.Finalize(False).to_plain()), WorkerAnswers([p.Done().to_plain()]),
-    HostLogProbs([[1, 2, 3]], 0.7), LogProbsReply([[-1.5, -2.0]]), HostGreedy([[1, 2]], 4), Tokens([[3, 4, 5, 6]]),
-    HostLogProbs([[1, 2, 3]], 1.0, ["rl-refit", 3, "rl-refit://adapter/3"]),
-    HostGreedy([[1, 2]], 4, ["twin", 1001, "/tmp/twin"]), ResetPrefixCache(),
     p.LoraStage(3, {"r": 8, "lora_alpha": 16.0, "target_modules": ["q_proj"], "modules_to_save": None},
                 b"\x00\x01safetensors"), p.LoraStaged(14), p.LoraDrop(2),
-    Shutdown(),
     p.Info(), p.InfoReply("0.1.0", True, 0, 1, "/ckpt", None), p.InfoReply("0.1.0", False, 1, 2, "m", "fp8", "dummy"),
     p.Report(), p.ReportReply(p.FinalizeReply(0, 0.1, 3).to_plain(), None, None, 0, "finalized"),
     p.ReportReply(None, p.ErrorReply("PeerLost", "gone").to_plain(), "stale: no backup", 1, "idle"),
@@ -65,8 +41,8 @@ SAMPLES: list[p.Record] = [
 
 
 def _json(value: Any) -> Any:
-    """What the control channel does to a message: JSON text, bytes base64-encoded."""
-    return _decode(json.loads(json.dumps(_encode(value))))
+    """What a server's HTTP `/collective_rpc` does to a message: JSON text, bytes base64-encoded."""
+    return p.from_json_safe(json.loads(json.dumps(p.json_safe(value))))
 
 
 @pytest.mark.parametrize("record", SAMPLES, ids=lambda r: type(r).__name__)
@@ -77,11 +53,10 @@ def test_every_record_crosses_unchanged(record: p.Record, crossing: Any) -> None
     assert type(record).from_plain(crossing(plain)) == record
 
 
-def test_every_rpc_and_host_request_has_a_sample() -> None:
+def test_every_rpc_has_a_sample() -> None:
     kinds = {type(r) for r in SAMPLES}
     assert set(p.REQUESTS) - {p.Load} <= kinds
     assert {r.REPLY for r in p.REQUESTS} <= kinds
-    assert set(HOST_REQUESTS.values()) <= kinds
     assert len({r.METHOD for r in p.REQUESTS}) == len(p.REQUESTS)
     assert all(r.METHOD.startswith("rl_refit_") for r in p.REQUESTS)
 
@@ -158,13 +133,25 @@ def test_the_first_error_of_any_worker_is_raised_even_when_worker_0_succeeded() 
 
 
 def test_the_worker_side_answers_an_error_instead_of_raising() -> None:
-    def handler(request: p.Receive) -> p.Record:
-        raise errors.RefitLifecycleError(f"receive {request.refit_id} before join")
+    def handler(request: p.Restore) -> p.Record:
+        raise errors.RefitLifecycleError(f"restore ({request.reason}) before init")
 
-    answered = p.answer(p.Receive, p.Receive(3).to_plain(), handler)
-    assert p.ErrorReply.from_plain(answered) == p.ErrorReply("RefitLifecycleError", "receive 3 before join")
-    wrong = p.answer(p.Receive, p.Abort().to_plain(), handler)  # another version's request: refused, typed
+    answered = p.answer(p.Restore, p.Restore("x").to_plain(), handler)
+    assert p.ErrorReply.from_plain(answered) == p.ErrorReply("RefitLifecycleError", "restore (x) before init")
+    wrong = p.answer(p.Restore, p.Abort().to_plain(), handler)  # another version's request: refused, typed
     assert p.ErrorReply.from_plain(wrong).type == "WireProtocolError"
+
+
+def test_a_request_in_json_text_is_answered_json_safe() -> None:
+    """vLLM's HTTP `/collective_rpc` passes JSON text and answers JSON: bytes cross base64-encoded."""
+    tensors = {"w": torch.arange(4, dtype=torch.bfloat16)}
+    answered = p.answer(p.LiveWeights, json.dumps(p.json_safe(p.LiveWeights().to_plain())),
+                        lambda _: p.LiveWeightsReply.of(tensors))
+    back = p.LiveWeightsReply.from_plain(p.from_json_safe(json.loads(json.dumps(answered)))).to_tensors()
+    assert torch.equal(back["w"], tensors["w"])
+    stage = p.LoraStage(3, {"r": 8}, b"\x00\xffblob")
+    assert p.answer(p.LoraStage, json.dumps(p.json_safe(stage.to_plain())), lambda r: p.LoraStaged(len(r.tensors))) \
+        == {"record": "LoraStaged", "modules": 6}
 
 
 # --- the extension end to end, through ExtensionWorkers --------------------------------------------
@@ -201,8 +188,7 @@ def test_a_workers_error_reaches_the_trainer_as_its_own_class_and_the_engine_goe
 def test_the_multiprocess_engine_carries_every_request_but_the_colocated_load() -> None:
     _, llm, engine = extension_engine()
     llm.plain = True  # vLLM's multiprocess engine: msgpack both ways
-    assert engine.workers.call(p.Ready()) == p.ReadyReply(0, "cpu", p.ReadyReply.from_plain(
-        llm.workers[0].rl_refit_ready(p.Ready().to_plain())).pid)
+    assert engine.workers.call(p.KvScales()).scales  # a query crosses msgpack both ways
     engine.workers.begin()
     assert engine.workers.finalize(True).kv_scales_reset == 2
     with pytest.raises(AssertionError, match="not a plain value"):  # a bucket's tensors never cross msgpack

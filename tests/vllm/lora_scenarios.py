@@ -73,7 +73,7 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     try:
         svc = services.lora.sync_service()
     except Exception as err:  # the engine did not start: the test decides whether that may be so
-        from adapters.vllm.remote import root_cause
+        from adapters.vllm.launcher import root_cause
 
         text = f"{type(err).__name__}: {err}"
         return {"spec": spec, "not_started": (root_cause(text) or text.splitlines()[0])[:2000]}

@@ -246,7 +246,7 @@ def _shapes(services: Any, engine: Any, trainer: Any, comparer: Any) -> list[dic
 
 def _start_failure(err: BaseException) -> str:
     """Why the engine did not start, in one line: vLLM's own reason where it gave one."""
-    from adapters.vllm.remote import root_cause
+    from adapters.vllm.launcher import root_cause
 
     text = f"{type(err).__name__}: {err}"
     return (root_cause(text) or text.splitlines()[0])[:2000]
