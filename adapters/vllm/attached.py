@@ -391,6 +391,21 @@ class AttachedWorkers(WorkerQueries):
     def reset_prefix_cache(self) -> None:
         return None  # part of finalize: before the server resumes
 
+    def lora_stage(self, adapter_id: int, config: Mapping[str, Any], tensors: bytes) -> int:
+        """Through the control's own LoRA path when it has one (a server: vLLM's LoRA routes, the
+        adapter's files on this host), else every worker builds it from the tensors sent."""
+        stage = getattr(self.control, "stage_lora", None)
+        if stage is not None:
+            return int(stage(adapter_id, config, tensors))
+        return super().lora_stage(adapter_id, config, tensors)
+
+    def lora_drop(self, adapter_id: int) -> None:
+        drop = getattr(self.control, "drop_lora", None)
+        if drop is not None:
+            drop(adapter_id)
+            return
+        super().lora_drop(adapter_id)
+
     def delta_base(self) -> Any:
         self._delta = True
         return super().delta_base()
@@ -415,7 +430,7 @@ class ControlLogProbs:
     control: EngineControl
 
     def __call__(self, input_ids: torch.Tensor, temperature: float = 1.0, lora: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = self.control.log_probs(input_ids, temperature)
+        logp = self.control.log_probs(input_ids, temperature, lora)
         return logp, torch.full_like(logp, float("nan"))
 
 
@@ -426,7 +441,7 @@ class ControlGreedy:
     control: EngineControl
 
     def __call__(self, prompts: list[list[int]], max_tokens: int, lora: Any = None) -> list[list[int]]:
-        return self.control.greedy(prompts, max_tokens)
+        return self.control.greedy(prompts, max_tokens, lora)
 
 
 def attach(control: EngineControl, expected: Expected, *, bucket_bytes: int, settings: Mapping[str, Any],

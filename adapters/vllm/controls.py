@@ -21,19 +21,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import torch
 
 from adapters.system.http import JsonServer
+from adapters.vllm.lora import SERVED_NAME, STAGED_PREFIX, LoraServing, lora_request
 from adapters.vllm.protocol import from_json_safe, json_safe
-from domain.errors import EngineUpdateFailed, ServerMismatch, ServerUnreachable
+from domain.errors import AdapterUpdateFailed, EngineUpdateFailed, ServerMismatch, ServerUnreachable
 
 PAUSE_MODES = ("keep", "abort", "wait")
 
@@ -77,12 +81,14 @@ class EngineControl(Protocol):
 
     def weight_version(self) -> str | None: ...
 
-    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """log p(token_t | tokens_<t) for t >= 1, one request per row ([B, T-1], float32)."""
+    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0,
+                  lora: LoraServing | None = None) -> torch.Tensor:
+        """log p(token_t | tokens_<t) for t >= 1, one request per row ([B, T-1], float32), with
+        the LoRA adapter `lora` (None: the base model)."""
         ...
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        """Greedy continuations, one request at a time."""
+    def greedy(self, prompts: list[list[int]], max_tokens: int, lora: LoraServing | None = None) -> list[list[int]]:
+        """Greedy continuations, one request at a time (with the LoRA adapter `lora`)."""
         ...
 
     def close(self) -> None:
@@ -107,6 +113,8 @@ class HttpControl:
     timeout_s: float = 600.0
     api_key: str | None = None
     _model: str | None = attrs.field(init=False, default=None)
+    _loras: dict[int, str] = attrs.field(init=False, factory=dict)  # adapter id -> the name the server serves it by
+    _lora_root: Path | None = attrs.field(init=False, default=None)  # where staged adapters are written
 
     @property
     def where(self) -> str:
@@ -192,27 +200,80 @@ class HttpControl:
     def is_paused(self) -> bool:
         return bool((self.request("GET", "/is_paused") or {}).get("is_paused"))
 
-    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0,
+                  lora: LoraServing | None = None) -> torch.Tensor:
+        model = self._model_for(lora)
         rows = []
         for row in input_ids.tolist():
             answer = self.request("POST", "/v1/completions", {
-                "model": self.served_model(), "prompt": row, "max_tokens": 1, "temperature": temperature,
-                "prompt_logprobs": 0})
+                "model": model, "prompt": row, "max_tokens": 1, "temperature": temperature, "prompt_logprobs": 0})
             per_pos = answer["choices"][0]["prompt_logprobs"][1:]  # position 0 has none
             rows.append([float(pos[str(tok)]["logprob"]) for tok, pos in zip(row[1:], per_pos, strict=True)])
         return torch.tensor(rows, dtype=torch.float32)
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_tokens: int, lora: LoraServing | None = None) -> list[list[int]]:
+        model = self._model_for(lora)
         out = []
         for prompt in prompts:
             answer = self.request("POST", "/v1/completions", {
-                "model": self.served_model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True})
             out.append([int(t) for t in answer["choices"][0]["token_ids"]])
         return out
 
+    # --- LoRA adapters: through vLLM's own routes (docs/lora.md) ---
+
+    def stage_lora(self, adapter_id: int, config: Mapping[str, Any], tensors: bytes) -> int:
+        """Write the adapter as PEFT writes it into a private directory on this host and have the
+        server load it through `/v1/load_lora_adapter`, served as `rl-refit-<id>`; returns the
+        bytes written. AdapterUpdateFailed when the server refuses it."""
+        if self._lora_root is None:
+            self._lora_root = Path(tempfile.mkdtemp(prefix="rl-refit-lora-"))  # 0700
+        directory = self._lora_root / str(adapter_id)
+        directory.mkdir()
+        (directory / "adapter_model.safetensors").write_bytes(tensors)
+        (directory / "adapter_config.json").write_text(json.dumps(dict(config)))
+        self._load_lora(adapter_id, f"{SERVED_NAME}-{adapter_id}", str(directory))
+        return len(tensors)
+
+    def drop_lora(self, adapter_id: int) -> None:
+        """Unload an adapter this control loaded (nothing for another id)."""
+        name = self._loras.pop(adapter_id, None)
+        if name is not None:
+            self.request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root / str(adapter_id), ignore_errors=True)
+
+    def served_loras(self) -> list[str]:
+        """The LoRA adapters the server serves now (its `/v1/models` entries with a parent)."""
+        models = (self.request("GET", "/v1/models") or {}).get("data") or []
+        return sorted(str(m["id"]) for m in models if m.get("parent"))
+
+    def _load_lora(self, adapter_id: int, name: str, path: str) -> None:
+        try:
+            self.request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except (EngineUpdateFailed, ServerMismatch) as err:
+            raise AdapterUpdateFailed(
+                f"{self.where} did not load LoRA adapter {name!r}: {err} (a server takes adapters at run time "
+                "when started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", None) from None
+        self._loras[adapter_id] = name
+
+    def _model_for(self, lora: LoraServing | None) -> str:
+        """The model name a request uses for `lora`: the base model, an adapter staged here, or an
+        adapter directory (loaded first, under its own name)."""
+        if lora is None:
+            return self.served_model()
+        if lora.adapter_id not in self._loras:
+            if lora.path.startswith(STAGED_PREFIX):
+                raise AdapterUpdateFailed(f"LoRA adapter {lora.adapter_id} was not staged on {self.where}", None)
+            self._load_lora(lora.adapter_id, lora.name, lora.path)
+        return self._loras[lora.adapter_id]
+
     def close(self) -> None:
-        return None  # nothing is held: the server keeps running
+        """Nothing of the server is held (it keeps running); the adapters written here are removed."""
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
+            self._lora_root = None
 
 
 
@@ -288,32 +349,37 @@ class AsyncLlmControl:
         version = self._run(self.engine.get_weight_version)
         return None if version is None else str(version)
 
-    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0,
+                  lora: LoraServing | None = None) -> torch.Tensor:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0)
         rows = []
         for i, row in enumerate(input_ids.tolist()):
-            final = self._generate(TokensPrompt(prompt_token_ids=row), params, f"rl-refit-logprobs-{id(self)}-{i}")
+            final = self._generate(TokensPrompt(prompt_token_ids=row), params, f"rl-refit-logprobs-{id(self)}-{i}",
+                                   lora)
             per_pos = final.prompt_logprobs[1:]
             rows.append([float(pos[tok].logprob) for tok, pos in zip(row[1:], per_pos, strict=True)])
         return torch.tensor(rows, dtype=torch.float32)
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_tokens: int, lora: LoraServing | None = None) -> list[list[int]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         out = []
         for i, prompt in enumerate(prompts):
-            final = self._generate(TokensPrompt(prompt_token_ids=prompt), params, f"rl-refit-greedy-{id(self)}-{i}")
+            final = self._generate(TokensPrompt(prompt_token_ids=prompt), params, f"rl-refit-greedy-{id(self)}-{i}",
+                                   lora)
             out.append(list(final.outputs[0].token_ids))
         return out
 
-    def _generate(self, prompt: Any, params: Any, request_id: str) -> Any:
+    def _generate(self, prompt: Any, params: Any, request_id: str, lora: LoraServing | None = None) -> Any:
         """One request's final output."""
-        return self._run(lambda: _last(self.engine.generate(prompt, params, request_id=request_id)))
+        request = lora_request(lora)
+        return self._run(lambda: _last(self.engine.generate(prompt, params, request_id=request_id,
+                                                            lora_request=request)))
 
     def close(self) -> None:
         return None  # the engine is the caller's
@@ -372,15 +438,16 @@ class LlmControl:
     def weight_version(self) -> str | None:
         return None
 
-    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0,
+                  lora: LoraServing | None = None) -> torch.Tensor:
         from adapters.vllm.client import LlmLogProbs
 
-        return LlmLogProbs(self.llm)(input_ids, temperature)[0]
+        return LlmLogProbs(self.llm)(input_ids, temperature, lora)[0]
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_tokens: int, lora: LoraServing | None = None) -> list[list[int]]:
         from adapters.vllm.client import greedy_tokens
 
-        return greedy_tokens(self.llm, prompts, max_tokens)
+        return greedy_tokens(self.llm, prompts, max_tokens, lora)
 
     def close(self) -> None:
         return None
@@ -446,11 +513,12 @@ class RayControl:
         version = self._get(self.actor.get_weight_version.remote())
         return None if version is None else str(version)
 
-    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0,
+                  lora: LoraServing | None = None) -> torch.Tensor:
         raise NotImplementedError("prompt log-probs through a Ray actor: expose them on the actor, or verify "
                                   "through the server's HTTP API (rollout.engine_kwargs.vllm.url)")
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_tokens: int, lora: LoraServing | None = None) -> list[list[int]]:
         raise NotImplementedError("greedy tokens through a Ray actor: verify through the server's HTTP API")
 
     def close(self) -> None:

@@ -268,8 +268,8 @@ class ServerProcess:
         said = 0.0
         while not self._healthy():
             if self.proc.poll() is not None:
-                raise EngineProcessError(f"the vLLM server (pid {self.proc.pid}) {ended(self.proc)} before it "
-                                         f"served: {diagnosis(self.log_path)}")
+                how = f"the server (pid {self.proc.pid}) {ended(self.proc)} before it served"
+                raise EngineProcessError(f"the vLLM engine failed to start: {diagnosis(self.log_path, how)}")
             waited = time.monotonic() - start
             if waited > timeout_s:
                 raise EngineProcessError(
@@ -347,6 +347,7 @@ class OwnedHttpControl(HttpControl):
             raise
 
     def close(self) -> None:
+        super().close()
         server, self.server = self.server, None
         if server is not None:
             server.close()

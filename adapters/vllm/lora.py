@@ -27,6 +27,7 @@ VALIDATIONS = ("_validate_moe_lora_format", "_validate_modules_to_save", "_valid
 # The name every rl-refit adapter is served under; the handle's path is unique per id, so vLLM's
 # prefix-cache keys (the adapter's name and path) never mix two versions of it.
 SERVED_NAME = "rl-refit"
+STAGED_PREFIX = "rl-refit://adapter/"  # the path of an adapter rl-refit staged (never read)
 
 
 @attrs.frozen
@@ -46,7 +47,7 @@ class LoraServing:
 
     @classmethod
     def staged(cls, adapter_id: int) -> LoraServing:
-        return cls(SERVED_NAME, adapter_id, f"rl-refit://adapter/{adapter_id}")
+        return cls(SERVED_NAME, adapter_id, f"{STAGED_PREFIX}{adapter_id}")
 
     @classmethod
     def of(cls, value: Any) -> LoraServing | None:

@@ -139,12 +139,12 @@ class FakeServer:
     def weight_version(self) -> str | None:
         return self.version
 
-    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0, lora: Any = None) -> torch.Tensor:
         for s in self.sessions():
             s.check_serving()
         return fake_log_probs(self.models[0])(input_ids, temperature)[0]
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_tokens: int, lora: Any = None) -> list[list[int]]:
         return [[0] * max_tokens for _ in prompts]
 
     def close(self) -> None:

@@ -164,8 +164,8 @@ def test_a_failed_start_leads_with_the_root_cause_and_keeps_the_log(fake) -> Non
     start, tmp, _ = fake
     with pytest.raises(EngineProcessError) as err:
         start("fail")
-    assert str(err.value).endswith(
-        f"exited with status 1 before it served: ValueError: no kernel for the layer; engine log: {tmp / 'server.log'}")
+    assert str(err.value) == (
+        f"the vLLM engine failed to start: ValueError: no kernel for the layer; engine log: {tmp / 'server.log'}")
     assert _gone(int(_wait_for(tmp / "child.pid"))) and (tmp / "server.log").exists()
 
 

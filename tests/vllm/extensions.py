@@ -131,9 +131,29 @@ class TestExtension(RefitWorkerExtension):
     def rl_refit_test_fail_lora_stage(self, request: dict[str, Any]) -> dict[str, Any]:
         def arm(_: FailLoraStage) -> p.Record:
             self._rl_refit_test_state()["fail_lora"] = True
+            self._rl_refit_test_wrap_lora_loads()
             return p.Done()
 
         return answer(FailLoraStage, request, arm)
+
+    def _rl_refit_test_wrap_lora_loads(self) -> None:
+        """A server loads adapters through vLLM's own route (the worker's add_adapter from a
+        directory): the armed fault fails that load before anything is held, as a broken file would."""
+        from adapters.vllm.lora import worker_manager
+
+        manager = worker_manager(self)
+        if getattr(manager, "_rl_refit_test_wrapped", False):
+            return
+        real = manager.add_adapter
+
+        def add_adapter(lora_request: Any) -> Any:
+            if lora_request.lora_int_id not in manager.list_adapters() and self._rl_refit_test_state().pop(
+                    "fail_lora", False):
+                raise RuntimeError("injected adapter staging fault (tests.vllm.extensions), as the adapter loaded")
+            return real(lora_request)
+
+        manager.add_adapter = add_adapter
+        manager._rl_refit_test_wrapped = True
 
     def rl_refit_test_lora_ids(self, request: dict[str, Any]) -> dict[str, Any]:
         from adapters.vllm.lora import worker_manager

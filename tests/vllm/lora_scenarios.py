@@ -53,6 +53,15 @@ class Twins:
         return LoraServing(f"twin-{self.count}", TWIN_IDS + self.count, str(directory))
 
 
+def _held(engine: Any) -> list[int]:
+    """The adapter ids the engine holds: a server's (rl-refit's `rl-refit-<id>` among what it
+    serves), else its worker's."""
+    control = getattr(engine.workers, "control", None)
+    if control is not None and hasattr(control, "served_loras"):
+        return sorted(int(n.rsplit("-", 1)[1]) for n in control.served_loras() if n.startswith("rl-refit-"))
+    return list(engine.workers.call(LoraIds()).ids)
+
+
 def _compare(engine: Any, twin: LoraServing, ids: torch.Tensor, prompts: list[list[int]]) -> dict[str, Any]:
     served, disk = engine.log_probs(ids)[0], engine.log_probs(ids, lora=twin)[0]
     tokens, disk_tokens = engine.greedy(prompts, 6), engine.greedy(prompts, 6, lora=twin)
@@ -98,7 +107,7 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                 "update": update, "live": report.live, "error": report.error, "base_sent": report.base is not None,
                 "bytes_sent": report.bytes_sent, "adapter_bytes": report.adapter_bytes, **cmp,
                 "moved": previous_served is None or not torch.equal(served, previous_served),
-                "held": list(engine.workers.call(LoraIds()).ids),
+                "held": _held(engine),
             })
             previous_served = served
         assert last_twin is not None
@@ -111,7 +120,7 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
         cmp = _compare(engine, twins.write(trainer.adapter), ids, prompts)
         cmp.pop("served")
         out["failed_stage"] = {"live": failed.live, "error": failed.error, "adapter_id": failed.adapter_id, **cmp,
-                               "held": list(engine.workers.call(LoraIds()).ids)}
+                               "held": _held(engine)}
         # the base refit of the same step fails on its second bucket (restored by replay)
         engine.workers.call(FailReceiver(1))
         trainer.perturb_(8, 0.05)
@@ -122,7 +131,7 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
         out["failed_base"] = {"live": failed.live, "error": failed.error, "adapter_id": failed.adapter_id,
                               "base_outcome": None if failed.base is None else failed.base.outcome.value,
                               "engine_state": None if failed.base is None else failed.base.engine_state, **cmp,
-                              "held": list(engine.workers.call(LoraIds()).ids)}
+                              "held": _held(engine)}
         # the next step goes live
         trainer.perturb_(9, 0.05)
         again = svc.sync()

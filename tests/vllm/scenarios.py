@@ -101,14 +101,13 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     cache = Path(spec["cold_cache"]) if spec.get("cold_cache") else None
     comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir, cache)
     replicas: list[Any] = list(getattr(engine, "replicas", [engine]))
-    # ExtensionWorkers (colocated) or RemoteWorkers: both answer protocol requests
+    # ExtensionWorkers (colocated) or AttachedWorkers (the server rl-refit started): both answer protocol requests
     workers: WorkerRpc = replicas[0].workers
     out: dict[str, Any] = {"spec": spec, "refused_before_first_refit": comparer.refuses(engine), "steps": [],
                            "replicas": len(replicas),
-                           "workers": [len(r.workers.process.workers) if hasattr(r.workers, "process") else 1
+                           "workers": [w if isinstance(w := getattr(r.workers, "workers", 1), int) else 1
                                        for r in replicas],
-                           "digest_names": sorted(replicas[0].digests())[:2],
-                           "transport": getattr(replicas[0].workers, "backend", None)}
+                           "digest_names": sorted(replicas[0].digests())[:2]}
     steps = out["steps"]
     fingerprint = engine.storage_fingerprint()
 
@@ -116,7 +115,8 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
         report = _refit(service or svc)
         for i, replica in enumerate(replicas):  # every replica against the same cold start
             record = comparer.compare(replica, trainer, report, 0)
-            steps.append(_step(record, name=label if len(replicas) == 1 else f"{label} replica {i}", **extra))
+            steps.append(_step(record, name=label if len(replicas) == 1 else f"{label} replica {i}",
+                               **_served(replica, comparer), **extra))
 
     try:
         scenario = spec["scenario"]
@@ -163,9 +163,21 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
         out["rebound"] = fingerprint.differences(engine.storage_fingerprint())
+        out["transport"] = getattr(replicas[0].workers, "transport_used", None)  # the one the buckets took
     finally:
         engine.close()
     return out
+
+
+def _served(engine: Any, comparer: ColdStartComparer) -> dict[str, Any]:
+    """What the engine serves now: a digest of its parameters' digests, and its prompt log-probs
+    (None while it refuses to serve)."""
+    import hashlib
+
+    if comparer.refuses(engine):
+        return {"digests": None, "served_log_probs": None}
+    digests = json.dumps(sorted(engine.digests().items())).encode()
+    return {"digests": hashlib.sha256(digests).hexdigest(), "served_log_probs": engine.log_probs(comparer.ids)[0].tolist()}
 
 
 def _delta_steps(svc: RefitService, engine: Any, trainer: Any, workers: WorkerRpc, steps: list[dict[str, Any]]) -> None:

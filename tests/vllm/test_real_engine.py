@@ -3,9 +3,10 @@ refit compared with a cold start of the same exported checkpoint, bit for bit.
 
 - colocated: trainer, rl-refit and an in-process `vllm.LLM` (multiprocessing off) in one process
   of this environment (.venv-vllm); buckets reach the worker by reference.
-- disaggregated: the trainer in the project's `.venv` (no vLLM there), streaming to an engine host
-  in this environment with vLLM's multiprocess engine on, through the shared-memory ring the
-  worker extension maps (the default), or over a side gloo group it joins.
+- disaggregated: the trainer in the project's `.venv` (no vLLM there) starts the vLLM server of
+  this environment (`python -m vllm.entrypoints.openai.api_server`, what `vllm serve` runs) and
+  refits it as an attached server, through the shared-memory ring rl-refit's weight-transfer
+  backend maps (the default), or over a side gloo group it joins.
 
 Every scenario runs in a process of its own (tests.vllm.scenarios): vLLM owns its process's
 torch.distributed and global state. Cold starts of identical exports are shared through a cache.
@@ -153,14 +154,31 @@ def test_refits_over_the_gloo_transport_equal_a_cold_start(cold_cache: Path) -> 
         _equal(step)
 
 
+def _restored_then_recovered(steps: dict[str, dict[str, Any]], fault: str, previous: dict[str, Any]) -> None:
+    failed, after = steps[f"fault {fault}"], steps[f"after {fault}"]
+    assert not failed["ok"] and failed["outcome"] == "rolled-back", failed
+    assert failed["serving"] == "yes"  # the previous refit's weights, put back by the server's workers
+    assert failed["digests"] == previous["digests"] and failed["served_log_probs"] == previous["served_log_probs"]
+    _equal(after)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
-def test_faults_leave_the_engine_stale_and_the_next_refit_recovers_it(cold_cache: Path, deployment: str) -> None:
+def test_a_fault_at_any_step_is_undone_or_leaves_the_engine_stale_and_the_next_refit_recovers_it(
+        cold_cache: Path, deployment: str) -> None:
+    """Colocated, vLLM's layerwise reload keeps no copy of the old weights: a failed refit leaves the
+    engine stale (refusing to serve). The server rl-refit starts (disaggregated) keeps the last live
+    refit's buckets in its workers and puts them back: it serves the previous weights, bit for bit."""
     result = scenario(cold_cache, "FP8_BLOCK-experts", scenario="faults", deployment=deployment)
     steps = _by_name(result)
     _equal(steps["first"])
+    previous = steps["first"]
     for fault in ("bucket:1", "finalize", "receiver"):
-        _stale_then_recovered(steps, fault)
+        if deployment == "colocated":
+            _stale_then_recovered(steps, fault)
+        else:
+            _restored_then_recovered(steps, fault, previous)
+        previous = steps[f"after {fault}"]
     assert "injected receiver fault" in steps["fault receiver"]["error"]
 
 
