@@ -147,7 +147,7 @@ def run_qat_demo(
     if one_engine:
         try:
             engine = services.rollout_engine(plan)
-        except RefitError:
+        except (RefitError, ImportError):  # rl-refit's own refusal, or the engine's package missing
             raise
         except Exception as err:  # the engine's own failure to start: reported where the matrix expects it
             reason = not_served_reason(services, plan, err)

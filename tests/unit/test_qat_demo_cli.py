@@ -111,6 +111,16 @@ def test_a_cell_this_cpu_does_not_serve_is_reported_with_the_engines_reason() ->
                                     f"AttributeError: {NO_MARLIN}")
 
 
+def test_a_missing_vllm_is_named_not_reported_as_a_cell_not_served(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: the engine would start")
+    assert main(["demo", "--qat", "MXFP4", "--engine", "vllm", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "ModuleNotFoundError" in err and "needs vllm" in err and "does not serve" not in err
+
+
 def test_a_cell_this_cpu_serves_that_fails_to_start_is_an_error() -> None:
     services = _NoStart(bootstrap(vllm_qat_config("MXFP8", "micro-moe", 0, 1.0)))
     with pytest.raises(AttributeError, match="gptq_marlin_repack"):
