@@ -65,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="log the canonical line of every refit (stderr), and the notices of third-party packages")
     p.add_argument("--qat", nargs="?", const="NVFP4", default=None, metavar="PRESET",
-                   help="train with QAT in PRESET (default NVFP4, served everywhere) and without; compare k3 KL")
+                   help="train with QAT in PRESET (default NVFP4) and without; compare k3 KL against the rollout "
+                        "(with --engine vllm: a vLLM engine in this process, 4-bit presets on the experts)")
     p.add_argument("--lora", type=options.integer(1, 512), default=None, metavar="RANK",
                    help="train a LoRA adapter of rank RANK on the embedded model (the steps move only the adapter)")
     p.add_argument("--lora-sync", choices=("merged", "adapter"), default=None,
@@ -214,12 +215,22 @@ def _check_engine_options(args: argparse.Namespace) -> None:
     from domain.errors import ConfigError
 
     for flag, given in (("--procs", args.procs is not None), ("--fault-rank", args.fault_rank is not None),
-                        ("--qat", args.qat is not None), ("--presets", args.presets),
+                        ("--presets", args.presets),
                         ("--plot", args.plot is not None), ("--commit-mode", args.commit_mode != "transactional"),
                         ("--trainer", args.trainer != "reference")):
         if given:
             raise ConfigError(flag, f"does not go with --engine {args.engine} (a real engine runs one plan, "
                               "committing per layer)")
+    if args.qat is None:
+        return
+    for flag, given in (("--attach", args.attach is not None), ("--inject-fault", args.inject_fault is not None),
+                        ("--linear", args.linear is not None), ("--moe", args.moe is not None),
+                        ("--moe-activation", args.moe_activation is not None),
+                        ("--linear-activation", args.linear_activation is not None)):
+        if given:
+            raise ConfigError(flag, f"does not go with --qat on --engine {args.engine}: the QAT demo starts one "
+                              "engine in this process and serves the QAT preset where the engine serves it "
+                              "(docs/qat.md); drop it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -248,8 +259,12 @@ def run(args: argparse.Namespace) -> int:
             if given:
                 raise ConfigError("--lora", f"the LoRA demo trains the embedded model in this process, into the "
                                   f"embedded engine; it does not go with {flag}")
-    if args.engine != "reference":  # a real engine (app.services.engine_demo)
+    if args.engine != "reference":  # a real engine (app.services.engine_demo, or qat_demo with --qat)
         _check_engine_options(args)
+        if args.qat:
+            from app.cli.demo_qat import run_cli
+
+            return run_cli(args)
         from app.cli.demo_engine import run_engine
 
         try:

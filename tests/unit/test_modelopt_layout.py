@@ -3,6 +3,8 @@ decode scale, the config vLLM reads). Against vLLM's own quantizer: tests/vllm/t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 import pytest
 import torch
@@ -135,3 +137,55 @@ def test_qat_nvfp4_with_nvfp4_experts_plans_as_served_on_vllm(capsys: pytest.Cap
     report = json.loads(capsys.readouterr().out)
     assert report["plan"]["layout"] == "modelopt-nvfp4" and report["plan"]["moe_activation"] == "nvfp4_per_token"
     assert report["engine_config"]["quant_method"] == "modelopt"
+
+
+NATIVE_NVFP4 = """\
+rollout:
+  name: vllm
+  quantization:
+    moe: NVFP4
+    moe_activation: nvfp4_per_token
+    ignore: {ignore}
+actor:
+  megatron:
+    qat:
+      enable: true
+      mode: nvfp4
+    override_transformer_config:
+      first_last_layers_bf16: true
+"""
+
+
+@pytest.mark.parametrize("ignore", ['["re:.*layers\\\\.(0|3)\\\\..*"]', "[]"])
+def test_the_native_nvfp4_example_plans_as_served_on_vllm(ignore: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """The seed's native-NVFP4 example: per-token NVFP4 experts, QAT nvfp4 keeping the first and
+    last layers BF16 (first_last_layers_bf16), and an ignore list that keeps the same layers BF16 in
+    the rollout: served, in ModelOpt's layout. Without the ignore list, rule 8 refuses it."""
+    import json
+
+    from adapters.reference.config import TINY_MOE
+    from adapters.reference.hf import write_checkpoint
+    from adapters.reference.trainer import ReferenceTrainer
+    from app.cli.main import main
+
+    model = write_checkpoint(TINY_MOE, ReferenceTrainer.from_seed(TINY_MOE, 0).named_weights(), tmp_path / "model")
+    config = tmp_path / "native-nvfp4.yaml"
+    config.write_text(NATIVE_NVFP4.format(ignore=ignore))
+    code = main(["plan", str(config), "--model", str(model), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    if ignore == "[]":  # layers 0 and 3 train BF16 but the rollout would quantize layer 3's experts
+        assert code == 2 and out["error"]["type"] == "BoundaryLayersMismatch"
+        assert "rollout quantizes layers [3]" in out["error"]["message"]
+        return
+    assert code == 0, out
+    assert out["checked"] == "engine vllm"
+    assert out["plan"]["layout"] == "modelopt-nvfp4" and out["plan"]["moe_activation"] == "nvfp4_per_token"
+    rule8 = next(r for r in out["rules"] if r["rule"] == 8)
+    assert rule8["outcome"] == "training BF16 layers [0, 3] are BF16 in the rollout"
+    qc = out["engine_config"]
+    assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", "NVFP4")
+    assert "model.layers.3.mlp.experts" in qc["ignore"] and "model.layers.2.mlp.experts" not in qc["ignore"]
+    # layer 0 is dense (TINY_MOE's mlp_only_layers), layer 3's experts stay BF16: only layers 1 and 2 quantized
+    quantized = {d["name"].split(".")[2] for d in out["tensors"] if d["format"] == "NVFP4"}
+    assert quantized == {"1", "2"}
