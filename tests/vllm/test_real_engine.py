@@ -195,7 +195,9 @@ def test_kv_scales_are_reset_and_the_probe_catches_a_corrupted_refit(cold_cache:
     clean, corrupted, again = steps["probe, clean"], steps["probe, corrupted"], steps["probe, clean again"]
     _equal(clean)
     assert clean["probe"]["passed"] and clean["probe"]["max_abs_diff"] <= clean["probe"]["bound"]
-    assert not corrupted["ok"] and corrupted["outcome"] == "stale" and corrupted["serving"] == "no (stale)"
+    # refused after it went live: the server's workers put the previous refit back, and it serves again
+    assert not corrupted["ok"] and corrupted["outcome"] == "rolled-back" and corrupted["serving"] == "yes"
+    assert corrupted["digests"] == clean["digests"] and corrupted["served_log_probs"] == clean["served_log_probs"]
     assert "ProbeMismatch" in corrupted["error"] and not corrupted["probe"]["passed"]
     assert corrupted["storage_ok"]  # what the probe exists for: pointers right, bytes wrong
     _equal(again)
