@@ -138,7 +138,7 @@ def test_a_host_that_never_connects_is_killed_at_its_start_timeout(fake_host, mo
     began = time.monotonic()
     with pytest.raises(EngineProcessError, match=r"did not connect within 1\.5 s .*start_timeout_s\) and was killed"):
         start("silent", start_timeout_s=1.5, notify=said.append)
-    assert time.monotonic() - began < 10
+    assert time.monotonic() - began < 60  # a generous ceiling: the wait ends at the start timeout, not never
     assert _gone(_child(tmp))
     # never silence while it waits: a line, with what it waits for and for how long
     assert said and all(line.startswith("waiting for the vLLM engine host (pid ") and "of 1.5 s" in line
@@ -164,11 +164,11 @@ def test_ctrl_c_while_the_engine_starts_stops_it_and_its_processes_at_once(fake_
     began = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
-            start("silent", start_timeout_s=20)
+            start("silent", start_timeout_s=300)
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, previous)
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < 60  # a generous ceiling, far below the start timeout it did not wait out
     assert _gone(_child(tmp))
 
 
