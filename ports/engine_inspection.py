@@ -15,7 +15,9 @@ class EngineInspection(Protocol):
 
     def digests(self) -> dict[str, str]:
         """sha256 of every parameter and buffer (dtype, shape and bytes; `domain.refit.storage.
-        tensor_digest`), by the engine's own name: equal digests are the same weights, bit for bit.
+        weight_digest`), by the engine's own name: equal digests are the same weights, bit for bit.
+        A parameter the engine keeps packed outside its (emptied) tensor has the digest
+        `UNREADABLE`, which equals nothing: compare with `DigestComparison`, which lists it.
 
         Returns:
             name -> hex digest (the first worker's, for an engine with several).

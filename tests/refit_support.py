@@ -66,7 +66,7 @@ def one_thread():
 def shm_pair(receivers: int = 1, *, bucket_bytes: int = 64 << 20,
              **serve: Any) -> tuple[ShmTransport, list[ShmTransport]]:
     """A shared-memory ring's source and its receivers, all in this process: serve, connect,
-    accept. `serve`: ShmSource.serve's keywords (slots, slot_bytes, timeout_s, directory)."""
+    accept. `serve`: ShmSource.serve's keywords (slots, slot_bytes, timeout_s)."""
     from adapters.distributed.shm_transport import ShmSource, connect
 
     source = ShmSource.serve(receivers, **serve)

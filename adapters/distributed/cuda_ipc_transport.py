@@ -9,27 +9,32 @@ adds is ordering: the source's copy into a slot runs on its GPU stream, so the s
 before it announces the slot; a receiver's consumer copies out of the slot on its own stream, so
 the receiver waits for that before it releases the slot.
 
-Setup: `CudaIpcSource.serve` allocates the ring, listens on a socket in a private directory, and
-returns a `CudaIpcRendezvous` (plain data: the socket's directory, the ring's size and its IPC
-handle); each receiver's `connect` maps the ring and connects; `accept` takes them all and returns
-the source's transport. How the handle is made and mapped is a `RingSharing`: `IPC_SHARING` (CUDA
-IPC, between processes) by default; tests on a CPU pass one that hands over the tensor in-process.
+Setup: `CudaIpcSource.serve` allocates the ring, listens on a socket in Linux's abstract namespace
+(no file: nothing is left on disk when the source dies), and returns a `CudaIpcRendezvous` (plain
+data: the socket's name, the ring's size and its IPC handle); each receiver's `connect` maps the
+ring and connects; `accept` takes them all and returns the source's transport. How the handle is
+made and mapped is a `RingSharing`: `IPC_SHARING` (CUDA IPC, between processes) by default; tests
+on a CPU pass one that hands over the tensor in-process.
 """
 
 from __future__ import annotations
 
 import base64
 import pickle
-import shutil
-import socket
-import tempfile
-from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import torch
 
-from adapters.distributed.shm_transport import _CHUNK, ShmRendezvous, ShmSource, ShmTransport
+from adapters.distributed.shm_transport import (
+    _CHUNK,
+    ShmRendezvous,
+    ShmSource,
+    ShmTransport,
+    dial,
+    fresh_name,
+    listen,
+)
 
 DEFAULT_SLOTS = 2
 
@@ -81,7 +86,7 @@ class CudaIpcRendezvous:
     """Where the receivers find the ring and its source (plain data).
 
     Attributes:
-        socket: the socket's directory and the ring's geometry (slots, slot bytes, receivers, timeout).
+        socket: the socket's name and the ring's geometry (slots, slot bytes, receivers, timeout).
         handle: the ring's handle (RingSharing.export).
     """
 
@@ -110,20 +115,20 @@ class CudaIpcTransport(ShmTransport):
 
     @property
     def device(self) -> torch.device:
-        return self.ring.device
+        return self.mapped.device
 
     def _broadcast(self, kind: int, body: bytes, step: str) -> None:
         if kind == _CHUNK:  # "filled": the copy into the slot must be complete first
-            _fence(self.ring.device)
+            _fence(self.mapped.device)
         super()._broadcast(kind, body, step)
 
     def _ack(self, seq: int, index: int) -> None:
-        _fence(self.ring.device)  # "consumed": the copies out of the slot must be complete first
+        _fence(self.mapped.device)  # "consumed": the copies out of the slot must be complete first
         super()._ack(seq, index)
 
     def _scratch_of(self, nbytes: int) -> torch.Tensor:
         if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.ring.device)
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.mapped.device)
         return self._scratch[:nbytes]
 
 
@@ -147,20 +152,9 @@ class CudaIpcSource:
         Every bucket up to `bucket_bytes` fits one slot: receivers consume it where it lies.
         """
         ring = torch.empty(slots * bucket_bytes, dtype=torch.uint8, device=device)
-        path = Path(tempfile.mkdtemp(prefix="rl-refit-ipc-"))  # mode 0700: the socket only
-        try:
-            rv = ShmRendezvous(str(path), slots, bucket_bytes, receivers, timeout_s)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                listener.bind(rv.socket_path)
-                listener.listen(max(receivers, 1))
-            except BaseException:
-                listener.close()
-                raise
-            handle = sharing.export(ring)
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
+        rv = ShmRendezvous(fresh_name("rl-refit-ipc-"), slots, bucket_bytes, receivers, timeout_s)
+        handle = sharing.export(ring)
+        listener = listen(rv)
         return cls(CudaIpcRendezvous(rv, handle), ShmSource(rv, ring, listener))
 
     def accept(self, timeout_s: float | None = None) -> CudaIpcTransport:
@@ -176,14 +170,7 @@ def connect(rendezvous: CudaIpcRendezvous, rank: int, bucket_bytes: int,
     """A receiver's end: map the ring (once), connect to the source, say `rank` (1 and up)."""
     rv = rendezvous.socket
     ring = sharing.open(rendezvous.handle)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(rv.timeout_s)
-        sock.connect(rv.socket_path)
-        sock.sendall(rv.hello(rank))
-    except BaseException:
-        sock.close()
-        raise
+    sock = dial(rv, rank)
     return CudaIpcTransport(ring, rv.slots, rv.slot_bytes, rank=rank, sockets=(sock,), peers=(0, rank),
                             timeout_s=rv.timeout_s, bucket_bytes=bucket_bytes)
 

@@ -1,20 +1,26 @@
 """A bucket transport through shared memory, for a source and receivers on one host.
 
-The source writes each bucket's bytes, a slot at a time, into a ring of `slots` slots in a file it
-maps and its receivers map too (under /dev/shm: memory, never a disk). A Unix-domain socket per
-receiver carries what is small: the bucket's header and tensor metadata, a notice per filled slot,
-and the receiver's acknowledgement once it has copied the slot out (or consumed it). The source
-refills a slot only after every receiver acknowledged it, so packing the next bucket overlaps the
-receivers' copying and loading, and a bucket of any size passes through a ring of fixed size.
+The source writes each bucket's bytes, a slot at a time, into a ring of `slots` slots in memory it
+maps and its receivers map too. A Unix-domain socket per receiver carries what is small: the
+bucket's header and tensor metadata, a notice per filled slot, and the receiver's acknowledgement
+once it has copied the slot out (or consumed it). The source refills a slot only after every
+receiver acknowledged it, so packing the next bucket overlaps the receivers' copying and loading,
+and a bucket of any size passes through a ring of fixed size.
 
 This replaces a socket's serialization (the bytes through the kernel, twice, on one core) by one
 `memcpy` on each side: the source's into the slot and the receiver's out of it.
 
-Setup: `ShmSource.serve` makes a private directory (mode 0700) holding the ring file (0600) and the
-listening socket, and a `ShmRendezvous` (plain data) to hand to the receivers. Each receiver's
-`connect` maps the ring, connects, and says its rank; the source's `accept` takes them all and
-removes the directory: the ring lives on in the mappings alone, so nothing is left behind when
-either side dies.
+Nothing of it is ever a file: the ring is anonymous memory (`memfd_create`), its size sealed, and
+the source's listening socket has a name in Linux's abstract namespace, which the kernel removes
+with the socket. Whenever either side dies, SIGKILL included, the ring goes with the last process
+that maps it and nothing is left in /dev/shm or the temp directory.
+
+Setup: `ShmSource.serve` makes the ring (its pages reserved) and the listening socket, and a
+`ShmRendezvous` (plain data) to hand to the receivers. Each receiver's `connect` connects and says
+its rank and the ring's token; it returns at once (the listening socket queues it). The source's
+`accept` takes them all, refusing strangers (another user, no token, a rank beyond the count or
+taken), and hands each receiver the ring's descriptor on its socket (SCM_RIGHTS); the receiver maps
+it when its first stream begins.
 
 Failures: a peer that closes its socket (crashed or exited) raises PeerLost; a peer silent for
 `timeout_s` raises CollectiveTimeout naming the rank and the step; a message that is not the
@@ -24,16 +30,15 @@ expected one raises WireProtocolError, after which the receiver refuses every la
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hmac
+import mmap
 import os
 import secrets
-import shutil
 import socket
 import struct
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -65,46 +70,48 @@ log = structlog.get_logger()
 
 DEFAULT_SLOTS = 4
 DEFAULT_SLOT_BYTES = 32 << 20
-_RING = "ring"
-_SOCKET = "socket"
 # every message from the source: magic, kind, body length; then the body
 _PREFIX = struct.Struct("<4sI Q")
 _MAGIC = b"RFSH"
-_FRAME, _CHUNK = 1, 2  # a wire Header (and its metadata or text) / a filled slot
+# a wire Header (and its metadata or text) / a filled slot / the ring's descriptor (no body)
+_FRAME, _CHUNK, _RING = 1, 2, 3
 _CHUNK_BODY = struct.Struct("<QQQ")  # the slot's sequence number, its offset in the bucket, its bytes
 _ACK = struct.Struct("<Q")  # receiver -> source: the sequence number of the slot it released
 _HELLO = struct.Struct("<4sQ16s")  # receiver -> source, once: magic, rank and the ring's token
 _HEADER_BYTES = HEADER_WORDS * 8
+_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # nobody resizes the ring under a mapping
+_SOCKET_NAME_BYTES = 107  # an abstract name fills sun_path (108 bytes) after its leading NUL
 
 
-def shm_directory(nbytes: int = 0, shm: Path = Path("/dev/shm")) -> Path:
-    """Where a ring of `nbytes` is made: /dev/shm when it is there, writable and has room for it
-    (memory), else the temp directory (a mapped file there is still shared through the page
-    cache; a container's /dev/shm is often 64 MiB)."""
-    try:
-        usable = shm.is_dir() and os.access(shm, os.W_OK | os.X_OK)
-        free = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize if usable else 0
-    except OSError:
-        usable, free = False, 0
-    return shm if usable and free >= nbytes else Path(tempfile.gettempdir())
+def fresh_name(prefix: str = "rl-refit-shm-") -> str:
+    """A new name for a listening socket in the abstract namespace (random: two rings never meet)."""
+    return f"{prefix}{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def _check_name(_: Any, __: Any, name: str) -> None:
+    if not name or "\0" in name or len(name.encode()) > _SOCKET_NAME_BYTES:
+        raise ValueError(f"a shared-memory ring's socket name must be 1..{_SOCKET_NAME_BYTES} bytes without NUL; "
+                         f"got {name!r}: use the rendezvous ShmSource.serve made")
 
 
 @attrs.frozen
 class ShmRendezvous:
-    """Where the receivers find a ring and its source (plain data: it travels in control messages).
+    """Where the receivers find a ring's source (plain data: it travels in control messages).
 
     Attributes:
-        directory: the private directory holding the ring file and the source's socket.
+        name: the source's listening socket, in Linux's abstract namespace (no file; the kernel
+            adds the leading NUL): reachable from this host's network namespace only.
         slots: slots in the ring.
         slot_bytes: bytes of each slot.
         receivers: how many receivers the source waits for.
         timeout_s: bound on connecting and on every wait.
         token: what a receiver proves itself with (hex, 16 bytes): only those who were handed the
-            rendezvous know it. The socket's directory is private (0700) too, but a process of the
-            same user could still connect first.
+            rendezvous know it. An abstract socket has no permissions, so the source also refuses
+            connections of another user (root excepted), as a private directory would have.
     """
 
-    directory: str
+    name: str = attrs.field(validator=_check_name)
     slots: int
     slot_bytes: int
     receivers: int
@@ -117,12 +124,9 @@ class ShmRendezvous:
                              f"slots={self.slots}, slot_bytes={self.slot_bytes}, receivers={self.receivers}")
 
     @property
-    def ring_path(self) -> Path:
-        return Path(self.directory) / _RING
-
-    @property
-    def socket_path(self) -> str:
-        return str(Path(self.directory) / _SOCKET)
+    def address(self) -> str:
+        """The socket's address for bind/connect (a leading NUL: the abstract namespace)."""
+        return "\0" + self.name
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -150,13 +154,89 @@ class ShmRendezvous:
         return cls(**d)
 
 
-def _map(path: Path, nbytes: int) -> torch.Tensor:
-    """The file at `path` as a flat uint8 tensor, mapped shared (writes are seen by every mapping)."""
-    size = path.stat().st_size
+def _peer_uid(sock: socket.socket) -> int:
+    """The user of the process at the other end of a Unix socket (the kernel's word, SO_PEERCRED)."""
+    return _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))[1]
+
+
+def _trusted(uid: int) -> bool:
+    """This user, or root: who could have entered a private directory of this user's."""
+    return uid in (os.getuid(), 0)
+
+
+def listen(rendezvous: ShmRendezvous) -> socket.socket:
+    """The source's listening socket at the rendezvous' abstract name."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(rendezvous.address)
+        listener.listen(max(rendezvous.receivers, 1))
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def dial(rendezvous: ShmRendezvous, rank: int) -> socket.socket:
+    """A receiver's connection to the source, its hello said. PeerLost when nobody listens there
+    (the source exited or gave up), WireProtocolError when another user's process does."""
+    rv = rendezvous
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(rv.timeout_s)
+        try:
+            sock.connect(rv.address)
+        except (ConnectionRefusedError, FileNotFoundError) as err:
+            raise PeerLost(f"rank {rank}: nobody listens at the shared-memory ring's socket {rv.name!r} "
+                           f"({type(err).__name__}): the trainer exited or gave up; start the refit again") from err
+        uid = _peer_uid(sock)
+        if not _trusted(uid):
+            raise WireProtocolError(f"rank {rank}: the shared-memory ring's socket {rv.name!r} is held by user {uid}, "
+                                    "not by this user: the trainer must run as the engine's user; restart the refit")
+        sock.sendall(rv.hello(rank))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _unavailable(size: int, why: str) -> SharedMemoryUnavailable:
+    return SharedMemoryUnavailable(
+        f"cannot make the refit's {size / 2**20:.0f} MiB shared-memory ring: {why}; free memory on this host (the "
+        "ring is this process's memory, reserved up front) or use the gloo transport "
+        "(rollout.engine_kwargs.vllm.transport=gloo)")
+
+
+def _memfd(size: int) -> int:
+    """A sealed anonymous memory file of `size` bytes, its pages reserved: a lack of memory fails
+    here, never later as a SIGBUS on a write into a mapping of it."""
+    make = getattr(os, "memfd_create", None)
+    if make is None:
+        raise _unavailable(size, "this system has no memfd_create (Linux 3.17 or later is needed)")
+    try:
+        fd = make("rl-refit-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as err:
+        raise _unavailable(size, str(err.strerror or err)) from err
+    try:
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except OSError as err:
+        os.close(fd)
+        raise _unavailable(size, str(err.strerror or err)) from err
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map(fd: int, nbytes: int) -> torch.Tensor:
+    """The memory file `fd` as a flat uint8 tensor, mapped shared (writes are seen by every
+    mapping; the mapping keeps the memory alive after `fd` is closed)."""
+    size = os.fstat(fd).st_size
     if size != nbytes:
-        raise WireProtocolError(f"the shared-memory ring {path} holds {size} bytes, not the {nbytes} announced; "
+        raise WireProtocolError(f"the shared-memory ring holds {size} bytes, not the {nbytes} announced; "
                                 "the trainer and the engine's workers disagree: restart the engine")
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    area = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(area, dtype=torch.uint8)  # holds `area`: unmapped with the last view
 
 
 @attrs.define
@@ -164,56 +244,45 @@ class ShmSource:
     """The source's end before its receivers have connected: the ring and the listening socket.
 
     `serve` makes them; `accept` waits for every receiver and returns the source's transport.
+
+    Attributes:
+        rendezvous: what the receivers are handed.
+        ring: the source's mapping of the ring.
+        listener: the listening socket.
+        ring_fd: the ring's memory file, handed to each receiver it accepts (None: the receivers
+            map the ring another way, as CUDA IPC's do).
     """
 
     rendezvous: ShmRendezvous
     ring: torch.Tensor
     listener: socket.socket
+    ring_fd: int | None = None
 
     @classmethod
     def serve(cls, receivers: int, *, slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES,
-              timeout_s: float = 60.0, directory: Path | None = None) -> ShmSource:
+              timeout_s: float = 60.0) -> ShmSource:
         """Make a ring of `slots` x `slot_bytes` and listen for `receivers` receivers.
 
-        The ring's pages are reserved as it is made: a full /dev/shm fails here, with
-        SharedMemoryUnavailable naming the directory and the size, never later as a SIGBUS on a
+        The ring's pages are reserved as it is made: a lack of memory fails here, with
+        SharedMemoryUnavailable naming the size and what to do, never later as a SIGBUS on a
         write into the mapping.
         """
-        size = slots * slot_bytes
-        where = directory or shm_directory(size)
+        rv = ShmRendezvous(fresh_name(), slots, slot_bytes, receivers, timeout_s)
+        fd = _memfd(slots * slot_bytes)
         try:
-            path = Path(tempfile.mkdtemp(prefix="rl-refit-shm-", dir=where))  # mode 0700
-        except OSError as err:
-            raise _unavailable(where, size, err) from err
-        try:
-            rv = ShmRendezvous(str(path), slots, slot_bytes, receivers, timeout_s)
-            try:
-                fd = os.open(rv.ring_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                finally:
-                    os.close(fd)
-            except OSError as err:
-                raise _unavailable(where, size, err) from err
-            ring = _map(rv.ring_path, size)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                listener.bind(rv.socket_path)
-                listener.listen(max(receivers, 1))
-            except BaseException:
-                listener.close()
-                raise
+            ring = _map(fd, slots * slot_bytes)
+            listener = listen(rv)
         except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
+            os.close(fd)
             raise
-        return cls(rv, ring, listener)
+        return cls(rv, ring, listener, fd)
 
     def accept(self, timeout_s: float | None = None) -> ShmTransport:
-        """Wait for every receiver to connect and prove itself (the ring's token, a rank in
-        1..receivers, each rank once), then remove the directory (the ring lives on in the
-        mappings). A connection that does not prove itself is closed and the wait goes on: an
-        impostor cannot take a receiver's place. Raises CollectiveTimeout when the receivers do
-        not all come in time (naming how many were refused)."""
+        """Wait for every receiver to connect and prove itself (this user or root, the ring's
+        token, a rank in 1..receivers, each rank once), hand each the ring, then stop listening.
+        A connection that does not prove itself is closed and the wait goes on: an impostor
+        cannot take a receiver's place. Raises CollectiveTimeout when the receivers do not all
+        come in time (naming what was refused)."""
         rv = self.rendezvous
         wait = rv.timeout_s if timeout_s is None else timeout_s
         peers: dict[int, socket.socket] = {}
@@ -228,21 +297,14 @@ class ShmSource:
                     extra = f"; refused: {', '.join(refused)}" if refused else ""
                     raise CollectiveTimeout(0, f"the shared-memory ring's receivers connecting ({len(peers)} of "
                                                f"{rv.receivers} came{extra})", wait, tuple(sorted(peers))) from err
-                conn.settimeout(max(min(deadline - time.monotonic(), 10.0), 0.001))
-                try:
-                    data = _recv_exact(conn, _HELLO.size)
-                except (TimeoutError, ConnectionError, EOFError, OSError) as err:
-                    conn.close()
-                    refused.append(f"a connection that said nothing ({type(err).__name__})")
-                    continue
-                why = rv.refusal(data, peers)
+                rank, why = self._admit(conn, peers, deadline)
                 if why is not None:
                     conn.close()
                     refused.append(why)
                     log.warning("the shared-memory ring refused a receiver", why=why)
                     continue
                 conn.settimeout(rv.timeout_s)
-                peers[_HELLO.unpack(data)[1]] = conn
+                peers[rank] = conn
         except BaseException:
             for conn in peers.values():
                 conn.close()
@@ -253,34 +315,53 @@ class ShmSource:
         return ShmTransport(self.ring, rv.slots, rv.slot_bytes, rank=0, sockets=ordered,
                             peers=(0, *sorted(peers)), timeout_s=rv.timeout_s)
 
+    def _admit(self, conn: socket.socket, taken: dict[int, socket.socket], deadline: float) -> tuple[int, str | None]:
+        """One connection's rank, and why it is refused (None: admitted, and handed the ring)."""
+        uid = _peer_uid(conn)
+        if not _trusted(uid):
+            return 0, f"a connection of user {uid}, not this user"
+        conn.settimeout(max(min(deadline - time.monotonic(), 10.0), 0.001))
+        try:
+            data = _recv_exact(conn, _HELLO.size)
+        except (TimeoutError, ConnectionError, EOFError, OSError) as err:
+            return 0, f"a connection that said nothing ({type(err).__name__})"
+        why = self.rendezvous.refusal(data, taken)
+        if why is not None:
+            return 0, why
+        rank = int(_HELLO.unpack(data)[1])
+        if self.ring_fd is not None:
+            try:
+                _send_ring(conn, self.ring_fd)
+            except OSError as err:
+                return rank, f"rank {rank}, gone before it was handed the ring ({type(err).__name__})"
+        return rank, None
+
     def close(self) -> None:
-        """Stop listening and remove the directory (idempotent; the ring stays mapped here)."""
+        """Stop listening and let go of the ring's memory file (idempotent; the ring stays mapped
+        here, and in every receiver that took it)."""
         self.listener.close()
-        shutil.rmtree(self.rendezvous.directory, ignore_errors=True)
+        fd, self.ring_fd = self.ring_fd, None
+        if fd is not None:
+            os.close(fd)
 
 
-def _unavailable(where: Path, size: int, err: OSError) -> SharedMemoryUnavailable:
-    return SharedMemoryUnavailable(
-        f"cannot make the refit's {size / 2**20:.0f} MiB shared-memory ring in {where}: {err.strerror or err}; "
-        f"free room there (df -h {where}) or use the gloo transport (rollout.engine_kwargs.vllm.transport=gloo)")
+def _send_ring(conn: socket.socket, fd: int) -> None:
+    """The ring's handover: a message without a body, and the memory file with it (SCM_RIGHTS)."""
+    message = _PREFIX.pack(_MAGIC, _RING, 0)
+    sent = socket.send_fds(conn, [message], [fd])
+    if sent < len(message):
+        conn.sendall(message[sent:])
 
 
 def connect(rendezvous: ShmRendezvous, rank: int, bucket_bytes: int) -> ShmTransport:
-    """A receiver's end: map the ring, connect to the source, say `rank` (1 and up).
+    """A receiver's end: connect to the source, say `rank` (1 and up) and the ring's token.
 
-    Returns at once: the source need not have accepted yet (its listening socket queues us).
+    Returns at once: the source need not have accepted yet (its listening socket queues us). The
+    ring arrives on the socket once the source accepts; the first `receive` maps it.
     """
     rv = rendezvous
-    ring = _map(rv.ring_path, rv.slots * rv.slot_bytes)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(rv.timeout_s)
-        sock.connect(rv.socket_path)
-        sock.sendall(rv.hello(rank))
-    except BaseException:
-        sock.close()
-        raise
-    return ShmTransport(ring, rv.slots, rv.slot_bytes, rank=rank, sockets=(sock,), peers=(0, rank),
+    sock = dial(rv, rank)
+    return ShmTransport(None, rv.slots, rv.slot_bytes, rank=rank, sockets=(sock,), peers=(0, rank),
                         timeout_s=rv.timeout_s, bucket_bytes=bucket_bytes)
 
 
@@ -331,7 +412,8 @@ class ShmTransport:
     The source's end (rank 0) has a socket per receiver; a receiver's end has one, to the source.
 
     Attributes:
-        ring: the mapped ring, `slots * slot_bytes` bytes.
+        ring: the mapped ring, `slots * slot_bytes` bytes (None: a receiver's before its first
+            stream, which maps the ring the source handed over).
         slots: slots in the ring.
         slot_bytes: bytes of each slot.
         rank: 0 for the source, 1.. for the receivers.
@@ -343,7 +425,7 @@ class ShmTransport:
         max_tensor_bytes: the largest lone tensor a receiver accepts.
     """
 
-    ring: torch.Tensor
+    ring: torch.Tensor | None
     slots: int
     slot_bytes: int
     rank: int
@@ -414,9 +496,17 @@ class ShmTransport:
             self._seq += 1
         return blocked
 
+    @property
+    def mapped(self) -> torch.Tensor:
+        """The ring, once mapped (WireProtocolError before: a receiver's first stream maps it)."""
+        if self.ring is None:
+            raise WireProtocolError(f"rank {self.rank} has not been handed the shared-memory ring yet; "
+                                    "its first stream maps it: restart the engine")
+        return self.ring
+
     def _slot(self, seq: int) -> torch.Tensor:
         k = seq % self.slots
-        return self.ring[k * self.slot_bytes : (k + 1) * self.slot_bytes]
+        return self.mapped[k * self.slot_bytes : (k + 1) * self.slot_bytes]
 
     def _abort(self, text: str, sent: int) -> None:
         """Tell the receivers the stream failed after `sent` buckets (best effort: a receiver that
@@ -487,6 +577,8 @@ class ShmTransport:
         return TransferStats(rx.n, rx.payload, rx.wire, time.perf_counter() - rx.t0, rx.blocked, rx.consumed)
 
     def _receive(self, rx: _Rx, consume: Callable[[Bucket], None], allocate: Callable[[int], torch.Tensor] | None) -> None:
+        if self.ring is None:
+            self._take_ring(rx)
         expected: int | None = None
         after_last = False
         while True:
@@ -540,6 +632,36 @@ class ShmTransport:
         finally:
             rx.blocked += time.perf_counter() - t0
         return kind, body
+
+    def _take_ring(self, rx: _Rx) -> None:
+        """Map the ring the source handed over when it accepted this receiver: the first message
+        on the socket, with the ring's memory file attached (SCM_RIGHTS)."""
+        step = "the shared-memory ring's handover"
+        s = self.sockets[0]
+        t0 = time.perf_counter()
+        fds: list[int] = []
+        try:
+            data, fds, flags, _ = socket.recv_fds(s, _PREFIX.size, 1)
+            if not data:
+                raise EOFError("the peer closed the connection before the ring was handed over")
+            data += _recv_exact(s, _PREFIX.size - len(data))
+        except TimeoutError as err:
+            raise CollectiveTimeout(self.rank, step, self.timeout_s, self.peers) from err
+        except (EOFError, OSError) as err:
+            for fd in fds:
+                os.close(fd)
+            raise self._lost(0, step, err) from err
+        finally:
+            rx.blocked += time.perf_counter() - t0
+        try:
+            magic, kind, length = _PREFIX.unpack(data)
+            if magic != _MAGIC or kind != _RING or length != 0 or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+                raise WireProtocolError(f"rank 0 sent a message of kind {kind} with {len(fds)} descriptors where "
+                                        f"{step} (one memory file) was due in refit {self.refit_id}; restart the engine")
+            self.ring = _map(fds[0], self.slots * self.slot_bytes)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _frame(self, rx: _Rx, step: str) -> tuple[Header, bytes]:
         kind, body = self._message(rx, step)
@@ -607,4 +729,4 @@ class _Rx:
     errors: list[BaseException] = attrs.field(factory=list)
 
 
-__all__: Sequence[str] = ("ShmRendezvous", "ShmSource", "ShmTransport", "connect", "shm_directory")
+__all__: Sequence[str] = ("ShmRendezvous", "ShmSource", "ShmTransport", "connect", "dial", "fresh_name", "listen")

@@ -60,6 +60,7 @@ def check_model_config(config: Mapping[str, Any], tensors: list[tuple[str, tuple
         if has_sizes:
             _check_embedding(section, prefix, tensors, where)
             _check_projections(section, prefix, tensors, where)
+            _check_head(section, prefix, tensors, where)
         for key in ("rope_parameters", "rope_scaling"):
             if section.get(key) is not None and not isinstance(section[key], Mapping):
                 raise CheckpointError(f"{where}: {prefix}{key} is {section[key]!r}; it must be an object such as "
@@ -84,10 +85,31 @@ def _check_embedding(section: Mapping[str, Any], prefix: str, tensors: list[tupl
                                   f"correct {key} to {held}")
 
 
+def _check_head(section: Mapping[str, Any], prefix: str, tensors: list[tuple[str, tuple[int, ...]]],
+                where: str) -> None:
+    """An untied model (tie_word_embeddings false, or absent where the model type's default is
+    false) must carry its own output head: an engine builds it and, with no tensor for it, serves
+    the head it was initialised with (random), while every other missing tensor is refused."""
+    tied = section.get("tie_word_embeddings")
+    if tied is None and section.get("model_type") in _LLAMA_LIKE:
+        tied = False  # LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig and their MoE configs default to untied
+    if tied is not False or any(name.rpartition(".")[0].endswith("lm_head") for name, _ in tensors):
+        return
+    said = "is false" if "tie_word_embeddings" in section else f"is absent (false for {section.get('model_type')})"
+    raise CheckpointError(f"{where}: {prefix}tie_word_embeddings {said}, but the checkpoint has no lm_head.weight: "
+                          "an engine would serve an output head it initialised at random; add the head's tensor, or "
+                          "set tie_word_embeddings to true if the model shares its token embedding")
+
+
 # Model types whose decoder layers are laid out as Llama's: q/k/v/o and gate/up/down projections whose
 # shapes follow from the config alone, and no layer beyond num_hidden_layers (no multi-token head).
 _LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 _PROJECTION = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
+
+
+def _int(value: Any) -> int | None:
+    """`value` when it is an integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _check_projections(section: Mapping[str, Any], prefix: str, tensors: list[tuple[str, tuple[int, ...]]],
@@ -97,21 +119,18 @@ def _check_projections(section: Mapping[str, Any], prefix: str, tensors: list[tu
     silently drops the layers beyond its count)."""
     if section.get("model_type") not in _LLAMA_LIKE:
         return
-    sizes = {k: section.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                                         "intermediate_size", "num_hidden_layers")}
-    if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in sizes.items()
-               if k in ("hidden_size", "num_attention_heads", "num_hidden_layers")):
+    hidden, heads, layers = (_int(section.get(k)) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+    if hidden is None or heads is None or layers is None:
         return  # the integer checks above name the key
-    hidden, heads, layers = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_hidden_layers"]
-    kv = sizes["num_key_value_heads"] if isinstance(sizes["num_key_value_heads"], int) else heads
-    head_dim = sizes["head_dim"] if isinstance(sizes["head_dim"], int) else hidden // heads
-    inter = sizes["intermediate_size"]
+    kv, head_dim, inter = (_int(section.get(k)) for k in ("num_key_value_heads", "head_dim", "intermediate_size"))
+    kv = heads if kv is None else kv
+    head_dim = hidden // heads if head_dim is None else head_dim
     keys = f"{prefix}num_attention_heads, {prefix}num_key_value_heads, {prefix}head_dim and {prefix}hidden_size"
     expected = {
         "self_attn.q_proj": ((heads * head_dim, hidden), keys), "self_attn.k_proj": ((kv * head_dim, hidden), keys),
         "self_attn.v_proj": ((kv * head_dim, hidden), keys), "self_attn.o_proj": ((hidden, heads * head_dim), keys),
     }
-    if isinstance(inter, int) and not isinstance(inter, bool):
+    if inter is not None:
         mlp_keys = f"{prefix}intermediate_size and {prefix}hidden_size"
         expected |= {"mlp.gate_proj": ((inter, hidden), mlp_keys), "mlp.up_proj": ((inter, hidden), mlp_keys),
                      "mlp.down_proj": ((hidden, inter), mlp_keys)}

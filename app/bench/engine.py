@@ -60,6 +60,7 @@ import torch
 from adapters.vllm.engine import VllmRolloutEngine
 from adapters.vllm.protocol import BenchMode, BenchReload, WorkerRpc
 from app.bench.report import BenchReport
+from domain.refit.storage import DigestComparison
 
 if TYPE_CHECKING:
     from app.config_sections import RefitConfig
@@ -171,15 +172,18 @@ class EngineTimings:
             trainer weights), so that a reload that changed nothing could not pass as the same
             bytes (None: the trainer cannot be perturbed, the reload started from the same weights).
         differing: the tensors that differed (at most 10).
+        unreadable: the parameters no byte comparison here could read, so none of them counts as
+            equal: the engine keeps them packed outside their (emptied) tensor (vLLM's CPU BF16
+            Linear layers); `same_bytes`, `moved`, `layerwise_same` and `put_back` compare the rest.
         reload_error: why vLLM's reload_weights could not be measured.
         load_weights_error: why the load_weights baseline could not be measured.
         layerwise_error: why the layerwise floor could not be measured.
         copy_seconds: one `copy_` of the trainer's weights, tensor by tensor, into a buffer already
             resident in this process (the median of `repeat`): the memory bound of any way in.
         layerwise_same: after the first (untimed) layerwise reload of the refit's own buckets the
-            engine held exactly the bytes the refit had left (None: not measured).
+            engine held exactly the bytes the refit had left (None: not measured, or nothing readable).
         put_back: after the first (untimed) load_weights call the engine held exactly its bytes
-            from before it (its own tensors put back untouched).
+            from before it (its own tensors put back untouched; None: nothing readable to compare).
         bucket_bytes: the bucket size.
         trainer_peak_bytes: over one refit, the trainer's process's peak RSS above its RSS before
             the refit (colocated: the engine's worker is in that process too).
@@ -209,7 +213,7 @@ class EngineTimings:
     differing: tuple[str, ...] = ()
     reload_error: str | None = None
     load_weights_error: str | None = None
-    put_back: bool = True
+    put_back: bool | None = True
     bucket_bytes: int = 0
     trainer_peak_bytes: int | None = None
     engine_peak_bytes: int | None = None
@@ -223,6 +227,7 @@ class EngineTimings:
     bf16_refit: tuple[float, ...] = ()
     bf16_phases: dict[str, float] = attrs.field(factory=dict)
     bf16_error: str | None = None
+    unreadable: tuple[str, ...] = ()
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -407,6 +412,11 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
             + ("; colocated, the engine's worker runs in the trainer's process, so its row is the trainer's"
                if t.engine_peak_bytes is None else ""))
     notes += _bytes_notes(settings, t)
+    if t.unreadable:
+        notes.append(f"{len(t.unreadable)} parameters were not compared byte for byte, in any of these comparisons: "
+                     f"the engine keeps them packed outside their (empty) tensor ({', '.join(t.unreadable[:3])}"
+                     f"{', ...' if len(t.unreadable) > 3 else ''}); the comparisons cover the other parameters and "
+                     "buffers")
     if t.reload_error:
         notes.append(f"vLLM's reload_weights could not be measured: {t.reload_error}")
     if t.load_weights_error:
@@ -417,7 +427,7 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
         notes.append("vLLM's layerwise reload of the refit's own buckets left the engine holding other bytes than "
                      "the refit (expected where rl-refit redoes what the reload skips: BF16 MoE experts on CPU, a "
                      "tied head)")
-    if not t.put_back:
+    if t.put_back is False:
         notes.append("after the first per-bucket load_weights call the engine did NOT hold its bytes from before it: "
                      "putting its own tensors back failed, and every later figure is suspect")
     return notes
@@ -451,8 +461,9 @@ def _bytes_notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
              else "from the same weights (the trainer cannot be perturbed: this only shows the reload "
                   "did not change them)")
     if t.same_bytes:
+        which = "every parameter and buffer it could read" if t.unreadable else "every parameter and buffer"
         return [f"vLLM's reload_weights of the checkpoint, {start}, left the engine holding exactly the bytes "
-                "rl-refit's refit had left (every parameter and buffer)"]
+                f"rl-refit's refit had left ({which})"]
     why = (" (expected for BF16 MoE on CPU: vLLM's reload copies plain expert weights into storage its MoE "
            "kernel reads as prepacked tiles and skips the prepack on a weight update, so it serves other "
            "weights; rl-refit's refit redoes the prepack, docs/engines.md#bf16-moe-on-vllm)"
@@ -650,11 +661,11 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
     receive = (lambda: bench.mode("receive"), lambda: bench.mode("refit"))
     before_floor = bench.digests()
     layerwise_error = _attempt(bench.buckets_only, *layerwise)
-    layerwise_same = bench.digests() == before_floor if layerwise_error is None else None
+    layerwise_same = DigestComparison.of(before_floor, bench.digests()).same if layerwise_error is None else None
     bench.refit()  # whatever the layerwise reload skipped is rl-refit's again
     before_floor = bench.digests()
     load_error = _attempt(bench.buckets_only, *floor)
-    put_back = bench.digests() == before_floor
+    put_back = DigestComparison.of(before_floor, bench.digests()).same
     fns: dict[str, Callable[[], object]] = {"refit": bench.refit}
     if reload_error is None:
         fns.update(write=bench.write, reload=bench.reload)
@@ -666,18 +677,19 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
         fns["receive"] = bench.buckets_only
     times = _rounds(fns, settings.repeat, {"load_weights": floor, "layerwise": layerwise, "receive": receive})
     phases = _median_phases(bench.timings[-settings.repeat:])
-    differing = () if after_reload is None else tuple(
-        sorted(n for n in after_refit.keys() | after_reload.keys() if after_refit.get(n) != after_reload.get(n)))
+    reloaded = None if after_reload is None else DigestComparison.of(after_refit, after_reload)
+    differing = () if reloaded is None else reloaded.differing
     copy = _copy_bound(bench.svc.trainer, settings.repeat)
     trainer_peak, engine_peak = _refit_memory(bench)  # the engine ends serving rl-refit's refit
-    compared = after_reload is not None and moved is not False
     return EngineTimings(
         deployment, start, tuple(times["refit"]), tuple(times.get("write", ())), tuple(times.get("reload", ())),
         tuple(times.get("load_weights", ())), first.source_bytes, first.bytes_sent, first.buckets, threads, phases,
-        (not differing) if compared else None, moved if after_reload is not None else None, differing[:10],
+        reloaded.same if reloaded is not None and moved is not False else None,
+        moved if after_reload is not None else None, differing[:10],
         reload_error, load_error, put_back, bench.svc.bucket_bytes, trainer_peak, engine_peak,
         tuple(times.get("layerwise", ())), layerwise_error, layerwise_same, copy, tuple(times.get("receive", ())),
         transport=getattr(bench.engine.workers, "transport_used", None), codec=bench.svc.codec_choice().to_dict(),
+        unreadable=DigestComparison.of(after_refit, after_refit).unreadable,
     )
 
 
@@ -779,7 +791,7 @@ def _attempt(fn: Callable[[], object], enter: Callable[[], object] = _nothing,
 def _move_away(bench: _Bench, digests: dict[str, str]) -> bool | None:
     """Refit perturbed trainer weights (then restore the trainer), so that the reload compared
     next has to change the engine's bytes; whether they changed (None: the trainer cannot be
-    perturbed)."""
+    perturbed, or no parameter's bytes could be read: packed ones are not compared)."""
     trainer = bench.svc.trainer
     if not all(hasattr(trainer, m) for m in ("snapshot", "perturb_", "restore_")):
         return None
@@ -789,7 +801,8 @@ def _move_away(bench: _Bench, digests: dict[str, str]) -> bool | None:
         bench.svc.refit()
     finally:
         trainer.restore_(kept)
-    return bool(bench.digests() != digests)
+    same = DigestComparison.of(digests, bench.digests()).same
+    return None if same is None else not same
 
 
 def _median_phases(timings: Sequence[dict[str, float]]) -> dict[str, float]:

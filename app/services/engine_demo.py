@@ -27,7 +27,7 @@ from app.services.refit import RefitService
 from domain.errors import ConfigError, EngineBusy, EngineStale, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.refit.report import RefitOutcome, RefitReport
-from domain.refit.storage import UNREADABLE
+from domain.refit.storage import DigestComparison
 from ports.engine_inspection import EngineInspection
 from ports.rollout_engine import RolloutEngine
 
@@ -161,7 +161,8 @@ class EngineStep:
             compared, the refit did not go live).
         logprobs_equal: prompt log-probs equal bit for bit.
         tokens_equal: greedy tokens equal.
-        weights_equal: every parameter and buffer equal bit for bit.
+        weights_equal: every parameter and buffer compared is equal bit for bit (None: none could be
+            compared); those in `not_compared` and `unreadable` are not.
         max_abs_logp_diff: the largest log-prob difference from the cold start.
         differing_weights: names of the tensors that differ (at most 10).
         kv_scales: attention layers' q/k/v/prob scales after the refit, by layer.
@@ -362,12 +363,9 @@ class ColdStartComparer:
         same_shape = served.shape == ref.log_probs.shape
         logprobs_equal = same_shape and torch.equal(served, ref.log_probs)
         diff = float((served.double() - ref.log_probs.double()).abs().max()) if same_shape else float("inf")
-        unreadable = tuple(sorted(n for n in set(digests) | set(ref.digests)
-                                  if UNREADABLE in (digests.get(n), ref.digests.get(n))))
-        differing = tuple(sorted(n for n in set(digests) | set(ref.digests)
-                                 if n not in ref.placeholders and n not in unreadable
-                                 and digests.get(n) != ref.digests.get(n)))
+        weights = DigestComparison.of(ref.digests, digests, skip=frozenset(ref.placeholders))
+        differing = weights.differing
         tokens_equal = tokens == ref.tokens
         return EngineStep(step, report, "yes", logprobs_equal and tokens_equal and not differing, logprobs_equal,
-                          tokens_equal, not differing, diff, differing[:10], scales, tuple(sorted(ref.placeholders)),
-                          unreadable)
+                          tokens_equal, weights.same, diff, differing[:10], scales, tuple(sorted(ref.placeholders)),
+                          weights.unreadable)

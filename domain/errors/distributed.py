@@ -65,8 +65,8 @@ class RankFailed(RefitError, RuntimeError):
 
 
 class SharedMemoryUnavailable(RefitError, OSError):
-    """The shared-memory ring of a same-host bucket stream could not be made (no room in
-    /dev/shm, no permission); the message names the directory, the size and the system's reason."""
+    """The shared-memory ring of a same-host bucket stream could not be made (no memory for it,
+    no memfd_create); the message names the size, the system's reason and what to do."""
 
 
 class WireProtocolError(RefitError, RuntimeError):

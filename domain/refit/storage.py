@@ -109,6 +109,51 @@ def weight_digest(t: torch.Tensor) -> str:
     return UNREADABLE if t.numel() == 0 else tensor_digest(t)
 
 
+@attrs.frozen
+class DigestComparison:
+    """Two sets of weight digests by name, compared: an UNREADABLE digest equals nothing, not even
+    another UNREADABLE one, so such a name is listed as not compared instead of counted as equal.
+
+    Attributes:
+        compared: names readable on both sides, whose digests were compared.
+        differing: names compared whose digests differ, and names present on one side only.
+        unreadable: names present on both sides and UNREADABLE on either: not compared.
+    """
+
+    compared: tuple[str, ...]
+    differing: tuple[str, ...]
+    unreadable: tuple[str, ...]
+
+    @classmethod
+    def of(cls, before: dict[str, str], after: dict[str, str], skip: frozenset[str] = frozenset()) -> DigestComparison:
+        """Compare `before` with `after`, leaving out the names in `skip`.
+
+        Args:
+            before: digests by name (`weight_digest`).
+            after: digests by name.
+            skip: names not to compare at all (e.g. a cold start's placeholders).
+
+        Returns:
+            The comparison, each tuple sorted.
+        """
+        names = sorted((set(before) | set(after)) - skip)
+        both = [n for n in names if n in before and n in after]
+        unreadable = tuple(n for n in both if UNREADABLE in (before[n], after[n]))
+        packed = set(unreadable)
+        compared = tuple(n for n in both if n not in packed)
+        differing = tuple(n for n in names if n not in before or n not in after
+                          or (n not in packed and before[n] != after[n]))
+        return cls(compared, differing, unreadable)
+
+    @property
+    def same(self) -> bool | None:
+        """True when every compared digest is equal (and no name is on one side only); None when
+        nothing could be compared."""
+        if self.differing:
+            return False
+        return True if self.compared else None
+
+
 # odd 64-bit constants (splitmix64's and xorshift*'s multipliers, as signed int64)
 _K1, _K2, _K3, _K4 = -7046029254386353131, -4658895280553007687, -7723592293110705685, 0x2545F4914F6CDD1D
 _FOLD_WORDS = 1 << 22  # 32 MiB of int64 temporaries per step on the device

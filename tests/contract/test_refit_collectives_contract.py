@@ -71,7 +71,7 @@ def _in_memory() -> list[dict[str, Any]]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(120)
     errors = {r: v for r, v in results.items() if isinstance(v, BaseException)}
     assert not errors, errors
     return [results[r] for r in range(WORLD.size)]
@@ -80,7 +80,7 @@ def _in_memory() -> list[dict[str, Any]]:
 def _torch_dist_rank(rank: int) -> dict[str, Any]:
     from adapters.distributed.collectives import TorchDistCollectives
 
-    return scenario(rank, TorchDistCollectives(WORLD, rank, step_timeout_s=20, phase_timeout_s=20, bucket_bytes=1024))
+    return scenario(rank, TorchDistCollectives(WORLD, rank, step_timeout_s=60, phase_timeout_s=60, bucket_bytes=1024))
 
 
 def _torch_dist() -> list[dict[str, Any]]:

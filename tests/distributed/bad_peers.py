@@ -149,7 +149,7 @@ def bad_peer_rank(rank: int, scenarios: list[str]) -> list[dict[str, Any]]:
     p = support.plan("FP8_BLOCK", "NVFP4")
     out = []
     for scenario in scenarios:
-        comm = _Comm(TorchDistCollectives(world, rank, step_timeout_s=20, phase_timeout_s=30,
+        comm = _Comm(TorchDistCollectives(world, rank, step_timeout_s=60, phase_timeout_s=60,
                                           bucket_bytes=int(support.BUCKET_MB * 2**20)))
         full = support.trainer_at(0) if rank == 0 else None
         engine = support._engine(p, "transactional") if rank == 1 else None

@@ -117,7 +117,7 @@ def layouts_rank(rank: int, cases: Sequence[tuple[dict[str, int], int, tuple[str
     out = []
     for layout_kwargs, engines, presets in cases:
         world = RefitWorld(ParallelLayout(**layout_kwargs), engines)
-        comm = TorchDistCollectives(world, rank, step_timeout_s=20, phase_timeout_s=40,
+        comm = TorchDistCollectives(world, rank, step_timeout_s=60, phase_timeout_s=60,
                                     bucket_bytes=int(BUCKET_MB * 2**20))
         p = plan(*presets)
         full = trainer_at(0) if world.role(rank) == "trainer" else None
@@ -146,7 +146,7 @@ def faults_rank(rank: int, layout_kwargs: dict[str, int], engines: int, presets:
     from domain.errors import DistributedRefitFailed
 
     world = RefitWorld(ParallelLayout(**layout_kwargs), engines)
-    comm = TorchDistCollectives(world, rank, step_timeout_s=20, phase_timeout_s=40, bucket_bytes=int(BUCKET_MB * 2**20))
+    comm = TorchDistCollectives(world, rank, step_timeout_s=60, phase_timeout_s=60, bucket_bytes=int(BUCKET_MB * 2**20))
     p = plan(*presets)
     inner = _engine(p, commit_mode) if world.role(rank) == "engine" else None
     out = []

@@ -1,12 +1,16 @@
 """`refit bench export --model DIR` and `refit bench engine --model DIR` on a hostile checkpoint:
 the config.json fields a model is built from are checked before any child process or engine
 starts, and a typed error the export bench's child stops on comes back as that error, one line,
-exit 2 (before: exit 3, the child's stderr and traceback run together on one line)."""
+exit 2 (before: exit 3, the child's stderr and traceback run together on one line).
+
+The engine bench runs with RL_REFIT_VLLM_PYTHON set to this python, which has no vLLM: a check
+that let a checkpoint through would end in "vLLM does not import", never in a real engine."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +22,11 @@ from adapters.reference.trainer import ReferenceTrainer
 from app.bench.child import run_reporting, typed_error
 from app.cli.main import main
 from domain.errors import ConfigError, NonFiniteTensor, RefitError
+
+
+@pytest.fixture(autouse=True)
+def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RL_REFIT_VLLM_PYTHON", sys.executable)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +62,37 @@ def test_a_config_value_no_model_can_be_built_from_is_one_line(
     bad = _edited(model, tmp_path / "bad", key, value)
     assert main(["bench", suite, "--model", str(bad)]) == 2  # before: 3
     _one_line(capsys, "CheckpointError", key)
+
+
+def _tensors_edited(model: Path, dest: Path, edit: Callable[[dict], None]) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, dest)
+    held = load_file(str(dest / "model.safetensors"))
+    edit(held)
+    save_file(held, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize("suite", ["export", "engine"])
+def test_an_untied_config_without_a_head_is_one_line_before_anything_starts(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], suite: str) -> None:
+    assert json.loads((model / "config.json").read_text())["tie_word_embeddings"] is False
+    bad = _tensors_edited(model, tmp_path / "headless", lambda held: held.pop("lm_head.weight"))
+    assert main(["bench", suite, "--model", str(bad)]) == 2  # before: the engine served a random head
+    _one_line(capsys, "CheckpointError", "tie_word_embeddings is false", "no lm_head.weight")
+
+
+def test_an_fp8_weight_without_its_scale_is_one_typed_line(model: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    def to_fp8(held: dict) -> None:
+        held["model.layers.0.mlp.up_proj.weight"] = held["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+
+    bad = _tensors_edited(model, tmp_path / "fp8", to_fp8)
+    assert main(["bench", "export", "--model", str(bad)]) == 2
+    _one_line(capsys, "refit bench: QuantizedSource", "model.layers.0.mlp.up_proj", "float8_e4m3fn")
 
 
 def test_the_export_benchs_child_error_comes_back_typed(model: Path, tmp_path: Path,

@@ -7,6 +7,10 @@ it committed). After the failed refit every engine's state (kept, restored or st
 weights show: a kept or restored engine holds the previous refit's weights bit for bit, a stale
 one refuses to serve; replicas never diverge silently. A refit after that is bit-identical to the
 single-process refit.
+
+Bounds: every wait of a refit meant to succeed has a generous one (60 s). Only a refit with an
+injected hang runs under the short phase bound, set once every rank has finished the refit
+before it, and the hang lasts ten times that bound, so that no load reorders the two.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ from domain.refit.topology import ParallelLayout, RefitWorld
 from tests.distributed import support
 
 PRESETS = ("FP8_BLOCK", "NVFP4")
-HANG_S = 0.6  # an injected hang: longer than the phase bound below
-STEP_S, PHASE_S = 5.0, 0.3
+HANG_S = 3.0  # an injected hang: ten times the phase bound below
+STEP_S, PHASE_S = 60.0, 0.3
 
 
 def _rank(rank: int, world: RefitWorld, shared: InMemoryWorld, commit_mode: str, fault: RankFault | None,
-          steps: int) -> dict[str, Any]:
+          steps: int, first_done: threading.Barrier) -> dict[str, Any]:
     p = support.plan(*PRESETS)
     full = support.trainer_at(0) if world.role(rank) == "trainer" else None
     engine = support._engine(p, commit_mode) if full is None else None
@@ -38,6 +42,8 @@ def _rank(rank: int, world: RefitWorld, shared: InMemoryWorld, commit_mode: str,
     for step in range(steps):
         if step and full is not None:
             support.advance(full, step)
+        if step == 1:
+            first_done.wait(120)  # every rank is past refit 0: the refits' own bounds from here
         if svc.broken is not None:
             break
         try:
@@ -66,13 +72,15 @@ def _serves(engine: Any) -> bool:
 
 
 def run_world(world: RefitWorld, commit_mode: str = "transactional", fault: RankFault | None = None,
-              steps: int = 3, phase_s: float = 30.0) -> list[dict[str, Any]]:
-    shared = InMemoryWorld(world, step_timeout_s=STEP_S, phase_timeout_s=phase_s)
+              steps: int = 3, phase_s: float = 60.0) -> list[dict[str, Any]]:
+    """`steps` refits on every rank; refit 0 under generous bounds, the later ones under `phase_s`."""
+    shared = InMemoryWorld(world, step_timeout_s=STEP_S, phase_timeout_s=60.0)
+    first_done = threading.Barrier(world.size, action=lambda: setattr(shared, "phase_timeout_s", phase_s))
     results: dict[int, Any] = {}
 
     def run(rank: int) -> None:
         try:
-            results[rank] = _rank(rank, world, shared, commit_mode, fault, steps)
+            results[rank] = _rank(rank, world, shared, commit_mode, fault, steps, first_done)
         except BaseException as err:
             results[rank] = err
 

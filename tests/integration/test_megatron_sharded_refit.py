@@ -130,7 +130,7 @@ def _run(case_data: dict[str, Any], plan: QuantizationPlan, weights: list[dict[s
     layout = layout_of(records[0])
     count = getattr(engines, "count", 1)
     world = RefitWorld(layout, count)
-    shared = InMemoryWorld(world, step_timeout_s=20, phase_timeout_s=40)
+    shared = InMemoryWorld(world, step_timeout_s=60, phase_timeout_s=60)
     shapes = [(n, tuple(s)) for n, s in records[0]["shapes"]]
     engine_layout = {n: (tuple(t.shape), t.dtype) for n, t in quantize_stream(plan, weights[0].items())}
     results: dict[int, Any] = {}

@@ -144,7 +144,7 @@ def _single(mode: CommitMode, point: str, restore: Restore, ownership: Ownership
 
 def _distributed(mode: CommitMode, point: str, restore: Restore) -> Observed:
     world = RefitWorld(ParallelLayout(1, 1, 1, 1), ENGINES)
-    shared = InMemoryWorld(world, step_timeout_s=20.0, phase_timeout_s=60.0)
+    shared = InMemoryWorld(world, step_timeout_s=60.0, phase_timeout_s=60.0)
     shapes = hf_weight_shapes(MICRO_MOE)
     trainer = rs.trainer()
     results: dict[int, Any] = {}
@@ -280,7 +280,7 @@ def test_the_composition_root_wires_the_probe_into_distributed_refits() -> None:
     services = bootstrap(overrides=["reference.model=micro-moe", "rollout.verify.enabled=true",
                                     "rollout.checkpoint_engine.update_weights_bucket_megabytes=0.0625"])
     world = RefitWorld(ParallelLayout(1, 1, 1, 1), 1)
-    shared = InMemoryWorld(world, step_timeout_s=20.0, phase_timeout_s=60.0)
+    shared = InMemoryWorld(world, step_timeout_s=60.0, phase_timeout_s=60.0)
     trainer = services.trainer_model()
     with pytest.raises(ConfigError, match=r"rollout\.verify\.enabled"):
         services.world.distributed_refit(world, 1, comm=shared.collectives(1))
@@ -292,7 +292,7 @@ def test_the_composition_root_wires_the_probe_into_distributed_refits() -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(180)
     assert reports[1].ok and reports[1].probe is not None and reports[1].probe.passed
     assert reports[0].probe is None  # trainer ranks have no engine to probe
 

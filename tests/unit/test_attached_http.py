@@ -77,7 +77,7 @@ def test_a_url_nothing_listens_on_is_one_line_naming_it() -> None:
     port = sock.getsockname()[1]
     sock.close()
     with pytest.raises(ServerUnreachable, match=rf"127\.0\.0\.1:{port}.*rollout\.engine_kwargs\.vllm\.url") as info:
-        HttpControl(f"http://127.0.0.1:{port}", timeout_s=10).collective_rpc("rl_refit_info", {})
+        HttpControl(f"http://127.0.0.1:{port}", timeout_s=60).collective_rpc("rl_refit_info", {})
     assert "\n" not in str(info.value)
 
 

@@ -365,3 +365,53 @@ def test_quantized_rows_put_the_refit_and_its_quantize_phase_next_to_the_bf16_re
     failed = build_report(EngineBenchSettings(preset="FP8_BLOCK"), timings(bf16_error="ValueError: no engine"))
     assert not any(r.baseline == engine.BF16_REFIT for r in failed.rows)
     assert "the BF16 refit of the same model could not be measured: ValueError: no engine" in failed.notes
+
+
+class _PackedBench:
+    """What _move_away sees of a bench: a trainer that can be perturbed, refits, and the engine's
+    digests, where `packed` parameters are UNREADABLE (vLLM's CPU BF16 Linear layers)."""
+
+    def __init__(self, packed: set[str], moves: set[str]) -> None:
+        self.packed, self.moves, self.refits = packed, moves, 0
+        self.svc = self
+        self.trainer = self
+
+    def snapshot(self) -> object:
+        return object()
+
+    def perturb_(self, seed: int, scale: float) -> None:
+        pass
+
+    def restore_(self, kept: object) -> None:
+        pass
+
+    def refit(self) -> None:
+        self.refits += 1
+
+    def digests(self) -> dict[str, str]:
+        from domain.refit.storage import UNREADABLE
+
+        return {n: UNREADABLE if n in self.packed else f"{n}@{self.refits if n in self.moves else 0}"
+                for n in ("proj.weight", "norm.weight")}
+
+
+def test_packed_weights_that_did_not_move_are_not_taken_for_the_engines_bytes() -> None:
+    everything = _PackedBench({"proj.weight", "norm.weight"}, set())
+    assert engine._move_away(everything, everything.digests()) is None  # nothing readable: not "unchanged"
+    stuck = _PackedBench({"proj.weight"}, set())
+    assert engine._move_away(stuck, stuck.digests()) is False  # the readable norm did not move
+    moving = _PackedBench({"proj.weight"}, {"norm.weight"})
+    assert engine._move_away(moving, moving.digests()) is True
+
+
+def test_unreadable_parameters_are_a_note_and_the_same_bytes_note_says_what_it_covers() -> None:
+    t = timings(unreadable=("layers.0.qkv.weight", "layers.0.o.weight", "layers.1.qkv.weight", "layers.1.o.weight"))
+    notes = " ".join(build_report(EngineBenchSettings(), t).notes)
+    assert "4 parameters were not compared byte for byte" in notes and "layers.0.qkv.weight" in notes
+    assert "every parameter and buffer it could read" in notes
+    assert "not compared" not in " ".join(build_report(EngineBenchSettings(), timings()).notes)
+
+
+def test_a_put_back_with_nothing_readable_is_not_called_a_failure() -> None:
+    notes = build_report(EngineBenchSettings(), timings(put_back=None, unreadable=("w",))).notes
+    assert not any("did NOT hold" in n for n in notes)

@@ -17,6 +17,7 @@ from app.services.engine_demo import BACK, EngineDemoSettings, run_engine_demo
 from domain.quant.naming import natural_key
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import pack_buckets
+from domain.refit.storage import weight_digest
 
 
 @attrs.define
@@ -27,6 +28,7 @@ class Inspectable:
     inner: Any
     closed: bool = False
     corrupt: bool = False
+    packed: frozenset[str] = frozenset()  # names kept packed outside an emptied tensor, as vLLM's CPU build does
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -42,6 +44,10 @@ class Inspectable:
     def close(self) -> None:
         self.inner.close()
         self.closed = True
+
+    def digests(self) -> dict[str, str]:
+        live = self.inner.live_weights()
+        return {n: weight_digest(torch.empty(0) if any(p in n for p in self.packed) else t) for n, t in live.items()}
 
 
 @attrs.define
@@ -64,6 +70,7 @@ class FakeServices:
 
     services: Services
     corrupt: bool = False
+    packed: frozenset[str] = frozenset()
     cold_starts: int = 0
     engine: Inspectable | None = None
 
@@ -76,7 +83,7 @@ class FakeServices:
         return self
 
     def refit_service(self, *, inject_fault: str | None = None, fault_after: int = 0) -> Any:
-        self.engine = Inspectable(self.services.rollout_engine(), corrupt=self.corrupt)
+        self.engine = Inspectable(self.services.rollout_engine(), corrupt=self.corrupt, packed=self.packed)
         svc = self.services.refit_service(engine=self.engine, inject_fault=inject_fault,  # type: ignore[arg-type]
                                           fault_after=fault_after)
         return svc
@@ -94,7 +101,7 @@ class FakeServices:
         for bucket in pack_buckets(sorted(tensors.items(), key=lambda kv: natural_key(kv[0])), 1 << 20):
             engine.load_bucket(bucket)
         engine.finalize_refit()
-        return Cold(engine)
+        return Cold(engine, packed=self.packed)
 
 
 def _services(preset: str | None) -> Services:
@@ -183,3 +190,18 @@ def test_the_reference_engine_serves_greedy_tokens_its_forward_picks_and_refuses
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     with pytest.raises(ValueError, match=r"greedy: each prompt must be 1 or more token ids"):
         engine.greedy([[]], 1)
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["same", "corrupted"])
+def test_packed_weights_are_listed_as_not_compared_and_the_log_probs_judge_them(corrupt: bool) -> None:
+    fake = FakeServices(_services(None), corrupt=corrupt, packed=frozenset({"lm_head", "qkv"}))
+    result = run_engine_demo(EngineDemoSettings(engine="reference", plan=QuantizationPlan.bf16(), steps=0, back=False),
+                             fake)  # type: ignore[arg-type]
+    (step,) = result.steps
+    assert step.unreadable and all("lm_head" in n or "qkv" in n for n in step.unreadable)
+    assert any("lm_head" in n for n in step.unreadable) and any("qkv" in n for n in step.unreadable)
+    assert step.to_dict()["unreadable"] == list(step.unreadable)
+    assert not any(n in step.differing_weights for n in step.unreadable)  # never called equal, nor different
+    assert step.weights_equal is True  # the readable rest
+    # the doubled head is packed: its bytes cannot show it, the log-probs do
+    assert step.logprobs_equal is (not corrupt) and step.equals_cold_start is (not corrupt) and result.ok is (not corrupt)

@@ -7,7 +7,8 @@ arbitrary headers and headers that lie about a valid file's dtypes, shapes and o
 (overlapping, out of bounds, truncated), and index files, and runs `refit plan`, `refit export`
 and the others on them through `app.cli.main.main` in this process: the exit status must be 0 or 2, an error
 must be one line on stderr with no traceback and no "internal error", and every input must be
-done within 10 s (the examples' deadline). Example counts keep the file within about a minute on
+done within 60 s (the examples' deadline: a ceiling no load reaches, which a model built for ever
+still exceeds). Example counts keep the file within about a minute on
 two cores.
 """
 
@@ -32,7 +33,9 @@ import adapters.compressed_tensors.quantization_config  # noqa: F401  (imported 
 from app.cli.main import main
 from app.config import SCHEMA
 
-DEADLINE = datetime.timedelta(seconds=10)
+# A generous ceiling per input, far above what one takes (a refusal reads headers only), that no
+# load reaches: what it catches is an input that builds a model for ever.
+DEADLINE = datetime.timedelta(seconds=60)
 _settings = settings(max_examples=200, deadline=DEADLINE, derandomize=True,
                      suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 PATHS = [k.path for k in SCHEMA]

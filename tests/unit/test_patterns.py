@@ -73,4 +73,6 @@ def test_what_is_accepted_fails_a_match_quickly(pattern: str) -> None:
     start = time.perf_counter()
     for name in WORST_NAMES:
         assert compiled.match(name) is None
-    assert time.perf_counter() - start < 1.0, pattern
+    # a generous ceiling that no load reaches: a pattern that backtracks catastrophically takes
+    # 2**64 steps and more on these names, not seconds
+    assert time.perf_counter() - start < 30.0, pattern

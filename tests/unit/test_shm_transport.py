@@ -1,14 +1,19 @@
 """The shared-memory transport's own behaviour, beyond the BucketTransport contract
-(tests/contract/test_bucket_transport_contract.py): what it leaves on disk, two receivers on one
-ring, a receiver in another process, and each failure's typed error."""
+(tests/contract/test_bucket_transport_contract.py): a ring that is never a file, two receivers on
+one ring, a receiver in another process, who may join, and each failure's typed error. (What a
+SIGKILL leaves: tests/unit/test_shm_ring_kills.py.)
+
+A deadline that a test makes expire on purpose may be short here: the source judges every
+connection already queued, with its hello already sent, before it looks at the clock again."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import multiprocessing as mp
 import os
 import socket
-import stat
 import struct
 import threading
 from pathlib import Path
@@ -19,8 +24,9 @@ import structlog
 import structlog.testing
 import torch
 
+from adapters.distributed import shm_transport
 from adapters.distributed.receiving import receive_buffer
-from adapters.distributed.shm_transport import ShmSource, ShmTransport, connect, shm_directory
+from adapters.distributed.shm_transport import ShmSource, ShmTransport, connect
 from domain.errors import (
     CollectiveTimeout,
     PeerLost,
@@ -74,16 +80,27 @@ def _thread(end: ShmTransport, keep: bool = False) -> tuple[threading.Thread, di
     return th, box
 
 
-def test_the_ring_is_private_and_nothing_is_left_once_the_receivers_are_in(tmp_path: Path) -> None:
-    source = ShmSource.serve(1, slots=2, slot_bytes=4096, directory=tmp_path)
-    where = Path(source.rendezvous.directory)
-    assert stat.S_IMODE(where.stat().st_mode) == 0o700
-    assert stat.S_IMODE(source.rendezvous.ring_path.stat().st_mode) == 0o600
-    assert source.rendezvous.ring_path.stat().st_size == 2 * 4096
+def _abstract_names() -> set[str]:
+    """The names of the Unix sockets in the abstract namespace ("@name" in /proc/net/unix)."""
+    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return {f.split()[-1][1:] for f in lines if len(f.split()) == 8 and f.split()[-1].startswith("@")}
+
+
+def test_the_ring_is_sealed_anonymous_memory_and_its_socket_has_no_file() -> None:
+    source = ShmSource.serve(1, slots=2, slot_bytes=4096)
+    fd = source.ring_fd
+    assert fd is not None
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:rl-refit-ring")  # no path on any file system
+    assert os.fstat(fd).st_size == 2 * 4096
+    with pytest.raises(PermissionError):  # nobody can shrink it under a mapping (a SIGBUS there)
+        os.ftruncate(fd, 4096)
+    assert source.rendezvous.name in _abstract_names()
     end = connect(source.rendezvous, 1, BUCKET)
     sender = source.accept()
-    assert not where.exists() and list(tmp_path.iterdir()) == []
-    th, box = _thread(end)  # and the ring still works: it lives on in the two mappings
+    assert source.ring_fd is None
+    with pytest.raises(PeerLost, match="nobody listens"):  # it stopped listening
+        connect(source.rendezvous, 1, BUCKET)
+    th, box = _thread(end)  # and the ring works: it lives on in the two mappings
     sender.send(_buckets(_tensors()))
     th.join(30)
     assert box["digests"] == {n: _digest(t) for n, t in _tensors()}
@@ -93,7 +110,7 @@ def test_the_ring_is_private_and_nothing_is_left_once_the_receivers_are_in(tmp_p
 
 @pytest.mark.parametrize("keep", [False, True], ids=["in-ring", "own-buffers"])
 def test_two_receivers_on_one_ring_each_get_every_bucket(keep: bool) -> None:
-    source, ends = shm_pair(2, bucket_bytes=BUCKET, slots=2, slot_bytes=BUCKET // 4, timeout_s=20)
+    source, ends = shm_pair(2, bucket_bytes=BUCKET, slots=2, slot_bytes=BUCKET // 4, timeout_s=60)
     threads = [_thread(e, keep) for e in ends]
     stats = source.send(_buckets(_tensors(), by_reference=True))
     for th, box in threads:
@@ -106,7 +123,7 @@ def test_two_receivers_on_one_ring_each_get_every_bucket(keep: bool) -> None:
 
 
 def test_streams_follow_one_another_on_one_ring() -> None:
-    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=3, slot_bytes=5000, timeout_s=20)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=3, slot_bytes=5000, timeout_s=60)
     for refit in (1, 2, 3):
         source.refit_id = end.refit_id = refit
         th, box = _thread(end)
@@ -142,14 +159,14 @@ def test_a_receiver_in_another_process_gets_the_stream_intact() -> None:
 
 
 def test_a_receiver_that_is_gone_is_a_lost_peer_for_the_source() -> None:
-    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=10)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=60)
     end.close()
     with pytest.raises(PeerLost, match=r"rank 1 closed the shared-memory stream"):
         source.send(_buckets(_tensors()))
 
 
 def test_a_source_that_is_gone_is_a_lost_peer_for_the_receiver_and_later_streams_are_refused() -> None:
-    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=10)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=4096, timeout_s=60)
     source.close()
     with pytest.raises(PeerLost, match=r"the trainer closed the shared-memory stream"):
         end.receive(lambda b: None)
@@ -171,17 +188,19 @@ def test_a_silent_source_times_out_on_the_receiver() -> None:
     source.close()
 
 
-def test_receivers_that_never_connect_time_out_and_the_ring_is_removed(tmp_path: Path) -> None:
-    source = ShmSource.serve(2, slots=1, slot_bytes=4096, timeout_s=0.3, directory=tmp_path)
+def test_receivers_that_never_connect_time_out_and_the_source_stops_listening() -> None:
+    source = ShmSource.serve(2, slots=1, slot_bytes=4096, timeout_s=0.3)
     end = connect(source.rendezvous, 1, BUCKET)
     with pytest.raises(CollectiveTimeout, match=r"1 of 2 came"):
         source.accept()
-    assert list(tmp_path.iterdir()) == []
+    assert source.ring_fd is None
+    with pytest.raises(PeerLost, match=r"nobody listens .* the trainer exited or gave up"):
+        connect(source.rendezvous, 2, BUCKET)
     end.close()
 
 
 def test_a_source_failure_mid_bucket_aborts_the_receiver_with_its_text() -> None:
-    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=1024, timeout_s=10)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=1, slot_bytes=1024, timeout_s=60)
     th, box = _thread(end)
 
     def failing() -> Any:
@@ -202,7 +221,7 @@ def test_a_source_failure_mid_bucket_aborts_the_receiver_with_its_text() -> None
 
 
 def test_a_consumer_failure_drains_the_stream_then_raises() -> None:
-    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=2, slot_bytes=4096, timeout_s=10)
+    source, (end,) = shm_pair(1, bucket_bytes=BUCKET, slots=2, slot_bytes=4096, timeout_s=60)
     seen: list[int] = []
 
     def consume(b: Bucket) -> None:
@@ -227,7 +246,7 @@ def test_a_consumer_failure_drains_the_stream_then_raises() -> None:
 
 
 def test_a_message_out_of_the_protocol_is_refused_and_the_stream_stays_refused() -> None:
-    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=5)
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=60)
     end = connect(source.rendezvous, 1, BUCKET)
     sender = source.accept()
     sender.sockets[0].sendall(struct.pack("<4sIQ", b"XXXX", 1, 0))
@@ -239,7 +258,7 @@ def test_a_message_out_of_the_protocol_is_refused_and_the_stream_stays_refused()
 
 
 def test_an_oversized_announcement_is_refused_before_anything_is_read() -> None:
-    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=5)
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=60)
     end = connect(source.rendezvous, 1, BUCKET)
     sender = source.accept()
     sender.sockets[0].sendall(struct.pack("<4sIQ", b"RFSH", 1, 1 << 40))
@@ -248,17 +267,39 @@ def test_an_oversized_announcement_is_refused_before_anything_is_read() -> None:
     sender.close()
 
 
-def test_a_ring_of_another_size_is_refused(tmp_path: Path) -> None:
-    source = ShmSource.serve(1, slots=2, slot_bytes=4096, directory=tmp_path)
-    os.truncate(source.rendezvous.ring_path, 4096)
+def test_a_ring_of_another_size_is_refused_by_the_receiver() -> None:
+    source = ShmSource.serve(1, slots=2, slot_bytes=4096, timeout_s=60)
+    assert source.ring_fd is not None
+    os.close(source.ring_fd)
+    source.ring_fd = os.memfd_create("another-ring")  # what the source hands over is not what it announced
+    os.ftruncate(source.ring_fd, 4096)
+    end = connect(source.rendezvous, 1, BUCKET)
+    sender = source.accept()
     with pytest.raises(WireProtocolError, match="holds 4096 bytes, not the 8192"):
-        connect(source.rendezvous, 1, BUCKET)
-    source.close()
+        end.receive(lambda b: None)
+    with pytest.raises(WireProtocolError, match="out of step"):
+        end.receive(lambda b: None)
+    sender.close()
+    end.close()
+
+
+def test_a_handover_without_the_ring_is_refused_by_the_receiver() -> None:
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=60)
+    source.ring_fd, fd = None, source.ring_fd  # the source hands nothing over
+    end = connect(source.rendezvous, 1, BUCKET)
+    sender = source.accept()
+    sender.sockets[0].sendall(struct.pack("<4sIQ", b"RFSH", 3, 0))  # the handover's message, no descriptor
+    with pytest.raises(WireProtocolError, match=r"0 descriptors where the shared-memory ring's handover"):
+        end.receive(lambda b: None)
+    assert fd is not None
+    os.close(fd)
+    sender.close()
+    end.close()
 
 
 def _stranger(source: ShmSource, hello: bytes) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(source.rendezvous.socket_path)
+    s.connect(source.rendezvous.address)
     s.sendall(hello)
     return s
 
@@ -294,6 +335,15 @@ def test_a_rank_beyond_the_receiver_count_is_refused() -> None:
     transport.close()
 
 
+def test_a_connection_of_another_user_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=0.3)
+    end = connect(source.rendezvous, 1, BUCKET)  # it knows the token; the kernel says another user connected
+    monkeypatch.setattr(shm_transport, "_peer_uid", lambda sock: os.getuid() + 4242)
+    with pytest.raises(CollectiveTimeout, match=rf"refused: a connection of user {os.getuid() + 4242}, not this user"):
+        source.accept()
+    end.close()
+
+
 def test_receivers_refused_are_named_when_the_real_ones_never_come() -> None:
     source = ShmSource.serve(1, slots=1, slot_bytes=4096, timeout_s=1.0)
     stranger = _stranger(source, b"RFSH" + (1).to_bytes(8, "little") + bytes(16))
@@ -302,15 +352,29 @@ def test_receivers_refused_are_named_when_the_real_ones_never_come() -> None:
     stranger.close()
 
 
-def test_a_ring_that_cannot_be_made_says_where_and_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def full(fd: int, offset: int, length: int) -> None:
-        raise OSError(28, "No space left on device")
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(SharedMemoryUnavailable, match=r"8 MiB shared-memory ring in .*No space left on device.*"
-                                                      r"transport=gloo"):
-        ShmSource.serve(1, slots=2, slot_bytes=4 << 20, directory=tmp_path)
-    assert list(tmp_path.iterdir()) == []  # nothing half-made is left
+
+@pytest.mark.parametrize("call", ["memfd_create", "posix_fallocate"])
+def test_a_ring_that_cannot_be_made_says_why_and_what_to_do(call: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, call, refused)
+    before = _open_fds()
+    with pytest.raises(SharedMemoryUnavailable, match=r"8 MiB shared-memory ring: No space left on device; "
+                                                      r"free memory .*transport=gloo"):
+        ShmSource.serve(1, slots=2, slot_bytes=4 << 20)
+    assert _open_fds() <= before  # nothing half-made is left open
+
+
+def test_the_ring_is_sealed_against_resizing() -> None:
+    source = ShmSource.serve(1, slots=1, slot_bytes=4096)
+    assert source.ring_fd is not None
+    seals = fcntl.fcntl(source.ring_fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+    source.close()
 
 
 @pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists(),
@@ -331,11 +395,3 @@ def test_a_receive_buffer_is_its_own_mapping_advised_for_huge_pages() -> None:
             break
     assert flags is not None and "hg" in flags, flags
     assert receive_buffer(1000).numel() == 1000  # small ones: a plain allocation
-
-
-def test_a_ring_goes_to_dev_shm_only_when_it_fits_there(tmp_path: Path) -> None:
-    import tempfile
-
-    assert shm_directory(1, shm=tmp_path) == tmp_path
-    assert shm_directory(1 << 62, shm=tmp_path) == Path(tempfile.gettempdir())  # no room: the temp directory
-    assert shm_directory(1, shm=tmp_path / "missing") == Path(tempfile.gettempdir())
