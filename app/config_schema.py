@@ -276,7 +276,7 @@ SCHEMA: tuple[Key, ...] = (
         "disaggregated: seconds the vLLM server may take to start serving; past them it is killed with "
         "its engine processes", check=_positive_seconds),
     Key("rollout.engine_kwargs.vllm.transport", (str,), "shm",
-        "disaggregated: how buckets reach the engine's workers: shm (a shared-memory ring on this host), "
+        "disaggregated and attached: how buckets reach the server's workers: shm (a shared-memory ring on this host), "
         "gloo (a process group over TCP), nccl (GPU to GPU, any hosts), cuda_ipc (the trainer's GPU buffers "
         "mapped by workers on this host) or auto (by where the tensors and workers live; docs/engines.md)",
         choices=VLLM_TRANSPORTS),
@@ -287,10 +287,10 @@ SCHEMA: tuple[Key, ...] = (
         "attached: one URL per replica, refitted together (instead of url)", check=_urls),
     Key("rollout.engine_kwargs.vllm.api_key", (str, NoneType), None, "attached: the server's --api-key, if any"),
     Key("rollout.engine_kwargs.vllm.pause_mode", (str,), "keep",
-        "attached: how generation pauses around a refit: keep (in-flight requests freeze and continue "
+        "disaggregated and attached: how the server's generation pauses around a refit: keep (in-flight requests freeze and continue "
         "after it), abort, or wait (let them finish first)", choices=("keep", "abort", "wait")),
     Key("rollout.engine_kwargs.vllm.reset_running_requests", (bool,), False,
-        "attached: also drop the KV of requests in flight when the refit ends, so their continuation is "
+        "disaggregated and attached: also drop the KV of requests in flight when the refit ends, so their continuation is "
         "computed with the new weights (on-policy)"),
     Key("rollout.engine_kwargs.vllm.cpu_emulation", (str, bool), "auto",
         "vLLM's CPU platform only: emulated matmuls for formats with no native kernel on this CPU "

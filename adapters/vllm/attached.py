@@ -99,7 +99,7 @@ def probe(control: EngineControl, expected: Expected) -> list[InfoReply]:
     if expected.model is not None and not same_model(first.model, expected.model):
         raise ServerMismatch(f"{control.where} serves {first.model!r}, not {expected.model!r} (model.path): attach to "
                              "the server of this model, or set model.path to the served one")
-    if (first.quantization or None) != (expected.quantization or None):
+    if not same_method(first.quantization, expected.quantization):
         flags = f" ({expected.server_flags})" if expected.server_flags else ""
         raise ServerMismatch(f"{control.where} was started with quantization={first.quantization!r}, but the plan "
                              f"needs {expected.quantization!r}: restart the server with the plan's flags{flags}, "
@@ -162,6 +162,15 @@ class _Stream:
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def same_method(served: str | None, planned: str | None) -> bool:
+    """The server's quantization method is the plan's: equal, or the one vLLM resolved it to from
+    the checkpoint's config (a `modelopt` request serves NVFP4 weights as `modelopt_fp4`)."""
+    served, planned = served or None, planned or None
+    if served == planned:
+        return True
+    return served is not None and planned is not None and served.startswith(planned + "_")
 
 
 @attrs.define

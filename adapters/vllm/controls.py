@@ -114,7 +114,7 @@ class HttpControl:
     api_key: str | None = None
     _model: str | None = attrs.field(init=False, default=None)
     _loras: dict[int, str] = attrs.field(init=False, factory=dict)  # adapter id -> the name the server serves it by
-    _lora_root: Path | None = attrs.field(init=False, default=None)  # where staged adapters are written
+    lora_root: Path | None = attrs.field(init=False, default=None)  # where staged adapters are written (made on use)
 
     @property
     def where(self) -> str:
@@ -227,10 +227,10 @@ class HttpControl:
         """Write the adapter as PEFT writes it into a private directory on this host and have the
         server load it through `/v1/load_lora_adapter`, served as `rl-refit-<id>`; returns the
         bytes written. AdapterUpdateFailed when the server refuses it."""
-        if self._lora_root is None:
-            self._lora_root = Path(tempfile.mkdtemp(prefix="rl-refit-lora-"))  # 0700
-        directory = self._lora_root / str(adapter_id)
-        directory.mkdir()
+        if self.lora_root is None:
+            self.lora_root = Path(tempfile.mkdtemp(prefix="rl-refit-lora-"))  # 0700
+        directory = self.lora_root / str(adapter_id)
+        directory.mkdir(mode=0o700, parents=True)
         (directory / "adapter_model.safetensors").write_bytes(tensors)
         (directory / "adapter_config.json").write_text(json.dumps(dict(config)))
         self._load_lora(adapter_id, f"{SERVED_NAME}-{adapter_id}", str(directory))
@@ -241,8 +241,8 @@ class HttpControl:
         name = self._loras.pop(adapter_id, None)
         if name is not None:
             self.request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
-        if self._lora_root is not None:
-            shutil.rmtree(self._lora_root / str(adapter_id), ignore_errors=True)
+        if self.lora_root is not None:
+            shutil.rmtree(self.lora_root / str(adapter_id), ignore_errors=True)
 
     def served_loras(self) -> list[str]:
         """The LoRA adapters the server serves now (its `/v1/models` entries with a parent)."""
@@ -271,9 +271,9 @@ class HttpControl:
 
     def close(self) -> None:
         """Nothing of the server is held (it keeps running); the adapters written here are removed."""
-        if self._lora_root is not None:
-            shutil.rmtree(self._lora_root, ignore_errors=True)
-            self._lora_root = None
+        if self.lora_root is not None:
+            shutil.rmtree(self.lora_root, ignore_errors=True)
+            self.lora_root = None
 
 
 

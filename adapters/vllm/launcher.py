@@ -206,6 +206,10 @@ class ServerProcess:
     reaper: Reaper
     keeper: Any = None
     failed: bool = False
+    private_dir: Path | None = None  # removed with the server (vLLM's IPC sockets, the LoRA adapters written for it)
+
+    def __attrs_post_init__(self) -> None:
+        atexit.register(self.close, 5.0)  # a trainer that exits without closing: the log kept only after a failure
 
     @classmethod
     def start(cls, python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str] | None = None,
@@ -249,7 +253,7 @@ class ServerProcess:
             proc = subprocess.Popen(command, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=server_env, start_new_session=True)
         reaper = Reaper(proc, private)
-        server = cls(proc, url, out, reaper)
+        server = cls(proc, url, out, reaper, private_dir=private)
         try:
             if keeper:
                 from adapters.vllm.guardian import Guardian
@@ -304,6 +308,7 @@ class ServerProcess:
         """Stop the server (SIGTERM, then the whole group killed past `timeout_s`), release the
         keeper, remove the private directory; the log is removed after a clean run and kept
         after any failure. Idempotent."""
+        atexit.unregister(self.close)
         if self.keeper is not None:
             self.keeper.release()
             self.keeper = None
@@ -357,7 +362,10 @@ def start_owned(python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[s
                 api_key: str | None = None, transfer: bool = True) -> OwnedHttpControl:
     """A server started by this trainer (`ServerProcess.start`) and its control."""
     server = ServerProcess.start(python, engine_kwargs, env=env, start_timeout_s=start_timeout_s, transfer=transfer)
-    return OwnedHttpControl(server.url, timeout_s=start_timeout_s + 600.0, api_key=api_key, server=server)
+    control = OwnedHttpControl(server.url, timeout_s=start_timeout_s + 600.0, api_key=api_key, server=server)
+    if server.private_dir is not None:  # the adapters written for it go with it, whatever ends the trainer
+        control.lora_root = server.private_dir / "lora"
+    return control
 
 
 @attrs.define

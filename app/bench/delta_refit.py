@@ -72,7 +72,7 @@ def _rows(report: BenchReport, name: str, trainer: ReferenceTrainer, fmt: str, b
         report.add(case, "patch seconds (engine: patch, hash, keep)", d.patch_seconds, "s")
         for phase in ("export", "quantize", "pack", "load", "finalize"):
             report.add(case, f"{phase} seconds", r.timings.get(phase, 0.0), "s")
-        report.add(case, "extra memory (trainer + engine host copies)",
+        report.add(case, "extra memory (trainer + engine copies)",
                    (d.trainer_host_bytes + d.engine_host_bytes) / MiB, "MiB")
         report.add(case, "tensors sent as delta records", float(d.tensors_delta), "tensors")
         report.add(case, "tensors sent whole", float(d.tensors_whole), "tensors")

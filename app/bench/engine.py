@@ -4,7 +4,7 @@ engine (started once), for the same weights.
 The engine is the one `refit demo --engine vllm` starts (the embedded model, dummy weights,
 rl-refit's worker extension, here adapters.vllm.bench_extension.BenchExtension with the
 baselines), colocated (vLLM in this process, buckets by reference) or disaggregated (an engine
-host process, buckets through the shared-memory ring, or over a side gloo group with
+vLLM server rl-refit starts, buckets through the shared-memory ring, or over a side gloo group with
 `rollout.engine_kwargs.vllm.transport=gloo`). After a first refit (the engine goes live), one
 untimed try of each baseline and a warm-up round, `repeat` rounds measure, in turns (the order
 reversed every other round, so that a load change on a shared machine hits every path alike),
@@ -30,7 +30,7 @@ wall-clock seconds in the trainer's process of:
   processed, so such writes never reach what the engine computes with.
 
 And the engine's start (`LLM(...)` in this process with vLLM already imported; for the
-disaggregated shape the host process's start, vLLM's import included), for scale.
+disaggregated shape the vLLM server's start until it serves, vLLM's import included), for scale.
 
 Rows: rl-refit's median refit time against each baseline's median (ratio = baseline / ours,
 above 1 = the refit is faster). Notes: the refit's phases; whether the engine held the same bytes
@@ -118,12 +118,12 @@ class EngineBenchSettings:
     def trainer_threads_for(self, deployment: str, cpu_count: int, cuda: bool) -> int | None:
         """The trainer's torch threads for a deployment, None: leave them as they are.
 
-        Disaggregated on CPU, the engine host shares the trainer's cores, and vLLM's
+        Disaggregated on CPU, the vLLM server shares the trainer's cores, and vLLM's
         multiprocess engine busy-polls its message queues for 1 s after every call it reads
         (SpinCondition.busy_loop_s, vllm/distributed/device_communicators/shm_broadcast.py):
         an OpenMP team spanning every core beside that spinning process waits at each barrier
         for a descheduled thread (on 2 cores, quantizing right after an RPC took 30 times as
-        long). So by default the trainer gets half the cores and the engine host the rest.
+        long). So by default the trainer gets half the cores and the vLLM server the rest.
         Colocated, vLLM sets this process's threads itself.
 
         Args:
@@ -157,7 +157,7 @@ class EngineTimings:
         layerwise: the rounds of vLLM's layerwise reload of the same buckets (empty: it failed,
             see layerwise_error).
         receive: the rounds of the same buckets received and dropped (empty: not measured).
-        transport: disaggregated, how the buckets reached the engine host ("shm": the shared-memory
+        transport: disaggregated, how the buckets reached the vLLM server ("shm": the shared-memory
             ring; "gloo": the side group); None colocated.
         source_bytes: the trainer's BF16 weights.
         sent_bytes: the bytes one refit sends (quantized).
@@ -187,7 +187,7 @@ class EngineTimings:
         bucket_bytes: the bucket size.
         trainer_peak_bytes: over one refit, the trainer's process's peak RSS above its RSS before
             the refit (colocated: the engine's worker is in that process too).
-        engine_peak_bytes: over the same refit, the sum over the engine host's processes of each
+        engine_peak_bytes: over the same refit, the sum over the vLLM server's processes of each
             one's peak RSS above its RSS before (an upper bound of their joint peak growth; None:
             colocated, the engine is in the trainer's process).
         codec: the refit's codec path choice (app.services.codec_path.CodecPathChoice.to_dict).
@@ -248,7 +248,7 @@ def skip_reason(deployment: str, *, vllm_here: bool, engine_python: str | None =
     Args:
         deployment: colocated or disaggregated.
         vllm_here: vLLM imports in this process.
-        engine_python: the disaggregated engine host's interpreter.
+        engine_python: the interpreter of the disaggregated engine's vLLM server.
         engine_python_has_vllm: vLLM imports in that interpreter.
     """
     if deployment == "colocated" and not vllm_here:
@@ -256,7 +256,7 @@ def skip_reason(deployment: str, *, vllm_here: bool, engine_python: str | None =
                 "environment's python (.venv-vllm/bin/python -m app.cli.main bench engine), or deploy it "
                 "disaggregated")
     if deployment == "disaggregated" and not engine_python_has_vllm:
-        return (f"refit bench engine, disaggregated, starts the engine host with {engine_python}, where vLLM "
+        return (f"refit bench engine, disaggregated, starts a vLLM server with {engine_python}, where vLLM "
                 "does not import; set RL_REFIT_VLLM_PYTHON to the vLLM environment's python, create .venv-vllm "
                 "(scripts/setup-vllm-env.sh), or run the bench with that python (colocated)")
     return None
@@ -381,17 +381,17 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
     rounds = (f"median of {settings.repeat} round{'s' if settings.repeat > 1 else ''} in turns after a "
               "warm-up round")
     start = ("`LLM(...)` in this process, vLLM already imported" if t.deployment == "colocated"
-             else "the engine host process until it serves: Python, vLLM's import, `LLM(...)`, the connection")
+             else "the vLLM server rl-refit starts, until `/health` answers: Python, vLLM's import, the engine's start")
     notes = [
         f"one engine, {t.deployment}: every figure is wall-clock seconds in the trainer's process, {rounds}; "
         f"{t.buckets} buckets, {t.sent_bytes / 2**20:.2f} MiB sent per refit "
         f"({t.source_bytes / 2**20:.2f} MiB of BF16 source weights)",
         "ratio = baseline / rl-refit (above 1: the refit is faster)",
         f"engine start ({t.start:.1f} s): {start}",
-        *([f"the buckets reached the engine host through the {_TRANSPORTS.get(t.transport, t.transport)} "
+        *([f"the buckets reached the vLLM server's workers through the {_TRANSPORTS.get(t.transport, t.transport)} "
            f"(rollout.engine_kwargs.vllm.transport={t.transport})"] if t.transport else []),
         *([f"the trainer's process ran with {t.trainer_threads} torch thread{'s' if t.trainer_threads > 1 else ''}, "
-           "the other cores left to the engine host (vLLM's multiprocess engine busy-polls for 1 s after "
+           "the other cores left to the vLLM server (vLLM's multiprocess engine busy-polls for 1 s after "
            "every call; an OpenMP team over every core beside it stalls at each barrier)"]
           if t.trainer_threads else []),
         "per-bucket load_weights: the same buckets and transport, each bucket straight into "
@@ -441,7 +441,7 @@ def _phases_note(t: EngineTimings) -> str:
              "finalize: the reload's last layers, the expert redo, the KV-scale reset"
              if t.deployment == "colocated" else
              f"load: each bucket into the {_TRANSPORTS.get(t.transport or '', 'transport')}; finalize: waiting for "
-             "the engine host to receive and load the stream (vLLM's layerwise reload and processing), then its "
+             "the server's workers to receive and load the stream (vLLM's layerwise reload and processing), then its "
              "finalize")
     ms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.phases.items())
     parts = [v for k, v in t.phases.items() if k != "total"]
@@ -760,7 +760,7 @@ def _copy_bound(trainer: Any, repeat: int) -> float:
 
 def _refit_memory(bench: _Bench) -> tuple[int, int | None]:
     """One refit with the peak RSS of every process reset before it: the trainer's process's peak
-    above its RSS before, and the sum of the engine host's processes' peaks above theirs (None
+    above its RSS before, and the sum of the vLLM server's processes' peaks above theirs (None
     colocated). Bytes."""
     from app.bench.memory import process_kib, process_tree, reset_peak_rss
 

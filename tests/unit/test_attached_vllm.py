@@ -321,6 +321,18 @@ def test_the_probe_refuses_a_server_that_differs_in_one_line(server_kwargs: dict
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(("served", "planned", "same"), [
+    (None, None, True), ("compressed-tensors", "compressed-tensors", True), ("modelopt_fp4", "modelopt", True),
+    ("compressed-tensors", None, False), (None, "modelopt", False), ("modelopt", "modelopt_fp4", False),
+    ("fp8", "compressed-tensors", False),
+])
+def test_the_servers_method_is_the_plans_or_what_vllm_resolved_it_to(served: str | None, planned: str | None,
+                                                                     same: bool) -> None:
+    from adapters.vllm.attached import same_method
+
+    assert same_method(served, planned) is same
+
+
 def test_the_probe_refuses_a_server_without_the_backend() -> None:
     server = FakeServer([FakeVllmModel()])
     for w in server.workers:

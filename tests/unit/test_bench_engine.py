@@ -68,7 +68,7 @@ def test_defaults() -> None:
 
 def test_trainer_threads() -> None:
     auto = EngineBenchSettings()
-    assert auto.trainer_threads_for("disaggregated", 2, cuda=False) == 1  # the other core: the engine host's
+    assert auto.trainer_threads_for("disaggregated", 2, cuda=False) == 1  # the other core: the vLLM server's
     assert auto.trainer_threads_for("disaggregated", 16, cuda=False) == 8
     assert auto.trainer_threads_for("disaggregated", 1, cuda=False) == 1
     assert auto.trainer_threads_for("disaggregated", 16, cuda=True) is None  # quantizing runs on the GPU

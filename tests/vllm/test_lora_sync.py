@@ -70,7 +70,9 @@ def test_adapter_updates_equal_vllms_own_load_of_the_same_adapter(deployment: st
 
     base = result["failed_base"]  # the base refit of the same step failed: neither went live
     assert not base["live"] and base["adapter_id"] == 3 and "the base refit failed" in base["error"]
-    assert (base["base_outcome"], base["engine_state"]) == ("rolled-back", "restored")
+    # colocated, the previous buckets are streamed again (replay); a server's workers put their own backup back
+    assert (base["base_outcome"], base["engine_state"]) == ("rolled-back", "restored" if deployment == "colocated"
+                                                            else "kept")
     _twin(base)
     assert base["held"] == [3]
 
