@@ -37,3 +37,41 @@ def with_quantization_config(
         return merged, None
     merged["quantization_config"] = dict(quantization_config)
     return merged, str(quantization_config.get("quant_method", "compressed-tensors"))
+
+
+_FIELDS = ("type", "num_bits", "strategy", "block_structure", "group_size", "symmetric", "dynamic")
+
+
+def _args(args: Any) -> str:
+    if not isinstance(args, Mapping):
+        return "none"
+    return " ".join(f"{k}={args[k]}" for k in _FIELDS if args.get(k) is not None)
+
+
+def quantization_scheme(config: Any) -> str | None:
+    """What a model's `quantization_config` makes of its weights and activations, in one canonical
+    line, to tell whether a server serves a plan: the method and format; per compressed-tensors
+    config group its targets and the weights' and input activations' type, bits, strategy, block
+    or group, symmetry and dynamism; the layers left out (`ignore`); for ModelOpt its algorithm,
+    group size and excluded modules. Fields that do not change what is served (observers, status,
+    versions) are left out, so a checkpoint written by llm-compressor and the plan's config compare
+    equal when they quantize alike. None without a config."""
+    if hasattr(config, "to_dict") and not isinstance(config, Mapping):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        return None
+    method = str(config.get("quant_method", "compressed-tensors"))
+    if method.startswith("modelopt"):
+        quant = config.get("quantization") if isinstance(config.get("quantization"), Mapping) else config
+        excluded = sorted(str(m) for m in quant.get("exclude_modules") or quant.get("ignore") or ())
+        return (f"modelopt {quant.get('quant_algo')} group_size={quant.get('group_size')}"
+                f"; exclude {', '.join(excluded) or '-'}")
+    groups = config.get("config_groups") if isinstance(config.get("config_groups"), Mapping) else {}
+    parts = [f"{method} {config.get('format')}"]
+    for name in sorted(groups):
+        group = groups[name] if isinstance(groups[name], Mapping) else {}
+        targets = ",".join(sorted(str(t) for t in group.get("targets") or ()))
+        parts.append(f"{targets}: weights {_args(group.get('weights'))}; inputs {_args(group.get('input_activations'))}")
+    ignore = sorted(str(i) for i in config.get("ignore") or ())
+    parts.append(f"ignore {', '.join(ignore) or '-'}")
+    return "; ".join(parts)

@@ -69,11 +69,16 @@ class Expected:
         model: the model path or name it should serve (None: not checked).
         quantization: vLLM's `quantization` method the plan needs (None: BF16).
         server_flags: the flags that start a server for this plan (said when it differs).
+        scheme: what the plan's quantization config makes of the weights and activations, in
+            adapters.engine_overrides.quantization_scheme's words (None: not checked).
+        kv_cache_dtype: the KV cache's dtype the configuration asks for (None: not checked).
     """
 
     model: str | None = None
     quantization: str | None = None
     server_flags: str = ""
+    scheme: str | None = None  # adapters.engine_overrides.quantization_scheme of the plan's config (None: not checked)
+    kv_cache_dtype: str | None = None  # None: not checked
 
 
 def probe(control: EngineControl, expected: Expected) -> list[InfoReply]:
@@ -104,7 +109,25 @@ def probe(control: EngineControl, expected: Expected) -> list[InfoReply]:
         raise ServerMismatch(f"{control.where} was started with quantization={first.quantization!r}, but the plan "
                              f"needs {expected.quantization!r}: restart the server with the plan's flags{flags}, "
                              "or change rollout.quantization to what the server serves")
+    if expected.scheme is not None and first.scheme != expected.scheme:
+        flags = f" ({expected.server_flags})" if expected.server_flags else ""
+        raise ServerMismatch(f"{control.where} quantizes otherwise than the plan: it serves [{_short(first.scheme)}], "
+                             f"the plan needs [{_short(expected.scheme)}]: restart the server from `refit export`'s "
+                             f"checkpoint or with the plan's flags{flags}, or change rollout.quantization")
+    if expected.kv_cache_dtype is not None and _kv(first.kv_cache_dtype) != _kv(expected.kv_cache_dtype):
+        raise ServerMismatch(f"{control.where} keeps its KV cache in {first.kv_cache_dtype}, but "
+                             f"rollout.engine_kwargs.vllm.kv_cache_dtype is {expected.kv_cache_dtype}: restart the server "
+                             f"with --kv-cache-dtype {expected.kv_cache_dtype}, or set the key to what it serves")
     return infos
+
+
+def _short(text: str | None, limit: int = 400) -> str:
+    text = "none" if text is None else text
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _kv(dtype: str) -> str:
+    return "fp8_e4m3" if dtype == "fp8" else dtype  # vLLM's fp8 is e4m3
 
 
 

@@ -182,9 +182,14 @@ class RefitWorkerExtension:
         model = config.model_config
         load = getattr(getattr(config, "load_config", None), "load_format", "auto")
         weights = "dummy" if str(getattr(load, "value", load)) == "dummy" else "checkpoint"
+        from adapters.engine_overrides import quantization_scheme
+
+        scheme = quantization_scheme(getattr(getattr(model, "hf_config", None), "quantization_config", None))
+        cache = getattr(getattr(config, "cache_config", None), "cache_dtype", "auto")
         return p.InfoReply(rl_refit_version(), self._rl_refit_session() is not None, int(getattr(self, "rank", 0)),
                            int(config.parallel_config.world_size), str(model.model),
-                           getattr(model, "quantization", None), weights, str(self._rl_refit_state().device))
+                           getattr(model, "quantization", None), weights, str(self._rl_refit_state().device),
+                           scheme, str(cache))
 
     def _rl_refit_on_report(self) -> p.ReportReply:
         session = self._rl_refit_required_session()

@@ -350,7 +350,9 @@ class BenchReload(Request[Seconds]):
 class InfoReply(Record):
     """What a worker of a server is: its rl-refit version, whether it runs the rl_refit backend,
     its rank, the engine's world size, the served model, its quantization method, and whether it
-    started from the model's checkpoint or with dummy weights (`load_format=dummy`)."""
+    started from the model's checkpoint or with dummy weights (`load_format=dummy`), where its
+    weights live, its quantization scheme (adapters.engine_overrides.quantization_scheme) and its
+    KV cache's dtype."""
 
     version: str = attrs.field(converter=str)
     backend: bool = attrs.field(converter=bool)
@@ -360,6 +362,8 @@ class InfoReply(Record):
     quantization: str | None = attrs.field(converter=lambda v: None if v is None else str(v))
     weights: str = attrs.field(converter=str, default="checkpoint")  # "dummy": started without weights
     device: str = attrs.field(converter=str, default="cpu")  # where the worker's weights live
+    scheme: str | None = attrs.field(converter=lambda v: None if v is None else str(v), default=None)
+    kv_cache_dtype: str = attrs.field(converter=str, default="auto")
 
 
 @attrs.frozen

@@ -46,7 +46,9 @@ class FakeServer:
     where = "the fake server"
     same_host = True
 
-    def __init__(self, models: list[FakeVllmModel], *, from_disk: bool = True, version: str | None = None) -> None:
+    def __init__(self, models: list[FakeVllmModel], *, from_disk: bool = True, version: str | None = None,
+                 quantization: str | None = None, quantization_config: dict[str, Any] | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         cls = fake_worker_class(RefitWorkerExtension)
         self.models = models
         self.workers = []
@@ -58,7 +60,9 @@ class FakeServer:
             session = WorkerSession(refit, rank=rank + 1, reload_from_disk=self._disk(model) if from_disk else None)
             worker.weight_transfer_engine = FakeBackend(session)
             worker.vllm_config = SimpleNamespace(
-                model_config=SimpleNamespace(model="/models/fake", quantization=None),
+                model_config=SimpleNamespace(model="/models/fake", quantization=quantization,
+                                             hf_config=SimpleNamespace(quantization_config=quantization_config)),
+                cache_config=SimpleNamespace(cache_dtype=kv_cache_dtype),
                 parallel_config=SimpleNamespace(world_size=len(models)),
                 load_config=SimpleNamespace(load_format="auto" if from_disk else "dummy"))
             self.workers.append(worker)
@@ -331,6 +335,51 @@ def test_the_servers_method_is_the_plans_or_what_vllm_resolved_it_to(served: str
     from adapters.vllm.attached import same_method
 
     assert same_method(served, planned) is same
+
+
+def _served_config(linear: str) -> dict[str, Any]:
+    """The quantization_config a vLLM engine is sent for a plan (what `refit export` writes too)."""
+    from app.bootstrap import bootstrap
+    from app.composition.tables import engine_start
+
+    services = bootstrap(overrides=["rollout.name=vllm", "reference.model=micro-dense",
+                                    f"rollout.quantization.linear={linear}"])
+    config = engine_start(services, "vllm").quantization_config
+    assert config is not None
+    return dict(config)
+
+
+def test_the_probe_refuses_a_server_that_quantizes_otherwise_with_the_same_method() -> None:
+    """An FP8_BLOCK server and an MXFP8 plan are both `compressed-tensors`: the scheme tells them apart."""
+    from adapters.engine_overrides import quantization_scheme
+
+    served, planned = _served_config("FP8_BLOCK"), _served_config("MXFP8")
+    server = FakeServer([FakeVllmModel()], quantization="compressed-tensors", quantization_config=served)
+    with pytest.raises(ServerMismatch, match=r"quantizes otherwise than the plan: it serves \[.*block.*\], the plan "
+                                             r"needs \[.*num_bits=8 strategy=group group_size=32.*\]") as info:
+        probe(server, Expected(quantization="compressed-tensors", scheme=quantization_scheme(planned)))
+    assert "\n" not in str(info.value)
+    probe(server, Expected(quantization="compressed-tensors", scheme=quantization_scheme(served)))  # the same: served
+
+
+def test_fields_that_do_not_change_what_is_served_do_not_count() -> None:
+    from adapters.engine_overrides import quantization_scheme
+
+    config = _served_config("FP8_BLOCK")
+    written = {**config, "quantization_status": "compressed", "global_compression_ratio": 1.5, "version": "0.17.0",
+               "config_groups": {k: {**g, "weights": {**g["weights"], "observer": "minmax", "observer_kwargs": {}}}
+                                 for k, g in config["config_groups"].items()}}
+    assert quantization_scheme(written) == quantization_scheme(config)
+    assert quantization_scheme({**config, "ignore": [*config["ignore"], "model.layers.0.mlp.down_proj"]}) \
+        != quantization_scheme(config)  # one more layer left in BF16 is served otherwise
+    assert quantization_scheme(None) is None
+
+
+def test_the_probe_refuses_a_server_whose_kv_cache_dtype_differs() -> None:
+    server = FakeServer([FakeVllmModel()], kv_cache_dtype="auto")
+    with pytest.raises(ServerMismatch, match=r"KV cache in auto.*kv_cache_dtype is fp8.*--kv-cache-dtype fp8"):
+        probe(server, Expected(kv_cache_dtype="fp8"))
+    probe(FakeServer([FakeVllmModel()], kv_cache_dtype="fp8_e4m3"), Expected(kv_cache_dtype="fp8"))  # vLLM's fp8
 
 
 def test_the_probe_refuses_a_server_without_the_backend() -> None:
