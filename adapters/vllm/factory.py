@@ -285,7 +285,7 @@ def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section
     control = start_owned(host.python(), kwargs, env={**host.environ, **env},
                           start_timeout_s=float(section.start_timeout_s))
     try:
-        expected = Expected(model=str(kwargs["model"]), quantization=kwargs.get("quantization"), scheme=_scheme(start),
+        expected = Expected(model=str(kwargs["model"]), quantization=kwargs.get("quantization"), scheme=_scheme(kwargs),
                             kv_cache_dtype=section.kv_cache_dtype)
         return attach(control, expected, bucket_bytes=host.bucket_bytes, settings=_attach_settings(section),
                       owned_dirs=owned)
@@ -294,11 +294,12 @@ def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section
         raise
 
 
-def _scheme(start: EngineStart) -> str | None:
-    """The plan's quantization scheme, as a server reports its own (adapters.vllm.attached.probe)."""
+def _scheme(kwargs: Mapping[str, Any]) -> str | None:
+    """The quantization scheme of the config an engine with these arguments reads (the plan's, in
+    `hf_overrides`), as a server reports its own (adapters.vllm.attached.probe)."""
     from adapters.engine_overrides import quantization_scheme
 
-    return quantization_scheme(start.quantization_config)
+    return quantization_scheme((kwargs.get("hf_overrides") or {}).get("quantization_config"))
 
 
 def _attach_settings(section: VllmSettings) -> dict[str, Any]:
@@ -334,7 +335,7 @@ def attach_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost
     kwargs = vllm_engine_kwargs(start.quantization_config, start.decision, kv_cache_dtype=section.kv_cache_dtype,
                                 base=_base(section, start))
     expected = Expected(model=start.model_path or None, quantization=kwargs.get("quantization"),
-                        server_flags=server_flags(kwargs), scheme=_scheme(start),
+                        server_flags=server_flags(kwargs), scheme=_scheme(kwargs),
                         kv_cache_dtype=section.kv_cache_dtype)
     control = HttpControl(url, timeout_s=float(section.start_timeout_s) + 600.0, api_key=section.api_key)
     from adapters.vllm.guardian import Guardian
