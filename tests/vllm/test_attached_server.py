@@ -304,26 +304,37 @@ from app.cli.demo_engine import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
 
-def main():
-    model, cache, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+ENGINE_ARGS = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
+                   worker_extension_cls="adapters.vllm.extension.RefitWorkerExtension",
+                   weight_transfer_config={"backend": "rl_refit"})
+
+def control_of(kind, model):
+    if kind == "llm":  # an offline LLM (its engine core in a process of its own, vLLM's default)
+        from vllm import LLM
+        from adapters.vllm.controls import LlmControl
+        llm = LLM(model=model, **ENGINE_ARGS)
+        return LlmControl(llm), lambda: llm.llm_engine.engine_core.shutdown()
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    args = AsyncEngineArgs(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
-                           seed=0, worker_extension_cls="adapters.vllm.extension.RefitWorkerExtension",
-                           weight_transfer_config={"backend": "rl_refit"})
+    args = AsyncEngineArgs(model=model, **ENGINE_ARGS)
     async def make():
         return AsyncLLM.from_engine_args(args)
     llm = asyncio.run_coroutine_threadsafe(make(), loop).result()
+    return AsyncLlmControl(llm, loop), llm.shutdown
+
+def main():
+    model, cache, work, kind = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+    control, shutdown = control_of(kind, model)
     settings = EngineDemoSettings(deployment="attached", plan=QuantizationPlan.from_presets(None, None), model="micro-dense")
     services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900))
     trainer = services.trainer_model()
-    engine = attach(AsyncLlmControl(llm, loop), Expected(), bucket_bytes=services.bucket_bytes, settings={})
+    engine = attach(control, Expected(), bucket_bytes=services.bucket_bytes, settings={})
     svc = services.refit_service(engine=engine, trainer=trainer)
     comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, work, cache)
     trainer.perturb_(1, 0.02)
     record = comparer.compare(engine, trainer, svc.refit(), 1)
     engine.close()
-    llm.shutdown()
+    shutdown()
     print("RESULT " + json.dumps({"equals_cold_start": record.equals_cold_start, "record": str(record)}), flush=True)
 
 
@@ -333,13 +344,17 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn
 
 
 @pytest.mark.slow
-def test_an_asyncllm_the_caller_holds_refits_equal_to_a_cold_start(tmp_path_factory: pytest.TempPathFactory,
-                                                                    cold_cache: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["async", "llm"])
+def test_an_engine_object_the_caller_holds_refits_equal_to_a_cold_start(tmp_path_factory: pytest.TempPathFactory,
+                                                                        cold_cache: Path, tmp_path: Path,
+                                                                        kind: str) -> None:
+    """An `AsyncLLM` (verl's and NeMo-RL's shape) or an offline `LLM` the caller built with rl-refit's
+    backend, refitted through its own methods (AsyncLlmControl, LlmControl)."""
     _, _, start = _export(tmp_path_factory, None)
-    script = tmp_path / "async_llm.py"
+    script = tmp_path / "engine_object.py"
     script.write_text(ASYNC_SCRIPT)
     env = {**server_environment()}
-    out = subprocess.run([sys.executable, str(script), str(start), str(cold_cache), str(tmp_path)],
+    out = subprocess.run([sys.executable, str(script), str(start), str(cold_cache), str(tmp_path), kind],
                          capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=1500)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, out.stderr[-3000:]
