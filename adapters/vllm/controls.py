@@ -433,10 +433,11 @@ class LlmControl:
         return bool(self.llm.reset_prefix_cache())
 
     def set_weight_version(self, version: str) -> None:
-        return None
+        self.llm.update_weight_version(version)
 
     def weight_version(self) -> str | None:
-        return None
+        version = self.llm.get_weight_version()
+        return None if version is None else str(version)
 
     def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0,
                   lora: LoraServing | None = None) -> torch.Tensor:

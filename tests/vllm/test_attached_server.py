@@ -333,9 +333,11 @@ def main():
     comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, work, cache)
     trainer.perturb_(1, 0.02)
     record = comparer.compare(engine, trainer, svc.refit(), 1)
+    version = control.weight_version()
     engine.close()
     shutdown()
-    print("RESULT " + json.dumps({"equals_cold_start": record.equals_cold_start, "record": str(record)}), flush=True)
+    print("RESULT " + json.dumps({"equals_cold_start": record.equals_cold_start, "record": str(record),
+                                  "version": version}), flush=True)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn
@@ -360,6 +362,7 @@ def test_an_engine_object_the_caller_holds_refits_equal_to_a_cold_start(tmp_path
     assert lines, out.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["equals_cold_start"], result["record"]
+    assert result["version"] == "rl-refit-1"  # the refit's weight version, set through the engine object
 
 
 @pytest.mark.slow
