@@ -45,10 +45,11 @@ class BenchExtension(RefitWorkerExtension):
         return str(getattr(self, "_rl_refit_bench", "refit"))
 
     def rl_refit_bench_mode(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(BenchMode, request, self._rl_refit_on_bench_mode)
+        return answer(BenchMode, request, self._rl_refit_guarded(request, self._rl_refit_on_bench_mode))
 
     def rl_refit_bench_reload(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(BenchReload, request, lambda r: Seconds(self._rl_refit_bench_reload(r.path)))
+        return answer(BenchReload, request, self._rl_refit_guarded(
+            request, lambda r: Seconds(self._rl_refit_bench_reload(r.path))))
 
     def _rl_refit_on_bench_mode(self, request: BenchMode) -> p.Record:
         """How the next refits load: `refit` (rl-refit's WorkerRefit) or `load_weights` (the baseline).

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -103,26 +104,39 @@ class RefitWorkerExtension:
         inside the receiver); `retained`: they stay valid until the refit ends (no copy)."""
         return self._rl_refit_state().load(named_tensors, retained)
 
+    def _rl_refit_guarded(self, request: Any, handler: Callable[[Any], p.Record]) -> Callable[[Any], p.Record]:
+        """`handler`, run only when the request may change this worker: on a server (the rl_refit
+        backend holds a session, and dev mode opens `/collective_rpc` to whoever reaches the port)
+        it must carry the session's token (SessionRefused otherwise); in-process, nothing to check."""
+        def run(record: Any) -> p.Record:
+            session = self._rl_refit_session()
+            if session is not None:
+                session.check(p.token_of(request))
+            return handler(record)
+
+        return run
+
     # --- refit steps: each RPC takes its request record and answers its reply record (plain) ------
 
     def rl_refit_begin(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(p.Begin, request, self._rl_refit_on_begin)
+        return answer(p.Begin, request, self._rl_refit_guarded(request, self._rl_refit_on_begin))
 
     def rl_refit_load(self, request: dict[str, Any]) -> dict[str, Any]:
         """Colocated: one bucket's tensors, by reference (copied before this returns unless the
         request says they are retained)."""
-        return answer(p.Load, request, self._rl_refit_on_load)
+        return answer(p.Load, request, self._rl_refit_guarded(request, self._rl_refit_on_load))
 
     def rl_refit_finalize(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(p.Finalize, request, self._rl_refit_on_finalize)
+        return answer(p.Finalize, request, self._rl_refit_guarded(request, self._rl_refit_on_finalize))
 
     def rl_refit_abort(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(p.Abort, request, self._rl_refit_on_abort)
+        return answer(p.Abort, request, self._rl_refit_guarded(request, self._rl_refit_on_abort))
 
     def rl_refit_delta_base(self, request: dict[str, Any]) -> dict[str, Any]:
         """The worker's delta receiver: its copy's digest, host bytes, last patch's seconds (the
         first call turns it on)."""
-        return answer(p.DeltaBaseQuery, request, lambda _: p.DeltaBaseReply.of(self._rl_refit_state().delta_base()))
+        return answer(p.DeltaBaseQuery, request, self._rl_refit_guarded(
+            request, lambda _: p.DeltaBaseReply.of(self._rl_refit_state().delta_base())))
 
     def rl_refit_fingerprint(self, request: dict[str, Any]) -> dict[str, Any]:
         return answer(p.Fingerprint, request,
@@ -142,11 +156,11 @@ class RefitWorkerExtension:
 
     def rl_refit_lora_stage(self, request: dict[str, Any]) -> dict[str, Any]:
         """Build a LoRA adapter from the tensors sent, under the id given (held, not served)."""
-        return answer(p.LoraStage, request, self._rl_refit_on_lora_stage)
+        return answer(p.LoraStage, request, self._rl_refit_guarded(request, self._rl_refit_on_lora_stage))
 
     def rl_refit_lora_drop(self, request: dict[str, Any]) -> dict[str, Any]:
         """Drop a held LoRA adapter (nothing when none has the id)."""
-        return answer(p.LoraDrop, request, self._rl_refit_on_lora_drop)
+        return answer(p.LoraDrop, request, self._rl_refit_guarded(request, self._rl_refit_on_lora_drop))
 
     # --- the attached server's session (the rl_refit weight-transfer backend) -------------------
 

@@ -296,6 +296,28 @@ def test_only_the_session_token_drives_a_workers_refit() -> None:
         engine.close()
 
 
+def test_a_worker_call_that_changes_a_servers_model_needs_the_session_token() -> None:
+    """Dev mode opens `/collective_rpc` to whoever reaches the port: a begin, an abort, an adapter or
+    the delta receiver without the trainer's token is refused, and the server keeps serving."""
+    from adapters.vllm import protocol as p
+
+    server = FakeServer([FakeVllmModel()])
+    engine = _engine(server)
+    try:
+        assert _service(engine).refit().ok
+        before = _weights(server.models[0])
+        for request in (p.Begin(), p.Abort(), p.Finalize(True), p.DeltaBaseQuery(), p.LoraDrop(1)):
+            (answer,) = server.collective_rpc(request.METHOD, request.to_plain())  # no token
+            assert p.ErrorReply.from_plain(answer).type == "SessionRefused", answer
+        (answer,) = server.collective_rpc(p.Abort.METHOD, p.with_token(p.Abort(), "0" * 32))  # another token
+        assert p.ErrorReply.from_plain(answer).type == "SessionRefused"
+        assert _equal(_weights(server.models[0]), before)
+        assert engine.workers.call(p.Digests()).digests  # a read needs no token
+        assert _service(engine, seed=2).refit().ok  # the trainer's own calls carry it
+    finally:
+        engine.close()
+
+
 def test_a_session_is_refused_while_another_trainers_refit_is_loading() -> None:
     server = FakeServer([FakeVllmModel()])
     session = server.sessions()[0]
