@@ -212,7 +212,7 @@ class ServerProcess:
         atexit.register(self.close, 5.0)  # a trainer that exits without closing: the log kept only after a failure
 
     @classmethod
-    def start(cls, python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str] | None = None,
+    def start(cls, python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str],
               host: str = "127.0.0.1", start_timeout_s: float = 600.0, log_path: str | Path | None = None,
               notify: Callable[[str], None] | None = None, transfer: bool = True,
               keeper: bool = True) -> ServerProcess:
@@ -222,8 +222,8 @@ class ServerProcess:
             python: the interpreter (vLLM and rl-refit installed).
             engine_kwargs: vLLM's engine arguments (`server_args` turns them into flags);
                 `worker_extension_cls` defaults to rl-refit's extension.
-            env: the server's environment (default: this process's); dev mode and the private
-                temporary directory are added.
+            env: the server's environment (the composition root's reading of this process's, with
+                the engine's variables); dev mode and the private temporary directory are added.
             host: the address it binds (loopback: dev mode's routes are open to whoever reaches it).
             start_timeout_s: bound on the start (rollout.engine_kwargs.vllm.start_timeout_s).
             log_path: its output (default: a file in the temporary directory).
@@ -245,7 +245,7 @@ class ServerProcess:
         port = free_port(host)
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         command = [python, "-m", SERVER_MODULE, *server_args(kwargs), "--host", host, "--port", str(port)]
-        server_env = {**(dict(env) if env is not None else dict(os.environ)), "VLLM_SERVER_DEV_MODE": "1",
+        server_env = {**env, "VLLM_SERVER_DEV_MODE": "1",
                       "TMPDIR": str(private), "VLLM_RPC_BASE_PATH": str(private)}
         if kwargs.get("enable_lora"):  # adapters go in through vLLM's own LoRA routes (docs/lora.md)
             server_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -71,8 +71,8 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-un
     def start(mode: str, **kwargs: object) -> ServerProcess:
         monkeypatch.setenv("FAKE_SERVER", mode)
         kwargs.setdefault("keeper", False)
-        return ServerProcess.start(str(python), {"model": "/m", "seed": 0}, log_path=tmp_path / "server.log",
-                                   **kwargs)  # type: ignore[arg-type]
+        return ServerProcess.start(str(python), {"model": "/m", "seed": 0}, env=dict(os.environ),
+                                   log_path=tmp_path / "server.log", **kwargs)  # type: ignore[arg-type]
 
     return start, tmp_path, python
 
@@ -185,10 +185,10 @@ def test_ctrl_c_while_the_server_starts_stops_it_and_its_processes(fake) -> None
 
 
 TRAINER = textwrap.dedent("""
-    import json, sys, time
+    import json, os, sys, time
     sys.path.insert(0, sys.argv[1])
     from adapters.vllm.launcher import ServerProcess
-    server = ServerProcess.start(sys.argv[2], {"model": "/m"}, log_path=sys.argv[3])
+    server = ServerProcess.start(sys.argv[2], {"model": "/m"}, env=dict(os.environ), log_path=sys.argv[3])
     print(json.dumps({"pid": server.proc.pid, "keeper": server.keeper.proc.pid}), flush=True)
     time.sleep(600)  # killed here
 """)
