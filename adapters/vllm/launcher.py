@@ -161,13 +161,17 @@ class Reaper:
         atexit.register(self.kill)
 
     def stop(self, timeout_s: float) -> None:
-        """Ask the server to shut down (SIGTERM: vLLM stops its engine), wait up to `timeout_s`,
-        then kill the group."""
+        """Ask the server to shut down (SIGTERM: vLLM stops its engine core and workers, which
+        release their shared memory), wait up to `timeout_s` for the whole group to exit, then
+        kill what is left of it."""
+        deadline = time.monotonic() + timeout_s
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
+        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+            time.sleep(0.1)  # the engine core and workers finish their own shutdown
         self.kill()
 
     def kill(self) -> None:
@@ -185,6 +189,15 @@ class Reaper:
             self.proc.wait(timeout=30)
         if self.private_dir is not None:
             shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Some process of the group still runs (a zombie, reaped by init, does not count for long)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 @attrs.define

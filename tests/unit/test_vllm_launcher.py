@@ -36,7 +36,9 @@ SERVER = textwrap.dedent("""
     out = os.environ["FAKE_DIR"]
     json.dump({"argv": args, "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM", "TMPDIR"))}},
               open(os.path.join(out, "server.json"), "w"))
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # the engine core: it ends with its parent, as vLLM's does (a SIGKILL of the group ends it too)
+    child = subprocess.Popen([sys.executable, "-c", "import os, time; p = os.getppid(); "
+                              "[time.sleep(0.1) for _ in iter(lambda: os.getppid() == p, False)]"])
     open(os.path.join(out, "child.pid"), "w").write(str(child.pid))
     open(os.path.join(os.environ["TMPDIR"], "ipc-socket"), "w").write("")
     if mode == "silent":
