@@ -37,7 +37,7 @@ class EngineProfile(Protocol):
 
     @property
     def dispatch(self) -> EngineDispatch:
-        """The engine's part in the dispatch rules: layout choice, support table (rule 6), its rules."""
+        """The engine's part in the dispatch rules: layout choice, support table (EngineSupportMatrix), its rules."""
         ...
 
     @property
