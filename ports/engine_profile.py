@@ -42,7 +42,8 @@ class EngineProfile(Protocol):
 
     @property
     def backend_policy(self) -> BackendPolicy | None:
-        """Which kernels the engine is asked for (ARCHITECTURE.md section 5); None: no policy."""
+        """Which kernels the engine is asked for; None: no policy
+        (docs/engines.md#kernel-backends-backend-policy)."""
         ...
 
     @property
