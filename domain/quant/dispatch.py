@@ -269,8 +269,8 @@ def _source(inp: DispatchInput, engine: EngineDispatch, override: object, outcom
         outcomes.append(RuleOutcome(*release, "the model's exporter emits it; the native "
                                               "quantization_config passes through unchanged"))
         outcomes.append(RuleOutcome(*unexportable, "n/a: the model's exporter emits its layout"))
-        native = parse_quantization_config(found[1], key=_checkpoint_key(found[0]))
-        return _Source("checkpoint", QuantizationPlan.bf16(), native, NATIVE_PASSTHROUGH)
+        emitted = parse_quantization_config(found[1], key=_checkpoint_key(found[0]))
+        return _Source("checkpoint", QuantizationPlan.bf16(), emitted, NATIVE_PASSTHROUGH)
     outcomes.append(RuleOutcome(*release, "n/a"))
     source, plan, native = _select(inp, override)
     if native is not None and not native.exportable:
