@@ -77,7 +77,7 @@ def resolve(inp: DispatchInput, shapes: Shapes | None = None) -> Resolution:
 
 def backend_decision(engine: str, plan: QuantizationPlan, capability: tuple[int, int] | None = None, *,
                      opt_out: bool = False, layout: str | None = None) -> BackendDecision:
-    """The kernel backends for a rollout engine, by its name (ARCHITECTURE.md section 5).
+    """The kernel backends for a rollout engine, by its name (docs/engines.md#kernel-backends-backend-policy).
 
     Args:
         engine: rollout.name.

@@ -34,7 +34,7 @@ def _key(path: str) -> Any:
 
 @attrs.frozen(kw_only=True)
 class QuantizationConfig:
-    """rollout.quantization: what the rollout is served in (ARCHITECTURE.md section 4)."""
+    """rollout.quantization: what the rollout is served in (docs/configuration.md#keys)."""
 
     linear: str | None = _key("rollout.quantization.linear")
     moe: str | None = _key("rollout.quantization.moe")

@@ -1,4 +1,4 @@
-"""Train-rollout mismatch metrics (ARCHITECTURE.md section 9).
+"""Train-rollout mismatch metrics (docs/refit.md#mismatch-metrics).
 
 For the trainer's ("old") and the rollout's log-probs of the same sampled tokens, on the masked
 response tokens, with lr = old - rollout:

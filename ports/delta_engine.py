@@ -1,4 +1,4 @@
-"""Port: a rollout engine that keeps a delta receiver (delta refits, ARCHITECTURE.md section 14)."""
+"""Port: a rollout engine that keeps a delta receiver (docs/refit.md#delta-refits)."""
 
 from __future__ import annotations
 

@@ -37,12 +37,13 @@ class EngineProfile(Protocol):
 
     @property
     def dispatch(self) -> EngineDispatch:
-        """The engine's part in the dispatch rules: layout choice, support table (rule 6), its rules."""
+        """The engine's part in the dispatch rules: layout choice, support table (EngineSupportMatrix), its rules."""
         ...
 
     @property
     def backend_policy(self) -> BackendPolicy | None:
-        """Which kernels the engine is asked for (ARCHITECTURE.md section 5); None: no policy."""
+        """Which kernels the engine is asked for; None: no policy
+        (docs/engines.md#kernel-backends-backend-policy)."""
         ...
 
     @property

@@ -16,7 +16,7 @@ from domain.refit.storage import StorageFingerprint
 class RolloutEngine(Protocol):
     """The engine side of a refit. Only the application service drives it.
 
-    Lifecycle (ARCHITECTURE.md section 6): begin_refit, load_bucket for buckets 0..n in order
+    Lifecycle (docs/refit.md#the-lifecycle): begin_refit, load_bucket for buckets 0..n in order
     (the last marked `is_last`), finalize_refit once; abort_refit on any failure. Out-of-order,
     duplicate or late buckets raise BucketSequenceError; a finalize before the last bucket raises
     BucketSequenceError; a second finalize or a begin during a refit raises RefitLifecycleError.

@@ -27,7 +27,7 @@ def all_cells() -> list[Cell]:
 
 
 def check_cells(engine: str, plan: QuantizationPlan, layout: str | None = None) -> list[Verdict]:
-    """Rule 6 for `engine` (its default layout when `layout` is None); [] without a support table."""
+    """EngineSupportMatrix for `engine` (its default layout when `layout` is None); [] without a support table."""
     table = profile_for(engine).support
     if table is None:
         return []

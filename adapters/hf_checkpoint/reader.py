@@ -1,8 +1,8 @@
 """Read a Hugging Face safetensors checkpoint directory one tensor at a time.
 
-Implements the WeightExporter port. Only headers are read up front (and checked: a truncated or
-corrupt file, an index that names files outside the directory or tensors that are not there, a
-tensor in two files, all end in CheckpointError naming the file); each tensor is read with
+Only headers are read up front (and checked: a truncated or corrupt file, an index that names
+files outside the directory or tensors that are not there, a tensor in two files, all end in
+CheckpointError naming the file); each tensor is read with
 ordinary reads when the stream reaches it (`adapters.hf_checkpoint.safetensors_file`: never
 memory-mapped, so a file truncated meanwhile is `SourceChanged`, not a SIGBUS). Every weight
 file is compared with its snapshot before each read and by `check_unchanged`.
@@ -244,7 +244,7 @@ class HfCheckpoint:
             source.check_unchanged()
 
     def export(self, plan: QuantizationPlan) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield the quantized checkpoint tensors in layer order (the WeightExporter port)."""
+        """Yield the quantized checkpoint tensors in layer order (quantize_stream over iter_tensors)."""
         return quantize_stream(plan, self.iter_tensors(plan=plan))
 
 

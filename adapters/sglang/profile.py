@@ -166,8 +166,9 @@ def default_layout(plan: QuantizationPlan) -> str:
 
 
 def check_plan(plan: QuantizationPlan) -> None:
-    """The SGLang adapter's own part of rule 6: no MXFP8-linear + MXFP4-MoE combination and no
-    per-token NVFP4. `refit plan` applies the whole support table (SupportTable.check).
+    """The SGLang adapter's own part of EngineSupportMatrix (docs/plan.md#enginesupportmatrix): no
+    MXFP8-linear + MXFP4-MoE combination and no per-token NVFP4. `refit plan` applies the whole
+    support table (SupportTable.check).
 
     Args:
         plan: the resolved plan.

@@ -1,5 +1,5 @@
-"""The TRT-LLM engine's profile: no support table, no backend policy, and dispatch rule 7 (TRT-LLM
-accepts no rollout quantization)."""
+"""The TRT-LLM engine's profile: no support table, no backend policy, and the dispatch rule
+TrtllmBf16Only (TRT-LLM accepts no rollout quantization; docs/plan.md#trtllmbf16only)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ NAME = "trtllm"
 
 
 def check_no_quantization(ctx: DispatchContext) -> None:
-    """Rule 7: TRT-LLM accepts no rollout quantization.
+    """TrtllmBf16Only: TRT-LLM accepts no rollout quantization (docs/plan.md#trtllmbf16only).
 
     Args:
         ctx: the resolved dispatch context.
@@ -29,6 +29,6 @@ def check_no_quantization(ctx: DispatchContext) -> None:
 
 
 # Every engine lists it (n/a for the others), as `refit plan` always has.
-RULE_7 = Rule(7, "TRT-LLM restrictions", check_no_quantization, engine=NAME)
+BF16_ONLY = Rule("TrtllmBf16Only", "TRT-LLM restrictions", check_no_quantization, engine=NAME)
 
-TRTLLM = StaticEngineProfile(NAME, EngineDispatch(NAME, NATIVE_LAYOUTS, rules=(RULE_7,)))
+TRTLLM = StaticEngineProfile(NAME, EngineDispatch(NAME, NATIVE_LAYOUTS, rules=(BF16_ONLY,)))

@@ -119,7 +119,7 @@ class InProcessSglang:
 
 
 def _plans() -> dict[str, QuantizationPlan]:
-    # SGLang serves neither per-token NVFP4 nor MXFP8 linear with MXFP4 experts (dispatch rule 6).
+    # SGLang serves neither per-token NVFP4 nor MXFP8 linear with MXFP4 experts (dispatch rule EngineSupportMatrix).
     return {"BF16": QuantizationPlan.bf16(), "FP8_BLOCK/MXFP4": QuantizationPlan.from_presets("FP8_BLOCK", "MXFP4")}
 
 

@@ -132,7 +132,7 @@ def to_json(report: PlanReport, decision: BackendDecision | None = None) -> dict
         "backends": _backends_dict(decision),
         "plan": _plan_dict(report),
         "numerics": [d.to_dict() for d in numerics_decisions(report.plan)],
-        "rules": [{"rule": o.rule, "name": o.name, "outcome": o.outcome} for o in report.resolution.outcomes],
+        "rules": [{"rule": o.rule, "check": o.summary, "outcome": o.outcome} for o in report.resolution.outcomes],
         "engine_config": report.engine_config,
         "unused_keys": list(report.unused_keys),
         "tensor_classes": _classes(report),
@@ -172,7 +172,7 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False,
     for col in ("rule", "check", "outcome"):
         rules.add_column(col)
     for o in report.resolution.outcomes:
-        rules.add_row(str(o.rule or "-"), escape(o.name), escape(o.outcome))
+        rules.add_row(o.rule, escape(o.summary), escape(o.outcome))
     console.print(rules)
     _render_backends(report, decision, console)
     if report.decisions:
@@ -185,7 +185,8 @@ def render(report: PlanReport, console: Console, *, every_tensor: bool = False,
             table.add_row(*(escape(str(r[k] or "-")) for k in ("tensors", "count", "kind", "format", "group", "reason")))
         console.print(table)
     else:
-        console.print("[dim]no model given (--model DIR or model.path): per-tensor decisions and rules 8-9 skipped[/dim]")
+        console.print("[dim]no model given (--model DIR or model.path): per-tensor decisions and the model's "
+                      "rules (UniformFusedGroups, FirstLastLayersBf16, BlockDivisibility) skipped[/dim]")
     if report.unused_keys:
         shown = ", ".join(report.unused_keys[:6]) + (", ..." if len(report.unused_keys) > 6 else "")
         console.print(f"[dim]{len(report.unused_keys)} keys of the verl configuration are not read by rl-refit: "

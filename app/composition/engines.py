@@ -78,7 +78,8 @@ class EngineWiring:
 
     def backend_decision(self, engine: str, plan: QuantizationPlan,
                          capability: tuple[int, int] | None = None) -> BackendDecision:
-        """The kernel backends for a rollout engine (ARCHITECTURE.md section 5), opt-out applied.
+        """The kernel backends for a rollout engine, opt-out applied
+        (docs/engines.md#kernel-backends-backend-policy).
 
         Args:
             engine: "vllm" or "sglang".

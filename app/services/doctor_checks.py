@@ -2,7 +2,7 @@
 
 Each returns `Check`s: which part of the support matrix works on this machine, and if not why
 (package missing, version too old, no GPU, GPU too old) and what to do. The thresholds are
-the project's own (pyproject.toml, ARCHITECTURE.md sections 5, 7 and 8), in one table here.
+the project's own (pyproject.toml; docs/cli.md#refit-doctor), in one table here.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def export_checks(env: EnvironmentSnapshot) -> list[Check]:
 
 
 def kernel_checks(env: EnvironmentSnapshot) -> list[Check]:
-    """Which presets the GPU can serve in vLLM / SGLang (ARCHITECTURE.md section 5)."""
+    """Which presets the GPU can serve in vLLM / SGLang (docs/engines.md#kernel-backends-backend-policy)."""
     return [gpu_gate(env, "rollout kernels", f"{preset} kernels", need, f"serving {preset}")
             for preset, need in MIN_CAPABILITY.items()]
 

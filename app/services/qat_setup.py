@@ -3,8 +3,9 @@
 `prepare_qat` is what `app.bootstrap.Services.trainer_side.qat` runs once the trainer model exists:
 1. the rollout plan, through the dispatch rules, on the model's own Hugging Face tensor names
    (`refit plan` decides the same way);
-2. `domain.quant.qat_checks.check_qat_plan`: QAT mode vs rollout (rule 2), no Transformer Engine FP8/FP4
-   recipe (rule 5), qat.ignore_patterns, and first/last BF16 layers vs the rollout ignore list;
+2. `domain.quant.qat_checks.check_qat_plan`: QAT mode vs rollout (QatMatchesRollout), no Transformer
+   Engine FP8/FP4 recipe (QatExcludesTeRecipe), qat.ignore_patterns, and first/last BF16 layers vs
+   the rollout ignore list (FirstLastLayersBf16);
 3. the backend's `apply`;
 4. the effective precision of every linear and expert layer against the rollout plan (QAT is
    removed again before the error is raised).

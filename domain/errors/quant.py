@@ -39,7 +39,7 @@ class UnsupportedQuantMethod(RefitError, NotImplementedError):
 
 
 class NativeRefitUnsupported(UnsupportedQuantMethod):
-    """Dispatch rule 1 for refits: the engine would serve a native layout (e.g. GPT-OSS mxfp4) the
+    """Dispatch rule UnexportableNativeMethod for refits (docs/plan.md#unexportablenativemethod): the engine would serve a native layout (e.g. GPT-OSS mxfp4) the
     trainer cannot produce, so a refit would send tensors that layout cannot load."""
 
 
@@ -53,27 +53,32 @@ class ConfigNotHonoured(UnsupportedCombination):
 
 
 class QatModeMismatch(UnsupportedCombination):
-    """Dispatch rule 2: the QAT mode does not match the rollout quantization."""
+    """Dispatch rule QatMatchesRollout (docs/plan.md#qatmatchesrollout): the QAT mode does not match the
+    rollout quantization."""
 
 
 class NativeLayoutOverride(UnsupportedCombination):
-    """Dispatch rule 3: a model whose exporter emits the release layout got an override."""
+    """Dispatch rule NativeReleaseLayout (docs/plan.md#nativereleaselayout): a model whose exporter emits
+    the release layout got an override."""
 
 
 class QuantizedDeltaSync(UnsupportedCombination):
-    """Dispatch rule 4: a quantized rollout with a delta/sharded sync backend or wire format."""
+    """Dispatch rule QuantizedFullSync (docs/plan.md#quantizedfullsync): a quantized rollout with a
+    delta/sharded sync backend or wire format."""
 
 
 class QatWithTeRecipe(UnsupportedCombination):
-    """Dispatch rule 5: QAT together with a Transformer Engine FP8/FP4 training recipe."""
+    """Dispatch rule QatExcludesTeRecipe (docs/plan.md#qatexcludesterecipe): QAT together with a
+    Transformer Engine FP8/FP4 training recipe."""
 
 
 class EngineRejectsQuantization(UnsupportedCombination):
-    """Dispatch rules 6 and 7: the rollout engine cannot serve this quantization."""
+    """Dispatch rules EngineSupportMatrix and an engine's own (TrtllmBf16Only): the rollout engine
+    cannot serve this quantization (docs/plan.md#enginesupportmatrix)."""
 
 
 class EngineCellUnsupported(EngineRejectsQuantization):
-    """Dispatch rule 6: one (engine, layout, role, format, activations) cell of the support matrix
+    """Dispatch rule EngineSupportMatrix (docs/plan.md#enginesupportmatrix): one (engine, layout, role, format, activations) cell of the support matrix
     that the pinned engine does not load and run as exported. Carries the cell and the engine's
     reason with its code location."""
 
@@ -91,15 +96,18 @@ class EngineCellUnsupported(EngineRejectsQuantization):
 
 
 class BoundaryLayersMismatch(UnsupportedCombination):
-    """Dispatch rule 8: NVFP4 training keeps first/last layers BF16 but the rollout does not."""
+    """Dispatch rule FirstLastLayersBf16 (docs/plan.md#firstlastlayersbf16): NVFP4 training keeps
+    first/last layers BF16 but the rollout does not."""
 
 
 class FusedGroupSplit(UnsupportedCombination):
-    """An ignore entry keeps only part of a fused group (q/k/v, gate/up) in BF16."""
+    """Dispatch rule UniformFusedGroups (docs/plan.md#uniformfusedgroups): an ignore entry keeps only
+    part of a fused group (q/k/v, gate/up) in BF16."""
 
 
 class NonDivisibleTensors(RefitError, ValueError):
-    """Dispatch rule 9: tensors whose K is not a multiple of the format's block."""
+    """Dispatch rule BlockDivisibility (docs/plan.md#blockdivisibility): tensors whose K is not a
+    multiple of the format's block."""
 
     def __init__(self, message: str, tensors: tuple[str, ...] = (), patterns: tuple[str, ...] = ()) -> None:
         self.tensors = tensors

@@ -1,4 +1,5 @@
-"""Which path the fused log-prob forward takes through Megatron (ARCHITECTURE.md section 7).
+"""Which path the fused log-prob forward takes through Megatron
+(docs/fused-forward.md#modes-how-the-fused-computation-gets-into-megatron).
 
 `auto` uses Megatron-Core's native `output_processor` hook when the model's forward has it and
 the legacy patched forward otherwise; `hook` and `legacy` force one. The decision is made once,

@@ -1,4 +1,5 @@
-"""THD packing: variable-length sequences in one [total_tokens, ...] tensor (ARCHITECTURE.md 8).
+"""THD packing: variable-length sequences in one [total_tokens, ...] tensor
+(docs/thd-packing.md#the-layout).
 
 Each sequence is padded to a multiple of the per-sequence alignment
 

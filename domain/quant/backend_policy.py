@@ -1,4 +1,5 @@
-"""Backend policy (ARCHITECTURE.md section 5): which kernels a rollout engine is asked to use.
+"""Backend policy: which kernels a rollout engine is asked to use
+(docs/engines.md#kernel-backends-backend-policy).
 
 A pure function of (engine policy, plan, layout, GPU capability, opt-out) that returns a
 BackendDecision: one choice per role (dense Linear layers, routed experts), engine-specific

@@ -1,12 +1,14 @@
-"""Dispatch rules (ARCHITECTURE.md section 4): an ordered list of rule objects.
+"""The dispatch rules, each known by its name and documented under it in docs/plan.md
+(docs/plan.md#the-dispatch-rules): an ordered list of rule objects.
 
-`resolve` first decides where the rollout quantization comes from (rules 3 and 1, and whether a
-compressed-tensors config reaches the engine as written), then applies the rules in order to the
-resolved DispatchContext and returns the Resolution: the plan the trainer exports, where it came
-from, the checkpoint layout the engine gets, and every rule's outcome in words (what `refit plan`
-prints). The rules on single settings (2, 4, 5 and static activations) are the functions of
-domain.quant.rules, rule 6 applies the engine's support table (domain.quant.support), the model's
-rules (8, 9) are domain.quant.model_rules; the rules only some engines have come with the
+`resolve` first applies the rules on the settings alone (QatExcludesTeRecipe), then decides where
+the rollout quantization comes from (NativeReleaseLayout, UnexportableNativeMethod, and
+ConfigAsWritten: whether a compressed-tensors config reaches the engine as written), then applies
+the rules in order to the resolved DispatchContext and returns the Resolution: the plan the
+trainer exports, where it came from, the checkpoint layout the engine gets, and every rule's
+outcome in words (what `refit plan` prints). The rules on single settings are the functions of
+domain.quant.rules, EngineSupportMatrix applies the engine's support table (domain.quant.support),
+the model's rules are domain.quant.model_rules; the rules only some engines have come with the
 engine's EngineDispatch (domain.quant.dispatch_types), from its adapter's profile.
 """
 
@@ -63,17 +65,24 @@ from domain.quant.support import COMPRESSED_TENSORS, NATIVE_PASSTHROUGH, Verdict
 __all__ = [
     "PURPOSES", "DispatchContext", "DispatchInput", "EngineDispatch", "Resolution", "Rule", "RuleOutcome",
     "check_qat_mode", "check_qat_te_recipe", "check_static_activations", "check_sync_backend", "resolve",
-    "rules_for",
+    "rule_names", "rules_for",
 ]
 
-# Models whose own exporter emits the release quantized layout (rule 3).
+# The rules that decide where the quantization comes from. They choose a source rather than check
+# a context, so they are steps of `resolve`, not Rule objects; each has its name all the same.
+NATIVE_RELEASE_LAYOUT = "NativeReleaseLayout"
+UNEXPORTABLE_NATIVE_METHOD = "UnexportableNativeMethod"
+CONFIG_AS_WRITTEN = "ConfigAsWritten"
+SOURCE_RULES = (NATIVE_RELEASE_LAYOUT, UNEXPORTABLE_NATIVE_METHOD, CONFIG_AS_WRITTEN)
+
+# Models whose own exporter emits the release quantized layout (NativeReleaseLayout).
 RELEASE_LAYOUT_MODEL_TYPES = ("deepseek_v4",)
 RELEASE_LAYOUT_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 CONFIG_FILE_KEY = key("quantization", "config_file")
 _REQUESTED_KEY = key("quantization", "linear/moe")
 
 
-# --- source selection and rules 1 and 3 -------------------------------------------------------
+# --- source selection: NativeReleaseLayout and UnexportableNativeMethod -------------------------------
 
 
 def is_release_layout_model(model_config: Mapping[str, Any] | None) -> bool:
@@ -94,7 +103,8 @@ def is_release_layout_model(model_config: Mapping[str, Any] | None) -> bool:
 
 
 def check_release_layout(inp: DispatchInput, override: object) -> bool:
-    """Rule 3: a model whose exporter emits the release layout accepts no override.
+    """NativeReleaseLayout: a model whose exporter emits the release layout accepts no override
+    (docs/plan.md#nativereleaselayout).
 
     Args:
         inp: the dispatch input.
@@ -120,7 +130,8 @@ def check_release_layout(inp: DispatchInput, override: object) -> bool:
 
 
 def check_unsupported_method(native: NativeConfig, *, source: str, qat_enable: bool) -> bool:
-    """Rule 1: a quantization method the trainer cannot export.
+    """UnexportableNativeMethod: a quantization method the trainer cannot export
+    (docs/plan.md#unexportablenativemethod).
 
     Args:
         native: the parsed quantization_config.
@@ -145,7 +156,8 @@ def check_unsupported_method(native: NativeConfig, *, source: str, qat_enable: b
 
 
 def check_native_refit(native: NativeConfig, *, purpose: str) -> None:
-    """Rule 1 for refits: a native layout the trainer cannot produce cannot be refitted.
+    """UnexportableNativeMethod for refits: a native layout the trainer cannot produce cannot be
+    refitted (docs/plan.md#unexportablenativemethod).
 
     The engine would be configured with the checkpoint's own quantization_config while the refit
     sends the trainer's BF16 tensors, which that layout cannot load (GPT-OSS's mxfp4 experts are
@@ -156,15 +168,15 @@ def check_native_refit(native: NativeConfig, *, purpose: str) -> None:
         purpose: "refit" or "export".
 
     Returns:
-        None. Raises NativeRefitUnsupported (dispatch rule 1) for a refit.
+        None. Raises NativeRefitUnsupported for a refit.
     """
     if purpose != "refit":
         return
     raise NativeRefitUnsupported(
         f"the checkpoint's quantization_config (quant_method {native.method!r}) is a layout the trainer cannot "
         f"produce ({native.problem}); a refit would configure the engine for it and send BF16 tensors it cannot "
-        f"load (dispatch rule 1). Serve a quantization the trainer exports (e.g. {key('quantization', 'moe')}=MXFP4, "
-        f"with load_format=dummy), or BF16 (set {key('engine_kwargs', '<engine>', 'hf_overrides')}.quantization_config="
+        f"load (dispatch rule {UNEXPORTABLE_NATIVE_METHOD}). Serve a quantization the trainer exports "
+        f"(e.g. {key('quantization', 'moe')}=MXFP4, with load_format=dummy), or BF16 (set {key('engine_kwargs', '<engine>', 'hf_overrides')}.quantization_config="
         "null)"
     )
 
@@ -244,24 +256,28 @@ class _Source:
 
 
 def _source(inp: DispatchInput, engine: EngineDispatch, override: object, outcomes: list[RuleOutcome]) -> _Source:
-    """Rules 3 and 1: where the rollout quantization comes from. Never the end of the rules."""
+    """NativeReleaseLayout and UnexportableNativeMethod: where the rollout quantization comes from.
+    Never the end of the rules."""
+    release, unexportable = ((NATIVE_RELEASE_LAYOUT, "release layout"),
+                             (UNEXPORTABLE_NATIVE_METHOD, "unsupported native method"))
     if check_release_layout(inp, override):
         found = find_quantization_config(inp.model_config)
-        outcomes.append(RuleOutcome(1, "unsupported native method", "n/a: the model's exporter emits its layout"))
         if found is None:
-            outcomes.append(RuleOutcome(3, "release layout", "BF16 checkpoint: nothing to pass through"))
+            outcomes.append(RuleOutcome(*release, "BF16 checkpoint: nothing to pass through"))
+            outcomes.append(RuleOutcome(*unexportable, "n/a: the model's exporter emits its layout"))
             return _Source("none", QuantizationPlan.bf16(), None, "bf16")
-        outcomes.append(RuleOutcome(3, "release layout", "the model's exporter emits it; the native "
-                                                         "quantization_config passes through unchanged"))
-        release = parse_quantization_config(found[1], key=_checkpoint_key(found[0]))
-        return _Source("checkpoint", QuantizationPlan.bf16(), release, NATIVE_PASSTHROUGH)
-    outcomes.append(RuleOutcome(3, "release layout", "n/a"))
+        outcomes.append(RuleOutcome(*release, "the model's exporter emits it; the native "
+                                              "quantization_config passes through unchanged"))
+        outcomes.append(RuleOutcome(*unexportable, "n/a: the model's exporter emits its layout"))
+        emitted = parse_quantization_config(found[1], key=_checkpoint_key(found[0]))
+        return _Source("checkpoint", QuantizationPlan.bf16(), emitted, NATIVE_PASSTHROUGH)
+    outcomes.append(RuleOutcome(*release, "n/a"))
     source, plan, native = _select(inp, override)
     if native is not None and not native.exportable:
         check_native_refit(native, purpose=inp.purpose)
-        outcomes.append(RuleOutcome(1, "unsupported native method", f"{native.method!r} is copied untouched (export)"))
+        outcomes.append(RuleOutcome(*unexportable, f"{native.method!r} is copied untouched (export)"))
         return _Source(source, plan, native, NATIVE_PASSTHROUGH)
-    outcomes.append(RuleOutcome(1, "unsupported native method", "n/a"))
+    outcomes.append(RuleOutcome(*unexportable, "n/a"))
     return _Source(source, plan, native, engine.layout_for(plan, native))
 
 
@@ -279,16 +295,17 @@ def _as_written_note(inp: DispatchInput, native: NativeConfig, checked: bool) ->
 
 def _honour(inp: DispatchInput, src: _Source, shapes: Shapes | None,
             outcomes: list[RuleOutcome]) -> tuple[QuantizationPlan, bool]:
-    """A compressed-tensors config reaches the engine as written, or (allowed) rewritten.
+    """ConfigAsWritten: a compressed-tensors config reaches the engine as written, or (allowed)
+    rewritten (docs/plan.md#configaswritten).
 
     Returns:
         (the plan, whether the config is sent as written). Raises ConfigNotHonoured listing the
         fields that cannot be honoured when a user's config may not be rewritten.
     """
     native = src.native
-    name = "config as written"
+    rule = (CONFIG_AS_WRITTEN, "config as written")
     if native is None or not native.is_compressed_tensors or src.layout == NATIVE_PASSTHROUGH:
-        outcomes.append(RuleOutcome(0, name, "n/a"))
+        outcomes.append(RuleOutcome(*rule, "n/a"))
         return src.plan, False
     differences = list(native.differences)
     if src.layout != COMPRESSED_TENSORS:
@@ -298,7 +315,7 @@ def _honour(inp: DispatchInput, src: _Source, shapes: Shapes | None,
         extra = [naming.to_engine_pattern(e) for e in inp.ignore]
         differences += model_differences(native.config, src.plan, shapes, extra)
     if not differences:
-        outcomes.append(RuleOutcome(0, name, _as_written_note(inp, native, shapes is not None)))
+        outcomes.append(RuleOutcome(*rule, _as_written_note(inp, native, shapes is not None)))
         return src.plan, True
     # A checkpoint's own config was not written by the user: it is rewritten, with every change listed.
     if not (inp.allow_config_rewrite or src.source == "checkpoint"):
@@ -308,7 +325,7 @@ def _honour(inp: DispatchInput, src: _Source, shapes: Shapes | None,
             "trainer exports (rebuilt from its presets; kv_cache_scheme kept)",
             differences=tuple(differences),
         )
-    outcomes.append(RuleOutcome(0, name, "rewritten from the presets (kv_cache_scheme kept): " + "; ".join(differences)))
+    outcomes.append(RuleOutcome(*rule, "rewritten from the presets (kv_cache_scheme kept): " + "; ".join(differences)))
     return attrs.evolve(src.plan, targets=()), False
 
 
@@ -379,25 +396,26 @@ def _block_note(ctx: DispatchContext) -> str:
 
 # The rules on the settings alone, before the source of the quantization is decided.
 SETTINGS_RULES: tuple[Rule, ...] = (
-    Rule(5, "QAT vs TE recipe",
+    Rule("QatExcludesTeRecipe", "QAT vs TE recipe",
          lambda c: check_qat_te_recipe(qat_enable=c.inp.qat_enable, te_fp8=c.inp.te_fp8, te_fp4=c.inp.te_fp4)),
 )
 # The rules on the resolution, before the engine's own.
 RESOLUTION_RULES: tuple[Rule, ...] = (
-    Rule(2, "QAT mode", lambda c: check_qat_mode(c.served, qat_enable=c.inp.qat_enable, qat_mode=c.inp.qat_mode),
+    Rule("QatMatchesRollout", "QAT mode", lambda c: check_qat_mode(c.served, qat_enable=c.inp.qat_enable, qat_mode=c.inp.qat_mode),
          lambda c: "ok" if c.inp.qat_enable else "n/a"),
-    Rule(4, "sync backend",
+    Rule("QuantizedFullSync", "sync backend",
          lambda c: check_sync_backend(c.quantized, backend=c.inp.sync_backend, wire_format=c.inp.wire_format),
          lambda c: "ok" if c.quantized else "n/a"),
-    Rule(0, "static activations", lambda c: check_static_activations(c.plan), lambda c: None),
-    Rule(6, "engine support matrix", _check_support, _support_note),
+    Rule("DynamicActivationsOnly", "static activations", lambda c: check_static_activations(c.plan),
+         lambda c: "ok" if c.plan.is_quantized else "n/a"),
+    Rule("EngineSupportMatrix", "engine support matrix", _check_support, _support_note),
 )
 # The rules on the model's tensors, after the engine's own (each skipped when no model is given).
 MODEL_RULES: tuple[Rule, ...] = (
-    Rule(0, "fused groups", _fused_groups,
-         lambda c: "ok: every q/k/v and gate/up group is uniform" if c.shapes is not None else None),
-    Rule(8, "first/last BF16 layers", _boundary_layers, _boundary_note),
-    Rule(9, "block-divisible K", _block_divisible, _block_note),
+    Rule("UniformFusedGroups", "fused groups", _fused_groups,
+         lambda c: "ok: every q/k/v and gate/up group is uniform" if c.shapes is not None else "skipped: no model given"),
+    Rule("FirstLastLayersBf16", "first/last BF16 layers", _boundary_layers, _boundary_note),
+    Rule("BlockDivisibility", "block-divisible K", _block_divisible, _block_note),
 )
 
 
@@ -413,15 +431,27 @@ def rules_for(engine: EngineDispatch) -> tuple[Rule, ...]:
     return (*RESOLUTION_RULES, *engine.rules, *MODEL_RULES)
 
 
+def rule_names(engine: EngineDispatch) -> tuple[str, ...]:
+    """Every rule a resolution for `engine` runs, by name, in the order it runs them.
+
+    Args:
+        engine: the engine's part in the rules.
+
+    Returns:
+        The settings rules, the source rules (SOURCE_RULES), then rules_for(engine).
+    """
+    return tuple(r.name for r in SETTINGS_RULES) + SOURCE_RULES + tuple(r.name for r in rules_for(engine))
+
+
 def _apply(rules: tuple[Rule, ...], ctx: DispatchContext, outcomes: list[RuleOutcome]) -> None:
     for rule in rules:
         if not rule.applies(ctx):
-            outcomes.append(RuleOutcome(rule.number, rule.name, "n/a"))
+            outcomes.append(RuleOutcome(rule.name, rule.summary, "n/a"))
             continue
         rule.check(ctx)
         outcome = rule.outcome(ctx)
         if outcome is not None:
-            outcomes.append(RuleOutcome(rule.number, rule.name, outcome))
+            outcomes.append(RuleOutcome(rule.name, rule.summary, outcome))
 
 
 def resolve(inp: DispatchInput, shapes: Shapes | None = None, *, engine: EngineDispatch) -> Resolution:
@@ -430,18 +460,20 @@ def resolve(inp: DispatchInput, shapes: Shapes | None = None, *, engine: EngineD
     Precedence: an engine hf_overrides `quantization_config` (null = BF16), a config_file, or
     rollout.quantization.linear/moe (at most one of these three), else the checkpoint's own
     quantization_config (top level or under text_config), else BF16. Every rule runs for every
-    source and model: a release-layout model (rule 3) or a native pass-through (rule 1) only
-    decides where the quantization comes from.
+    source and model: a release-layout model (NativeReleaseLayout) or a native pass-through
+    (UnexportableNativeMethod) only decides where the quantization comes from.
 
     Args:
         inp: the settings.
-        shapes: the model's (name, shape) pairs; rules 8 and 9, and the per-tensor check of a
-            compressed-tensors config, run only when given.
+        shapes: the model's (name, shape) pairs; the model's rules (UniformFusedGroups,
+            FirstLastLayersBf16, BlockDivisibility) and the per-tensor check of a compressed-tensors
+            config run only when given.
         engine: the engine's part in the rules (its adapter profile's EngineDispatch), named as
             `inp.engine`.
 
     Returns:
-        The Resolution. Raises the rule's typed error on the first rule that rejects.
+        The Resolution, its outcomes in the order the rules ran. Raises the rule's typed error
+        on the first rule that rejects.
     """
     if engine.name != inp.engine:
         raise ValueError(f"the dispatch input is for {key('rollout', 'name')}={inp.engine}, "
@@ -459,5 +491,5 @@ def resolve(inp: DispatchInput, shapes: Shapes | None = None, *, engine: EngineD
         plan = attrs.evolve(plan, scale_name="weight_scale_inv")
     if src.layout == modelopt_layout.LAYOUT:
         plan = attrs.evolve(plan, expert_layout="modelopt")
-    return Resolution(plan, src.source, src.layout, src.native, tuple(sorted(outcomes, key=lambda o: o.rule)),
+    return Resolution(plan, src.source, src.layout, src.native, tuple(outcomes),
                       served=served, as_written=as_written)

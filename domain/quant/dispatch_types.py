@@ -1,9 +1,9 @@
 """The values the dispatch rules work on: their input, one engine's part in them, the rule
-objects, and what they decide (ARCHITECTURE.md section 4).
+objects, and what they decide (docs/plan.md#the-dispatch-rules).
 
 domain.quant.dispatch holds the ordered list of rules and applies it. An engine adds to it only
 through an EngineDispatch, built by its adapter's profile (adapters/<engine>/profile.py): the
-layout it reads a plan in, its support table (rule 6) and the rules only it has.
+layout it reads a plan in, its support table (EngineSupportMatrix) and the rules only it has.
 """
 
 from __future__ import annotations
@@ -110,16 +110,17 @@ class Rule:
     """One dispatch rule.
 
     Attributes:
-        number: the ARCHITECTURE.md section 4 rule it implements (0 for the unnumbered checks).
-        name: its name, as `refit plan` prints it.
+        name: the rule's name, as `refit plan` and the rule's errors print it; docs/plan.md has a
+            section of that name (its anchor is the name in lower case).
+        summary: what it checks, in a few words (`refit plan`'s "check" column).
         check: raises the rule's typed error when the context breaks it; returns None otherwise.
         outcome: the verdict in words once the check passed; None prints no line.
         engine: the only engine the rule applies to (None: every engine); for the others its
             outcome is "n/a" and the check does not run.
     """
 
-    number: int
-    name: str
+    name: str = attrs.field(validator=attrs.validators.matches_re(r"[A-Z][A-Za-z0-9]*"))
+    summary: str
     check: Callable[[DispatchContext], None]
     outcome: Callable[[DispatchContext], str | None] = _ok
     engine: str | None = None
@@ -131,10 +132,10 @@ class Rule:
 
 @attrs.frozen
 class RuleOutcome:
-    """One rule's verdict: `rule` is its number (0 for the unnumbered checks)."""
+    """One rule's verdict: `rule` is the rule's name, `summary` what it checks."""
 
-    rule: int
-    name: str
+    rule: str
+    summary: str
     outcome: str
 
 
@@ -155,8 +156,9 @@ class EngineDispatch:
         native_layouts: a native quantization_config's `quant_method` -> the layout the engine
             reads it in (methods not listed are read as compressed-tensors).
         default_layout: the layout a plan from rollout.quantization reaches the engine in.
-        support: the engine's support table (rule 6); None when it has none (every cell passes).
-        rules: the dispatch rules the engines add, in order (run after rule 6).
+        support: the engine's support table (EngineSupportMatrix); None when it has none (every cell
+            passes).
+        rules: the dispatch rules the engines add, in order (run after EngineSupportMatrix).
     """
 
     name: str

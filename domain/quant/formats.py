@@ -1,6 +1,6 @@
 """Precision formats: the presets a rollout can be served in, as frozen value objects.
 
-Element types follow the OCP MX / NVIDIA definitions (ARCHITECTURE.md section 3).
+Element types follow the OCP MX / NVIDIA definitions (docs/formats.md#element-types).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class ScaleEncoding(enum.Enum):
 
 
 class MxScaleRule(enum.Enum):
-    """How an MX block's shared exponent is chosen (ARCHITECTURE.md section 3)."""
+    """How an MX block's shared exponent is chosen (docs/formats.md#element-rules)."""
 
     RCEIL = "rceil"  # exact ceil(log2(amax / elem_max)): Transformer Engine, ModelOpt, vLLM's MXFP8, torchao RCEIL
     EVEN = "even"  # OCP round-to-nearest: compressed-tensors, vLLM's online MXFP4 (Triton downcast_to_mxfp)
@@ -54,7 +54,7 @@ class ElementRule(enum.Enum):
     """The operation order that turns a block's values into its scale and elements.
 
     The two orders differ only on ties and on degenerate (zero or tiny) blocks, on a small share of
-    elements, which is enough to break bit-identity (ARCHITECTURE.md section 3).
+    elements, which is enough to break bit-identity (docs/formats.md#element-rules).
     """
 
     ENGINE = "engine"  # the rollout engine's own online quantizer and the QAT kernels (default)

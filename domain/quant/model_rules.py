@@ -1,5 +1,5 @@
-"""Dispatch rules that need the model's tensor names and shapes: rules 2 (per tensor), 8 and 9,
-and fused-group uniformity. Pure functions over a plan and (name, shape) pairs; each raises a
+"""Dispatch rules that need the model's tensor names and shapes (docs/plan.md#the-dispatch-rules):
+QatMatchesRollout per tensor, FirstLastLayersBf16, BlockDivisibility and UniformFusedGroups. Pure functions over a plan and (name, shape) pairs; each raises a
 typed error naming the tensors and the ignore entry that fixes it. Applied by domain.quant.dispatch.
 """
 
@@ -18,7 +18,8 @@ Shapes = Sequence[tuple[str, tuple[int, ...]]]
 
 
 def check_qat_ignore(plan: QuantizationPlan, shapes: Shapes, qat_ignore: Sequence[str]) -> None:
-    """Rule 2, per tensor: what QAT keeps in BF16 (ignore_patterns) the rollout must not quantize.
+    """QatMatchesRollout, per tensor: what QAT keeps in BF16 (ignore_patterns) the rollout must not
+    quantize (docs/plan.md#qatmatchesrollout).
 
     Args:
         plan: the resolved plan.
@@ -56,7 +57,8 @@ def bf16_training_layers(num_layers: int, *, enabled: bool, at_start: int, at_en
 
 
 def check_boundary_layers(plan: QuantizationPlan, shapes: Shapes, training_bf16: set[int]) -> None:
-    """Rule 8: layers that NVFP4 training keeps BF16 must be BF16 in the rollout too.
+    """FirstLastLayersBf16: layers that NVFP4 training keeps BF16 must be BF16 in the rollout too
+    (docs/plan.md#firstlastlayersbf16).
 
     Args:
         plan: the resolved plan.
@@ -82,7 +84,8 @@ def check_boundary_layers(plan: QuantizationPlan, shapes: Shapes, training_bf16:
 
 
 def check_fused_groups(plan: QuantizationPlan, shapes: Shapes) -> None:
-    """Members of a fused module (q/k/v, gate/up) must all be quantized or all stay BF16.
+    """UniformFusedGroups: members of a fused module (q/k/v, gate/up) must all be quantized or all
+    stay BF16 (docs/plan.md#uniformfusedgroups).
 
     Args:
         plan: the resolved plan.
@@ -118,7 +121,8 @@ def misaligned_pattern(module: str) -> str:
 
 
 def check_divisible(decision: TensorDecision, shape: tuple[int, ...]) -> None:
-    """Dispatch rule 9 for one tensor: K must be a multiple of the format's block along K.
+    """BlockDivisibility for one tensor: K must be a multiple of the format's block along K
+    (docs/plan.md#blockdivisibility).
 
     Args:
         decision: the tensor's decision.
@@ -141,7 +145,8 @@ def check_divisible(decision: TensorDecision, shape: tuple[int, ...]) -> None:
 
 
 def check_block_divisible(plan: QuantizationPlan, shapes: Shapes) -> None:
-    """Rule 9: every quantized tensor's K must be a multiple of its format's block along K.
+    """BlockDivisibility: every quantized tensor's K must be a multiple of its format's block along
+    K (docs/plan.md#blockdivisibility).
 
     Args:
         plan: the resolved plan.

@@ -1,6 +1,7 @@
 """Hugging Face tensor naming: what a tensor is, which fused group it belongs to, ignore matching.
 
-Pure string logic over tensor names and shapes (ARCHITECTURE.md section 4). Recognised layouts:
+Pure string logic over tensor names and shapes (each tensor's kind as docs/plan.md shows it).
+Recognised layouts:
 dense decoders (`model.layers.N.self_attn.q_proj.weight`), MoE with per-expert tensors
 (`mlp.experts.N.{gate,up,down}_proj.weight`, Mixtral's `block_sparse_moe.experts.N.w{1,2,3}`),
 MoE with fused 3-D expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
@@ -23,7 +24,8 @@ from domain.quant.patterns import regex_problem
 # What a tensor is to the plan: a dense Linear weight, a routed expert's weight, or never quantized.
 TensorKind = Literal["dense", "expert", "passthrough"]
 
-# Module names that stay BF16 whatever the rollout asks (ARCHITECTURE.md section 4), written in
+# Module names that stay BF16 whatever the rollout asks
+# (docs/configuration.md#where-the-rollout-quantization-comes-from), written in
 # the ignore-entry syntax so the same list goes to the engine's quantization_config.
 # Vision towers are kept BF16 too: engines serve them unquantized in every published recipe.
 DEFAULT_IGNORE_REASONS: dict[str, str] = {

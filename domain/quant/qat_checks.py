@@ -1,7 +1,7 @@
 """The checks around quantization-aware training: QAT settings vs the rollout plan, effective precision.
 
 - `check_qat_plan`: before QAT is applied, the QAT settings agree with the rollout plan
-  (dispatch rules 2, 5 and 8, reused from `domain.quant.dispatch` and `domain.quant.model_rules`);
+  (dispatch rules QatMatchesRollout, QatExcludesTeRecipe and FirstLastLayersBf16, reused from `domain.quant.dispatch` and `domain.quant.model_rules`);
 - `check_effective_precision`: after it is applied, every linear and expert layer of the built
   model computes in the precision the rollout serves.
 """
@@ -151,10 +151,11 @@ def check_qat_plan(plan: QuantizationPlan, shapes: Shapes, settings: QatSettings
                    num_layers: int | None = None) -> QuantizationPlan:
     """Check that QAT will train in the rollout's precision; return the plan QAT applies.
 
-    Runs dispatch rule 5 (no Transformer Engine FP8/FP4 recipe with QAT), rule 2 (qat.mode is
-    the rollout's one preset; what qat.ignore_patterns keeps BF16 the rollout keeps BF16) and
-    rule 8 for QAT (`domain.quant.dispatch`, `domain.quant.model_rules`) (layers `first_last_layers_bf16` keeps BF16 in training must be BF16 in the
-    rollout; the error lists the layers that differ).
+    Runs the dispatch rules (docs/plan.md#the-dispatch-rules) QatExcludesTeRecipe (no Transformer
+    Engine FP8/FP4 recipe with QAT), QatMatchesRollout (qat.mode is the rollout's one preset; what
+    qat.ignore_patterns keeps BF16 the rollout keeps BF16) and FirstLastLayersBf16 for QAT (layers
+    `first_last_layers_bf16` keeps BF16 in training must be BF16 in the rollout; the error lists the
+    layers that differ), from `domain.quant.dispatch` and `domain.quant.model_rules`.
 
     Args:
         plan: the resolved rollout plan.

@@ -3,7 +3,7 @@
 verl names its QAT modes by weights and activations together (`mxfp4_mxfp8` = MXFP4 weights with
 MXFP8 activations); rl-refit's preset names (FP8_BLOCK, MXFP8, MXFP4, NVFP4) are accepted too and
 mean the preset with its default activations. Names are read case-insensitively. A mode either
-maps to one (preset, activation) pair, which dispatch rule 2 compares with the rollout plan, or is
+maps to one (preset, activation) pair, which dispatch rule QatMatchesRollout compares with the rollout plan, or is
 rejected with the reason the trainer-side export cannot match it.
 """
 
@@ -59,7 +59,7 @@ def canonical_qat_mode(value: str, key: str = KEY) -> str:
     """A QAT mode's canonical name (`FP8_BLOCK` -> `fp8`), for the configuration schema.
 
     Modes that can never match a rollout are known names too: the configuration may carry one
-    while QAT is off; dispatch rule 2 rejects it once QAT is enabled.
+    while QAT is off; dispatch rule QatMatchesRollout rejects it once QAT is enabled.
 
     Args:
         value: the written mode, any case.

@@ -1,7 +1,8 @@
-"""The dispatch rules on single settings (ARCHITECTURE.md section 4: rules 2, 4, 5 and static
-activations): pure functions of plain values, each raising a typed error that names the key.
-domain.quant.dispatch applies them to every resolution; rule 6, an engine's support table, is
-domain.quant.support; the rules only some engines have come with their adapter's profile.
+"""The dispatch rules on single settings (docs/plan.md#the-dispatch-rules: QatMatchesRollout,
+QuantizedFullSync, QatExcludesTeRecipe and DynamicActivationsOnly): pure functions of plain values,
+each raising a typed error that names the key. domain.quant.dispatch applies them to every
+resolution; EngineSupportMatrix, an engine's support table, is domain.quant.support; the rules only
+some engines have come with their adapter's profile.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from domain.quant.qat_modes import QAT_MODES, parse_qat_mode
 
 DELTA_BACKENDS = ("delta_sharded",)
 # Our own delta backend sends deltas of the rollout's checkpoint layout, patched into whole tensors
-# before the engine's normal reload (domain.refit.delta_sync): rule 4 accepts it for every format.
+# before the engine's normal reload (domain.refit.delta_sync): QuantizedFullSync accepts it for every format.
 LAYOUT_DELTA_BACKEND = "layout_delta"
 DELTA_WIRE_FORMATS = ("delta_flush",)
 
@@ -31,7 +32,8 @@ def _role_pairs(plan: QuantizationPlan) -> list[tuple[str, str, ActivationScheme
 
 
 def check_qat_mode(plan: QuantizationPlan | None, *, qat_enable: bool, qat_mode: str | None) -> None:
-    """Rule 2: QAT fake-quantizes to the weights and activations the rollout serves.
+    """QatMatchesRollout: QAT fake-quantizes to the weights and activations the rollout serves
+    (docs/plan.md#qatmatchesrollout).
 
     Args:
         plan: what the rollout serves (None: a native layout no preset describes).
@@ -74,7 +76,8 @@ def _mode_for(fmt: str, act: ActivationScheme) -> str | None:
 
 
 def check_sync_backend(quantized: bool, *, backend: str | None, wire_format: str | None) -> None:
-    """Rule 4: a quantized rollout needs the complete bucket sequence to finalize.
+    """QuantizedFullSync: a quantized rollout needs the complete bucket sequence to finalize
+    (docs/plan.md#quantizedfullsync).
 
     Args:
         quantized: whether the rollout is quantized.
@@ -89,18 +92,20 @@ def check_sync_backend(quantized: bool, *, backend: str | None, wire_format: str
     if backend in DELTA_BACKENDS:
         raise QuantizedDeltaSync(
             f"{key('checkpoint_engine', 'backend')}={backend!r} sends partial updates, but a quantized rollout "
-            "post-processes once after the complete bucket sequence (dispatch rule 4); use a full-sync backend "
+            "post-processes once after the complete bucket sequence (dispatch rule QuantizedFullSync); use a "
+            "full-sync backend "
             "(e.g. 'nccl')"
         )
     if wire_format in DELTA_WIRE_FORMATS:
         raise QuantizedDeltaSync(
             f"{key('rollout', 'wire_format')}={wire_format!r} flushes deltas, but a quantized rollout needs every bucket "
-            "before finalizing (dispatch rule 4); use the 'bucketed' wire format"
+            "before finalizing (dispatch rule QuantizedFullSync); use the 'bucketed' wire format"
         )
 
 
 def check_qat_te_recipe(*, qat_enable: bool, te_fp8: object, te_fp4: object) -> None:
-    """Rule 5: QAT and a Transformer Engine FP8/FP4 training recipe are mutually exclusive.
+    """QatExcludesTeRecipe: QAT and a Transformer Engine FP8/FP4 training recipe are mutually
+    exclusive (docs/plan.md#qatexcludesterecipe).
 
     Args:
         qat_enable: actor.megatron.qat.enable.
@@ -120,7 +125,8 @@ def check_qat_te_recipe(*, qat_enable: bool, te_fp8: object, te_fp4: object) -> 
 
 
 def check_static_activations(plan: QuantizationPlan) -> None:
-    """Static NVFP4 activations need calibrated input scales that a trainer cannot compute.
+    """DynamicActivationsOnly: static NVFP4 activations need calibrated input scales that a trainer
+    cannot compute (docs/plan.md#dynamicactivationsonly).
 
     Args:
         plan: the resolved plan.

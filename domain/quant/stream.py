@@ -206,7 +206,7 @@ def quantize_stream(plan: QuantizationPlan, named_tensors: Iterable[tuple[str, T
         `weight_global_scale`; a fused NVFP4 group (q/k/v, gate/up) is emitted once complete, with
         one global scale over the whole group; a fused 3-D expert tensor becomes per-expert
         tensors (`experts.N.gate_proj...`). Holds at most the pending fused groups, never the model.
-        Raises NonDivisibleTensors (rule 9) and the codecs' InvalidTensor errors, naming the tensor.
+        Raises NonDivisibleTensors (BlockDivisibility) and the codecs' InvalidTensor errors, naming the tensor.
     """
     for unit in export_units(plan, _shaped(named_tensors)):
         yield from emit_unit(plan, unit)

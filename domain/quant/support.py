@@ -1,4 +1,4 @@
-"""The support matrix (dispatch rule 6): what an engine loads and runs, cell by cell.
+"""The support matrix (dispatch rule EngineSupportMatrix, docs/plan.md#enginesupportmatrix): what an engine loads and runs, cell by cell.
 
 A cell is one (engine, layout, role, preset, activations) combination that the trainer can
 export. Each has a Verdict: shown (the engine code path that loads and runs the export is cited,
@@ -199,7 +199,7 @@ class SupportTable:
         return self.verdicts[cell]
 
     def check(self, plan: QuantizationPlan, layout: str) -> list[Verdict]:
-        """Rule 6: every cell of the plan must be shown for the engine.
+        """EngineSupportMatrix: every cell of the plan must be shown for the engine.
 
         Args:
             plan: what the engine serves.

@@ -53,7 +53,7 @@ def export_units(plan: QuantizationPlan, items: Iterable[tuple[str, tuple[int, .
             order; the iterator is lazy, so a streaming caller holds at most the pending groups.
 
     Returns:
-        The units. Every quantized tensor is checked against dispatch rule 9 first
+        The units. Every quantized tensor is checked against dispatch rule BlockDivisibility first
         (NonDivisibleTensors naming it and the ignore entry that excludes it).
     """
     pending: dict[str, list[tuple[TensorDecision, T]]] = {}

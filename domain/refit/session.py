@@ -1,6 +1,6 @@
 """The refit session: its state machine and the engines' commit modes.
 
-A session moves IDLE -> STAGING -> FINALIZING -> LIVE, or -> FAILED (ARCHITECTURE.md section 6).
+A session moves IDLE -> STAGING -> FINALIZING -> LIVE, or -> FAILED (docs/refit.md#the-lifecycle).
 The moves are an explicit transition table; every other move raises a typed error. Buckets
 arrive in order and exactly once; finalize comes once, after the last bucket.
 """

@@ -191,7 +191,7 @@ class ShardMap:
 
         Returns:
             The ShardMap. Raises ShardingError (a size that does not divide the model, naming the
-            tensor and the configuration key) and NonDivisibleTensors (dispatch rule 9).
+            tensor and the configuration key) and NonDivisibleTensors (dispatch rule BlockDivisibility).
         """
         placements = place_tensors(layout, shapes)
         return cls(layout, placements, _units(plan, placements))

@@ -2,7 +2,7 @@
 tensors hold the same weights.
 
 Storage captured by CUDA graphs is never rebound: after a refit every captured tensor has the same
-data pointer, shape, stride and dtype (ARCHITECTURE.md section 6).
+data pointer, shape, stride and dtype (docs/refit.md#what-one-refit-does).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Codecs against plain-torch references written from the spec (ARCHITECTURE.md section 3),
+"""Codecs against plain-torch references written from the spec (docs/formats.md#element-rules),
 block by block with Python loops: FP8 block with FP32 scales and edge blocks under both element
 rules, MX rceil for the dtypes torchao does not take (float16), E2M1 rounding against a
 brute-force search, packing order, and per-expert quantization of 3-D tensors."""

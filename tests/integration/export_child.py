@@ -1,5 +1,5 @@
 """`refit export` in a child process, for the kill and race tests of test_export_crash.py and the
-truncated source of test_issue27_export.py (which, before, killed its process with SIGBUS).
+truncated source of test_export_source_changed.py (which, before, killed its process with SIGBUS).
 
 Children come from a forkserver started with the project's Python (torch and the CLI preloaded,
 so each child starts in milliseconds). A child can be SIGKILLed at its k-th executed line of the

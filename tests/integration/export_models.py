@@ -1,10 +1,14 @@
-"""Tiny Hugging Face checkpoints built locally (no downloads), and compressed-tensors decompression."""
+"""Tiny Hugging Face checkpoints built locally (no downloads), compressed-tensors decompression,
+and what the export and CLI tests read back: a directory's entries, a command's one error line."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -109,3 +113,55 @@ def decompress_with_model_compressor(quantization_config: dict, state_dict: dict
     quantized = [n for n, m in root.named_modules() if getattr(m, "quantization_scheme", None) is not None]
     compressor.decompress_model(root)
     return {n: root.get_submodule(n).weight.detach() for n in quantized}
+
+
+def tree(path: Path) -> dict[str, bytes | str]:
+    """Every entry under `path` (symlinks by target, directories as "/"), with file bytes."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(path.rglob("*")):
+        out[str(p.relative_to(path))] = os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else "/"
+    return out
+
+
+def one_line(capsys: pytest.CaptureFixture, *words: str) -> str:
+    """The one line a refused command printed on stderr, holding every word (no traceback)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    for w in words:
+        assert w in err[0], (w, err[0])
+    return err[0]
+
+
+def model_dir(directory: Path, tensors: dict[str, torch.Tensor], config: dict | None = None) -> Path:
+    """A checkpoint directory of `tensors` (one safetensors file) and a Qwen3 config.json."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen3", **(config or {})}))
+    return directory
+
+
+def copy_model(src: Path, dst: Path, **edit: Callable[[Path], None]) -> Path:
+    """A copy of the model directory `src`, each file named by a keyword (`config__json` for
+    config.json) changed by its function."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    for name, change in edit.items():
+        change(dst / name.replace("__", "."))
+    return dst
+
+
+def gptq_model(t: Path, bits: int = 4, **tensors: torch.Tensor) -> str:
+    """A checkpoint whose config says GPTQ (`bits`, group size 128), holding `tensors` for q_proj."""
+    config = {"quantization_config": {"quant_method": "gptq", "bits": bits, "group_size": 128}}
+    q = "model.layers.0.self_attn.q_proj"
+    stored = {"lm_head.weight": torch.randn(64, 128).bfloat16(), **{f"{q}.{k}": v for k, v in tensors.items()}}
+    return str(model_dir(t / "gptq", stored, config))
+
+
+def gptq_4bit() -> dict[str, torch.Tensor]:
+    """q_proj as GPTQ 4-bit stores it: K = 128 packed 8 to an int32 along K, N = 256; one group."""
+    return {"qweight": torch.zeros(16, 256, dtype=torch.int32), "qzeros": torch.zeros(1, 32, dtype=torch.int32),
+            "scales": torch.ones(1, 256).half(), "g_idx": torch.zeros(128, dtype=torch.int32)}

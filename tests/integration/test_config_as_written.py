@@ -81,8 +81,8 @@ def test_the_engine_gets_the_config_as_written(dense_dir: Path, tmp_path: Path) 
     report = _plan(dense_dir, _file(tmp_path, USER_CONFIG))
     assert report.engine_config == USER_CONFIG  # kv_cache_scheme, ignore list and the group's targets kept
     assert report.resolution.as_written
-    rule0 = next(o for o in report.resolution.outcomes if o.name == "config as written")
-    assert "as written" in rule0.outcome and "kv_cache_scheme kept" in rule0.outcome
+    as_written = next(o for o in report.resolution.outcomes if o.rule == "ConfigAsWritten")
+    assert "as written" in as_written.outcome and "kv_cache_scheme kept" in as_written.outcome
 
 
 def test_every_tensor_is_exported_as_compressed_tensors_assigns_it(dense_dir: Path, tmp_path: Path) -> None:
@@ -127,8 +127,8 @@ def test_fields_that_cannot_be_honoured_fail_unless_a_rewrite_is_allowed(dense_d
     assert not report.resolution.as_written
     assert report.engine_config["kv_cache_scheme"] == USER_CONFIG["kv_cache_scheme"]  # still honoured
     assert not report.engine_config.get("sparsity_config") and "attention" not in report.engine_config["config_groups"]
-    rule0 = next(o for o in report.resolution.outcomes if o.name == "config as written")
-    assert rule0.outcome.startswith("rewritten") and "sparsity_config" in rule0.outcome
+    as_written = next(o for o in report.resolution.outcomes if o.rule == "ConfigAsWritten")
+    assert as_written.outcome.startswith("rewritten") and "sparsity_config" in as_written.outcome
     # rewritten from the presets: every dense Linear is FP8_BLOCK now, in the plan and in the config
     fmt = {d.name: d.format.name for d in report.decisions}
     assert fmt["model.layers.0.mlp.down_proj.weight"] == "FP8_BLOCK"

@@ -229,15 +229,15 @@ def test_the_distributed_refit_refuses_layout_delta():
         services.world.distributed_refit(None, 0)  # type: ignore[arg-type]
 
 
-def test_rule_4_accepts_layout_delta_and_still_refuses_verls_delta_backends():
+def test_quantized_full_sync_accepts_layout_delta_and_still_refuses_verls_delta_backends():
     from domain.errors import QuantizedDeltaSync
     from domain.quant.rules import check_sync_backend
 
     check_sync_backend(True, backend="layout_delta", wire_format="bucketed")
     check_sync_backend(False, backend="layout_delta", wire_format="bucketed")
-    with pytest.raises(QuantizedDeltaSync, match="dispatch rule 4"):
+    with pytest.raises(QuantizedDeltaSync, match="dispatch rule QuantizedFullSync"):
         check_sync_backend(True, backend="delta_sharded", wire_format="bucketed")
-    with pytest.raises(QuantizedDeltaSync, match="dispatch rule 4"):
+    with pytest.raises(QuantizedDeltaSync, match="dispatch rule QuantizedFullSync"):
         check_sync_backend(True, backend="layout_delta", wire_format="delta_flush")
 
 

@@ -19,8 +19,10 @@ pytest.importorskip("compressed_tensors", reason="the engine config is built wit
 from safetensors.torch import load_file
 
 from adapters.hf_checkpoint import writer as writer_module
+from adapters.profiles import dispatch_for
 from app.cli.main import main
 from domain.quant.codecs import quantize_weight
+from domain.quant.dispatch import rule_names
 from domain.quant.formats import FP8_BLOCK, MXFP8
 from tests.integration.export_models import save_tiny_model
 
@@ -53,7 +55,9 @@ def test_plan_json_lists_every_tensor_and_the_engine_config(moe_dir: Path, capsy
     assert fmt["model.layers.1.self_attn.o_proj.weight"] == "FP8_BLOCK"
     assert fmt["model.layers.1.mlp.experts.3.up_proj.weight"] == "NVFP4"
     assert fmt["model.layers.1.mlp.gate.weight"] == "BF16"
-    assert {r["rule"] for r in out["rules"]} >= set(range(1, 10))
+    assert [r["rule"] for r in out["rules"]] == list(rule_names(dispatch_for("vllm")))  # by name, in the order run
+    assert next(r for r in out["rules"] if r["rule"] == "BlockDivisibility") == {
+        "rule": "BlockDivisibility", "check": "block-divisible K", "outcome": "ok"}
     up = next(c for c in out["tensor_classes"] if c["tensors"] == "model.layers.*.mlp.experts.*.up_proj.weight")
     assert up["count"] == 8 and up["group"] == "model.layers.*.mlp.experts.*.gate_up"
 
@@ -292,7 +296,7 @@ def test_a_verl_yaml_runs_through_plan_unchanged(moe_dir: Path, capsys: pytest.C
     assert main(["plan", str(VERL_YAML), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["engine"], out["plan"]["linear"], out["plan"]["moe"]) == ("vllm", "FP8_BLOCK", "FP8_BLOCK")
-    assert next(r for r in out["rules"] if r["rule"] == 2)["outcome"] == "ok"  # qat.mode fp8 matches the rollout
+    assert next(r for r in out["rules"] if r["rule"] == "QatMatchesRollout")["outcome"] == "ok"  # qat.mode fp8 matches the rollout
     assert "data" in out["unused_keys"] and out["engine_config"]["config_groups"]
     assert main(["plan", str(VERL_YAML), "--model", str(moe_dir)]) == 0  # per tensor too
     assert "keys of the verl configuration are not read" in capsys.readouterr().out
@@ -301,15 +305,15 @@ def test_a_verl_yaml_runs_through_plan_unchanged(moe_dir: Path, capsys: pytest.C
     assert json.loads(capsys.readouterr().out)["error"]["type"] == "EngineCellUnsupported"
 
 
-def test_plan_rejects_a_release_layout_fp8_model_with_delta_sync_naming_rule_4(
+def test_plan_rejects_a_release_layout_fp8_model_with_delta_sync_naming_the_rule(
         moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     src = _with_config(moe_dir, tmp_path / "v4", model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"],
                        quantization_config=V4_FP8)
-    assert main(["plan", "--model", str(src), "rollout.name=vllm"]) == 0  # rule 3: passes through
+    assert main(["plan", "--model", str(src), "rollout.name=vllm"]) == 0  # NativeReleaseLayout: passes through
     capsys.readouterr()
     assert main(["plan", "--model", str(src), "rollout.name=vllm", "rollout.checkpoint_engine.backend=delta_sharded"]) == 2
     err = capsys.readouterr().err
-    assert "QuantizedDeltaSync" in err and "dispatch rule 4" in err
+    assert "QuantizedDeltaSync" in err and "dispatch rule QuantizedFullSync" in err
 
 
 def test_plan_refuses_a_refit_of_a_native_layout_the_trainer_cannot_produce(
@@ -317,7 +321,7 @@ def test_plan_refuses_a_refit_of_a_native_layout_the_trainer_cannot_produce(
     src = _with_config(moe_dir, tmp_path / "gptoss", quantization_config={"quant_method": "mxfp4"})
     assert main(["plan", "--model", str(src), "rollout.name=vllm"]) == 2
     err = capsys.readouterr().err
-    assert "NativeRefitUnsupported" in err and "dispatch rule 1" in err and "BF16 tensors" in err
+    assert "NativeRefitUnsupported" in err and "dispatch rule UnexportableNativeMethod" in err and "BF16 tensors" in err
     assert main(["plan", "--model", str(src), "rollout.name=vllm", "rollout.quantization.moe=MXFP4"]) == 0
 
 

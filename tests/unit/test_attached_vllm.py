@@ -5,9 +5,6 @@ tests/vllm/test_attached_server.py."""
 
 from __future__ import annotations
 
-import json
-import threading
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,148 +12,12 @@ import torch
 
 from adapters.vllm.attached import AttachedWorkers, Expected, attach, probe
 from adapters.vllm.errors import SessionRefused
-from adapters.vllm.extension import RefitWorkerExtension
-from adapters.vllm.session import InitInfo, UpdateInfo, WorkerSession, rl_refit_version
-from adapters.vllm.worker import WorkerRefit
+from adapters.vllm.session import InitInfo, UpdateInfo, rl_refit_version
 from app.services.refit import RefitService
 from domain.errors import EngineStale, RefitFailed, ServerMismatch, WireProtocolError
 from domain.refit.report import RefitOutcome
-from tests.engine_fakes.vllm import (
-    FakeLayerwise,
-    FakeTrainer,
-    FakeVllmModel,
-    fake_hooks,
-    fake_log_probs,
-    fake_worker_class,
-    fp8_plan,
-)
-
-
-class FakeBackend:
-    """What vLLM's worker holds as `weight_transfer_engine`: here only its session."""
-
-    def __init__(self, session: WorkerSession) -> None:
-        self.session = session
-
-
-class FakeServer:
-    """A vLLM server's control plane over fake workers that run rl-refit's extension and backend
-    (EngineControl). Worker calls cross as JSON text, as over vLLM's HTTP `/collective_rpc`."""
-
-    where = "the fake server"
-    same_host = True
-
-    def __init__(self, models: list[FakeVllmModel], *, from_disk: bool = True, version: str | None = None,
-                 quantization: str | None = None, quantization_config: dict[str, Any] | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
-        cls = fake_worker_class(RefitWorkerExtension)
-        self.models = models
-        self.workers = []
-        self.disk_loads = 0
-        for rank, model in enumerate(models):
-            worker = cls(model, FakeLayerwise(), rank)
-            refit = WorkerRefit(model, None, fake_hooks(worker.layerwise))
-            worker._rl_refit = refit
-            session = WorkerSession(refit, rank=rank + 1, reload_from_disk=self._disk(model) if from_disk else None)
-            worker.weight_transfer_engine = FakeBackend(session)
-            worker.vllm_config = SimpleNamespace(
-                model_config=SimpleNamespace(model="/models/fake", quantization=quantization,
-                                             hf_config=SimpleNamespace(quantization_config=quantization_config)),
-                cache_config=SimpleNamespace(cache_dtype=kv_cache_dtype),
-                parallel_config=SimpleNamespace(world_size=len(models)),
-                load_config=SimpleNamespace(load_format="auto" if from_disk else "dummy"))
-            self.workers.append(worker)
-        self.initial = [_weights(m) for m in models]
-        self.calls: list[str] = []
-        self.paused = False
-        self.version: str | None = None
-        self.version_reported = version
-
-    def _disk(self, model: FakeVllmModel):  # type: ignore[no-untyped-def]
-        def reload() -> None:  # vLLM's reload_weights from the model path: the weights it started with
-            self.disk_loads += 1
-            i = self.models.index(model)
-            with torch.no_grad():
-                for name, t in model.named_parameters():
-                    t.copy_(self.initial[i][name])
-        return reload
-
-    def sessions(self) -> list[WorkerSession]:
-        return [w.weight_transfer_engine.session for w in self.workers]
-
-    def collective_rpc(self, method: str, request: dict[str, Any]) -> list[Any]:
-        self.calls.append(method)
-        answers = [getattr(w, method)(json.dumps(request)) for w in self.workers]
-        if self.version_reported is not None and method == "rl_refit_info":
-            for a in answers:
-                a["version"] = self.version_reported
-        return json.loads(json.dumps(answers))
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.calls.append("init")
-        for s in self.sessions():
-            s.init(InitInfo.of(json.loads(json.dumps(init_info))))
-
-    def start_weight_update(self) -> None:
-        self.calls.append("start")
-        for s in self.sessions():
-            s.start()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.calls.append("update")
-        errors: list[BaseException] = []
-
-        def run(s: WorkerSession) -> None:
-            try:
-                s.update(UpdateInfo.of(update_info))
-            except BaseException as err:
-                errors.append(err)
-
-        threads = [threading.Thread(target=run, args=(s,)) for s in self.sessions()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        if errors:
-            raise RuntimeError(f"Internal Server Error: {errors[0]}")
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.calls.append("finish")
-        for s in self.sessions():
-            s.finish()
-
-    def pause(self, mode: str) -> None:
-        self.calls.append(f"pause:{mode}")
-        self.paused = True
-
-    def resume(self) -> None:
-        self.calls.append("resume")
-        self.paused = False
-
-    def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
-        self.calls.append("reset_prefix_cache")
-        return True
-
-    def set_weight_version(self, version: str) -> None:
-        self.version = version
-
-    def weight_version(self) -> str | None:
-        return self.version
-
-    def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0, lora: Any = None) -> torch.Tensor:
-        for s in self.sessions():
-            s.check_serving()
-        return fake_log_probs(self.models[0])(input_ids, temperature)[0]
-
-    def greedy(self, prompts: list[list[int]], max_tokens: int, lora: Any = None) -> list[list[int]]:
-        return [[0] * max_tokens for _ in prompts]
-
-    def close(self) -> None:
-        self.calls.append("close")
-
-
-def _weights(model: FakeVllmModel) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in model.named_parameters()}
+from tests.engine_fakes.vllm import FakeTrainer, FakeVllmModel, fp8_plan
+from tests.engine_fakes.vllm_server import FakeServer, weights_of
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -202,12 +63,12 @@ def test_a_refit_that_fails_mid_stream_restores_the_previous_refit_and_resumes()
     engine = _engine(server)
     try:
         assert _service(engine, seed=0).refit().ok
-        live = _weights(model)
+        live = weights_of(model)
         model.fail_at_call = model.load_calls  # the next refit's bucket
         report = _failed(_service(engine, seed=1))
         assert report.outcome is RefitOutcome.ROLLED_BACK
         assert "injected failure" in (report.error or "")
-        assert _equal(_weights(model), live)  # the previous refit's weights, bit for bit
+        assert _equal(weights_of(model), live)  # the previous refit's weights, bit for bit
         assert not server.paused and not engine.is_stale
         assert server.sessions()[0].restores == 1
         model.fail_at_call = None
@@ -219,12 +80,12 @@ def test_a_refit_that_fails_mid_stream_restores_the_previous_refit_and_resumes()
 def test_a_first_refit_that_fails_reloads_the_servers_own_checkpoint() -> None:
     model = FakeVllmModel()
     server = FakeServer([model])
-    started = _weights(model)
+    started = weights_of(model)
     engine = _engine(server)
     try:
         model.fail_at_call = model.load_calls
         assert _failed(_service(engine)).outcome is RefitOutcome.ROLLED_BACK
-        assert server.disk_loads == 1 and _equal(_weights(model), started)
+        assert server.disk_loads == 1 and _equal(weights_of(model), started)
         assert not server.paused
     finally:
         engine.close()
@@ -262,12 +123,12 @@ def test_a_committed_refit_the_trainer_refuses_is_undone_from_the_workers_backup
 
     try:
         assert _service(engine).refit().ok
-        live = _weights(model)
+        live = weights_of(model)
         svc = _service(engine, seed=1)
         svc = RefitService(svc.trainer, engine, svc.plan, bucket_bytes=1 << 20, probe=Refuses())  # type: ignore[arg-type]
         report = _failed(svc)
         assert report.outcome is RefitOutcome.ROLLED_BACK and report.engine_state == "restored", report
-        assert _equal(_weights(model), live) and not engine.is_stale and not server.paused
+        assert _equal(weights_of(model), live) and not engine.is_stale and not server.paused
     finally:
         engine.close()
     assert PostRefitProbe  # the real probe is what refuses in production
@@ -305,13 +166,13 @@ def test_a_worker_call_that_changes_a_servers_model_needs_the_session_token() ->
     engine = _engine(server)
     try:
         assert _service(engine).refit().ok
-        before = _weights(server.models[0])
+        before = weights_of(server.models[0])
         for request in (p.Begin(), p.Abort(), p.Finalize(True), p.DeltaBaseQuery(), p.LoraDrop(1)):
             (answer,) = server.collective_rpc(request.METHOD, request.to_plain())  # no token
             assert p.ErrorReply.from_plain(answer).type == "SessionRefused", answer
         (answer,) = server.collective_rpc(p.Abort.METHOD, p.with_token(p.Abort(), "0" * 32))  # another token
         assert p.ErrorReply.from_plain(answer).type == "SessionRefused"
-        assert _equal(_weights(server.models[0]), before)
+        assert _equal(weights_of(server.models[0]), before)
         assert engine.workers.call(p.Digests()).digests  # a read needs no token
         assert _service(engine, seed=2).refit().ok  # the trainer's own calls carry it
     finally:
@@ -418,11 +279,11 @@ def test_two_workers_receive_one_ring_and_both_restore() -> None:
     engine = _engine(server)
     try:
         assert _service(engine).refit().ok
-        assert _equal(_weights(models[0]), _weights(models[1]))
-        live = _weights(models[0])
+        assert _equal(weights_of(models[0]), weights_of(models[1]))
+        live = weights_of(models[0])
         models[1].fail_at_call = models[1].load_calls
         assert _failed(_service(engine, seed=1)).outcome is RefitOutcome.ROLLED_BACK
-        assert _equal(_weights(models[0]), live) and _equal(_weights(models[1]), live)
+        assert _equal(weights_of(models[0]), live) and _equal(weights_of(models[1]), live)
         assert not server.paused
     finally:
         engine.close()
@@ -436,10 +297,10 @@ def test_a_side_group_carries_the_buckets_when_the_ring_cannot() -> None:
     engine = attach(server, Expected(), bucket_bytes=1 << 20, settings={"timeout_s": 60.0, "transport": "gloo"})
     try:
         assert _service(engine).refit().ok
-        live = _weights(model)
+        live = weights_of(model)
         model.fail_at_call = model.load_calls
         assert _failed(_service(engine, seed=1)).outcome is RefitOutcome.ROLLED_BACK
-        assert _equal(_weights(model), live)
+        assert _equal(weights_of(model), live)
         model.fail_at_call = None
         assert _service(engine, seed=2).refit().ok
     finally:

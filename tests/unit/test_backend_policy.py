@@ -1,4 +1,5 @@
-"""Backend policy (ARCHITECTURE.md section 5): one test per rule, plus the capability gates."""
+"""Backend policy (docs/engines.md#kernel-backends-backend-policy): one test per rule, plus the
+capability gates."""
 
 from __future__ import annotations
 

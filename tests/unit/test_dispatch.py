@@ -1,4 +1,4 @@
-"""Every dispatch rule of ARCHITECTURE.md section 4: one test (or more) per rule and error type."""
+"""Every dispatch rule of docs/plan.md#the-dispatch-rules: one test (or more) per rule and error type."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from adapters.profiles import dispatch_for
 from domain.errors import (
     BoundaryLayersMismatch,
     ConfigError,
@@ -21,7 +22,7 @@ from domain.errors import (
     UnsupportedCombination,
     UnsupportedQuantMethod,
 )
-from domain.quant import model_rules
+from domain.quant import dispatch, model_rules
 from domain.quant.formats import FP8_BLOCK, MXFP8, ActivationScheme
 from domain.quant.plan import QuantizationPlan
 from tests.dispatching import DispatchInput, layout_for, resolve
@@ -111,17 +112,17 @@ def test_sglang_all_mxfp8_becomes_native_mxfp8() -> None:
     assert resolve(DispatchInput(engine="sglang", requested=plan(linear="FP8_BLOCK"))).layout == "compressed-tensors"
 
 
-# --- rule 1 -----------------------------------------------------------------------------------------
+# --- UnexportableNativeMethod ---------------------------------------------------------------------
 
-def test_rule1_unsupported_native_method_is_copied_untouched_by_export() -> None:
+def test_unexportable_native_method_unsupported_native_method_is_copied_untouched_by_export() -> None:
     res = resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, purpose="export"))
     assert res.layout == "native-passthrough" and not res.plan.is_quantized and res.is_quantized
     assert res.native is not None and res.native.method == "mxfp4" and res.served is None
 
 
-def test_rule1_a_refit_of_a_native_layout_the_trainer_cannot_produce_is_refused() -> None:
+def test_unexportable_native_method_a_refit_of_a_native_layout_the_trainer_cannot_produce_is_refused() -> None:
     # The engine would be configured for mxfp4 experts while the refit sends BF16 tensors.
-    with pytest.raises(NativeRefitUnsupported, match=r"'mxfp4'.*send BF16 tensors.*dispatch rule 1") as err:
+    with pytest.raises(NativeRefitUnsupported, match=r"'mxfp4'.*send BF16 tensors.*dispatch rule UnexportableNativeMethod") as err:
         resolve(DispatchInput(engine="vllm", model_config=GPT_OSS))
     assert isinstance(err.value, UnsupportedQuantMethod)
     # what the message offers instead works: a preset the trainer exports, or BF16
@@ -130,7 +131,7 @@ def test_rule1_a_refit_of_a_native_layout_the_trainer_cannot_produce_is_refused(
     assert bf16.layout == "bf16"
 
 
-def test_rule1_unsupported_method_with_qat_or_override_is_not_implemented() -> None:
+def test_unexportable_native_method_unsupported_method_with_qat_or_override_is_not_implemented() -> None:
     with pytest.raises(UnsupportedQuantMethod, match=r"'mxfp4'.*qat.enable"):
         resolve(DispatchInput(engine="vllm", model_config=GPT_OSS, qat_enable=True, qat_mode="MXFP4"))
     with pytest.raises(UnsupportedQuantMethod, match=r"'gptq'.*hf_overrides") as err:
@@ -138,9 +139,9 @@ def test_rule1_unsupported_method_with_qat_or_override_is_not_implemented() -> N
     assert isinstance(err.value, NotImplementedError)
 
 
-# --- rule 2 -----------------------------------------------------------------------------------------
+# --- QatMatchesRollout ----------------------------------------------------------------------------
 
-def test_rule2_qat_mode_must_match_the_rollout() -> None:
+def test_qat_matches_rollout_qat_mode_must_match_the_rollout() -> None:
     ok = resolve(DispatchInput(requested=plan(linear="NVFP4", moe="NVFP4"), qat_enable=True, qat_mode="nvfp4"))
     assert ok.plan.linear.name == "NVFP4"
     with pytest.raises(QatModeMismatch, match=r"qat.mode='MXFP4'.*NVFP4"):
@@ -160,8 +161,8 @@ def test_rule2_qat_mode_must_match_the_rollout() -> None:
     ("nvfp4", {"linear": "NVFP4", "moe": "NVFP4"}),
     ("w4a16", {"linear": "NVFP4", "linear_activation": "none"}),
 ])
-def test_rule2_verl_qat_modes_map_to_a_preset_and_an_activation_kind(mode: str, rollout: dict) -> None:
-    # the reference engine serves every plan: rule 2 alone decides (per-token NVFP4 is not served by vLLM)
+def test_qat_matches_rollout_verl_qat_modes_map_to_a_preset_and_an_activation_kind(mode: str, rollout: dict) -> None:
+    # the reference engine serves every plan: QatMatchesRollout alone decides (per-token NVFP4 is not served by vLLM)
     res = resolve(DispatchInput(engine="reference", requested=plan(**rollout), qat_enable=True, qat_mode=mode))
     assert res.plan.is_quantized
 
@@ -174,18 +175,18 @@ def test_rule2_verl_qat_modes_map_to_a_preset_and_an_activation_kind(mode: str, 
     ("fp8", {"linear": "FP8_BLOCK", "linear_activation": "none"}, r"no QAT mode trains FP8_BLOCK with none activations"),
     ("mxfp8", {"moe": "MXFP4"}, r"qat.mode='mxfp8' does not match.*set qat.mode to mxfp4"),
 ])
-def test_rule2_a_qat_mode_that_cannot_match_the_rollout_says_why(mode: str, rollout: dict, reason: str) -> None:
+def test_qat_matches_rollout_a_qat_mode_that_cannot_match_the_rollout_says_why(mode: str, rollout: dict, reason: str) -> None:
     with pytest.raises(QatModeMismatch, match=reason):
         resolve(DispatchInput(engine="vllm", requested=plan(**rollout), qat_enable=True, qat_mode=mode))
 
 
-def test_rule2_verls_static_nvfp4_mode_is_rejected_with_the_reason() -> None:
+def test_qat_matches_rollout_verls_static_nvfp4_mode_is_rejected_with_the_reason() -> None:
     with pytest.raises(ConfigError, match=r"'w4a4' cannot be matched.*static NVFP4 activation scales.*use mode nvfp4"):
         resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="w4a4"))
     assert resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_mode="w4a4")).plan.is_quantized  # QAT off
 
 
-def test_rule2_qat_ignore_patterns_must_stay_bf16_in_the_rollout() -> None:
+def test_qat_matches_rollout_qat_ignore_patterns_must_stay_bf16_in_the_rollout() -> None:
     inp = DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="NVFP4", qat_ignore=("*o_proj",))
     with pytest.raises(QatModeMismatch, match=r"\*o_proj"):
         resolve(inp, dense_shapes())
@@ -194,9 +195,9 @@ def test_rule2_qat_ignore_patterns_must_stay_bf16_in_the_rollout() -> None:
     assert resolve(fixed, dense_shapes()).plan.is_quantized
 
 
-# --- rule 3 -----------------------------------------------------------------------------------------
+# --- NativeReleaseLayout --------------------------------------------------------------------------
 
-def test_rule3_release_layout_model_passes_its_native_config_through() -> None:
+def test_native_release_layout_release_layout_model_passes_its_native_config_through() -> None:
     res = resolve(DispatchInput(engine="vllm", model_config=DEEPSEEK_V4))
     assert res.layout == "native-passthrough" and res.native is not None and res.native.config["quant_method"] == "fp8"
 
@@ -206,21 +207,21 @@ def test_rule3_release_layout_model_passes_its_native_config_through() -> None:
     {"hf_overrides": {"quantization_config": None}},
     {"config_file": CT_NVFP4},
 ])
-def test_rule3_release_layout_model_rejects_overrides(extra: dict) -> None:
+def test_native_release_layout_release_layout_model_rejects_overrides(extra: dict) -> None:
     with pytest.raises(NativeLayoutOverride, match=r"deepseek_v4"):
         resolve(DispatchInput(engine="vllm", model_config=DEEPSEEK_V4, **extra))
 
 
-# --- rule 4 -----------------------------------------------------------------------------------------
+# --- QuantizedFullSync ----------------------------------------------------------------------------
 
-def test_rule4_quantized_rollout_rejects_delta_sync() -> None:
+def test_quantized_full_sync_quantized_rollout_rejects_delta_sync() -> None:
     with pytest.raises(QuantizedDeltaSync, match=r"checkpoint_engine.backend='delta_sharded'"):
         resolve(DispatchInput(requested=plan(moe="MXFP4"), sync_backend="delta_sharded"))
     with pytest.raises(QuantizedDeltaSync, match=r"wire_format='delta_flush'"):
         resolve(DispatchInput(requested=plan(moe="MXFP4"), wire_format="delta_flush"))
     with pytest.raises(QuantizedDeltaSync):  # native pass-through is quantized too
         resolve(DispatchInput(model_config=GPT_OSS, sync_backend="delta_sharded", purpose="export"))
-    with pytest.raises(QuantizedDeltaSync, match=r"dispatch rule 4"):  # native FP8 the trainer exports
+    with pytest.raises(QuantizedDeltaSync, match=r"dispatch rule QuantizedFullSync"):  # native FP8 the trainer exports
         resolve(DispatchInput(model_config=DEEPSEEK_FP8, sync_backend="delta_sharded"))
 
 
@@ -231,7 +232,7 @@ def test_rule4_quantized_rollout_rejects_delta_sync() -> None:
     ({"qat_enable": True, "qat_mode": "nvfp4"}, QatModeMismatch),
 ])
 def test_release_layout_models_go_through_every_rule(extra: dict, error: type) -> None:
-    # DeepSeek-V4 passes its native FP8 through (rule 3), and is still a quantized rollout.
+    # DeepSeek-V4 passes its native FP8 through (NativeReleaseLayout), and is still a quantized rollout.
     with pytest.raises(error):
         resolve(DispatchInput(model_config=DEEPSEEK_V4, **extra))
     res = resolve(DispatchInput(model_config=DEEPSEEK_V4, qat_enable=True, qat_mode="fp8"))
@@ -239,25 +240,25 @@ def test_release_layout_models_go_through_every_rule(extra: dict, error: type) -
     assert not resolve(DispatchInput(sync_backend="delta_sharded", wire_format="delta_flush")).is_quantized
 
 
-# --- rule 5 -----------------------------------------------------------------------------------------
+# --- QatExcludesTeRecipe --------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("fp8", "fp4"), [("e4m3", None), (None, "e2m1"), ("hybrid", "e2m1")])
-def test_rule5_qat_and_te_recipe_are_exclusive(fp8: str | None, fp4: str | None) -> None:
+def test_qat_excludes_te_recipe_qat_and_te_recipe_are_exclusive(fp8: str | None, fp4: str | None) -> None:
     with pytest.raises(QatWithTeRecipe, match=r"override_transformer_config"):
         resolve(DispatchInput(requested=plan(linear="NVFP4"), qat_enable=True, qat_mode="NVFP4", te_fp8=fp8, te_fp4=fp4))
     assert resolve(DispatchInput(requested=plan(linear="NVFP4"), te_fp8=fp8, te_fp4=fp4)).plan.is_quantized
 
 
-# --- rule 6 -----------------------------------------------------------------------------------------
+# --- EngineSupportMatrix --------------------------------------------------------------------------
 
-def test_rule6_sglang_rejects_mxfp8_linear_with_mxfp4_moe() -> None:
+def test_engine_support_matrix_sglang_rejects_mxfp8_linear_with_mxfp4_moe() -> None:
     # mixed precision: compressed-tensors MXFP8 Linear, which SGLang has no scheme for
     with pytest.raises(EngineRejectsQuantization, match=r"linear=MXFP8 with mxfp8 activations.*NotImplementedError"):
         resolve(DispatchInput(engine="sglang", requested=plan(linear="MXFP8", moe="MXFP4")))
     assert resolve(DispatchInput(engine="vllm", requested=plan(linear="MXFP8", moe="MXFP4"))).plan.is_quantized
 
 
-def test_rule6_per_token_nvfp4_experts_only_on_vllm_in_modelopts_layout() -> None:
+def test_engine_support_matrix_per_token_nvfp4_experts_only_on_vllm_in_modelopts_layout() -> None:
     with pytest.raises(EngineRejectsQuantization, match=r"moe=NVFP4 with nvfp4_per_token.*input_global_scale"):
         resolve(DispatchInput(engine="sglang", requested=plan(moe="NVFP4")))
     res = resolve(DispatchInput(engine="vllm", requested=plan(moe="NVFP4")))
@@ -268,9 +269,9 @@ def test_rule6_per_token_nvfp4_experts_only_on_vllm_in_modelopts_layout() -> Non
         assert resolve(DispatchInput(engine=engine, requested=plan(moe="NVFP4", moe_activation="none"))).plan.is_quantized
 
 
-# --- rule 7 -----------------------------------------------------------------------------------------
+# --- TrtllmBf16Only -------------------------------------------------------------------------------
 
-def test_rule7_trtllm_accepts_no_quantization() -> None:
+def test_trtllm_bf16_only_trtllm_accepts_no_quantization() -> None:
     with pytest.raises(EngineRejectsQuantization, match=r"vllm.*sglang"):
         resolve(DispatchInput(engine="trtllm", requested=plan(linear="FP8_BLOCK")))
     with pytest.raises(EngineRejectsQuantization):
@@ -278,28 +279,28 @@ def test_rule7_trtllm_accepts_no_quantization() -> None:
     assert not resolve(DispatchInput(engine="trtllm")).is_quantized
 
 
-# --- rule 8 -----------------------------------------------------------------------------------------
+# --- FirstLastLayersBf16 --------------------------------------------------------------------------
 
-def test_rule8_bf16_training_layers() -> None:
+def test_first_last_layers_bf16_bf16_training_layers() -> None:
     assert model_rules.bf16_training_layers(10, enabled=True, at_start=1, at_end=2) == {0, 8, 9}
     assert model_rules.bf16_training_layers(10, enabled=False, at_start=1, at_end=2) == set()
     assert model_rules.bf16_training_layers(2, enabled=True, at_start=3, at_end=3) == {0, 1}
 
 
-def test_rule8_nvfp4_training_boundary_layers_must_be_bf16_in_the_rollout() -> None:
+def test_first_last_layers_bf16_nvfp4_training_boundary_layers_must_be_bf16_in_the_rollout() -> None:
     te = {"te_fp4": "e2m1", "first_last_layers_bf16": True}
     with pytest.raises(BoundaryLayersMismatch, match=r"layers \[0, 3\].*re:\.\*layers\\\\\.\(0\|3\)"):
         resolve(DispatchInput(requested=plan(linear="NVFP4"), **te), dense_shapes())
     entry = model_rules.layer_ignore_entry([0, 3])
     res = resolve(DispatchInput(requested=plan(linear="NVFP4", ignore=[entry]), **te), dense_shapes())
-    assert "[0, 3]" in next(o.outcome for o in res.outcomes if o.rule == 8)
+    assert "[0, 3]" in next(o.outcome for o in res.outcomes if o.rule == "FirstLastLayersBf16")
     # BF16 training or no boundary setting: nothing to agree on
     assert resolve(DispatchInput(requested=plan(linear="NVFP4"), first_last_layers_bf16=True), dense_shapes()).plan.is_quantized
 
 
-# --- rule 9 and fused groups ----------------------------------------------------------------------------
+# --- BlockDivisibility and UniformFusedGroups -----------------------------------------------------
 
-def test_rule9_non_divisible_tensors_are_listed_with_the_ignore_entry() -> None:
+def test_block_divisibility_non_divisible_tensors_are_listed_with_the_ignore_entry() -> None:
     shapes = [*dense_shapes(layers=1), ("model.layers.0.linear_attn.out_proj.weight", (16, 40))]
     with pytest.raises(NonDivisibleTensors, match=r"1 tensor") as err:
         resolve(DispatchInput(requested=plan(linear="NVFP4")), shapes)
@@ -309,7 +310,7 @@ def test_rule9_non_divisible_tensors_are_listed_with_the_ignore_entry() -> None:
     assert resolve(DispatchInput(requested=plan(linear="FP8_BLOCK")), shapes).plan.is_quantized  # edge blocks allowed
 
 
-def test_rule9_fix_keeps_fused_groups_whole() -> None:
+def test_block_divisibility_fix_keeps_fused_groups_whole() -> None:
     # Only q_proj is misaligned; keeping just q_proj in BF16 would split q/k/v (FusedGroupSplit).
     shapes = [("model.layers.0.self_attn.q_proj.weight", (64, 48)), ("model.layers.0.self_attn.k_proj.weight", (32, 64)),
               ("model.layers.0.self_attn.v_proj.weight", (32, 64)), ("model.layers.0.self_attn.o_proj.weight", (64, 64))]
@@ -330,8 +331,9 @@ def test_fused_group_split_by_ignore_is_rejected() -> None:
 def test_rules_without_a_model_are_reported_as_skipped() -> None:
     res = resolve(DispatchInput(requested=plan(linear="MXFP8")))
     skipped = {o.rule for o in res.outcomes if o.outcome.startswith("skipped")}
-    assert skipped == {8, 9}
-    assert [o.rule for o in res.outcomes] == sorted(o.rule for o in res.outcomes)
+    assert skipped == {"UniformFusedGroups", "FirstLastLayersBf16", "BlockDivisibility"}
+    # every rule of the engine has its line, in the order the rules run
+    assert [o.rule for o in res.outcomes] == list(dispatch.rule_names(dispatch_for("reference")))
 
 
 def test_static_nvfp4_activations_are_rejected() -> None:

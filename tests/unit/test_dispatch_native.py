@@ -115,21 +115,21 @@ def test_fields_that_cannot_be_honoured_are_named(qc: dict, field: str) -> None:
         resolve(DispatchInput(engine="vllm", config_file=qc))
     rewritten = resolve(DispatchInput(engine="vllm", config_file=qc, allow_config_rewrite=True))
     assert not rewritten.as_written and rewritten.plan.is_quantized and rewritten.plan.targets == ()
-    outcome = next(o.outcome for o in rewritten.outcomes if o.rule == 0)
+    outcome = next(o.outcome for o in rewritten.outcomes if o.rule == "ConfigAsWritten")
     assert outcome.startswith("rewritten") and field in outcome
 
 
 def test_a_checkpoints_own_config_is_rewritten_with_the_changes_listed_not_rejected() -> None:
     qc = _with(ct((["Linear"], W_FP8B, A_FP8G)), quantization_status="frozen")
     res = resolve(DispatchInput(engine="vllm", model_config={"quantization_config": qc}))
-    assert not res.as_written and "quantization_status" in next(o.outcome for o in res.outcomes if o.rule == 0)
+    assert not res.as_written and "quantization_status" in next(o.outcome for o in res.outcomes if o.rule == "ConfigAsWritten")
 
 
 def test_a_clean_config_is_sent_as_written() -> None:
     qc = ct((["Linear"], W_FP8B, A_FP8G), ignore=["lm_head"])
     res = resolve(DispatchInput(engine="vllm", config_file=qc))
     assert res.as_written and res.plan.linear is FP8_BLOCK
-    assert "as written" in next(o.outcome for o in res.outcomes if o.rule == 0)
+    assert "as written" in next(o.outcome for o in res.outcomes if o.rule == "ConfigAsWritten")
 
 
 def test_sglangs_native_mxfp8_layout_is_not_the_config_as_written() -> None:

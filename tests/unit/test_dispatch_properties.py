@@ -103,5 +103,5 @@ def test_no_early_return_accepts_what_a_rule_rejects(case: tuple[DispatchInput, 
 @pytest.mark.parametrize("model", [DEEPSEEK_V4, DEEPSEEK_FP8])
 def test_the_property_catches_the_release_layout_delta_sync_case(model: dict) -> None:
     # The case an early return for release layouts let through: natively FP8 + delta_sharded.
-    with pytest.raises(RefitError, match="dispatch rule 4"):
+    with pytest.raises(RefitError, match="dispatch rule QuantizedFullSync"):
         resolve(DispatchInput(model_config=model, sync_backend="delta_sharded"))

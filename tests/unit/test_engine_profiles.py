@@ -9,7 +9,7 @@ import pytest
 from adapters.engine_profile import NATIVE_LAYOUTS, StaticEngineProfile
 from adapters.profiles import DISTRIBUTIONS, ENGINES, PINNED_ENGINES, PROFILES, dispatch_for, profile_for
 from adapters.sglang.profile import PINNED_SGLANG
-from adapters.trtllm.profile import RULE_7
+from adapters.trtllm.profile import BF16_ONLY
 from adapters.vllm.profile import PINNED_VLLM
 from app.config import load_config
 from domain.errors import ConfigError, EngineRejectsQuantization, UnsupportedCombination
@@ -57,20 +57,21 @@ def test_the_dispatch_refuses_the_rules_of_another_engine() -> None:
 def test_the_rules_run_in_order_with_the_engines_own_between() -> None:
     engine = dispatch_for("vllm")
     assert rules_for(engine) == (*RESOLUTION_RULES, *engine.rules, *MODEL_RULES)
-    assert [r.number for r in RESOLUTION_RULES] == [2, 4, 0, 6]
-    assert [r.number for r in MODEL_RULES] == [0, 8, 9]
-    assert RULE_7 in engine.rules  # every engine lists TRT-LLM's rule, n/a for it
+    assert [r.name for r in RESOLUTION_RULES] == ["QatMatchesRollout", "QuantizedFullSync", "DynamicActivationsOnly",
+                                                  "EngineSupportMatrix"]
+    assert [r.name for r in MODEL_RULES] == ["UniformFusedGroups", "FirstLastLayersBf16", "BlockDivisibility"]
+    assert BF16_ONLY in engine.rules  # every engine lists TRT-LLM's rule, n/a for it
 
 
 def test_an_engine_rule_is_n_a_for_the_other_engines() -> None:
     quantized = DispatchInput(engine="vllm", requested=NVFP4)
-    assert ("TRT-LLM restrictions", "n/a") in {(o.name, o.outcome) for o in
+    assert ("TrtllmBf16Only", "n/a") in {(o.rule, o.outcome) for o in
                                                dispatch.resolve(quantized, engine=dispatch_for("vllm")).outcomes}
     trtllm = attrs.evolve(quantized, engine="trtllm")
     with pytest.raises(EngineRejectsQuantization, match=r"rollout\.name=trtllm accepts no rollout quantization"):
         dispatch.resolve(trtllm, engine=dispatch_for("trtllm"))
     ok = dispatch.resolve(DispatchInput(engine="trtllm"), engine=dispatch_for("trtllm"))
-    assert ("TRT-LLM restrictions", "ok") in {(o.name, o.outcome) for o in ok.outcomes}
+    assert ("TrtllmBf16Only", "ok") in {(o.rule, o.outcome) for o in ok.outcomes}
 
 
 def _refuse(ctx: DispatchContext) -> None:
@@ -78,15 +79,17 @@ def _refuse(ctx: DispatchContext) -> None:
         raise UnsupportedCombination(f"rollout.name={ctx.engine.name} serves BF16 only")
 
 
-def test_a_rule_an_engine_contributes_runs_after_rule_6_and_prints_its_outcome() -> None:
-    own = Rule(7, "BF16 only", _refuse, lambda c: "ok: BF16")
+def test_a_rule_an_engine_contributes_runs_after_the_support_matrix_and_prints_its_outcome() -> None:
+    own = Rule("ToyBf16Only", "BF16 only", _refuse, lambda c: "ok: BF16")
     engine = EngineDispatch("toy", NATIVE_LAYOUTS, rules=(own,))
     res = dispatch.resolve(DispatchInput(engine="toy"), engine=engine)
-    assert ("BF16 only", "ok: BF16") in {(o.name, o.outcome) for o in res.outcomes}
+    assert ("ToyBf16Only", "BF16 only", "ok: BF16") in {(o.rule, o.summary, o.outcome) for o in res.outcomes}
+    names = [o.rule for o in res.outcomes]
+    assert names.index("EngineSupportMatrix") < names.index("ToyBf16Only") < names.index("FirstLastLayersBf16")
     with pytest.raises(UnsupportedCombination, match="toy serves BF16 only"):
         dispatch.resolve(DispatchInput(engine="toy", requested=NVFP4), engine=engine)
-    silent = EngineDispatch("toy", NATIVE_LAYOUTS, rules=(Rule(7, "quiet", _refuse, lambda c: None),))
-    assert "quiet" not in {o.name for o in dispatch.resolve(DispatchInput(engine="toy"), engine=silent).outcomes}
+    silent = EngineDispatch("toy", NATIVE_LAYOUTS, rules=(Rule("ToyQuiet", "quiet", _refuse, lambda c: None),))
+    assert "ToyQuiet" not in {o.rule for o in dispatch.resolve(DispatchInput(engine="toy"), engine=silent).outcomes}
 
 
 def test_the_layout_choice_is_the_engines() -> None:

@@ -1,4 +1,4 @@
-"""Mismatch metrics (ARCHITECTURE.md section 9) against a plain-Python reference."""
+"""Mismatch metrics (docs/refit.md#mismatch-metrics) against a plain-Python reference."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def test_the_native_nvfp4_example_plans_as_served_on_vllm(ignore: str, tmp_path:
                                                           capsys: pytest.CaptureFixture) -> None:
     """The seed's native-NVFP4 example: per-token NVFP4 experts, QAT nvfp4 keeping the first and
     last layers BF16 (first_last_layers_bf16), and an ignore list that keeps the same layers BF16 in
-    the rollout: served, in ModelOpt's layout. Without the ignore list, rule 8 refuses it."""
+    the rollout: served, in ModelOpt's layout. Without the ignore list, FirstLastLayersBf16 refuses it."""
     import json
 
     from adapters.reference.config import TINY_MOE
@@ -181,8 +181,8 @@ def test_the_native_nvfp4_example_plans_as_served_on_vllm(ignore: str, tmp_path:
     assert code == 0, out
     assert out["checked"] == "engine vllm"
     assert out["plan"]["layout"] == "modelopt-nvfp4" and out["plan"]["moe_activation"] == "nvfp4_per_token"
-    rule8 = next(r for r in out["rules"] if r["rule"] == 8)
-    assert rule8["outcome"] == "training BF16 layers [0, 3] are BF16 in the rollout"
+    boundary = next(r for r in out["rules"] if r["rule"] == "FirstLastLayersBf16")
+    assert boundary["outcome"] == "training BF16 layers [0, 3] are BF16 in the rollout"
     qc = out["engine_config"]
     assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", "NVFP4")
     assert "model.layers.3.mlp.experts" in qc["ignore"] and "model.layers.2.mlp.experts" not in qc["ignore"]

@@ -333,7 +333,7 @@ def test_staging_rule_round_trips_through_the_begin_marker() -> None:
     assert not nv.must_stage("m.layers.0.self_attn.q_proj.weight_packed")
 
 
-# --- rejections (ARCHITECTURE.md section 4) ------------------------------------------------------
+# --- rejections (docs/plan.md#enginesupportmatrix) -----------------------------------------------
 
 
 def test_rejects_mxfp8_linear_with_mxfp4_moe() -> None:

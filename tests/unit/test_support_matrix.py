@@ -1,4 +1,4 @@
-"""Rule 6, the engines' support matrix (domain.quant.support): one verdict per cell, each rejected
+"""EngineSupportMatrix, the engines' support matrix (domain.quant.support): one verdict per cell, each rejected
 cell refused by `refit plan` with the engine's reason, each shown cell passing unchanged, and
 docs/support-matrix.md written from the same table."""
 
@@ -139,8 +139,8 @@ def test_a_shown_cell_passes_and_its_plan_row_is_unchanged(v: Verdict) -> None:
     unchecked = resolve(attrs.evolve(_dispatch(c), engine="reference"))  # no support table: the plan as before
     assert (res.plan, res.layout, res.source) == (unchecked.plan, unchecked.layout, unchecked.source)
     assert res.layout == COMPRESSED_TENSORS and res.plan == _only(c)
-    rule6 = next(o.outcome for o in res.outcomes if o.rule == 6)
-    assert rule6.startswith("ok:") and f"{c.role} {c.fmt}/{c.activation.value}" in rule6
+    shown = next(o.outcome for o in res.outcomes if o.rule == "EngineSupportMatrix")
+    assert shown.startswith("ok:") and f"{c.role} {c.fmt}/{c.activation.value}" in shown
 
 
 @pytest.mark.parametrize("v", [v for v in SHOWN if v.cell.layout not in (COMPRESSED_TENSORS, MODELOPT_NVFP4)], ids=_id)

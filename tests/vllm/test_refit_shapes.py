@@ -20,8 +20,8 @@ import pytest
 
 from app.services.transaction import Restore
 from domain.refit.report import RefitOutcome
-from domain.refit.status import EngineState
 from domain.refit.session import CommitMode
+from domain.refit.status import EngineState
 from tests.integration.test_refit_shapes import expected
 from tests.vllm.test_real_engine import _by_name, _equal, scenario
 

@@ -1,7 +1,7 @@
 """FP8 block: E4M3 elements, one float32 scale per block (edge blocks allowed: pad, compute, crop).
 
 The block is the format's (`FP8_BLOCK.block_size`, 128x128 for weights; activations use 1 x 128
-groups). scale = amax_block / 448 in float32. The element rules (ARCHITECTURE.md section 3):
+groups). scale = amax_block / 448 in float32. The element rules (docs/formats.md#element-rules):
 
 - engine, weights: vLLM's `per_block_cast_to_fp8` (DeepGEMM's): amax clamped to 1e-4, elements =
   e4m3(x * (1.0 / scale)). (Transformer Engine's and ModelOpt's block quantizers multiply by

@@ -1,7 +1,8 @@
 """MX formats (MXFP8, MXFP4): E4M3 or E2M1 elements, one E8M0 exponent per block along K.
 
-The block is the format's (`fmt.block_size`, 1 x 32). Two exponent rules (ARCHITECTURE.md
-section 3), chosen per format by the element rule unless rollout.quantization.scale_rule says:
+The block is the format's (`fmt.block_size`, 1 x 32). Two exponent rules
+(docs/formats.md#element-rules), chosen per format by the element rule unless
+rollout.quantization.scale_rule says:
 
 - rceil (the engine's rule for MXFP8: vLLM's online quantizer, Transformer Engine, ModelOpt,
   torchao RCEIL): e = clamp(ceil(log2(amax / elem_max)) + 127, 0, 254), the ceiling taken exactly

@@ -2,7 +2,7 @@
 
 The block is the format's (`NVFP4.block_size`, 1 x 16). The global scale is an encode multiplier,
 as compressed-tensors stores it (engines invert it): (6 * 448) / amax_tensor. The element rules
-(ARCHITECTURE.md section 3), each in its reference's own operation order:
+(docs/formats.md#element-rules), each in its reference's own operation order:
 
 - engine: vLLM's `scaled_fp4_quant` kernel as its torch mirror `ref_nvfp4_quant` computes it.
   Global scale (6 * 448) / max(amax, 1e-8) (vLLM's online NVFP4 quantization); block scale =
