@@ -245,11 +245,12 @@ def test_your_own_tied_checkpoint_refits_and_equals_a_cold_start(cold_cache: Pat
     assert result["rebound"] == []
 
 
-# BF16 and FP8_BLOCK in both shapes; the other formats (served here through the CPU emulation
+# BF16 colocated, FP8_BLOCK in both shapes (a server keeps no backup once delta refits are on: its
+# failed delta is refused and sent whole); the other formats (served here through the CPU emulation
 # kernels) colocated, which exercises the same worker-side receiver.
 DELTA_CASES = [
-    *(pytest.param(d, c, id=f"{d}-{c}") for c in ("BF16-dense", "FP8_BLOCK-dense")
-      for d in ("colocated", "disaggregated")),
+    pytest.param("colocated", "BF16-dense", id="colocated-BF16-dense"),
+    *(pytest.param(d, "FP8_BLOCK-dense", id=f"{d}-FP8_BLOCK-dense") for d in ("colocated", "disaggregated")),
     pytest.param("colocated", "MXFP8-dense", id="colocated-MXFP8-dense"),
     pytest.param("colocated", "NVFP4-experts", id="colocated-NVFP4-experts"),
 ]
