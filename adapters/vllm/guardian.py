@@ -116,22 +116,37 @@ def rescue(url: str, token: str, api_key: str | None = None) -> None:
     _post(url, "/resume", api_key=api_key)
 
 
+_GRACE_S = 30.0
+
+
+def _group_ends(pgid: int, within_s: float) -> bool:
+    """Wait until no process of the group runs (True), or `within_s` passes (False)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def keep(pgid: int, paths: list[str]) -> int:
-    """Keeper mode: wait for the pipe to close; without the trainer's `release`, kill the group
-    and remove the paths."""
+    """Keeper mode: wait for the pipe to close; without the trainer's `release`, stop the server
+    (SIGTERM, then its whole group killed past the grace) and remove the paths."""
     released = False
     for line in sys.stdin:
         released = released or line.strip() == _RELEASE
     if released:
         return 0
+    # SIGTERM first: vLLM shuts its engine core and workers down and releases its shared memory
+    # (its workers see the dead trainer's transport close and stop waiting for buckets)
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    for _ in range(300):  # the group's processes exit before their files go
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            break
-        time.sleep(0.1)
+        os.kill(pgid, signal.SIGTERM)
+    if not _group_ends(pgid, _GRACE_S):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        _group_ends(pgid, _GRACE_S)  # the group's processes exit before their files go
     for path in paths:
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
