@@ -283,7 +283,7 @@ def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section
 
     # the server a user runs, started on loopback and refitted as an attached one (docs/engines.md)
     control = start_owned(host.python(), kwargs, env={**host.environ, **env},
-                          start_timeout_s=float(section.start_timeout_s))
+                          start_timeout_s=float(section.start_timeout_s), owned=owned)
     try:
         expected = Expected(model=str(kwargs["model"]), quantization=kwargs.get("quantization"), scheme=_scheme(kwargs),
                             kv_cache_dtype=section.kv_cache_dtype)

@@ -139,6 +139,21 @@ def ended(proc: subprocess.Popen[bytes]) -> str:
     return f"exited with status {code}"
 
 
+# vLLM names its IPC sockets VLLM_RPC_BASE_PATH/<uuid4>, and a Unix socket's path holds at most 107
+# bytes: the directory may take 107 - 37.
+_MAX_PRIVATE_DIR = 70
+
+
+def _private_dir() -> Path:
+    """A directory of the server's own (0700) for its IPC sockets and temporary files: in the
+    temporary directory, or under /tmp where that path is too long for vLLM's sockets."""
+    private = tempfile.mkdtemp(prefix="rl-refit-vllm-")
+    if len(private) > _MAX_PRIVATE_DIR and os.path.isdir("/tmp"):
+        os.rmdir(private)
+        private = tempfile.mkdtemp(prefix="rl-refit-vllm-", dir="/tmp")
+    return Path(private)
+
+
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -228,7 +243,7 @@ class ServerProcess:
     def start(cls, python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str],
               host: str = "127.0.0.1", start_timeout_s: float = 600.0, log_path: str | Path | None = None,
               notify: Callable[[str], None] | None = None, transfer: bool = True,
-              keeper: bool = True) -> ServerProcess:
+              keeper: bool = True, owned: tuple[str, ...] = ()) -> ServerProcess:
         """Start the server and wait until it serves.
 
         Args:
@@ -244,12 +259,14 @@ class ServerProcess:
             transfer: start rl-refit's weight-transfer backend (a cold start for comparison needs
                 none).
             keeper: start the keeper that stops it if this process dies.
+            owned: other paths made for it (the embedded model's config directory), which the
+                keeper removes with it if this process dies (closing them is the engine's).
 
         Returns:
             The serving ServerProcess. Raises EngineProcessError (with the log's root cause and
             path) when it exits, or does not serve within the bound (it is then killed).
         """
-        private = Path(tempfile.mkdtemp(prefix="rl-refit-vllm-"))  # 0700
+        private = _private_dir()
         out = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(prefix="rl-refit-engine-",
                                                                                   suffix=".log")[1])
         kwargs = {"worker_extension_cls": EXTENSION, **engine_kwargs}
@@ -271,7 +288,7 @@ class ServerProcess:
             if keeper:
                 from adapters.vllm.guardian import Guardian
 
-                server.keeper = Guardian.keep(proc.pid, [str(private), str(out)])
+                server.keeper = Guardian.keep(proc.pid, [str(private), str(out), *owned])
             server._wait(start_timeout_s, notify or _say)
         except BaseException:  # Ctrl-C, SIGTERM, a timeout: nothing of the server is left running
             server.failed = True
@@ -372,9 +389,10 @@ class OwnedHttpControl(HttpControl):
 
 
 def start_owned(python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str], start_timeout_s: float,
-                api_key: str | None = None, transfer: bool = True) -> OwnedHttpControl:
+                api_key: str | None = None, transfer: bool = True, owned: tuple[str, ...] = ()) -> OwnedHttpControl:
     """A server started by this trainer (`ServerProcess.start`) and its control."""
-    server = ServerProcess.start(python, engine_kwargs, env=env, start_timeout_s=start_timeout_s, transfer=transfer)
+    server = ServerProcess.start(python, engine_kwargs, env=env, start_timeout_s=start_timeout_s, transfer=transfer,
+                                 owned=owned)
     control = OwnedHttpControl(server.url, timeout_s=start_timeout_s + 600.0, api_key=api_key, server=server)
     if server.private_dir is not None:  # the adapters written for it go with it, whatever ends the trainer
         control.lora_root = server.private_dir / "lora"

@@ -1,0 +1,106 @@
+"""A trainer killed with SIGKILL in the middle of its first refit into the vLLM server it started
+(rollout.deployment=disaggregated) leaves nothing behind: no process of the server, nothing in the
+trainer's temporary directory (the server's private directory, its log, its IPC sockets), and no
+shared memory in /dev/shm (the ring is anonymous; vLLM's own segments are released by the server's
+shutdown, which the keeper asks for). The trainer runs in the project's `.venv`, the server in this
+environment, as `refit demo --engine vllm` runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
+
+from tests.vllm.test_real_engine import MAIN_PYTHON, ROOT
+
+# The trainer: starts the server, then kills itself in the middle of the first refit's stream (the
+# server's workers waiting for the next bucket).
+TRAINER = r"""
+import json, os, signal, sys
+from app.bootstrap import bootstrap
+from app.cli.demo_engine import engine_config, with_vllm
+from app.services.engine_demo import EngineDemoSettings
+from domain.quant.plan import QuantizationPlan
+
+settings = EngineDemoSettings(deployment="disaggregated", plan=QuantizationPlan.from_presets(None, None),
+                              model="micro-dense")
+services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900))
+engine = services.rollout_engine()
+server = engine.workers.control.server
+print(json.dumps({"server": server.proc.pid, "keeper": server.keeper.proc.pid}), flush=True)
+
+class KilledMidway:
+    # the trainer, killed with SIGKILL as it exports its 12th tensor (the stream open)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def named_weights(self):
+        for i, item in enumerate(self.inner.named_weights()):
+            if i == 12:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield item
+
+svc = services.refit_service(engine=engine, trainer=KilledMidway(services.trainer_model()))
+svc.refit()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _mapped() -> set[str]:
+    """The /dev/shm files some live process maps."""
+    out = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        out |= {line.split("/dev/shm/", 1)[1].split()[0] for line in text.splitlines() if "/dev/shm/" in line}
+    return out
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_refit_leaves_nothing_of_its_server(tmp_path: Path) -> None:
+    if not MAIN_PYTHON.exists():
+        pytest.skip(f"{MAIN_PYTHON} is missing: the trainer runs in the project's .venv (`make setup`)")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    before = set(os.listdir("/dev/shm"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(TMPDIR=str(tmp), RL_REFIT_VLLM_PYTHON=sys.executable, VLLM_CPU_KVCACHE_SPACE="1")
+    trainer = subprocess.Popen([str(MAIN_PYTHON), "-c", TRAINER], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = trainer.communicate(timeout=1200)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == -signal.SIGKILL, err[-3000:]
+    started = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    deadline = time.monotonic() + 120  # the keeper's grace (30 s) twice, on a loaded machine
+    while time.monotonic() < deadline and any(_alive(started[k]) for k in ("server", "keeper")):
+        time.sleep(0.5)
+    assert not _alive(started["server"]), "the server outlived its trainer"
+    assert not _alive(started["keeper"]), "the keeper did not end"
+    assert sorted(p.name for p in tmp.iterdir()) == [], "the trainer's temporary directory is not empty"
+    # what another test's live engine maps is that engine's; what nobody maps was left behind
+    left = set(os.listdir("/dev/shm")) - before - _mapped()
+    assert not left, f"left in /dev/shm: {sorted(left)}"
