@@ -29,7 +29,8 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec
 # rl-refit from its own metadata, dependencies included: they must resolve beside vLLM's pins
 # (torch, compressed-tensors 0.17.0) without moving them. pytest runs tests/vllm.
-"${pip[@]}" install -e . pytest pytest-xdist "torch==${TORCH_VERSION}"
+# ray: the attached tests refit an AsyncLLM held in a Ray actor (adapters.vllm.controls.RayControl).
+"${pip[@]}" install -e . pytest pytest-xdist "ray==2.60.0" "torch==${TORCH_VERSION}"
 "$VENV/bin/python" - <<'EOF'
 import torch, vllm
 from vllm import LLM  # noqa: F401  (imports vllm.config, transformers, and would import torchvision)

@@ -459,9 +459,11 @@ class LlmControl:
 
 @attrs.define
 class RayControl:
-    """A Ray actor that exposes vLLM's engine methods (an `AsyncLLM` or `LLM` wrapped in an actor,
-    as verl and NeMo-RL do): `collective_rpc`, the weight-transfer methods, `pause_generation`,
-    `resume_generation`, `reset_prefix_cache`, `update_weight_version`, `get_weight_version`."""
+    """A Ray actor that exposes vLLM's engine methods (an `AsyncLLM` wrapped in an actor, as verl
+    and NeMo-RL do): `collective_rpc`, the weight-transfer methods, `pause_generation`,
+    `resume_generation`, `reset_prefix_cache`, `update_weight_version`, `get_weight_version`, and
+    `generate` (AsyncLLM's: an async generator, read as a Ray stream) for the probe's log-probs
+    and greedy tokens."""
 
     actor: Any
     timeout_s: float = 600.0
@@ -516,11 +518,35 @@ class RayControl:
 
     def log_probs(self, input_ids: torch.Tensor, temperature: float = 1.0,
                   lora: LoraServing | None = None) -> torch.Tensor:
-        raise NotImplementedError("prompt log-probs through a Ray actor: expose them on the actor, or verify "
-                                  "through the server's HTTP API (rollout.engine_kwargs.vllm.url)")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0)
+        rows = []
+        for i, row in enumerate(input_ids.tolist()):
+            final = self._generate(TokensPrompt(prompt_token_ids=row), params, f"rl-refit-logprobs-{id(self)}-{i}",
+                                   lora)
+            rows.append([float(pos[tok].logprob) for tok, pos in zip(row[1:], final.prompt_logprobs[1:], strict=True)])
+        return torch.tensor(rows, dtype=torch.float32)
 
     def greedy(self, prompts: list[list[int]], max_tokens: int, lora: LoraServing | None = None) -> list[list[int]]:
-        raise NotImplementedError("greedy tokens through a Ray actor: verify through the server's HTTP API")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [list(self._generate(TokensPrompt(prompt_token_ids=p), params, f"rl-refit-greedy-{id(self)}-{i}",
+                                    lora).outputs[0].token_ids) for i, p in enumerate(prompts)]
+
+    def _generate(self, prompt: Any, params: Any, request_id: str, lora: LoraServing | None) -> Any:
+        """One request's final output: the actor's `generate` streamed back, its last item."""
+        stream = self.actor.generate.options(num_returns="streaming").remote(
+            prompt, params, request_id=request_id, lora_request=lora_request(lora))
+        final = None
+        for ref in stream:
+            final = self._get(ref)
+        if final is None:
+            raise EngineUpdateFailed(f"{self.where}: generate returned nothing for {request_id}")
+        return final
 
     def close(self) -> None:
         return None

@@ -309,6 +309,52 @@ ENGINE_ARGS = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=Tru
                    weight_transfer_config={"backend": "rl_refit"})
 
 def control_of(kind, model):
+    if kind == "ray":  # an AsyncLLM held in a Ray actor, its methods exposed (verl's and NeMo-RL's shape)
+        import ray
+        from adapters.vllm.controls import RayControl
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+        @ray.remote
+        class VllmActor:
+            def __init__(self, model):
+                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **ENGINE_ARGS))
+
+            async def collective_rpc(self, method, args=()):
+                return await self.llm.collective_rpc(method, args=args)
+
+            async def init_weight_transfer_engine(self, request):
+                return await self.llm.init_weight_transfer_engine(request)
+
+            async def start_weight_update(self):
+                return await self.llm.start_weight_update()
+
+            async def update_weights(self, request):
+                return await self.llm.update_weights(request)
+
+            async def finish_weight_update(self):
+                return await self.llm.finish_weight_update()
+
+            async def pause_generation(self, mode="keep"):
+                return await self.llm.pause_generation(mode=mode)
+
+            async def resume_generation(self):
+                return await self.llm.resume_generation()
+
+            async def reset_prefix_cache(self, reset_running_requests=False):
+                return await self.llm.reset_prefix_cache(reset_running_requests)
+
+            async def update_weight_version(self, version):
+                return await self.llm.update_weight_version(version)
+
+            async def get_weight_version(self):
+                return await self.llm.get_weight_version()
+
+            async def generate(self, prompt, params, request_id, lora_request=None):
+                async for out in self.llm.generate(prompt, params, request_id=request_id, lora_request=lora_request):
+                    yield out
+
+        actor = VllmActor.remote(model)
+        return RayControl(actor, same_host=True), ray.shutdown
     if kind == "llm":  # an offline LLM (its engine core in a process of its own, vLLM's default)
         from vllm import LLM
         from adapters.vllm.controls import LlmControl
@@ -346,12 +392,15 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["async", "llm"])
+@pytest.mark.parametrize("kind", ["async", "llm", "ray"])
 def test_an_engine_object_the_caller_holds_refits_equal_to_a_cold_start(tmp_path_factory: pytest.TempPathFactory,
                                                                         cold_cache: Path, tmp_path: Path,
                                                                         kind: str) -> None:
-    """An `AsyncLLM` (verl's and NeMo-RL's shape) or an offline `LLM` the caller built with rl-refit's
-    backend, refitted through its own methods (AsyncLlmControl, LlmControl)."""
+    """An `AsyncLLM` (verl's and NeMo-RL's shape), an offline `LLM`, or an AsyncLLM in a Ray actor the
+    caller built with rl-refit's backend, refitted through its own methods (AsyncLlmControl,
+    LlmControl, RayControl)."""
+    if kind == "ray":
+        pytest.importorskip("ray", reason="Ray is an optional extra (rl-refit[ray]); scripts/setup-vllm-env.sh installs it")
     _, _, start = _export(tmp_path_factory, None)
     script = tmp_path / "engine_object.py"
     script.write_text(ASYNC_SCRIPT)
