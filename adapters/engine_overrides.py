@@ -62,11 +62,13 @@ def quantization_scheme(config: Any) -> str | None:
         return None
     method = str(config.get("quant_method", "compressed-tensors"))
     if method.startswith("modelopt"):
-        quant = config.get("quantization") if isinstance(config.get("quantization"), Mapping) else config
+        nested = config.get("quantization")
+        quant: Mapping[str, Any] = nested if isinstance(nested, Mapping) else config
         excluded = sorted(str(m) for m in quant.get("exclude_modules") or quant.get("ignore") or ())
         return (f"modelopt {quant.get('quant_algo')} group_size={quant.get('group_size')}"
                 f"; exclude {', '.join(excluded) or '-'}")
-    groups = config.get("config_groups") if isinstance(config.get("config_groups"), Mapping) else {}
+    found = config.get("config_groups")
+    groups: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
     parts = [f"{method} {config.get('format')}"]
     for name in sorted(groups):
         group = groups[name] if isinstance(groups[name], Mapping) else {}
