@@ -17,7 +17,8 @@ fi
 if [ "$vllm_ready" = 1 ]; then
   # shellcheck disable=SC2086
   # loadgroup: the tests that share one user-started server (xdist_group) run in one worker
-  .venv-vllm/bin/python -m pytest $PYTEST_ARGS --dist loadgroup --durations=15 tests/vllm || status=$?
+  # heavy: the scenarios `make bench` runs (`make test-heavy`), the lighter cells covering their paths
+  .venv-vllm/bin/python -m pytest $PYTEST_ARGS --dist loadgroup --durations=15 -m "not heavy" tests/vllm || status=$?
 else
   echo "SKIPPED tests/vllm (real vLLM engine): the vLLM environment could not be made: $(grep -v '^\s*$' .venv-vllm.log | tail -1) (full log: .venv-vllm.log)"
 fi

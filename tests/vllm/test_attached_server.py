@@ -248,6 +248,7 @@ def _refit_with_vllms_client(url: str, trainer: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the BF16 server's test covers the path; this one adds a quantized server
 def test_a_users_fp8_block_server_refits_while_a_client_streams(tmp_path_factory: pytest.TempPathFactory,
                                                                 cold_cache: Path, tmp_path: Path) -> None:
     with _start(tmp_path_factory, "FP8_BLOCK") as started:

@@ -1,9 +1,9 @@
 """A trainer killed with SIGKILL in the middle of its first refit into the vLLM server it started
 (rollout.deployment=disaggregated) leaves nothing behind: no process of the server, nothing in the
-trainer's temporary directory (the server's private directory, its log, its IPC sockets), and no
-shared memory in /dev/shm (the ring is anonymous; vLLM's own segments are released by the server's
-shutdown, which the keeper asks for). The trainer runs in the project's `.venv`, the server in this
-environment, as `refit demo --engine vllm` runs them."""
+trainer's temporary directory (the server's private directory, its log, its IPC sockets), and none
+of the shared memory in /dev/shm its processes mapped (the ring is anonymous; vLLM's own segments
+are released by the server's shutdown, which the keeper asks for). The trainer runs in the
+project's `.venv`, the server in this environment, as `refit demo --engine vllm` runs them."""
 
 from __future__ import annotations
 
@@ -66,15 +66,20 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def _mapped() -> set[str]:
-    """The /dev/shm files some live process maps."""
-    out = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+def _shm_names(maps: str) -> set[str]:
+    return {line.split("/dev/shm/", 1)[1].split()[0] for line in maps.splitlines() if "/dev/shm/" in line}
+
+
+def _group_maps(pgid: int) -> set[str]:
+    """The /dev/shm files the processes of group `pgid` map now (the server, its engine core, its
+    workers, their resource tracker)."""
+    out: set[str] = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            text = maps.read_text()
-        except OSError:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                out |= _shm_names((stat.parent / "maps").read_text())
+        except (OSError, ValueError, IndexError):
             continue
-        out |= {line.split("/dev/shm/", 1)[1].split()[0] for line in text.splitlines() if "/dev/shm/" in line}
     return out
 
 
@@ -84,23 +89,35 @@ def test_a_trainer_killed_mid_refit_leaves_nothing_of_its_server(tmp_path: Path)
         pytest.skip(f"{MAIN_PYTHON} is missing: the trainer runs in the project's .venv (`make setup`)")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    before = set(os.listdir("/dev/shm"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(TMPDIR=str(tmp), RL_REFIT_VLLM_PYTHON=sys.executable, VLLM_CPU_KVCACHE_SPACE="1")
-    trainer = subprocess.Popen([str(MAIN_PYTHON), "-c", TRAINER], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = trainer.communicate(timeout=1200)
-    finally:
-        trainer.kill()
-    assert trainer.returncode == -signal.SIGKILL, err[-3000:]
-    started = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    with open(tmp_path / "trainer.err", "w+") as err:
+        trainer = subprocess.Popen([str(MAIN_PYTHON), "-c", TRAINER], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=err, text=True)
+        try:
+            assert trainer.stdout is not None
+            line = " "  # the pids' line, printed once the server serves; "" if the trainer died first
+            while line and not line.startswith("{"):
+                line = trainer.stdout.readline()
+            # what the server's processes map while the trainer lives: the shared memory that is theirs
+            # (other tests' engines run beside this one; their segments are not this test's to judge)
+            server_shm: set[str] = set()
+            deadline = time.monotonic() + 1200
+            while trainer.poll() is None and line and time.monotonic() < deadline:
+                server_shm |= _group_maps(json.loads(line)["server"])
+                time.sleep(0.2)
+            trainer.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            trainer.kill()
+        err.seek(0)
+        assert trainer.returncode == -signal.SIGKILL and line.startswith("{"), err.read()[-3000:]
+    started = json.loads(line)
     deadline = time.monotonic() + 120  # the keeper's grace (30 s) twice, on a loaded machine
     while time.monotonic() < deadline and any(_alive(started[k]) for k in ("server", "keeper")):
         time.sleep(0.5)
     assert not _alive(started["server"]), "the server outlived its trainer"
     assert not _alive(started["keeper"]), "the keeper did not end"
     assert sorted(p.name for p in tmp.iterdir()) == [], "the trainer's temporary directory is not empty"
-    # what another test's live engine maps is that engine's; what nobody maps was left behind
-    left = set(os.listdir("/dev/shm")) - before - _mapped()
-    assert not left, f"left in /dev/shm: {sorted(left)}"
+    assert server_shm, "the server's processes mapped no shared memory: this test could not see what it checks"
+    left = server_shm & set(os.listdir("/dev/shm"))
+    assert not left, f"the server's shared memory is left in /dev/shm: {sorted(left)} (of {sorted(server_shm)})"
