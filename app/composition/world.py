@@ -110,7 +110,7 @@ class WorldWiring:
         """
         from adapters.distributed.rank_wiring import RankTimeouts, wire_rank
         from app.services.distributed_refit import DistributedRefitService
-        from domain.refit.topology import Role
+        from domain.refit.status import Role
 
         services, config = self.services, self.services.config
         if config.rollout.checkpoint_engine.backend == LAYOUT_DELTA_BACKEND:

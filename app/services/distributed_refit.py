@@ -47,8 +47,8 @@ from domain.refit.report import RefitReport
 from domain.refit.run import RefitRun, StageClock
 from domain.refit.session import CommitMode
 from domain.refit.shard_map import ExportUnit, ShardMap
-from domain.refit.status import RankStatus
-from domain.refit.topology import RefitWorld, Role
+from domain.refit.status import RankStatus, Role
+from domain.refit.topology import RefitWorld
 from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine
 from ports.sharded_trainer import ShardedTrainerModel

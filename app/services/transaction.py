@@ -61,9 +61,8 @@ from domain.refit.buckets import Bucket, BucketPlanner
 from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.run import RefitRun
 from domain.refit.session import CommitMode
-from domain.refit.status import EngineState, RankStatus, failure_summary
+from domain.refit.status import EngineState, RankStatus, Role, failure_summary
 from domain.refit.storage import StorageFingerprint
-from domain.refit.topology import Role
 from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine, UndoableEngine
 

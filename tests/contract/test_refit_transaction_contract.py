@@ -37,8 +37,7 @@ from domain.refit.buckets import Bucket
 from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.run import RefitRun
 from domain.refit.session import CommitMode
-from domain.refit.status import EngineState, RankStatus
-from domain.refit.topology import Role
+from domain.refit.status import EngineState, RankStatus, Role
 from tests import refit_support as rs
 from tests.integration.test_refit_shapes import POINTS, expected
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
