@@ -491,7 +491,7 @@ def _python_has_vllm(python: str) -> bool:
 
 
 def _config(settings: EngineBenchSettings, deployment: str) -> RefitConfig:
-    from app.cli.demo_engine import engine_config, with_vllm
+    from app.services.demo_config import engine_config, with_vllm
     from app.services.engine_demo import EngineDemoSettings
     from domain.quant.plan import QuantizationPlan
 

@@ -21,8 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from app.cli import options
-from app.cli.demo_settings import EMBEDDED_MODELS, arm_factory, is_directory, settings_from_args
+from app.cli.demo_settings import arm_factory, settings_from_args
 from app.services.demo import DemoResult, StepRecord, run_demo
+from app.services.demo_config import EMBEDDED_MODELS, is_directory
 from app.services.transaction import describe_plan
 
 
