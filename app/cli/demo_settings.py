@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from app.bootstrap import Services, bootstrap
 from app.config_sections import (
@@ -17,10 +17,12 @@ from app.config_sections import (
 )
 from app.services.demo import DemoSettings
 from app.services.demo_config import model_config
-from app.services.lora_sync import LoraSyncService
 from app.services.refit import RefitService
 from domain.errors import RankFailed
 from domain.quant.plan import QuantizationPlan
+
+if TYPE_CHECKING:  # the LoRA demo's service loads only when `--lora` runs
+    from app.services.lora_sync import LoraSyncService
 
 
 class RankOutcome(Protocol):
@@ -36,6 +38,7 @@ class RankOutcome(Protocol):
     def error_type(self) -> str | None: ...
     @property
     def typed(self) -> bool: ...
+
 
 def _none(preset: str | None) -> str | None:
     return None if preset is None or preset.strip().upper() == "BF16" else preset

@@ -53,9 +53,8 @@ def _positive(text: str) -> float:
     return value
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("mismatch", help="per preset: the trainer's log-probs against the rollout's, with verl's "
-                                        "metric names")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`refit mismatch`'s arguments."""
     p.add_argument("--model", default=None, metavar="NAME|DIR", type=options.model_or_directory(EMBEDDED_MODELS),
                    help="embedded model (tiny-moe, tiny-dense, micro-moe, micro-dense; default tiny-moe, micro-moe "
                         "with --engine vllm), or DIR: a Hugging Face checkpoint directory")

@@ -42,7 +42,7 @@ import contextlib
 import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -63,8 +63,10 @@ from domain.refit.run import RefitRun
 from domain.refit.session import CommitMode
 from domain.refit.status import EngineState, RankStatus, Role, failure_summary
 from domain.refit.storage import StorageFingerprint
-from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine, UndoableEngine
+
+if TYPE_CHECKING:  # a world's collectives: only its agreement holds them
+    from ports.refit_collectives import RefitCollectives
 
 # Errors that end a refit on this side at once: a peer hung or vanished, so no later agreement
 # can be reached (the world is unusable afterwards).
