@@ -23,7 +23,6 @@ touches the domain pays first), and on the engine side the vLLM modules rl-refit
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -116,9 +115,10 @@ class Loaded:
 
 
 def _run(python: str, code: str, args: Sequence[str] = (), *, importtime: bool = True) -> Loaded:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    # the measured checkout first on the child's path (it inherits this process's environment)
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{code}"
     cmd = [python, *(["-X", "importtime"] if importtime else []), "-c", code, *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd[:3])} {' '.join(args)} failed ({done.returncode}): {done.stderr[-2000:]}")

@@ -49,11 +49,9 @@ def test_ports_import_only_the_domain(path: pathlib.Path) -> None:
     assert not imported & ({"adapters", "app"} | HEAVY), f"{path} imports {imported}"
 
 
-# The composition roots: the trainer's, the one vLLM calls in its own processes (where no rl-refit
-# root runs) to read the one setting the trainer's root passed down to the engine, and the engine
-# host's main, which points its processes' temporary files at the directory the trainer made.
-ROOTS = {ROOT / "app" / "bootstrap.py", ROOT / "adapters" / "vllm" / "plugin.py",
-         ROOT / "adapters" / "vllm" / "server.py"}
+# The composition roots: the trainer's, and the one vLLM calls in its own processes (where no
+# rl-refit root runs) to read the one setting the trainer's root passed down to the engine.
+ROOTS = {ROOT / "app" / "bootstrap.py", ROOT / "adapters" / "vllm" / "plugin.py"}
 
 
 def test_only_the_composition_roots_read_the_environment() -> None:
