@@ -4,12 +4,14 @@
 variables once, and returns `Services`: the refit's services, built on first use with the adapters
 the configuration names (app.composition.tables: ENGINES by `rollout.name`, TRAINERS by
 `actor.strategy`), and the rest of the wiring by job (`world`, `embedded`, `engines`,
-`trainer_side`; app/composition/). The CLI, the demos and the benchmarks call it; tests call it
-with fakes (`trainer=`, `engine=`).
+`trainer_side`, `lora`; app/composition/). The wiring receives what it needs, the configuration,
+values and callables, never the Services: app/composition/ imports nothing from here. The CLI, the
+demos and the benchmarks call it; tests call it with fakes (`trainer=`, `engine=`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,7 +23,7 @@ from adapters.profiles import profile_for
 from app.composition.embedded import EmbeddedWiring
 from app.composition.engines import EngineWiring
 from app.composition.lora import LoraWiring
-from app.composition.tables import ENGINES, TRAINERS, with_fault
+from app.composition.tables import ENGINES, TRAINERS, BuildContext, engine_start, with_fault
 from app.composition.trainer_side import TrainerWiring
 from app.composition.world import WorldWiring
 from app.config import load_config
@@ -33,6 +35,7 @@ from domain.refit.delta_sync import DeltaSender
 from domain.refit.session import CommitMode
 
 if TYPE_CHECKING:
+    from adapters.engine_start import EngineStart
     from adapters.hf_checkpoint.reader import HfCheckpoint
     from adapters.vllm.factory import VllmHost
     from app.services.mismatch_probe import MismatchProbe
@@ -76,12 +79,25 @@ class Services:
     progress: Progress | None = None
     _plan: QuantizationPlan | None = attrs.field(init=False, default=None)
     # the rest of the wiring, by job (app/composition/): the distributed refit, the embedded model,
-    # the engines besides refits, the trainer's own model, LoRA's adapter mode
-    world: WorldWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(WorldWiring, takes_self=True))
-    embedded: EmbeddedWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(EmbeddedWiring, takes_self=True))
-    engines: EngineWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(EngineWiring, takes_self=True))
-    trainer_side: TrainerWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(TrainerWiring, takes_self=True))
-    lora: LoraWiring = attrs.field(init=False, repr=False, eq=False, default=attrs.Factory(LoraWiring, takes_self=True))
+    # the engines besides refits, the trainer's own model, LoRA's adapter mode; and what the
+    # adapter tables' builders take. Each gets the configuration, values and callables.
+    world: WorldWiring = attrs.field(init=False, repr=False, eq=False)
+    embedded: EmbeddedWiring = attrs.field(init=False, repr=False, eq=False)
+    engines: EngineWiring = attrs.field(init=False, repr=False, eq=False)
+    trainer_side: TrainerWiring = attrs.field(init=False, repr=False, eq=False)
+    lora: LoraWiring = attrs.field(init=False, repr=False, eq=False)
+    _build: BuildContext = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        config = self.config
+        self.world = WorldWiring(config, lambda: self.plan, lambda: self.trainer, self.rollout_engine,
+                                 self.post_refit_probe)
+        self.embedded = EmbeddedWiring(config, self.checkpoint, self.plan_report)
+        self.engines = EngineWiring(config, self.environ, self.engine_start, self.vllm_host)
+        self.trainer_side = TrainerWiring(config, self.environ, lambda: self.model)
+        self.lora = LoraWiring(config, self.trainer_model, lambda: self.plan, self.refit_service)
+        self._build = BuildContext(config, self.checkpoint, self.embedded.reference_config, self.engine_start,
+                                   self.vllm_host, lambda: self.trainer_side.fused_forward_request().mode)
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -151,6 +167,12 @@ class Services:
         self.trainer_side.fused_forward_request()
         self.engines.deep_gemm_opt_out(self.config.rollout.name)
 
+    def engine_start(self, engine: str, plan: QuantizationPlan | None = None) -> EngineStart:
+        """What the real engine `engine` starts with for `plan` (default: the configuration's): its
+        quantization_config and layout for that plan, the backend decision, the model."""
+        return engine_start(self.plan_report(self.checkpoint(), plan=plan), self.embedded.reference_config,
+                            functools.partial(self.engines.backend_decision, engine), self.config.model.path)
+
     def engine_profile(self) -> EngineProfile:
         """The rollout engine's profile (support table, layouts, rules, backend policy, pins):
         PROFILES[rollout.name]."""
@@ -167,7 +189,7 @@ class Services:
                 raise ConfigError("actor.strategy", f"{name!r} has no trainer adapter; use one of {', '.join(TRAINERS)} "
                                   "or pass your TrainerModel: bootstrap(config, trainer=...)")
             entry.require("actor.strategy", name)
-            self.trainer = entry.build(self, self.model)
+            self.trainer = entry.build(self._build, self.model)
         return self.trainer
 
     def rollout_engine(self, plan: QuantizationPlan | None = None, *, commit_mode: CommitMode | None = None,
@@ -194,7 +216,7 @@ class Services:
         engines = []
         try:
             for replica in range(replicas):
-                engines.append(entry.build(self, plan or self.plan, commit_mode=commit_mode or self.commit_mode,
+                engines.append(entry.build(self._build, plan or self.plan, commit_mode=commit_mode or self.commit_mode,
                                            kv_cache_scheme=kv_cache_scheme, replica=replica))
         except BaseException:  # no replica is left running when another fails to start
             for started in engines:

@@ -26,9 +26,8 @@ from domain.refit.buckets import Bucket
 from domain.refit.report import EngineFinalizeResult
 from domain.refit.session import CommitMode
 from domain.refit.shard_map import ShardMap
-from domain.refit.status import RankStatus, TransferStats
+from domain.refit.status import RankStatus, Role, TransferStats
 from domain.refit.storage import StorageFingerprint
-from domain.refit.topology import Role
 from ports.bucket_transport import BucketTransport
 from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine

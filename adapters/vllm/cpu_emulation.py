@@ -33,6 +33,8 @@ from typing import Any
 
 import attrs
 
+from adapters.vllm.qualname import resolve
+
 ENV_VAR = "RL_REFIT_VLLM_CPU_EMULATION"
 MODES = ("auto", "on", "off")
 # vLLM's logger tree: its handler and format apply to children of "vllm".
@@ -90,17 +92,6 @@ def emulated_formats(mode: str, *, on_cpu: bool, native: Mapping[str, str | None
     if not on_cpu or mode == "off":
         return ()
     return tuple(f.name for f in FORMATS if mode == "on" or native.get(f.name) is not None)
-
-
-def resolve(path: str) -> Any:
-    """The object a "module:qualname" path names (importing the module)."""
-    import importlib
-
-    module, _, qualname = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def native_kernels() -> dict[str, str | None]:

@@ -56,7 +56,7 @@ from typing import Any
 import attrs
 import torch
 
-from adapters.vllm.cpu_emulation import resolve
+from adapters.vllm.qualname import resolve
 
 # vLLM's logger tree (as cpu_emulation's): its handler and format apply to children of "vllm".
 LOGGER = "vllm.rl_refit.moe_emulation"

@@ -11,5 +11,6 @@ SUITES: dict[str, str] = {
     "refit": "app.bench.refit",
     "sharded": "app.bench.sharded",
     "transport": "app.bench.transport",
+    "imports": "app.bench.imports",
     "engine": "app.bench.engine",
 }

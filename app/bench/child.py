@@ -5,6 +5,7 @@ error the child stops on comes back to the parent as that error, one line, exit 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -40,3 +41,12 @@ def typed_error(stdout: str) -> RefitError | None:
             BaseException.__init__(err, str(error.get("message")))  # the constructors differ; the line is the same
             return err
     return None
+
+
+def python_has(python: str, package: str) -> bool:
+    """Whether `package` imports in the interpreter `python` (found, not imported)."""
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({package!r}) is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False

@@ -59,6 +59,7 @@ import torch
 
 from adapters.vllm.engine import VllmRolloutEngine
 from adapters.vllm.protocol import BenchMode, BenchReload, WorkerRpc
+from app.bench.child import python_has
 from app.bench.report import BenchReport
 from domain.refit.storage import DigestComparison
 
@@ -482,16 +483,8 @@ def _vllm_here() -> bool:
         return False
 
 
-def _python_has_vllm(python: str) -> bool:
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    try:
-        return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
 def _config(settings: EngineBenchSettings, deployment: str) -> RefitConfig:
-    from app.cli.demo_engine import engine_config, with_vllm
+    from app.services.demo_config import engine_config, with_vllm
     from app.services.engine_demo import EngineDemoSettings
     from domain.quant.plan import QuantizationPlan
 
@@ -628,7 +621,7 @@ def measure(settings: EngineBenchSettings) -> EngineTimings:
     services.check_checkpoint_config()  # a malformed config.json is one line, before any engine or model is built
     python = services.engines.vllm_python() if deployment == "disaggregated" else None
     reason = skip_reason(deployment, vllm_here=here, engine_python=python,
-                         engine_python_has_vllm=_python_has_vllm(python) if python else None)
+                         engine_python_has_vllm=python_has(python, "vllm") if python else None)
     if reason is not None:
         raise ModuleNotFoundError(reason, name="vllm")
     if deployment == "colocated":

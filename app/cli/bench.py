@@ -14,8 +14,8 @@ from app.bench.report import BenchReport
 from domain.errors import ConfigError
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run a benchmark suite (ratios against baselines in the same run)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`refit bench`'s arguments."""
     p.add_argument("suite", choices=sorted({*app.bench.SUITES, "all"}), help="which suite to run (all: every suite, one report)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--out", metavar="DIR", default="out/bench",

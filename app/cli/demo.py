@@ -21,13 +21,14 @@ from rich.console import Console
 from rich.table import Table
 
 from app.cli import options
-from app.cli.demo_settings import EMBEDDED_MODELS, arm_factory, is_directory, settings_from_args
+from app.cli.demo_settings import arm_factory, settings_from_args
 from app.services.demo import DemoResult, StepRecord, run_demo
+from app.services.demo_config import EMBEDDED_MODELS, is_directory
 from app.services.transaction import describe_plan
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the main job: refit round trips on the embedded default model")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`refit demo`'s arguments."""
     p.add_argument("--engine", default="reference", choices=("reference", "vllm"),
                    help="reference (embedded, default) or vllm: a real vLLM engine, each refit compared with a "
                         "cold start of the exported checkpoint")

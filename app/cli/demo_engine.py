@@ -8,23 +8,11 @@ import json
 import sys
 from typing import Any
 
-import attrs
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from app.bootstrap import bootstrap
-from app.cli.demo_settings import is_directory, model_config
-from app.config_sections import (
-    ActorConfig,
-    CheckpointEngineConfig,
-    EngineKwargsConfig,
-    HfTrainerConfig,
-    QuantizationConfig,
-    RefitConfig,
-    RolloutConfig,
-    VllmEngineConfig,
-)
+from app.services.demo_config import engine_config, is_directory
 from app.services.engine_demo import EngineDemoResult, EngineDemoSettings, EngineStep, run_engine_demo
 from app.services.transaction import describe_plan
 from domain.quant.plan import QuantizationPlan
@@ -53,45 +41,6 @@ def engine_settings(args: argparse.Namespace) -> EngineDemoSettings:
         model=args.model or "micro-moe", seed=args.seed, steps=2 if args.steps is None else args.steps,
         inject_fault=args.inject_fault, fault_step=args.fault_step,
     )
-
-
-def engine_config(settings: EngineDemoSettings, bucket_mb: float) -> RefitConfig:
-    """The configuration of the demo's engine: the plan, the embedded model, the deployment, and
-    engine arguments for a tiny model with no tokenizer (on a machine without CUDA, 1 GiB of
-    KV cache in host memory)."""
-    plan = settings.plan
-    own = is_directory(settings.model)
-    # your checkpoint: the transformers model is the trainer; the engine starts from its config.json
-    # with dummy weights, as it does on the embedded model, so the first refit writes every weight
-    actor = ActorConfig(strategy="hf", hf=HfTrainerConfig(load_model=True)) if own else ActorConfig()
-    engine_args: dict[str, object] = {"skip_tokenizer_init": True, "dtype": "bfloat16", "enforce_eager": True,
-                                      "max_model_len": 128, "seed": 0}
-    if own:
-        engine_args["load_format"] = "dummy"
-    quantization = QuantizationConfig(
-        linear=plan.linear.name if plan.linear.is_quantized else None,
-        moe=plan.moe.name if plan.moe.is_quantized else None,
-        moe_activation=None if plan.moe_activation is None else plan.moe_activation.value,
-        linear_activation=None if plan.linear_activation is None else plan.linear_activation.value,
-    )
-    vllm = VllmEngineConfig(engine_args=engine_args,
-                            environment={} if torch.cuda.is_available() else {"VLLM_CPU_KVCACHE_SPACE": "1"},
-                            url=settings.url)
-    rollout = RolloutConfig(
-        name=settings.engine, deployment=settings.deployment, quantization=quantization,
-        engine_kwargs=EngineKwargsConfig(vllm=vllm),
-        checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=bucket_mb),
-    )
-    return model_config(settings.model, settings.seed, RefitConfig(rollout=rollout, actor=actor))
-
-
-def with_vllm(config: RefitConfig, *, start_timeout_s: float | None = None, **engine_args: object) -> RefitConfig:
-    """`config` with more vLLM engine arguments (and another start timeout)."""
-    vllm = config.rollout.engine_kwargs.vllm
-    vllm = attrs.evolve(vllm, engine_args={**vllm.engine_args, **engine_args},
-                        start_timeout_s=vllm.start_timeout_s if start_timeout_s is None else start_timeout_s)
-    kwargs = attrs.evolve(config.rollout.engine_kwargs, vllm=vllm)
-    return attrs.evolve(config, rollout=attrs.evolve(config.rollout, engine_kwargs=kwargs))
 
 
 def _row(s: EngineStep) -> list[str]:

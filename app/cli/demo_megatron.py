@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from rich.console import Console
@@ -28,19 +28,11 @@ from app.bootstrap import bootstrap
 from app.cli.demo_settings import demo_config, raise_typed_failure
 from app.config_sections import ActorConfig, MegatronConfig, ReferenceConfig, RefitConfig
 from app.services.demo import DemoSettings
-from app.services.megatron_demo import (
-    BF16,
-    MEGATRON_K3_BOUND,
-    MegatronDemoSettings,
-    demo_rank,
-    judge,
-    probe_batch,
-    step_pieces,
-    unsharded_rank,
-    verdict,
-)
 from app.services.transaction import describe_plan
 from domain.errors import ConfigError
+
+if TYPE_CHECKING:  # the Megatron demo's service loads only when `--trainer megatron` runs
+    from app.services.megatron_demo import MegatronDemoSettings
 
 MAX_TRAINER_RANKS = 4  # this machine: 2 cores
 
@@ -86,6 +78,15 @@ def check_layout(services: Any, world: Any, settings: DemoSettings) -> None:
 
 def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     """Run the Megatron demo world, judge every refit, print; the exit status."""
+    from app.services.megatron_demo import (
+        MEGATRON_K3_BOUND,
+        MegatronDemoSettings,
+        judge,
+        probe_batch,
+        step_pieces,
+        verdict,
+    )
+
     if args.procs is not None or args.inject_fault or args.qat:
         raise ConfigError("--trainer", "megatron takes its processes from --tp/--pp/--ep (no --procs), and no "
                           "--inject-fault or --qat")
@@ -129,10 +130,14 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
 
 
 def _demo_rank(rank: int, config: RefitConfig, demo: MegatronDemoSettings, world: Any) -> list[dict[str, Any]]:
+    from app.services.megatron_demo import demo_rank
+
     return demo_rank(rank, bootstrap(config), demo, world)
 
 
 def _unsharded_rank(rank: int, config: RefitConfig, pieces: Any, probe: Any) -> Any:
+    from app.services.megatron_demo import unsharded_rank
+
     return unsharded_rank(rank, bootstrap(config), pieces, probe)
 
 
@@ -147,11 +152,15 @@ def _crashed(results: list[Any]) -> bool:
 
 def _megatron_max(rows: list[dict[str, Any]]) -> float | None:
     """The largest k3 KL of Megatron's forward against the engine's on the BF16 arm."""
+    from app.services.megatron_demo import BF16
+
     figures = [r["megatron_k3_kl"] for r in rows if r["arm"] == BF16 and "megatron_k3_kl" in r]
     return max(figures) if figures else None
 
 
 def _render(header: str, rows: list[dict[str, Any]], checks: dict[str, bool]) -> None:
+    from app.services.megatron_demo import MEGATRON_K3_BOUND
+
     console = Console(width=max(Console().width, 120))
     console.print(header)
     table = Table(title="one row per step and arm (step 0 = initial sync)")

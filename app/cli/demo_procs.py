@@ -31,7 +31,8 @@ from app.services.distributed_demo import demo_world, judge, weights_digest
 from app.services.transaction import describe_plan
 from domain.errors import CollectiveTimeout, ConfigError, DistributedRefitFailed, PeerLost
 from domain.refit.report import RefitReport
-from domain.refit.topology import RefitWorld, Role
+from domain.refit.status import Role
+from domain.refit.topology import RefitWorld
 
 STEP_TIMEOUT_S, PHASE_TIMEOUT_S = 10.0, 30.0
 

@@ -56,7 +56,7 @@ def qat_demo_services(mode: str, model: str, seed: int) -> Services:
 def vllm_qat_config(mode: str, model: str, seed: int, bucket_mb: float) -> RefitConfig:
     """The configuration of the QAT demo on vLLM: a colocated engine serving `mode` per VLLM_ROLES,
     QAT in `mode`, the embedded `model` (ConfigError naming --qat for a preset it has no roles for)."""
-    from app.cli.demo_engine import engine_config
+    from app.services.demo_config import engine_config
     from app.services.engine_demo import EngineDemoSettings
 
     roles = VLLM_ROLES.get(mode.strip().upper())

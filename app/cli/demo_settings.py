@@ -5,25 +5,24 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from typing import Protocol
-
-import attrs
+from typing import TYPE_CHECKING, Protocol
 
 from app.bootstrap import Services, bootstrap
 from app.config_sections import (
     ActorConfig,
     CheckpointEngineConfig,
     LoraConfig,
-    ModelConfig,
-    ReferenceConfig,
     RefitConfig,
     RolloutConfig,
 )
 from app.services.demo import DemoSettings
-from app.services.lora_sync import LoraSyncService
+from app.services.demo_config import model_config
 from app.services.refit import RefitService
 from domain.errors import RankFailed
 from domain.quant.plan import QuantizationPlan
+
+if TYPE_CHECKING:  # the LoRA demo's service loads only when `--lora` runs
+    from app.services.lora_sync import LoraSyncService
 
 
 class RankOutcome(Protocol):
@@ -39,23 +38,6 @@ class RankOutcome(Protocol):
     def error_type(self) -> str | None: ...
     @property
     def typed(self) -> bool: ...
-
-EMBEDDED_MODELS = ("tiny-moe", "tiny-dense", "micro-moe", "micro-dense")
-
-
-def is_directory(model: str | None) -> bool:
-    """`--model` names a checkpoint directory (options.model_or_directory made it absolute), not
-    an embedded model."""
-    return model is not None and model not in EMBEDDED_MODELS
-
-
-def model_config(model: str, seed: int, base: RefitConfig | None = None) -> RefitConfig:
-    """The configuration of the demo's model (on `base`): an embedded preset and its seed, or a
-    checkpoint directory (model.path; the seed then only drives the steps and the batch)."""
-    base = base or RefitConfig()
-    if is_directory(model):
-        return attrs.evolve(base, model=ModelConfig(path=model))
-    return attrs.evolve(base, reference=ReferenceConfig(model=model, seed=seed))
 
 
 def _none(preset: str | None) -> str | None:

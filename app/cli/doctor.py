@@ -17,8 +17,8 @@ from app.services.doctor_checks import Status
 _STYLE = {Status.OK: "green", Status.WARNING: "yellow", Status.UNAVAILABLE: "dim", Status.ERROR: "bold red"}
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="inspect this machine (and a configuration): what works here and why not")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`refit doctor`'s arguments."""
     add_config_arguments(p)
     p.add_argument("--environment", metavar="JSON", default=None,
                    help="judge the machine described by a saved `refit doctor --json` output instead of this one")

@@ -16,8 +16,8 @@ from app.cli.plan import add_config_arguments, decoded_note, services_from_args
 from app.services.checkpoint_export import ExportResult, export_checkpoint
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="HF checkpoint directory -> quantized compressed-tensors checkpoint directory")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`refit export`'s arguments."""
     add_config_arguments(p)
     p.add_argument("--model", metavar="DIR", help="source checkpoint directory (default: model.path)")
     p.add_argument("--out", metavar="DIR", required=True, help="destination directory (must be empty or absent)")

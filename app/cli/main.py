@@ -1,5 +1,9 @@
 """Entry point of the `refit` command: one sub-module per sub-command, listed here explicitly.
 
+A command's module is imported only when that command runs (or asks for its `--help`): `refit
+--help` lists every command's name and help from the table below without importing any of them,
+and `refit plan` imports what planning needs, never the demos, the benchmarks or an engine.
+
 Exit status (docs/errors.md lists every error with its code):
 
 | code | meaning |
@@ -22,21 +26,30 @@ import signal
 import sys
 import traceback
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import NoReturn
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple, NoReturn
 
 from domain.errors import RefitError
 
-# Sub-command name -> module that defines `add_parser(subparsers)` and `run(args) -> int`.
-# Modules are imported lazily so that `refit --help` stays fast and heavy adapters load only
-# when their command runs.
-COMMANDS: dict[str, str] = {
-    "demo": "app.cli.demo",
-    "bench": "app.cli.bench",
-    "plan": "app.cli.plan",
-    "export": "app.cli.export",
-    "doctor": "app.cli.doctor",
-    "mismatch": "app.cli.mismatch",
+
+class Command(NamedTuple):
+    """One sub-command: the module that defines `add_arguments(parser)` and `run(args) -> int`,
+    and the one line `refit --help` shows for it."""
+
+    module: str
+    help: str
+
+
+# Sub-command name -> its module and help. A module is imported only when its command is chosen,
+# so that `refit --help` stays fast and heavy adapters load only when their command runs.
+COMMANDS: dict[str, Command] = {
+    "demo": Command("app.cli.demo", "the main job: refit round trips on the embedded default model"),
+    "bench": Command("app.cli.bench", "run a benchmark suite (ratios against baselines in the same run)"),
+    "plan": Command("app.cli.plan", "validate a rollout quantization configuration and print every decision"),
+    "export": Command("app.cli.export", "HF checkpoint directory -> quantized compressed-tensors checkpoint directory"),
+    "doctor": Command("app.cli.doctor", "inspect this machine (and a configuration): what works here and why not"),
+    "mismatch": Command("app.cli.mismatch", "per preset: the trainer's log-probs against the rollout's, with verl's "
+                        "metric names"),
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
@@ -65,7 +78,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The `refit` parser.
+
+    Args:
+        commands: the commands whose arguments the parser knows (their modules are imported);
+            every other command is listed by name and help only (default: every command).
+    """
     parser = _Parser(
         prog="refit",
         description="rl-refit: low-precision rollout export, transactional refit, fused log-probs.",
@@ -75,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help=debug_help)
     parser.add_argument("--verbose", action="store_true", help=verbose_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-    for module in COMMANDS.values():
-        importlib.import_module(module).add_parser(sub)
+    built = set(commands)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help)
+        if name in built:
+            importlib.import_module(command.module).add_arguments(p)
     for command in sub.choices.values():  # `refit export ... --debug` as well as `refit --debug export`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
         if "--verbose" not in command._option_string_actions:  # a command may say more about it (demo)
@@ -130,8 +152,16 @@ def third_party_notices(*, shown: bool) -> Iterator[None]:
                 logger.setLevel(level)
 
 
+def chosen_command(argv: Sequence[str]) -> tuple[str, ...]:
+    """The command a command line runs, as build_parser's `commands` (none: `refit --help`, or no
+    command, which the parser then reports). The options before it take no value."""
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return (first,) if first in COMMANDS else ()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(chosen_command(argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as done:  # --help (0) or a bad command line (2, its line already printed)
@@ -139,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = f"refit {args.command}"
     try:
         with _termination_raises(), third_party_notices(shown=args.verbose):
-            return int(importlib.import_module(COMMANDS[args.command]).run(args))
+            return int(importlib.import_module(COMMANDS[args.command].module).run(args))
     except RefitError as err:
         # A typed, explained error: print it plainly and exit 2.
         return _report(args, f"{where}: {type(err).__name__}: {one_line(str(err))}", EXIT_ERROR)

@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from app.cli import options
-from app.cli.demo_settings import EMBEDDED_MODELS, model_config
 from app.config_sections import CheckpointEngineConfig, RefitConfig, RolloutConfig
+from app.services.demo_config import EMBEDDED_MODELS, model_config
 from app.services.mismatch_report import MismatchResult, MismatchSettings, presets_of, run_mismatch
 from domain.mismatch import IS_LEVELS, RS_LEVELS
 from domain.mismatch_sentinel import DEFAULT_K3_THRESHOLD
@@ -53,9 +53,8 @@ def _positive(text: str) -> float:
     return value
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("mismatch", help="per preset: the trainer's log-probs against the rollout's, with verl's "
-                                        "metric names")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`refit mismatch`'s arguments."""
     p.add_argument("--model", default=None, metavar="NAME|DIR", type=options.model_or_directory(EMBEDDED_MODELS),
                    help="embedded model (tiny-moe, tiny-dense, micro-moe, micro-dense; default tiny-moe, micro-moe "
                         "with --engine vllm), or DIR: a Hugging Face checkpoint directory")
@@ -88,7 +87,7 @@ def mismatch_config(engine: str, model: str, seed: int, *, colocated: bool) -> R
     if engine == "embedded":
         rollout = RolloutConfig(name="reference", checkpoint_engine=CheckpointEngineConfig())
         return model_config(model, seed, RefitConfig(rollout=rollout))
-    from app.cli.demo_engine import engine_config
+    from app.services.demo_config import engine_config
     from app.services.engine_demo import EngineDemoSettings
 
     settings = EngineDemoSettings(engine=ENGINES[engine], deployment="colocated" if colocated else "disaggregated",

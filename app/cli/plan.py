@@ -59,8 +59,8 @@ def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return source, items
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="validate a rollout quantization configuration and print every decision")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`refit plan`'s arguments."""
     add_config_arguments(p)
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (sets model.path); per-tensor decisions")
     p.add_argument("--all", action="store_true", help="one row per tensor instead of per tensor class")

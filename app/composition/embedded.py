@@ -4,6 +4,7 @@ current weights, and trainable copies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,19 +14,30 @@ from app.composition.tables import TRAINERS
 from domain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from adapters.hf_checkpoint.reader import HfCheckpoint
     from adapters.megatron.demo_kit import MegatronDemoKit
     from adapters.qat_reference.embedded import EmbeddedModule
     from adapters.reference.config import ReferenceModelConfig
-    from app.bootstrap import Services
+    from app.config_sections import RefitConfig
+    from app.services.planning import PlanReport
     from ports.trainer_model import TrainerModel
 
 
 @attrs.frozen
 class EmbeddedWiring:
     """`Services.embedded`: the embedded reference model of `reference.model` and `reference.seed`
-    (or of model.path's config.json, with `actor.strategy: reference`)."""
+    (or of model.path's config.json, with `actor.strategy: reference`).
 
-    services: Services
+    Attributes:
+        config: the validated configuration.
+        checkpoint: the checkpoint at a path (default model.path; None without one).
+        plan_report: the configuration's plan report for a checkpoint and a purpose
+            (`Services.plan_report`).
+    """
+
+    config: RefitConfig
+    checkpoint: Callable[..., HfCheckpoint | None]
+    plan_report: Callable[..., PlanReport]
 
     def reference_config(self) -> ReferenceModelConfig:
         """The embedded reference model's shapes: reference.model's, or with model.path and
@@ -33,8 +45,8 @@ class EmbeddedWiring:
         CheckpointError otherwise)."""
         from adapters.reference.config import preset
 
-        config = self.services.config
-        checkpoint = self.services.checkpoint() if config.actor.strategy == "reference" else None
+        config = self.config
+        checkpoint = self.checkpoint() if config.actor.strategy == "reference" else None
         if checkpoint is not None:
             from adapters.reference.hf_config import config_from_checkpoint
 
@@ -54,14 +66,14 @@ class EmbeddedWiring:
 
         from adapters.reference.hf import write_config
 
-        prefix = f"rl-refit-{self.services.config.reference.model}-"
+        prefix = f"rl-refit-{self.config.reference.model}-"
         return write_config(self.reference_config(), tempfile.mkdtemp(prefix=prefix))
 
     def write_checkpoint(self, trainer: TrainerModel, directory: str | Path) -> Path:
         """The trainer's current weights as a BF16 Hugging Face checkpoint (the source `export`
         quantizes, e.g. for an engine's cold start): the embedded model's config.json, or with
         actor.strategy hf the source checkpoint's (adapters.hf.module.HfModuleTrainer.save)."""
-        strategy = self.services.config.actor.strategy
+        strategy = self.config.actor.strategy
         save = getattr(trainer, "save", None)
         if strategy == "hf" and callable(save):  # adapters.hf.module: the source's config.json
             return Path(save(directory))
@@ -79,12 +91,11 @@ class EmbeddedWiring:
 
         from app.services.checkpoint_export import export_checkpoint
 
-        services = self.services
         with tempfile.TemporaryDirectory(prefix="rl-refit-bf16-") as src:
-            checkpoint = services.checkpoint(str(self.write_checkpoint(trainer, src)))
+            checkpoint = self.checkpoint(str(self.write_checkpoint(trainer, src)))
             if checkpoint is None:  # write_checkpoint returns the directory it wrote
                 raise ConfigError("model.path", f"no checkpoint was written into {src}")
-            export_checkpoint(checkpoint, out, services.plan_report(checkpoint, purpose="export"), force=True)
+            export_checkpoint(checkpoint, out, self.plan_report(checkpoint, purpose="export"), force=True)
         return Path(out)
 
     def module(self) -> EmbeddedModule:
@@ -93,7 +104,7 @@ class EmbeddedWiring:
         from adapters.qat_reference.embedded import EmbeddedModule
         from adapters.reference.config import preset
 
-        ref = self.services.config.reference
+        ref = self.config.reference
         return EmbeddedModule.from_seed(preset(ref.model), ref.seed)
 
     def megatron_demo_kit(self) -> MegatronDemoKit:
@@ -103,5 +114,5 @@ class EmbeddedWiring:
         from adapters.megatron.demo_kit import MegatronDemoKit
         from adapters.reference.config import preset
 
-        ref = self.services.config.reference
+        ref = self.config.reference
         return MegatronDemoKit(preset(ref.model), ref.seed)

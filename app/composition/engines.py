@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
 
 from adapters.profiles import POLICY_ENGINES, backend_decision
-from app.composition.tables import engine_start
 from domain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from adapters.engine_start import EngineStart
+    from adapters.vllm.factory import VllmHost
     from adapters.vllm.launcher import ColdServer
-    from app.bootstrap import Services
+    from app.config_sections import RefitConfig
     from domain.quant.backend_policy import BackendDecision
     from domain.quant.plan import QuantizationPlan
     from ports.environment_probe import EnvironmentProbe
@@ -27,17 +28,28 @@ _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 @attrs.frozen
 class EngineWiring:
-    """`Services.engines`: what the engine of `rollout.name` needs besides the refit."""
+    """`Services.engines`: what the engine of `rollout.name` needs besides the refit.
 
-    services: Services
+    Attributes:
+        config: the validated configuration.
+        environ: the honoured environment variables, as the composition root read them.
+        engine_start: what the real engine of a name starts with for the configuration's plan
+            (`Services.engine_start`).
+        vllm_host: what starting a vLLM engine needs from this process (`Services.vllm_host`).
+    """
+
+    config: RefitConfig
+    environ: Mapping[str, str]
+    engine_start: Callable[[str], EngineStart]
+    vllm_host: Callable[[], VllmHost]
 
     def configured_python(self) -> tuple[str, str] | None:
         """(key, value) of a vLLM host's interpreter as configured: rollout.engine_kwargs.vllm.python,
         else RL_REFIT_VLLM_PYTHON; None when neither sets it."""
         from adapters.vllm.interpreter import configured_python
 
-        return configured_python(self.services.config.rollout.engine_kwargs.vllm.python,
-                                 self.services.environ.get("RL_REFIT_VLLM_PYTHON"))
+        return configured_python(self.config.rollout.engine_kwargs.vllm.python,
+                                 self.environ.get("RL_REFIT_VLLM_PYTHON"))
 
     def vllm_python(self) -> str:
         """The interpreter a disaggregated engine's vLLM server runs with: the configured one, else
@@ -49,13 +61,13 @@ class EngineWiring:
     def cold_start(self, directory: str | Path) -> ColdServer:
         """An engine of rollout.name started from a checkpoint directory in its own process, for
         comparisons (ports.engine_inspection, log_probs, placeholders); vllm only."""
-        name = self.services.config.rollout.name
+        name = self.config.rollout.name
         if name != "vllm":
             raise ConfigError("rollout.name", f"cold starts for comparison are built for vllm only, not {name!r}")
         from adapters.vllm.factory import vllm_cold_start
 
-        return vllm_cold_start(self.services.config.rollout.engine_kwargs.vllm, engine_start(self.services, "vllm"),
-                               self.services.vllm_host(), str(directory))
+        return vllm_cold_start(self.config.rollout.engine_kwargs.vllm, self.engine_start("vllm"), self.vllm_host(),
+                               str(directory))
 
     def deep_gemm_opt_out(self, engine: str, environ: Mapping[str, str] | None = None) -> bool:
         """Whether DeepGEMM requests are off: `rollout.engine_kwargs.<engine>.use_deep_gemm: false`
@@ -69,9 +81,9 @@ class EngineWiring:
             True to opt out. Raises ConfigError naming the key or variable on a value that is not
             a switch.
         """
-        section = self.services.config.rollout.engine_kwargs.engine(engine)
+        section = self.config.rollout.engine_kwargs.engine(engine)
         value = None if section is None else section.use_deep_gemm
-        env = (self.services.environ if environ is None else environ).get("VERL_ROLLOUT_USE_DEEP_GEMM")
+        env = (self.environ if environ is None else environ).get("VERL_ROLLOUT_USE_DEEP_GEMM")
         if env is not None and env.strip().lower() not in _ON + _OFF:
             raise ConfigError("VERL_ROLLOUT_USE_DEEP_GEMM", f"expected 1 or 0 (true/false), got {env!r}")
         return value is False or (env is not None and env.strip().lower() in _OFF)
@@ -108,8 +120,8 @@ class EngineWiring:
             python: str | None = self.vllm_python()
             if python == sys.executable and importlib.util.find_spec("vllm") is None:
                 python = None  # no vLLM environment to ask
-            return SystemProbe(environ=dict(self.services.environ), vllm_python=python,
-                               cpu_emulation=self.services.config.rollout.engine_kwargs.vllm.cpu_emulation)
+            return SystemProbe(environ=dict(self.environ), vllm_python=python,
+                               cpu_emulation=self.config.rollout.engine_kwargs.vllm.cpu_emulation)
         from app.services.doctor import snapshot_probe
 
         return snapshot_probe(snapshot_file)

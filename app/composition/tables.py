@@ -4,6 +4,8 @@
 Each entry imports its adapter only when it is built; a missing package raises
 ModuleNotFoundError naming the adapter and the extra to install. Every builder configures the
 engine for the plan it is given (`Services.rollout_engine(plan)`), never the configuration's own.
+Builders take a BuildContext, the configuration and the few things the composition root builds
+from it, never the root's Services.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from domain.quant.support import MODELOPT_NVFP4
 
 if TYPE_CHECKING:
     from adapters.engine_start import EngineStart
-    from app.bootstrap import Services
+    from adapters.hf_checkpoint.reader import HfCheckpoint
+    from adapters.reference.config import ReferenceModelConfig
+    from adapters.vllm.factory import VllmHost
+    from app.config_sections import RefitConfig
+    from app.services.planning import PlanReport
+    from domain.forward.mode import FusedForwardMode
+    from domain.quant.backend_policy import BackendDecision
     from domain.quant.plan import QuantizationPlan
     from domain.refit.topology import ParallelLayout
     from ports.qat_backend import QatBackend
@@ -34,13 +42,13 @@ class AdapterEntry:
 
     Attributes:
         adapter: the adapter's name, for errors.
-        build: the factory, called with the Services and the build's options.
+        build: the factory, called with the BuildContext and the build's options.
         package: the import name of the optional package it needs (None: nothing optional).
         extra: the rl-refit extra that installs that package.
         remote: the engine can run in processes of its own (`rollout.deployment: disaggregated`),
             where its package is needed there, not here.
         sharded: trainers only: the factory of one rank's ShardedTrainerModel, called with the
-            Services, the rank's model, the parallel layout and the rank (None: no sharded form).
+            rank's model, the parallel layout and the rank (None: no sharded form).
     """
 
     adapter: str
@@ -65,12 +73,42 @@ class AdapterEntry:
             )
 
 
-def engine_start(services: Services, engine: str, plan: QuantizationPlan | None = None) -> EngineStart:
-    """What a real engine starts with for `plan` (default: the configuration's): its
-    quantization_config and layout for that plan, the backend decision, the model."""
+@attrs.frozen
+class BuildContext:
+    """What the adapter builders take from the composition root: the configuration and the few
+    things it builds from it, as callables (each is built only when a builder asks for it).
+
+    Attributes:
+        config: the validated configuration.
+        checkpoint: model.path's checkpoint (None without one).
+        reference_config: the embedded reference model's shapes.
+        engine_start: what a real engine (by name) starts with for a plan (None: the configuration's).
+        vllm_host: what starting a vLLM engine needs from this process.
+        fused_forward_mode: the fused-forward mode asked for (a Megatron trainer's).
+    """
+
+    config: RefitConfig
+    checkpoint: Callable[[], HfCheckpoint | None]
+    reference_config: Callable[[], ReferenceModelConfig]
+    engine_start: Callable[[str, QuantizationPlan | None], EngineStart]
+    vllm_host: Callable[[], VllmHost]
+    fused_forward_mode: Callable[[], FusedForwardMode]
+
+
+def engine_start(report: PlanReport, reference_config: Callable[[], ReferenceModelConfig],
+                 backends: Callable[[QuantizationPlan], BackendDecision], model_path: str | None) -> EngineStart:
+    """What a real engine starts with: its quantization_config and layout for the plan of
+    `report`, the backend decision, the model.
+
+    Args:
+        report: the plan's report (`Services.plan_report`), for the plan the engine serves.
+        reference_config: the embedded model's shapes (asked only for a ModelOpt layout without
+            a checkpoint).
+        backends: the kernel backends for a plan (`Services.engines.backend_decision` of the engine).
+        model_path: model.path (None: the embedded model).
+    """
     from adapters.engine_start import EngineStart
 
-    report = services.plan_report(services.checkpoint(), plan=plan)
     engine_config = report.engine_config
     if not report.shapes and report.resolution.layout == MODELOPT_NVFP4:
         # ModelOpt's config excludes modules by name (no `re:` entries): without a checkpoint the
@@ -79,45 +117,44 @@ def engine_start(services: Services, engine: str, plan: QuantizationPlan | None 
         from adapters.reference.config import hf_weight_shapes
         from app.services.planning import bf16_linear_modules
 
-        shapes = hf_weight_shapes(services.embedded.reference_config())
+        shapes = hf_weight_shapes(reference_config())
         engine_config = engine_quantization_config(report.resolution, bf16_linear_modules(report.plan, shapes))
-    return EngineStart(report.plan, engine_config, report.resolution.layout,
-                       services.engines.backend_decision(engine, report.plan), services.config.model.path)
+    return EngineStart(report.plan, engine_config, report.resolution.layout, backends(report.plan), model_path)
 
 
-def _reference_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
+def _reference_engine(ctx: BuildContext, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
     from adapters.reference.factory import build_reference_engine
 
-    return build_reference_engine(services.embedded.reference_config(), plan,
+    return build_reference_engine(ctx.reference_config(), plan,
                                   commit_mode=options.get("commit_mode"),
                                   kv_cache_scheme=options.get("kv_cache_scheme"),
-                                  device=services.config.reference.device)
+                                  device=ctx.config.reference.device)
 
 
-def _vllm_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
+def _vllm_engine(ctx: BuildContext, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
     from adapters.vllm.factory import build_vllm_engine
 
-    lora = services.config.actor.lora
-    section = services.config.rollout.engine_kwargs.vllm
-    if services.config.rollout.deployment == "attached":
+    lora = ctx.config.actor.lora
+    section = ctx.config.rollout.engine_kwargs.vllm
+    if ctx.config.rollout.deployment == "attached":
         from adapters.vllm.factory import attach_vllm_engine
 
         urls = section.urls or ((section.url,) if section.url else ())
         if not urls:
             raise ConfigError("rollout.engine_kwargs.vllm.url", "rollout.deployment=attached refits a server you "
                               "started: give its URL (http://HOST:PORT), or urls for several replicas")
-        return attach_vllm_engine(section, engine_start(services, "vllm", plan), services.vllm_host(),
+        return attach_vllm_engine(section, ctx.engine_start("vllm", plan), ctx.vllm_host(),
                                   urls[int(options.get("replica", 0))])
-    return build_vllm_engine(services.config.rollout.engine_kwargs.vllm, engine_start(services, "vllm", plan),
-                             services.vllm_host(), deployment=services.config.rollout.deployment,
+    return build_vllm_engine(ctx.config.rollout.engine_kwargs.vllm, ctx.engine_start("vllm", plan),
+                             ctx.vllm_host(), deployment=ctx.config.rollout.deployment,
                              commit_mode=options.get("commit_mode"),
                              lora_rank=lora.rank if lora.sync == "adapter" else None)
 
 
-def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
+def _sglang_engine(ctx: BuildContext, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
     from adapters.sglang.factory import build_sglang_engine
 
-    rollout = services.config.rollout
+    rollout = ctx.config.rollout
     if rollout.deployment == "disaggregated":
         raise ConfigError("rollout.deployment", "sglang runs colocated only (sglang.Engine in this process), or "
                           "attached to a server you started (rollout.deployment=attached)")
@@ -130,43 +167,42 @@ def _sglang_engine(services: Services, plan: QuantizationPlan, **options: Any) -
         if not rollout.engine_kwargs.sglang.url:
             raise ConfigError("rollout.engine_kwargs.sglang.url", "rollout.deployment=attached refits a server you "
                               "started: give its URL (http://HOST:PORT)")
-        return attach_sglang_engine(rollout.engine_kwargs.sglang, engine_start(services, "sglang", plan),
+        return attach_sglang_engine(rollout.engine_kwargs.sglang, ctx.engine_start("sglang", plan),
                                     sync_backend=rollout.checkpoint_engine.backend, wire_format=rollout.wire_format,
                                     commit_mode=options.get("commit_mode"))
-    return build_sglang_engine(rollout.engine_kwargs.sglang, engine_start(services, "sglang", plan),
+    return build_sglang_engine(rollout.engine_kwargs.sglang, ctx.engine_start("sglang", plan),
                                sync_backend=rollout.checkpoint_engine.backend, wire_format=rollout.wire_format,
                                commit_mode=options.get("commit_mode"))
 
 
-def _reference_trainer(services: Services, model: object | None) -> TrainerModel:
+def _reference_trainer(ctx: BuildContext, model: object | None) -> TrainerModel:
     """The embedded reference model: random weights of reference.model from reference.seed, or,
     with model.path, a Qwen3 / Qwen3-MoE checkpoint's weights at its shapes."""
     from adapters.reference.config import preset
     from adapters.reference.trainer import ReferenceTrainer
     from app.composition.lora import with_adapter
 
-    ref = services.config.reference
-    checkpoint = services.checkpoint()
+    ref = ctx.config.reference
+    checkpoint = ctx.checkpoint()
     if checkpoint is not None:  # the reference model at the checkpoint's shapes, holding its weights
         from adapters.reference.hf_config import ties_head
 
-        trainer = ReferenceTrainer.from_hf_weights(services.embedded.reference_config(), checkpoint.iter_tensors(),
+        trainer = ReferenceTrainer.from_hf_weights(ctx.reference_config(), checkpoint.iter_tensors(),
                                                    tied=ties_head(checkpoint.config))
     else:
         trainer = ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
-    return with_adapter(services, trainer)
+    return with_adapter(ctx.config, trainer)
 
 
-def _megatron_trainer(services: Services, model: object | None) -> TrainerModel:
+def _megatron_trainer(ctx: BuildContext, model: object | None) -> TrainerModel:
     from adapters.megatron.factory import megatron_trainer
 
     if model is None:
         raise ConfigError("actor.strategy", "megatron: pass the built Megatron model, bootstrap(config, model=...)")
-    return megatron_trainer(model, services.trainer_side.fused_forward_request().mode,
-                            gdn_kernels=services.config.actor.megatron.gdn_kernels)
+    return megatron_trainer(model, ctx.fused_forward_mode(), gdn_kernels=ctx.config.actor.megatron.gdn_kernels)
 
 
-def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
+def _hf_trainer(ctx: BuildContext, model: object | None) -> TrainerModel:
     """A live transformers model (`model=`), else model.path streamed from its files."""
     from adapters.hf.module import HfModuleTrainer
 
@@ -174,21 +210,21 @@ def _hf_trainer(services: Services, model: object | None) -> TrainerModel:
         from adapters.hf.lora import PeftTrainer, is_peft_model
 
         return PeftTrainer(model) if is_peft_model(model) else HfModuleTrainer(model)
-    path = services.config.model.path
+    path = ctx.config.model.path
     if not path:
         raise ConfigError("actor.strategy", "hf: set model.path to a Hugging Face checkpoint directory, or pass "
                           "the transformers model, bootstrap(config, model=...)")
-    if services.config.actor.hf.load_model:  # in memory and trainable (what the demo's steps perturb)
+    if ctx.config.actor.hf.load_model:  # in memory and trainable (what the demo's steps perturb)
         from adapters.hf_checkpoint.config_checks import check_checkpoint_config
 
-        check_checkpoint_config(services.checkpoint(path))  # type: ignore[arg-type]  # before transformers builds it
+        check_checkpoint_config(ctx.checkpoint())  # type: ignore[arg-type]  # before transformers builds it
         return HfModuleTrainer.from_pretrained(path)
     from adapters.hf.checkpoint import HfCheckpointTrainer
 
     return HfCheckpointTrainer.open(path)
 
 
-def _megatron_sharded(services: Services, model: object, layout: ParallelLayout, rank: int) -> ShardedTrainerModel:
+def _megatron_sharded(model: object, layout: ParallelLayout, rank: int) -> ShardedTrainerModel:
     from adapters.megatron.factory import megatron_sharded
 
     return megatron_sharded(model, layout, rank)

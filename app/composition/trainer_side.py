@@ -3,7 +3,7 @@ and quantization-aware training, for a model the caller built."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from adapters.megatron.packed_gdn import PackedGdnReport
-    from app.bootstrap import Services
+    from app.config_sections import RefitConfig
     from app.services.logprob import LogProbService
     from app.services.qat_setup import QatSession
     from domain.forward.mode import FusedForwardRequest
@@ -24,17 +24,25 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class TrainerWiring:
-    """`Services.trainer_side`: services over the trainer's own model (`bootstrap(model=...)`)."""
+    """`Services.trainer_side`: services over the trainer's own model (`bootstrap(model=...)`).
 
-    services: Services
+    Attributes:
+        config: the validated configuration.
+        environ: the honoured environment variables, as the composition root read them.
+        model: the model given to bootstrap (None: none).
+    """
+
+    config: RefitConfig
+    environ: Mapping[str, str]
+    model: Callable[[], object | None]
 
     def fused_forward_request(self) -> FusedForwardRequest:
         """The fused-forward mode asked for: `actor.fused_forward` wins; else `VERL_FUSED_USE_OP_HOOK`
         as read by bootstrap; else auto (FusedForwardModeError names the key or the variable)."""
         from domain.forward.mode import FusedForwardRequest
 
-        return FusedForwardRequest.from_settings(self.services.config.actor.fused_forward,
-                                                 self.services.environ.get("VERL_FUSED_USE_OP_HOOK"))
+        return FusedForwardRequest.from_settings(self.config.actor.fused_forward,
+                                                 self.environ.get("VERL_FUSED_USE_OP_HOOK"))
 
     def logprob_service(self, model: object | None = None, *, chunk_size: int | None = None) -> LogProbService:
         """A LogProbService over a Megatron GPTModel (wrappers allowed) or any TrainerModel.
@@ -53,14 +61,14 @@ class TrainerWiring:
         """
         from app.services.logprob import LogProbService, is_trainer_model
 
-        model = model if model is not None else self.services.model
+        model = model if model is not None else self.model()
         request = self.fused_forward_request()
         if is_trainer_model(model):
             return LogProbService(model, mode="none", source=request.source)
         TRAINERS["megatron"].require("actor.strategy", "megatron")
         from adapters.megatron.factory import megatron_trainer
 
-        trainer = megatron_trainer(model, request.mode, gdn_kernels=self.services.config.actor.megatron.gdn_kernels,
+        trainer = megatron_trainer(model, request.mode, gdn_kernels=self.config.actor.megatron.gdn_kernels,
                                    chunk_size=chunk_size)
         return LogProbService(trainer, mode=trainer.mode.value, source=request.source)
 
@@ -72,7 +80,7 @@ class TrainerWiring:
         """
         from adapters.megatron.factory import packed_gdn
 
-        return packed_gdn(model, self.services.config.actor.megatron.gdn_kernels)
+        return packed_gdn(model, self.config.actor.megatron.gdn_kernels)
 
     def qat(self, model: torch.nn.Module, *, backend: str = "reference", numerics: str = "exporter",
             layout: str = "auto", model_config: Mapping[str, object] | None = None,
@@ -97,7 +105,7 @@ class TrainerWiring:
         from adapters.qat_reference.layouts import weight_shapes
         from app.services.qat_setup import prepare_qat
 
-        config = self.services.config
+        config = self.config
         if not config.actor.megatron.qat.enable:
             return None
         chosen = qat_backend or build_qat_backend(backend, numerics, layout)

@@ -15,8 +15,9 @@ from domain.quant.rules import LAYOUT_DELTA_BACKEND
 if TYPE_CHECKING:
     from adapters.distributed.launch import RankResult
     from adapters.memory.faults import RankFault
-    from app.bootstrap import Services
+    from app.config_sections import RefitConfig
     from app.services.distributed_refit import DistributedRefitService
+    from app.services.verification import PostRefitProbe
     from domain.quant.plan import QuantizationPlan
     from domain.refit.topology import RefitWorld
     from ports.refit_collectives import RefitCollectives
@@ -27,9 +28,21 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class WorldWiring:
-    """`Services.world`: what every rank of a refit world builds from the same configuration."""
+    """`Services.world`: what every rank of a refit world builds from the same configuration.
 
-    services: Services
+    Attributes:
+        config: the validated configuration.
+        plan: the configuration's rollout plan.
+        trainer: the trainer given to bootstrap, or the one built (None: none yet).
+        rollout_engine: a new engine for a plan (`Services.rollout_engine`).
+        post_refit_probe: the post-refit probe over a reference trainer (`Services.post_refit_probe`).
+    """
+
+    config: RefitConfig
+    plan: Callable[[], QuantizationPlan]
+    trainer: Callable[[], TrainerModel | None]
+    rollout_engine: Callable[[QuantizationPlan], RolloutEngine]
+    post_refit_probe: Callable[[TrainerModel], PostRefitProbe | None]
 
     def refit_world(self, engines: int = 1, *, trainer_ranks: int | None = None) -> RefitWorld:
         """The refit world of `actor.megatron.*_parallel_size`: the trainer's ranks first (one
@@ -43,7 +56,7 @@ class WorldWiring:
         """
         from domain.refit.topology import ParallelLayout, RefitWorld
 
-        m = self.services.config.actor.megatron
+        m = self.config.actor.megatron
         tp = m.tensor_model_parallel_size
         etp = m.expert_tensor_parallel_size if m.expert_tensor_parallel_size is not None else tp
         layout = ParallelLayout(tp, m.pipeline_model_parallel_size, m.expert_model_parallel_size, etp)
@@ -110,24 +123,25 @@ class WorldWiring:
         """
         from adapters.distributed.rank_wiring import RankTimeouts, wire_rank
         from app.services.distributed_refit import DistributedRefitService
-        from domain.refit.topology import Role
+        from domain.refit.status import Role
 
-        services, config = self.services, self.services.config
+        config = self.config
+        bucket_bytes = config.rollout.checkpoint_engine.bucket_bytes
         if config.rollout.checkpoint_engine.backend == LAYOUT_DELTA_BACKEND:
             raise ConfigError("rollout.checkpoint_engine.backend", "layout_delta runs on the single-process refit "
                               "(refit_service); the distributed refit sends every tensor: use 'naive'")
 
-        plan = plan or services.plan
+        plan = plan or self.plan()
         own_model = model is not None or config.actor.strategy != "reference"
         trainer: ShardedTrainerModel | None = None
         if world.role(rank) is Role.TRAINER:
             trainer = self._sharded_trainer(model, world, rank) if own_model else self._sliced_trainer(world, rank)
         else:
-            engine = engine or services.rollout_engine(plan)
+            engine = engine or self.rollout_engine(plan)
         ports, shapes = wire_rank(
             world, rank, plan, trainer=trainer, engine=engine, own_model=own_model,
             strategy=config.actor.strategy, shapes=shapes, default_shapes=self._preset_shapes, comm=comm,
-            bucket_bytes=services.bucket_bytes, timeouts=RankTimeouts(step_timeout_s, phase_timeout_s, window),
+            bucket_bytes=bucket_bytes, timeouts=RankTimeouts(step_timeout_s, phase_timeout_s, window),
             fault=fault, hang_s=hang_s,
         )
         probe = None
@@ -136,10 +150,10 @@ class WorldWiring:
                 raise ConfigError("rollout.verify.enabled", f"rank {rank} is an engine rank: its post-refit probe "
                                   "needs the trainer's weights; pass distributed_refit(..., reference=<a full trainer "
                                   "model>), or set rollout.verify.enabled=false")
-            probe = services.post_refit_probe(reference)
+            probe = self.post_refit_probe(reference)
         return DistributedRefitService(
             world, ports.comm, plan, shapes, trainer=ports.trainer, engine=ports.engine,
-            bucket_bytes=services.bucket_bytes, window=window,
+            bucket_bytes=bucket_bytes, window=window,
             restore=restore or config.rollout.checkpoint_engine.restore, probe=probe,
         )
 
@@ -165,7 +179,7 @@ class WorldWiring:
     def _preset_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         from adapters.reference.config import hf_weight_shapes, preset
 
-        return hf_weight_shapes(preset(self.services.config.reference.model))
+        return hf_weight_shapes(preset(self.config.reference.model))
 
     def _sliced_trainer(self, world: RefitWorld, rank: int) -> ShardedTrainerModel:
         """This trainer rank's slice of the embedded reference model (or of the trainer given)."""
@@ -173,13 +187,13 @@ class WorldWiring:
         from adapters.reference.config import preset
         from adapters.reference.trainer import ReferenceTrainer
 
-        ref = self.services.config.reference
-        full = self.services.trainer or ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
+        ref = self.config.reference
+        full = self.trainer() or ReferenceTrainer.from_seed(preset(ref.model), ref.seed)
         return SlicedTrainer(full, world.layout, rank)
 
     def _sharded_trainer(self, model: object | None, world: RefitWorld, rank: int) -> ShardedTrainerModel:
         """This trainer rank's ShardedTrainerModel from TRAINERS[actor.strategy]."""
-        name = self.services.config.actor.strategy
+        name = self.config.actor.strategy
         entry = TRAINERS.get(name)
         if entry is None or entry.sharded is None:
             raise ConfigError("actor.strategy", f"{name!r} has no sharded trainer adapter; set actor.strategy: megatron "
@@ -187,4 +201,4 @@ class WorldWiring:
         entry.require("actor.strategy", name)
         if model is None:
             raise ConfigError("actor.strategy", f"{name}: pass this rank's model, distributed_refit(world, rank, model=...)")
-        return entry.sharded(self.services, model, world.layout, rank)
+        return entry.sharded(model, world.layout, rank)

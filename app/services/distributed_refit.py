@@ -14,9 +14,9 @@ settles the same refit (app.services.transaction): engines that had not committe
 weights kept; per-layer engines that wrote some layers become stale); engines that had committed
 replay the previous refit's buckets (kept on the host for that purpose) or mark themselves
 stale; then a fourth agreement, `settled`, tells every rank what each engine did and all raise the
-same DistributedRefitFailed. Each rank's side is one RefitTransaction (app.services.transaction)
-whose agreement is the world's collectives: begin, commit, the probe, the audit, settling and the
-report are the single-process refit's own. A collective that times out (a hung peer) or loses its peer ends the
+same DistributedRefitFailed. Each rank's side is one RefitTransaction (app.services.transaction,
+`with transaction(...) as tx:`) whose agreement is the world's collectives (`World`): begin,
+commit, the probe, the audit, settling and the report are the single-process refit's own. A collective that times out (a hung peer) or loses its peer ends the
 refit on this rank at once with CollectiveTimeout / PeerLost; the world is unusable afterwards.
 """
 
@@ -35,18 +35,20 @@ from app.services.transaction import (
     RefitTransaction,
     ReplayCopy,
     Restore,
+    World,
     describe_plan,
+    transaction,
 )
 from app.services.verification import PostRefitProbe
-from domain.errors import ConfigError, DistributedRefitFailed, RefitLifecycleError
+from domain.errors import ConfigError, RefitLifecycleError
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import DEFAULT_ALIGNMENT, Bucket, BucketPlanner
 from domain.refit.report import RefitReport
 from domain.refit.run import RefitRun, StageClock
 from domain.refit.session import CommitMode
 from domain.refit.shard_map import ExportUnit, ShardMap
-from domain.refit.status import RankStatus, failure_summary
-from domain.refit.topology import RefitWorld, Role
+from domain.refit.status import RankStatus, Role
+from domain.refit.topology import RefitWorld
 from ports.refit_collectives import RefitCollectives
 from ports.rollout_engine import RolloutEngine
 from ports.sharded_trainer import ShardedTrainerModel
@@ -157,31 +159,21 @@ class DistributedRefitService:
             raise RefitLifecycleError(f"rank {self.rank}: the refit world is unusable ({self._broken}); restart it")
         refit_id, self._next_id = self._next_id, self._next_id + 1
         tx = self._transaction(refit_id)
-        run = tx.run
         try:
-            if tx.begin():
-                self._stream(tx)
-            if tx.staged() and tx.commit():
-                report = self._sided(tx.succeed())  # on every rank: the refit is live on every engine
-                self.reports.append(report)
-                log.info("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
-                return report
-            tx.settle(f"refit {refit_id} failed ({tx.status.error or 'on another rank'})")
-            statuses = tx.settled()
-        except Exception as err:  # a timeout, a lost peer, or a bug: peers' positions are unknown
-            self._broken = f"{type(err).__name__} at {getattr(err, 'step', run.where)!r}"
-            tx.fail(run.where or "collective", err)
-            tx.settle(f"refit {refit_id} failed ({tx.status.error})")
-            report = self._sided(run.report())
-            self.reports.append(report)
-            if isinstance(err, WORLD_BROKEN):
-                err.report = report
-            log.error("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
-            raise
-        report = self._sided(tx.report(failure_summary(refit_id, statuses)))
+            with tx:
+                if tx.begun:
+                    self._stream(tx)
+        finally:  # a timeout, a lost peer, or a bug: peers' positions are unknown
+            self._broken = tx.broken
+        return tx.result
+
+    def _finished(self, tx: RefitTransaction, report: RefitReport) -> RefitReport:
+        """This rank's report as the service hands it out: sided, kept and logged (one line)."""
+        report = self._sided(report)
         self.reports.append(report)
-        log.error("distributed refit", rank=self.rank, role=self.role.value, **report.log_fields())
-        raise DistributedRefitFailed(report.error or "", report=report, statuses=statuses)
+        (log.info if report.ok else log.error)("distributed refit", rank=self.rank, role=self.role.value,
+                                               **report.log_fields())
+        return report
 
     def _sided(self, report: RefitReport) -> RefitReport:
         """A trainer rank's report says which codec path it quantized with: the eager reference
@@ -194,8 +186,9 @@ class DistributedRefitService:
         status = RankStatus(self.rank, self.role.value, fingerprint=self._fingerprint(refit_id))
         restore = self.restore_policy
         replay = self._replay if restore is Restore.REPLAY and self.engine is not None else None
-        return RefitTransaction(run, status, self.comm, self.plan, self.engine, restore, replay,
-                                self.probe if self.engine is not None else None)
+        return transaction(self.engine, run, self.plan, status=status, agreement=World(self.comm), restore=restore,
+                           replay=replay, probe=self.probe if self.engine is not None else None,
+                           finish=self._finished)
 
     def _stream(self, tx: RefitTransaction) -> None:
         segments = self.shard_map.segments()

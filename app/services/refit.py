@@ -1,9 +1,9 @@
 """RefitService: trainer weights -> quantized checkpoint tensors -> buckets -> engine lifecycle.
 
-One call to `refit()` runs a whole refit in this process, as one RefitTransaction
-(app.services.transaction) with the agreement of a single side: it opens the refit on the engine,
-streams the trainer's weights through the quantizer and the bucket planner into the engine,
-finalizes once, audits what the engine wrote, checks that no captured live tensor was rebound,
+One call to `refit()` runs a whole refit in this process, in one RefitTransaction
+(app.services.transaction, `with transaction(...) as tx:`) with the agreement of a single side:
+entering it opens the refit on the engine, the block streams the trainer's weights through the
+quantizer and the bucket planner into the engine, and leaving it finalizes once, audits what the engine wrote, checks that no captured live tensor was rebound,
 runs the post-refit probe, and returns the RefitReport. On any failure the engine is settled (it
 keeps its previous weights, is restored from the previous refit's buckets, or is marked stale)
 and RefitFailed carries the report. One canonical log line per refit.
@@ -18,17 +18,22 @@ import structlog
 import torch
 
 from app.services.codec_path import CodecPathChoice, choose_codec_path, on_path
-from app.services.transaction import Alone, Ownership, RefitTransaction, ReplayCopy, Restore, describe_plan
+from app.services.transaction import (
+    Ownership,
+    RefitTransaction,
+    ReplayCopy,
+    Restore,
+    describe_plan,
+    transaction,
+)
 from app.services.verification import PostRefitProbe
 from domain.errors import ConfigError, DeltaBaseMismatch, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
 from domain.refit.buckets import DEFAULT_ALIGNMENT, BucketPlanner
 from domain.refit.delta_sync import DeltaBase, DeltaSender
-from domain.refit.report import RefitOutcome, RefitReport
+from domain.refit.report import RefitReport
 from domain.refit.run import RefitRun, StageClock
-from domain.refit.status import EngineState, RankStatus
-from domain.refit.topology import Role
 from ports.delta_engine import DeltaEngine
 from ports.rollout_engine import RolloutEngine
 from ports.trainer_model import TrainerModel
@@ -140,46 +145,39 @@ class RefitService:
 
     def _attempt(self) -> RefitReport:
         refit_id, self._next_id = self._next_id, self._next_id + 1
-        log = structlog.get_logger().bind(refit_id=refit_id, plan=describe_plan(self.plan))
-        tx = self._transaction(refit_id)
-        clock = StageClock()
         if self.delta is not None:  # full or delta, from the engine's copy (asked before it begins)
             self.delta.begin(self._delta_base())
-        if tx.begin():
-            with tx.guard():
-                self._stream(tx, clock)
-        tx.run.add_times(clock.exclusive(self._stages()))
-        if tx.staged() and tx.commit():
-            if self.delta is not None:
-                self.delta.commit()
-            report = self._annotated(tx.succeed())
-            self.reports.append(report)
-            log.info("refit", **report.log_fields())
-            return report
-        run = tx.run
-        tx.settle(run.error or "")
-        tx.settled()
-        if self.delta is not None:
-            self.delta.discard(run.error or "")
-        state = (
-            "it never began on the engine and changed nothing there" if not run.began else
-            "the engine is stale and refuses to serve until a full refit succeeds"
-            if run.outcome() is RefitOutcome.STALE else
-            "the engine's previous weights were restored, bit for bit"
-            if run.engine is EngineState.RESTORED else "the engine kept its previous weights, bit for bit"
-        )
-        report = self._annotated(tx.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}"))
-        self.reports.append(report)
-        log.error("refit", **report.log_fields())
-        raise RefitFailed(report.error or "", report=report) from tx.cause
+        with self._transaction(refit_id) as tx:
+            clock = StageClock()
+            try:
+                if tx.begun:
+                    self._stream(tx, clock)
+            finally:
+                tx.run.add_times(clock.exclusive(self._stages()))
+        return tx.result
 
     def _transaction(self, refit_id: int) -> RefitTransaction:
         restore = self.restore_policy
         if restore is Restore.REPLAY and self._replay is None:
             self._replay = ReplayCopy.for_buckets(self.bucket_bytes)
         run = RefitRun(refit_id, describe_plan(self.plan), self.bucket_bytes, self.engine.commit_mode.value, PHASES)
-        return RefitTransaction(run, RankStatus(0, Role.ENGINE), Alone(), self.plan, self.engine, restore,
-                                self._replay if restore is Restore.REPLAY else None, self.probe)
+        return transaction(self.engine, run, self.plan, restore=restore,
+                           replay=self._replay if restore is Restore.REPLAY else None, probe=self.probe,
+                           finish=self._finished)
+
+    def _finished(self, tx: RefitTransaction, report: RefitReport) -> RefitReport:
+        """A refit's report as this service hands it out: the delta sender learns the outcome, the
+        report gets the codec path and delta figures, is kept and logged (one line per refit)."""
+        if self.delta is not None:
+            if report.ok:
+                self.delta.commit()
+            else:
+                self.delta.discard(tx.run.error or "")
+        report = self._annotated(report)
+        self.reports.append(report)
+        log = structlog.get_logger().bind(refit_id=report.refit_id, plan=describe_plan(self.plan))
+        (log.info if report.ok else log.error)("refit", **report.log_fields())
+        return report
 
     def _stream(self, tx: RefitTransaction, clock: StageClock) -> None:
         run = tx.run

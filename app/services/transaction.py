@@ -22,28 +22,51 @@ did). Three strategies make the shapes differ, and nothing else:
 
 The probe, the written-parameter audit, the storage check, progress and the report are the
 transaction's, so they behave the same in every shape.
+
+A transaction is a context manager, the unit-of-work pattern: entering it begins the refit (and
+agrees); the block streams when every side began (`tx.begun`); leaving the block normally commits
+(staged agreement, finalize, audit, storage check, probe, agreement) and the refit goes live
+(`tx.result`); any failure, recorded on any side or raised in the block, settles the engine as the
+restore says and raises the refit's typed error (RefitFailed, DistributedRefitFailed) carrying the
+report. Every service writes the same few lines:
+
+    with transaction(engine, run, plan, ...) as tx:
+        if tx.begun:
+            stream(tx)            # tx.load(bucket) for each bucket the engine receives
+    return tx.result
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
 
 from app.services.verification import PostRefitProbe, require
-from domain.errors import CollectiveTimeout, ConfigError, PeerLost
+from domain.errors import (
+    CollectiveTimeout,
+    ConfigError,
+    DistributedRefitFailed,
+    PeerLost,
+    RefitFailed,
+    RefitLifecycleError,
+)
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import Bucket, BucketPlanner
-from domain.refit.report import RefitReport
+from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.run import RefitRun
 from domain.refit.session import CommitMode
-from domain.refit.status import EngineState, RankStatus
+from domain.refit.status import EngineState, RankStatus, Role, failure_summary
 from domain.refit.storage import StorageFingerprint
 from ports.rollout_engine import RolloutEngine, UndoableEngine
+
+if TYPE_CHECKING:  # a world's collectives: only its agreement holds them
+    from ports.refit_collectives import RefitCollectives
 
 # Errors that end a refit on this side at once: a peer hung or vanished, so no later agreement
 # can be reached (the world is unusable afterwards).
@@ -100,7 +123,16 @@ class Restore(enum.Enum):
 
 
 class Agreement(Protocol):
-    """How the sides of a refit learn each other's word at an agreement point."""
+    """How the sides of a refit learn each other's word at an agreement point.
+
+    Attributes:
+        peers: other sides wait at the agreements (a world). An exception that escapes a refit's
+            block then leaves their positions unknown: this side settles alone and re-raises it.
+            Without peers it is one more failure, settled like any other.
+    """
+
+    @property
+    def peers(self) -> bool: ...
 
     def agree(self, step: str, status: RankStatus) -> Sequence[RankStatus]:
         """Every side's status at `step`, by rank (this side's included)."""
@@ -111,8 +143,21 @@ class Agreement(Protocol):
 class Alone:
     """The agreement of a refit with one side: its own word is the verdict."""
 
+    peers = False
+
     def agree(self, step: str, status: RankStatus) -> Sequence[RankStatus]:
         return (status,)
+
+
+@attrs.frozen
+class World:
+    """The agreement of a world's ranks: every rank's word, through their collectives."""
+
+    collectives: RefitCollectives
+    peers = True
+
+    def agree(self, step: str, status: RankStatus) -> Sequence[RankStatus]:
+        return self.collectives.agree(step, status)
 
 
 @attrs.define
@@ -182,6 +227,32 @@ class ReplayCopy:
         self._incoming = []
 
 
+def transaction(engine: RolloutEngine | None, run: RefitRun, plan: QuantizationPlan, *,
+                status: RankStatus | None = None, agreement: Agreement | None = None,
+                restore: Restore = Restore.STALE, replay: ReplayCopy | None = None,
+                probe: PostRefitProbe | None = None,
+                finish: Callable[[RefitTransaction, RefitReport], RefitReport] | None = None) -> RefitTransaction:
+    """One refit's transaction, used as `with transaction(engine, run, plan, ...) as tx:`.
+
+    Args:
+        engine: this side's engine (None on a trainer-only side).
+        run: the refit's run (its id, plan, bucket size, phases).
+        plan: the rollout plan (the probe's bound).
+        status: this side's word at the agreements; None: a lone engine side (rank 0).
+        agreement: how the sides agree; None: `Alone`.
+        restore: what brings the engine back after a failure.
+        replay: the replay copy (Restore.REPLAY only).
+        probe: the post-refit probe (None: not run).
+        finish: the service's hand on every report (annotate, record, log); None: none.
+
+    Returns:
+        The RefitTransaction, not begun (entering the `with` block begins it).
+    """
+    return RefitTransaction(run, status if status is not None else RankStatus(0, Role.ENGINE),
+                            agreement if agreement is not None else Alone(), plan, engine, restore, replay, probe,
+                            finish)
+
+
 @attrs.define
 class RefitTransaction:
     """One refit on one side (a process, or one rank of a world).
@@ -195,8 +266,13 @@ class RefitTransaction:
         restore: what brings the engine back after a failure.
         replay: the replay copy (Restore.REPLAY only).
         probe: the post-refit probe, run on the engine after it committed (None: not run).
+        finish: turns the transaction's report into the one the service hands out (annotates,
+            records, logs it), live or failed alike; None: the report as it is.
         statuses: every side's status at the last agreement.
         cause: the first exception this side raised (chained into the refit's error).
+        begun: every side began the refit (the begin agreement): the block streams only then.
+        broken: why this side could not reach the next agreement (an exception escaped while other
+            sides wait: a world is unusable afterwards), or None.
     """
 
     run: RefitRun
@@ -207,9 +283,92 @@ class RefitTransaction:
     restore: Restore = Restore.STALE
     replay: ReplayCopy | None = None
     probe: PostRefitProbe | None = None
+    finish: Callable[[RefitTransaction, RefitReport], RefitReport] | None = None
     statuses: Sequence[RankStatus] = ()
     cause: BaseException | None = None
+    begun: bool = attrs.field(init=False, default=False)
+    broken: str | None = attrs.field(init=False, default=None)
     _before: StorageFingerprint | None = attrs.field(init=False, default=None)
+    _settled: bool = attrs.field(init=False, default=False)
+    _result: RefitReport | None = attrs.field(init=False, default=None)
+
+    # --- the unit of work --------------------------------------------------------------------
+
+    def __enter__(self) -> RefitTransaction:
+        """Begin the refit here and on the engine, and agree (`begun`: every side began)."""
+        try:
+            self.begun = self._begin()
+        except BaseException as err:
+            self._strand(err)
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Commit (the block ended normally), or settle and raise the refit's typed error."""
+        if err is not None:
+            if self.agreement.peers or not isinstance(err, Exception) or isinstance(err, WORLD_BROKEN):
+                self._strand(err)
+                return  # the exception goes on, carrying the report where it has room for one
+            self.fail(self.run.where, err)  # alone: one more failure, settled like any other
+        try:
+            if self._staged() and self._commit():
+                report = self._succeed()
+            else:
+                self._settle(self._reason())
+                self._settled_everywhere()
+                report = None
+        except BaseException as failure:
+            self._strand(failure)
+            raise
+        if report is not None:
+            self._result = self._finished(report)
+            return
+        raise self._failure() from self.cause
+
+    @property
+    def result(self) -> RefitReport:
+        """The report of a refit that went live (the block left without error)."""
+        if self._result is None:
+            raise RefitLifecycleError(f"refit {self.run.refit_id} has no result: it is not over, or it failed")
+        return self._result
+
+    def _finished(self, report: RefitReport) -> RefitReport:
+        return self.finish(self, report) if self.finish is not None else report
+
+    def _reason(self) -> str:
+        """Why the engine settles (its abort and stale messages)."""
+        if self.agreement.peers:
+            return f"refit {self.run.refit_id} failed ({self.status.error or 'on another rank'})"
+        return self.run.error or ""
+
+    def _failure(self) -> RefitFailed:
+        """The typed error of a refit that failed and settled, carrying the (finished) report."""
+        run = self.run
+        if self.agreement.peers:
+            report = self._finished(self.report(failure_summary(run.refit_id, self.statuses)))
+            return DistributedRefitFailed(report.error or "", report=report, statuses=self.statuses)
+        state = (
+            "it never began on the engine and changed nothing there" if not run.began else
+            "the engine is stale and refuses to serve until a full refit succeeds"
+            if run.outcome() is RefitOutcome.STALE else
+            "the engine's previous weights were restored, bit for bit"
+            if run.engine is EngineState.RESTORED else "the engine kept its previous weights, bit for bit"
+        )
+        report = self._finished(self.report(f"refit {run.refit_id} failed at {run.where} ({run.error}); {state}"))
+        return RefitFailed(report.error or "", report=report)
+
+    def _strand(self, err: BaseException) -> None:
+        """An exception left this side unable to reach the next agreement (a timeout, a lost peer,
+        or a bug while peers wait somewhere unknown): settle here, alone, and give the exception
+        this side's report when it has room for one."""
+        self.broken = f"{type(err).__name__} at {getattr(err, 'step', self.run.where)!r}"
+        self.fail(self.run.where or "collective", err)
+        if not self._settled:
+            self._settle(f"refit {self.run.refit_id} failed ({self.status.error})")
+        report = self._finished(self.run.report())
+        if isinstance(err, WORLD_BROKEN):
+            err.report = report
 
     @property
     def ok(self) -> bool:
@@ -258,7 +417,7 @@ class RefitTransaction:
 
     # --- the steps ---------------------------------------------------------------------------
 
-    def begin(self) -> bool:
+    def _begin(self) -> bool:
         """Open the refit here and on the engine (its storage fingerprint first); agree."""
         self.run.open()
         if self.engine is not None:
@@ -285,11 +444,11 @@ class RefitTransaction:
             engine.load_bucket(bucket)  # returns once the engine copied the bucket or kept views
         self.run.count(bucket)  # what this engine loaded, in every shape
 
-    def staged(self) -> bool:
+    def _staged(self) -> bool:
         """Every source sent its buckets and every engine loaded them: agree."""
         return self.agree("staged")
 
-    def commit(self) -> bool:
+    def _commit(self) -> bool:
         """Finalize the engine, record the commit, audit what it wrote, check its captured storage,
         run the probe; agree."""
         self.run.finalizing()
@@ -312,22 +471,23 @@ class RefitTransaction:
 
     # --- endings -----------------------------------------------------------------------------
 
-    def succeed(self) -> RefitReport:
+    def _succeed(self) -> RefitReport:
         """The refit is live on every engine: the report; its buckets become the replay copy."""
         self.run.live()
         if self.replay is not None:
             self.replay.commit()
         return self.run.report()
 
-    def settle(self, reason: str) -> EngineState:
+    def _settle(self, reason: str) -> EngineState:
         """After a failure anywhere: leave this side's engine with its previous weights, or stale,
         and say which (also in the status the last agreement carries).
 
         An engine that had not committed aborts the refit (a transactional engine keeps its
         weights); one that lost its weights (committed, or a per-layer engine that wrote some
         layers) is restored by replaying the previous refit's buckets when the restore is REPLAY,
-        and is marked stale otherwise.
+        and is marked stale otherwise. Runs once per refit.
         """
+        self._settled = True
         if self.replay is not None:
             self.replay.drop()
         engine = self.engine
@@ -372,8 +532,8 @@ class RefitTransaction:
             return EngineState.STALE
         return EngineState.RESTORED
 
-    def settled(self) -> Sequence[RankStatus]:
-        """The last agreement: what every engine did (after `settle`)."""
+    def _settled_everywhere(self) -> Sequence[RankStatus]:
+        """The last agreement: what every engine did (after `_settle`)."""
         self.statuses = tuple(self.agreement.agree("settled", self.status))
         return self.statuses
 

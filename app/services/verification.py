@@ -12,7 +12,8 @@ import torch
 from app.config_sections import VerifyConfig
 from domain.errors import ProbeMismatch
 from domain.quant.plan import QuantizationPlan
-from domain.refit.probe import ProbeCheck, probe_bound
+from domain.refit.probe import probe_bound
+from domain.refit.report import ProbeCheck
 from ports.probe_reference import ProbeReference
 from ports.rollout_engine import RolloutEngine
 from ports.trainer_model import TrainerModel

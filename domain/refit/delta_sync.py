@@ -34,6 +34,7 @@ from domain.refit.delta import (
     state_digest,
     tensor_digest,
 )
+from domain.refit.report import DeltaReport
 
 Named = tuple[str, torch.Tensor]
 
@@ -52,43 +53,6 @@ class DeltaBase:
     digest: str | None = None
     host_bytes: int = 0
     patch_seconds: float = 0.0
-
-
-@attrs.frozen
-class DeltaReport:
-    """The delta part of a refit's report.
-
-    Attributes:
-        mode: "full" or "delta".
-        why_full: why the refit was full (None for a delta refit).
-        wire_bytes: bytes of the tensors and records sent.
-        full_bytes: bytes a full refit of the same weights sends.
-        tensors_delta: tensors sent as delta records.
-        tensors_whole: tensors sent whole.
-        trainer_host_bytes: bytes of the trainer's copy after the refit.
-        engine_host_bytes: bytes of the engine's copy after the refit.
-        diff_seconds: trainer seconds spent diffing, hashing and keeping its copy.
-        patch_seconds: engine seconds spent patching, hashing and keeping its copy.
-    """
-
-    mode: str
-    why_full: str | None
-    wire_bytes: int
-    full_bytes: int
-    tensors_delta: int
-    tensors_whole: int
-    trainer_host_bytes: int
-    engine_host_bytes: int = 0
-    diff_seconds: float = 0.0
-    patch_seconds: float = 0.0
-
-    @property
-    def ratio(self) -> float:
-        """Bytes sent over the bytes of a full refit."""
-        return self.wire_bytes / self.full_bytes if self.full_bytes else 1.0
-
-    def to_dict(self) -> dict[str, object]:
-        return attrs.asdict(self) | {"ratio": self.ratio}
 
 
 def _positive(_inst: object, attr: attrs.Attribute, value: int) -> None:

@@ -20,9 +20,6 @@ moves log-probs by far more.
 
 from __future__ import annotations
 
-import attrs
-import torch
-
 from domain.quant.plan import QuantizationPlan
 
 # Max abs log-prob difference allowed between an engine and the trainer's BF16 forward, per
@@ -50,45 +47,3 @@ def probe_bound(plan: QuantizationPlan, *, engine_way: bool) -> float:
     if engine_way:
         return 0.0
     return max(TRAINER_BOUNDS[f.name] for f in (plan.linear, plan.moe))
-
-
-@attrs.frozen
-class ProbeCheck:
-    """One probe's result.
-
-    Attributes:
-        reference: what the engine was compared with, in words.
-        bound: the max abs log-prob difference allowed.
-        max_abs_diff: the largest difference seen (inf when shapes or finiteness differ).
-        tokens: log-probs compared.
-    """
-
-    reference: str
-    bound: float
-    max_abs_diff: float
-    tokens: int
-
-    @property
-    def passed(self) -> bool:
-        return self.max_abs_diff <= self.bound
-
-    @classmethod
-    def compare(cls, engine: torch.Tensor, reference: torch.Tensor, *, bound: float, name: str) -> ProbeCheck:
-        """Compare two [B, T-1] log-prob tensors (NaN or a shape mismatch counts as infinitely far)."""
-        if engine.shape != reference.shape:
-            return cls(name, bound, float("inf"), int(reference.numel()))
-        e, r = engine.double(), reference.double()
-        diff = (e - r).abs()
-        same_inf = torch.isinf(e) & torch.isinf(r) & (torch.sign(e) == torch.sign(r))
-        diff = torch.where(same_inf, torch.zeros_like(diff), diff)
-        worst = float("inf") if bool(torch.isnan(diff).any()) else float(diff.max()) if diff.numel() else 0.0
-        return cls(name, bound, worst, int(reference.numel()))
-
-    def to_dict(self) -> dict[str, object]:
-        return {"reference": self.reference, "bound": self.bound, "max_abs_diff": self.max_abs_diff,
-                "tokens": self.tokens, "passed": self.passed}
-
-    def __str__(self) -> str:
-        if self.passed:
-            return f"ok (max |dlogp| {self.max_abs_diff:.3g} <= {self.bound:g} vs {self.reference})"
-        return f"FAILED (max |dlogp| {self.max_abs_diff:.3g} > {self.bound:g} vs {self.reference})"

@@ -1,14 +1,97 @@
-"""What a refit reports: the engine's finalize result, the outcome and the whole measured report."""
+"""What a refit reports: the engine's finalize result, the outcome, the delta figures, the probe's
+result and the whole measured report.
+
+These are values only: the modules that measure them (domain.refit.delta_sync, domain.refit.probe)
+and the errors that carry a report (domain.errors) import this module, never the reverse.
+"""
 
 from __future__ import annotations
 
 import enum
 
 import attrs
+import torch
 
-from domain.refit.delta_sync import DeltaReport
-from domain.refit.probe import ProbeCheck
 from domain.refit.storage import StorageCheck
+
+
+@attrs.frozen
+class DeltaReport:
+    """The delta part of a refit's report.
+
+    Attributes:
+        mode: "full" or "delta".
+        why_full: why the refit was full (None for a delta refit).
+        wire_bytes: bytes of the tensors and records sent.
+        full_bytes: bytes a full refit of the same weights sends.
+        tensors_delta: tensors sent as delta records.
+        tensors_whole: tensors sent whole.
+        trainer_host_bytes: bytes of the trainer's copy after the refit.
+        engine_host_bytes: bytes of the engine's copy after the refit.
+        diff_seconds: trainer seconds spent diffing, hashing and keeping its copy.
+        patch_seconds: engine seconds spent patching, hashing and keeping its copy.
+    """
+
+    mode: str
+    why_full: str | None
+    wire_bytes: int
+    full_bytes: int
+    tensors_delta: int
+    tensors_whole: int
+    trainer_host_bytes: int
+    engine_host_bytes: int = 0
+    diff_seconds: float = 0.0
+    patch_seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Bytes sent over the bytes of a full refit."""
+        return self.wire_bytes / self.full_bytes if self.full_bytes else 1.0
+
+    def to_dict(self) -> dict[str, object]:
+        return attrs.asdict(self) | {"ratio": self.ratio}
+
+
+@attrs.frozen
+class ProbeCheck:
+    """One probe's result.
+
+    Attributes:
+        reference: what the engine was compared with, in words.
+        bound: the max abs log-prob difference allowed.
+        max_abs_diff: the largest difference seen (inf when shapes or finiteness differ).
+        tokens: log-probs compared.
+    """
+
+    reference: str
+    bound: float
+    max_abs_diff: float
+    tokens: int
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.bound
+
+    @classmethod
+    def compare(cls, engine: torch.Tensor, reference: torch.Tensor, *, bound: float, name: str) -> ProbeCheck:
+        """Compare two [B, T-1] log-prob tensors (NaN or a shape mismatch counts as infinitely far)."""
+        if engine.shape != reference.shape:
+            return cls(name, bound, float("inf"), int(reference.numel()))
+        e, r = engine.double(), reference.double()
+        diff = (e - r).abs()
+        same_inf = torch.isinf(e) & torch.isinf(r) & (torch.sign(e) == torch.sign(r))
+        diff = torch.where(same_inf, torch.zeros_like(diff), diff)
+        worst = float("inf") if bool(torch.isnan(diff).any()) else float(diff.max()) if diff.numel() else 0.0
+        return cls(name, bound, worst, int(reference.numel()))
+
+    def to_dict(self) -> dict[str, object]:
+        return {"reference": self.reference, "bound": self.bound, "max_abs_diff": self.max_abs_diff,
+                "tokens": self.tokens, "passed": self.passed}
+
+    def __str__(self) -> str:
+        if self.passed:
+            return f"ok (max |dlogp| {self.max_abs_diff:.3g} <= {self.bound:g} vs {self.reference})"
+        return f"FAILED (max |dlogp| {self.max_abs_diff:.3g} > {self.bound:g} vs {self.reference})"
 
 
 @attrs.frozen

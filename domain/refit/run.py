@@ -18,8 +18,7 @@ import attrs
 
 from domain.errors import RefitIncomplete, StorageRebound
 from domain.refit.buckets import Bucket
-from domain.refit.probe import ProbeCheck
-from domain.refit.report import EngineFinalizeResult, RefitOutcome, RefitReport
+from domain.refit.report import EngineFinalizeResult, ProbeCheck, RefitOutcome, RefitReport
 from domain.refit.session import RefitEvent, RefitState, move
 from domain.refit.status import EngineState, RankStatus
 from domain.refit.storage import StorageCheck, StorageFingerprint

@@ -1,4 +1,5 @@
-"""What the ranks of a distributed refit tell each other: rank statuses, engine states, stream stats.
+"""What the ranks of a distributed refit tell each other: their roles, rank statuses, engine states,
+stream stats.
 
 At each agreement point every rank contributes one RankStatus, so all ranks learn who failed,
 where, and why. These are plain values; how they travel is the transport adapter's business.
@@ -11,7 +12,12 @@ from collections.abc import Sequence
 
 import attrs
 
-from domain.refit.topology import Role
+
+class Role(enum.StrEnum):
+    """What a rank of a refit world does."""
+
+    TRAINER = "trainer"
+    ENGINE = "engine"
 
 
 @attrs.frozen

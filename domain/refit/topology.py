@@ -14,20 +14,13 @@ domain.refit.split_rules; where each tensor lives and how it is exported, in dom
 
 from __future__ import annotations
 
-import enum
 import math
 
 import attrs
 
 from domain.errors import ShardingError
 from domain.keys import key as config_key
-
-
-class Role(enum.StrEnum):
-    """What a rank of a refit world does."""
-
-    TRAINER = "trainer"
-    ENGINE = "engine"
+from domain.refit.status import Role
 
 
 def _at_least_one(_inst: object, attr: attrs.Attribute, value: int) -> None:

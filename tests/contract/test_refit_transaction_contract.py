@@ -3,8 +3,9 @@ without vLLM: the reference engine (both commit modes), the in-memory recording 
 adapter over its CPU fakes (in process, colocated through the worker extension, and attached to a
 fake server through the rl_refit backend), and the SGLang adapter over its fakes.
 
-One transaction per refit, driven as a service drives it: begin, stream the buckets, commit
-(finalize, audit, storage check, probe), then succeed or settle. A refit that succeeds leaves the
+One transaction per refit, used as a service uses it (`with transaction(...) as tx:`): entering
+begins, the block streams the buckets, leaving commits (finalize, audit, storage check, probe) and
+goes live, or settles and raises RefitFailed with the report. A refit that succeeds leaves the
 engine serving exactly the weights a fresh engine of the same kind gets from the same buckets. A
 refit that fails at any step (the engine's begin, a bucket, finalize, the engine's verification,
 the storage check after the commit, the probe) settles as the engine's commit mode and the restore
@@ -28,16 +29,15 @@ from adapters.memory.faults import FaultScript
 from adapters.reference.config import MICRO_MOE
 from adapters.reference.engine import ReferenceEngine
 from app.services.refit import PHASES
-from app.services.transaction import Alone, RefitTransaction, ReplayCopy, Restore, describe_plan
-from domain.errors import EngineStale, ProbeMismatch
+from app.services.transaction import ReplayCopy, Restore, describe_plan, transaction
+from domain.errors import CollectiveTimeout, EngineStale, ProbeMismatch, RefitFailed
 from domain.quant.plan import QuantizationPlan
 from domain.quant.stream import quantize_stream
 from domain.refit.buckets import Bucket
 from domain.refit.report import RefitOutcome, RefitReport
 from domain.refit.run import RefitRun
 from domain.refit.session import CommitMode
-from domain.refit.status import EngineState, RankStatus
-from domain.refit.topology import Role
+from domain.refit.status import EngineState, RankStatus, Role
 from tests import refit_support as rs
 from tests.integration.test_refit_shapes import POINTS, expected
 from tests.refit_support import one_thread  # noqa: F401  (autouse fixture)
@@ -199,20 +199,18 @@ class Refuses:
 
 def refit(subject: Subject, k: int, restore: Restore, replay: ReplayCopy | None = None,
           probe: Any = None) -> RefitReport:
-    """Refit k into the subject's engine through one RefitTransaction, driven as a service drives
-    it; the report of a live refit, or of a failed one once the engine is settled."""
+    """Refit k into the subject's engine through one RefitTransaction, used as a service uses it;
+    the report of a live refit, or the one a failed refit's error carries once the engine is settled."""
     engine = subject.engine
     run = RefitRun(k + 1, describe_plan(subject.plan), BUCKET, engine.commit_mode.value, PHASES)
-    tx = RefitTransaction(run, RankStatus(0, Role.ENGINE), Alone(), subject.plan, engine, restore, replay, probe)
-    if tx.begin():
-        with tx.guard():
-            for bucket in subject.refits(k):
-                tx.load(bucket)
-    if tx.staged() and tx.commit():
-        return tx.succeed()
-    tx.settle(run.error or "")
-    tx.settled()
-    return tx.report()
+    try:
+        with transaction(engine, run, subject.plan, restore=restore, replay=replay, probe=probe) as tx:
+            if tx.begun:
+                for bucket in subject.refits(k):
+                    tx.load(bucket)
+    except RefitFailed as failed:
+        return failed.report
+    return tx.result
 
 
 def _fresh(kind: str, k: int, subjects: Any) -> dict[str, torch.Tensor]:
@@ -295,3 +293,64 @@ def test_a_failure_settles_as_the_engines_commit_mode_and_the_restore_say(kind: 
     assert again.ok, again.error
     assert rs.same_bits(subject.weights(), _fresh(kind, 2, subjects))
     assert not subject.refuses_to_serve()
+
+
+class Interrupted(Exception):
+    """What a block raises when the trainer side stops mid-stream."""
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_exception_raised_in_the_block_settles_the_refit_and_raises_refit_failed(kind: str, subjects: Any) -> None:
+    subject = subjects(kind)
+    assert refit(subject, 0, Restore.STALE).ok
+    previous = subject.weights()
+    run = RefitRun(2, describe_plan(subject.plan), BUCKET, subject.engine.commit_mode.value, PHASES)
+    with pytest.raises(RefitFailed) as failed, \
+            transaction(subject.engine, run, subject.plan, restore=Restore.STALE) as tx:
+        for bucket in subject.refits(1)[:2]:  # the second bucket is through when the trainer stops
+            tx.load(bucket)
+        raise Interrupted("the trainer stopped")
+    report = failed.value.report
+    outcome, state = settles_to("bucket:1", subject, Restore.STALE)
+    assert (report.outcome, report.engine_state) == (outcome, state.value), report.error
+    assert report.error is not None and "Interrupted: the trainer stopped" in report.error
+    assert isinstance(failed.value.__cause__, Interrupted)
+    if state is EngineState.STALE:
+        assert subject.refuses_to_serve()
+    else:
+        assert rs.same_bits(subject.weights(), previous) and not subject.refuses_to_serve()
+    with pytest.raises(RuntimeError, match="no result"):
+        _ = tx.result
+    assert refit(subject, 2, Restore.STALE).ok  # the next refit recovers
+
+
+@attrs.frozen
+class WithPeers:
+    """The agreement of a side whose peers wait at every agreement (every one of them fine)."""
+
+    peers = True
+
+    def agree(self, step: str, status: RankStatus) -> tuple[RankStatus, ...]:
+        return (status, RankStatus(1, Role.TRAINER, fingerprint=status.fingerprint))
+
+
+@pytest.mark.parametrize("kind", ["reference-transactional", "reference-per-layer"])
+def test_a_side_with_peers_that_raises_in_the_block_settles_alone_and_re_raises(kind: str, subjects: Any) -> None:
+    subject = subjects(kind)
+    assert refit(subject, 0, Restore.STALE).ok
+    previous = subject.weights()
+    run = RefitRun(2, describe_plan(subject.plan), BUCKET, subject.engine.commit_mode.value, PHASES)
+    tx = transaction(subject.engine, run, subject.plan, agreement=WithPeers(), restore=Restore.STALE)
+    timeout = CollectiveTimeout(0, "staged", 1.0, (1,))
+    with pytest.raises(CollectiveTimeout) as raised, tx:
+        assert tx.begun
+        tx.load(subject.refits(1)[0])
+        raise timeout  # the peers' positions are unknown: no later agreement
+    assert raised.value is timeout and tx.broken == "CollectiveTimeout at 'staged'"
+    outcome, state = settles_to("bucket:1", subject, Restore.STALE)
+    assert timeout.report is not None  # this side's report, on the exception that ended it
+    assert (timeout.report.outcome, timeout.report.engine_state) == (outcome, state.value)
+    if state is EngineState.STALE:
+        assert subject.refuses_to_serve()
+    else:
+        assert rs.same_bits(subject.weights(), previous)

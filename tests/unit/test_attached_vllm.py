@@ -223,11 +223,10 @@ def test_the_servers_method_is_the_plans_or_what_vllm_resolved_it_to(served: str
 def _served_config(linear: str) -> dict[str, Any]:
     """The quantization_config a vLLM engine is sent for a plan (what `refit export` writes too)."""
     from app.bootstrap import bootstrap
-    from app.composition.tables import engine_start
 
     services = bootstrap(overrides=["rollout.name=vllm", "reference.model=micro-dense",
                                     f"rollout.quantization.linear={linear}"])
-    config = engine_start(services, "vllm").quantization_config
+    config = services.engine_start("vllm").quantization_config
     assert config is not None
     return dict(config)
 

@@ -98,7 +98,7 @@ def test_skip_reasons() -> None:
 
 def test_measure_raises_module_not_found_naming_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine, "_vllm_here", lambda: False)
-    monkeypatch.setattr(engine, "_python_has_vllm", lambda python: False)
+    monkeypatch.setattr(engine, "python_has", lambda python, package: False)
     with pytest.raises(ModuleNotFoundError, match="where vLLM does not import") as err:
         engine.measure(EngineBenchSettings(deployment="disaggregated"))
     assert err.value.name == "vllm"
@@ -107,7 +107,7 @@ def test_measure_raises_module_not_found_naming_vllm(monkeypatch: pytest.MonkeyP
 def test_bench_all_reports_the_suite_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     assert app.bench.SUITES["engine"] == "app.bench.engine"
     monkeypatch.setattr(engine, "_vllm_here", lambda: False)
-    monkeypatch.setattr(engine, "_python_has_vllm", lambda python: False)
+    monkeypatch.setattr(engine, "python_has", lambda python, package: False)
     res = run_suite("engine", app.bench.SUITES["engine"], True)
     assert res.status == "skipped", res.error
     assert res.error is not None and "RL_REFIT_VLLM_PYTHON" in res.error

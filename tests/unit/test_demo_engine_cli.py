@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.cli.demo_engine import engine_config, engine_settings, with_vllm
+from app.cli.demo_engine import engine_settings
 from app.cli.main import build_parser, main
+from app.services.demo_config import engine_config, with_vllm
 
 
 def _args(*argv: str):  # type: ignore[no-untyped-def]

@@ -12,9 +12,10 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs transformers (the `test` extra)")
 
-from app.cli.demo_engine import engine_config, engine_settings
+from app.cli.demo_engine import engine_settings
 from app.cli.main import build_parser, main
 from app.config_sections import RefitConfig
+from app.services.demo_config import engine_config
 
 
 @pytest.fixture(scope="module")

@@ -49,11 +49,9 @@ def test_ports_import_only_the_domain(path: pathlib.Path) -> None:
     assert not imported & ({"adapters", "app"} | HEAVY), f"{path} imports {imported}"
 
 
-# The composition roots: the trainer's, the one vLLM calls in its own processes (where no rl-refit
-# root runs) to read the one setting the trainer's root passed down to the engine, and the engine
-# host's main, which points its processes' temporary files at the directory the trainer made.
-ROOTS = {ROOT / "app" / "bootstrap.py", ROOT / "adapters" / "vllm" / "plugin.py",
-         ROOT / "adapters" / "vllm" / "server.py"}
+# The composition roots: the trainer's, and the one vLLM calls in its own processes (where no
+# rl-refit root runs) to read the one setting the trainer's root passed down to the engine.
+ROOTS = {ROOT / "app" / "bootstrap.py", ROOT / "adapters" / "vllm" / "plugin.py"}
 
 
 def test_only_the_composition_roots_read_the_environment() -> None:
@@ -343,3 +341,88 @@ def test_the_cycle_finder_finds_a_cycle_through_any_edge() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"x": {"y"}, "y": set(), "p": {"q"}, "q": {"p"}}) == ["p", "q", "p"]
+
+
+# --- no import cycle anywhere -----------------------------------------------------------------------
+
+PACKAGES = ("domain", "ports", "adapters", "app")
+
+
+def _import_graph(root: pathlib.Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the project modules it imports, for every module of `packages` under `root`.
+
+    Every `import` and `from ... import` counts, wherever it is: inside functions, and inside
+    `if TYPE_CHECKING:` blocks (a type-only import is still a dependency). `import a.b` names the
+    module a.b (or its longest prefix that is a module); `from a import b` names a.b when b is a
+    module, else a; relative imports are resolved against the importing module's package.
+    """
+    paths = {
+        ".".join(p.relative_to(root).with_suffix("").parts[:-1] if p.name == "__init__.py"
+                 else p.relative_to(root).with_suffix("").parts): p
+        for package in packages for p in sorted((root / package).rglob("*.py"))
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    module = alias.name
+                    while module and module not in paths:
+                        module = module.rpartition(".")[0]
+                    targets.add(module)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                module = ".".join(part for part in (base, node.module or "") if part)
+                targets.update(f"{module}.{a.name}" if f"{module}.{a.name}" in paths else module for a in node.names)
+        graph[name] = {t for t in targets if t in paths} - {name}
+    return graph
+
+
+def test_the_project_has_no_import_cycle() -> None:
+    graph = _import_graph()
+    assert "app.composition.tables" in graph["app.bootstrap"]  # the graph is read
+    cycle = _cycle(graph)
+    assert not cycle, ("import cycle (TYPE_CHECKING and function-local imports count): " + " -> ".join(cycle)
+                       + "; move what both sides share into a module below them, or pass it in")
+
+
+def test_the_import_graph_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
+    files = {
+        "app/__init__.py": "",
+        "app/sub/__init__.py": "from app.sub import b\n",
+        "app/sub/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from app.c import X\n"
+                        "def f():\n    from . import b\n",
+        "app/sub/b.py": "from ..c import Y\nimport app.sub.a as a\nimport os.path\n",
+        "app/c.py": "from app.sub import a\nimport app.sub.missing\n",
+    }
+    for relative, text in files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    graph = _import_graph(tmp_path, ("app",))
+    assert graph == {"app": set(), "app.sub": {"app.sub.b"}, "app.sub.a": {"app.c", "app.sub.b"},
+                     "app.sub.b": {"app.c", "app.sub.a"}, "app.c": {"app.sub.a", "app.sub"}}
+    assert _cycle(graph) == ["app.c", "app.sub", "app.sub.b", "app.c"]
+
+
+def _path_to(graph: dict[str, set[str]], start: str, prefix: str) -> list[str]:
+    """A chain of imports from `start` to a module under `prefix`, or []."""
+    seen, queue = {start: [start]}, [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in seen:
+                seen[nxt] = [*seen[node], nxt]
+                if nxt == prefix or nxt.startswith(prefix + "."):
+                    return seen[nxt]
+                queue.append(nxt)
+    return []
+
+
+def test_the_benchmarks_never_import_the_cli() -> None:
+    graph = _import_graph()
+    bench = sorted(m for m in graph if m.startswith("app.bench"))
+    assert "app.bench.engine" in bench
+    chains = [" -> ".join(chain) for m in bench if (chain := _path_to(graph, m, "app.cli"))]
+    assert not chains, "the benchmarks import the CLI (share through app/services instead):\n" + "\n".join(chains)

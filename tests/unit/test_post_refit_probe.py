@@ -22,8 +22,8 @@ from app.services.verification import (
 )
 from domain.errors import ProbeMismatch, RefitFailed
 from domain.quant.plan import QuantizationPlan
-from domain.refit.probe import TRAINER_BOUNDS, ProbeCheck, probe_bound
-from domain.refit.report import EngineFinalizeResult, RefitOutcome
+from domain.refit.probe import TRAINER_BOUNDS, probe_bound
+from domain.refit.report import EngineFinalizeResult, ProbeCheck, RefitOutcome
 
 OVERRIDES = ["reference.model=micro-moe", "rollout.checkpoint_engine.update_weights_bucket_megabytes=0.25"]
 

@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 
 from adapters.vllm.lora import LoraServing
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_config, with_vllm
 from app.config_sections import LoraConfig
+from app.services.demo_config import engine_config, with_vllm
 from app.services.engine_demo import EngineDemoSettings
 from domain.lora.sync import peft_config
 from domain.quant.plan import QuantizationPlan

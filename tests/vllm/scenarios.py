@@ -34,7 +34,7 @@ from adapters.memory.faults import FaultScript
 from adapters.memory.faulty import ScriptedFaultyEngine
 from adapters.vllm.protocol import WorkerRpc
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings, EngineStep
 from app.services.refit import RefitService
 from app.services.verification import PostRefitProbe, TrainerReference, probe_batch

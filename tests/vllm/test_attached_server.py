@@ -29,7 +29,7 @@ from tests.vllm.servers import ROOT, StreamingClient, server_environment, vllm_s
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings
 from domain.errors import RefitFailed, RefitIncomplete
 from domain.quant.plan import QuantizationPlan
@@ -183,7 +183,7 @@ class _Without:
 TRAINER_SCRIPT = r"""
 import sys, time, json
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_config
+from app.services.demo_config import engine_config
 from app.services.engine_demo import EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
 settings = EngineDemoSettings(deployment="attached", plan=QuantizationPlan.from_presets(None, None),
@@ -301,7 +301,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from adapters.vllm.attached import Expected, attach
 from adapters.vllm.controls import AsyncLlmControl
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
 

@@ -26,7 +26,7 @@ from tests.vllm.test_real_engine import MAIN_PYTHON, ROOT
 TRAINER = r"""
 import json, os, signal, sys
 from app.bootstrap import bootstrap
-from app.cli.demo_engine import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_vllm
 from app.services.engine_demo import EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
 

@@ -1,0 +1,65 @@
+"""A command loads only what it uses: `refit --help` lists every command without importing one,
+`refit plan` loads neither a demo, a benchmark nor an engine, and `refit <command> --help` still
+shows the command's own flags. Measured in a fresh interpreter (app.bench.imports, the same
+measure `refit bench imports` reports)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.bench.imports import command
+from app.cli.main import COMMANDS, main
+
+# `refit --help` loads app, app.cli, app.cli.main, and domain with domain.errors (the entry
+# point's typed errors: the package and its 10 modules): 15 of the project's modules when this
+# was written. The bound leaves room for a few more error modules, and none for a command module
+# or torch (every command module imports at least the configuration or the domain's values).
+HELP_MAX_PROJECT_MODULES = 18
+
+# What `refit plan` never needs: the other commands, the demos, the benchmarks, the refit itself,
+# and every adapter but the engines' profiles and the checkpoint readers and writers of a plan.
+PLAN_NEVER = (
+    "app.bench", "app.cli.demo", "app.cli.bench", "app.cli.export", "app.cli.doctor", "app.cli.mismatch",
+    "app.services.demo", "app.services.lora_demo", "app.services.engine_demo", "app.services.qat_demo",
+    "app.services.megatron_demo", "app.services.distributed_demo", "app.services.refit",
+    "app.services.distributed_refit", "app.services.transaction", "app.services.doctor",
+    "adapters.megatron", "adapters.distributed", "adapters.hf.", "adapters.memory", "adapters.modelopt",
+    "adapters.qat_reference",
+)
+# The engine packages: a plan reads each engine's profile (every engine's dispatch rules are part
+# of every plan, reporting "n/a" for the engines they are not about), nothing else of them.
+ENGINE_PACKAGES = ("adapters.vllm", "adapters.sglang", "adapters.reference", "adapters.trtllm")
+
+
+def test_refit_help_lists_every_command_and_imports_none() -> None:
+    loaded = command(["--help"])
+    assert loaded.code == 0
+    assert len(loaded.project) <= HELP_MAX_PROJECT_MODULES, loaded.project
+    assert not [m for m in loaded.project if m.startswith("app.cli.") and m != "app.cli.main"]
+    assert "torch" not in loaded.modules
+
+
+def test_refit_plan_loads_no_demo_benchmark_refit_or_engine() -> None:
+    loaded = command(["plan"])
+    assert loaded.code == 0
+    assert "app.cli.plan" in loaded.project  # the measure sees the command's modules
+    never = sorted(m for m in loaded.project if m.startswith(PLAN_NEVER))
+    engines = sorted(m for m in loaded.project if m.startswith(ENGINE_PACKAGES)
+                     and m not in ENGINE_PACKAGES and not m.endswith(".profile"))
+    assert not never and not engines, f"refit plan loads {never + engines}"
+
+
+def test_the_top_level_help_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name, spec in COMMANDS.items():
+        assert name in out and spec.help.split()[0] in out
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_a_commands_help_shows_its_own_flags(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([name, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: refit {name}")
+    assert "--json" in out or name == "bench" and "--quick" in out  # one of the command's own options
+    assert "--debug" in out
