@@ -99,10 +99,10 @@ def build_parser(commands: Iterable[str] = COMMANDS) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=command.help)
         if name in built:
             importlib.import_module(command.module).add_arguments(p)
-    for command in sub.choices.values():  # `refit export ... --debug` as well as `refit --debug export`
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-        if "--verbose" not in command._option_string_actions:  # a command may say more about it (demo)
-            command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
+    for each in sub.choices.values():  # `refit export ... --debug` as well as `refit --debug export`
+        each.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+        if "--verbose" not in each._option_string_actions:  # a command may say more about it (demo)
+            each.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     return parser
 
 

@@ -61,5 +61,5 @@ def test_a_commands_help_shows_its_own_flags(name: str, capsys: pytest.CaptureFi
     assert main([name, "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: refit {name}")
-    assert "--json" in out or name == "bench" and "--quick" in out  # one of the command's own options
+    assert "--json" in out or (name == "bench" and "--quick" in out)  # one of the command's own options
     assert "--debug" in out
