@@ -2,7 +2,7 @@
 
 Each rank keeps views of the full model's tensors and hands out the slices its placement gives it
 (domain.refit.shard_map). It is what a trainer rank holds after a Megatron-style split, without a
-Megatron: tests, `refit demo --procs N`, and trainers that keep full weights on every rank.
+Megatron: tests, `refit demo procs N`, and trainers that keep full weights on every rank.
 The full trainer must update its tensors in place (as training does): the views follow them.
 """
 

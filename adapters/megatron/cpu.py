@@ -1,4 +1,4 @@
-"""Run megatron-core on CPU (gloo): what `refit demo --trainer megatron` and the CPU tests need.
+"""Run megatron-core on CPU (gloo): what `refit demo megatron` and the CPU tests need.
 
 megatron-core creates tensors on `torch.cuda.current_device()`, forks the CUDA RNG tracker
 around parameter initialization, and moves the last pipeline stage's copy of the embedding to

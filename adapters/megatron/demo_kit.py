@@ -1,4 +1,4 @@
-"""Megatron-Core for `refit demo --trainer megatron`: a real, sharded Megatron trainer on CPU.
+"""Megatron-Core for `refit demo megatron`: a real, sharded Megatron trainer on CPU.
 
 `MegatronDemoKit` gathers what the demo's processes do with Megatron: initialize parallel_state
 over the trainer ranks of the refit world (the engine ranks take part in creating the groups and

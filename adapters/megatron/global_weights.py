@@ -5,7 +5,7 @@ checkpointing does (`sharded_state_dict`: the global key, the global shape, this
 one main replica of each piece); `load_global(model, pieces)` writes the pieces of every rank into
 a model of any layout (tp = pp = ep = 1 in one process, typically). Nothing here knows Hugging
 Face names or how q/k/v are grouped: it is Megatron's description of its own layout, so the
-unsharded model it gives is an independent reference for the sharded refit (`refit demo --trainer
+unsharded model it gives is an independent reference for the sharded refit (`refit demo
 megatron` judges every refit against its export; the tests do too).
 """
 

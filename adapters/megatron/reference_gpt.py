@@ -5,7 +5,7 @@ The reference model (`adapters.reference.config.ReferenceModelConfig`) is a Qwen
 RMSNorm, q/k norms, SwiGLU, rotary embeddings, no biases, an untied head, dense or MoE layers.
 `build_reference_gpt` builds the same architecture with megatron-core's local (non-Transformer-
 Engine) layer specs, so that its Hugging Face export (`adapters.megatron.hf_names`) has exactly
-the reference engine's tensors: `refit demo --trainer megatron` refits a real, sharded Megatron
+the reference engine's tensors: `refit demo megatron` refits a real, sharded Megatron
 trainer into the reference engine.
 """
 

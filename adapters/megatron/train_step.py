@@ -1,5 +1,5 @@
 """One training step of a Megatron-Core GPTModel on any tensor / pipeline / expert parallel layout,
-with plain torch.distributed: what `refit demo --trainer megatron` trains with on CPU.
+with plain torch.distributed: what `refit demo megatron` trains with on CPU.
 
 Megatron's own schedules (`megatron.core.pipeline_parallel`) allocate their counters on CUDA;
 this is the smallest schedule that runs anywhere: one micro-batch, forward through the stages

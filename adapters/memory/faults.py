@@ -117,7 +117,7 @@ class FaultScript:
         """
         point, index, hang = parse_fault(text)
         if point is FaultPoint.EXPORT:
-            raise ValueError(f"unknown fault {text!r}: export:K needs trainer ranks (refit demo --procs)")
+            raise ValueError(f"unknown fault {text!r}: export:K needs trainer ranks (refit demo procs)")
         return cls(point, index, hang=hang)
 
     def __str__(self) -> str:

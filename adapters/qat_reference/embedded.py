@@ -1,4 +1,4 @@
-"""The embedded reference model as a trainable torch module, for QAT and the `refit demo --qat` run.
+"""The embedded reference model as a trainable torch module, for QAT and the `refit demo qat` run.
 
 The reference model (`adapters.reference`) keeps its weights in a fused layout and scores tokens
 with a functional forward; this module holds those fused tensors as parameters and runs the same

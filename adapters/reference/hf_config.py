@@ -96,7 +96,7 @@ def _unsupported(config: Mapping[str, Any], where: str, moe: bool, rope: dict[st
     ) if bad]
     if unsupported:
         raise CheckpointError(f"{where}: {', '.join(unsupported)} is not computed by the embedded reference engine; "
-                              "run this model with --engine vllm")
+                              "run this model on vLLM (refit demo vllm)")
 
 
 def _held(tensors: Mapping[str, tuple[int, ...]] | None, pattern: re.Pattern[str]) -> int:
@@ -129,7 +129,7 @@ def config_from_hf(config: Mapping[str, Any], where: str = "config.json",
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in _ARCHITECTURES:
         raise CheckpointError(f"{where}: model_type {model_type!r}; the embedded reference engine computes qwen3 and "
-                              "qwen3_moe only: run this model with --engine vllm")
+                              "qwen3_moe only: run this model on vLLM (refit demo vllm)")
     moe = model_type == "qwen3_moe"
     rope = _rope(config, where)
     _unsupported(config, where, moe, rope)

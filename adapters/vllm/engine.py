@@ -16,6 +16,7 @@ live refit's buckets and put them back (`restores`).
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -401,6 +402,25 @@ class VllmRolloutEngine:
         """Drop a staged id on every worker (the served one is kept)."""
         if staged.adapter_id != self.serving_adapter:
             self._drop(staged.adapter_id)
+
+    def disk_twin(self, adapter: LoraAdapter, directory: str, adapter_id: int) -> LoraServing:
+        """Write `adapter` into `directory` as PEFT writes it (adapter_model.safetensors,
+        adapter_config.json) and return the request that names it (ports.engine_inspection
+        AdapterTwins): vLLM loads it from there itself, with its own loader, on the first request
+        that names it. `adapter_id` must be one rl-refit's staging never uses (it counts from 1)."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        path = Path(directory)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        save_file({name: t.contiguous() for name, t in adapter.named_tensors()}, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(peft_config(adapter)))
+        return LoraServing(f"twin-{adapter_id}", adapter_id, str(path))
+
+    def drop_twin(self, twin: LoraServing) -> None:
+        """Release the adapter slot a disk twin holds (its directory is the caller's)."""
+        self._drop(twin.adapter_id)
 
     def _drop(self, adapter_id: int) -> None:
         try:

@@ -1,7 +1,7 @@
 """`refit bench engine`: refit time into a real vLLM engine against vLLM's own ways in, all in one
 engine (started once), for the same weights.
 
-The engine is the one `refit demo --engine vllm` starts (the embedded model, dummy weights,
+The engine is the one `refit demo vllm` starts (the embedded model, dummy weights,
 rl-refit's worker extension, here adapters.vllm.bench_extension.BenchExtension with the
 baselines), colocated (vLLM in this process, buckets by reference) or disaggregated (an engine
 vLLM server rl-refit starts, buckets through the shared-memory ring, or over a side gloo group with

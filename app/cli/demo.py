@@ -20,66 +20,17 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from app.cli import options
 from app.cli.demo_settings import arm_factory, settings_from_args
 from app.services.demo import DemoResult, StepRecord, run_demo
-from app.services.demo_config import EMBEDDED_MODELS, is_directory
+from app.services.demo_config import is_directory
 from app.services.transaction import describe_plan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`refit demo`'s arguments."""
-    p.add_argument("--engine", default="reference", choices=("reference", "vllm"),
-                   help="reference (embedded, default) or vllm: a real vLLM engine, each refit compared with a "
-                        "cold start of the exported checkpoint")
-    p.add_argument("--colocated", action="store_true",
-                   help="with --engine vllm: the engine in this process (verl's hybrid engine) instead of its own")
-    p.add_argument("--attach", metavar="URL", type=options.server_url, default=None,
-                   help="with --engine vllm: refit the vLLM server you started at URL (docs/attach.md) instead of "
-                        "starting one")
-    p.add_argument("--linear", default=None,
-                   help="preset for dense Linear layers, or BF16 (default FP8_BLOCK)")
-    p.add_argument("--moe", default=None,
-                   help="preset for routed experts, or BF16 (default NVFP4; FP8_BLOCK with --engine vllm)")
-    p.add_argument("--moe-activation", default=None, help="experts' activation scheme (e.g. mxfp8); default: the preset's")
-    p.add_argument("--linear-activation", default=None,
-                   help="dense layers' activation scheme (none = weight-only, e.g. NVFP4 on vLLM); default: the preset's")
-    p.add_argument("--steps", type=options.steps, default=None,
-                   help="training-like steps after the initial sync (default 3; 2 with --engine vllm)")
-    p.add_argument("--model", default=None, metavar="NAME|DIR", type=options.model_or_directory(EMBEDDED_MODELS),
-                   help="embedded model (tiny-moe, tiny-dense, micro-moe, micro-dense; default tiny-moe, micro-moe "
-                        "with --engine vllm), or DIR: your Hugging Face checkpoint directory (Qwen3 / Qwen3-MoE "
-                        "for the reference engine, any model vLLM serves with --engine vllm)")
-    p.add_argument("--commit-mode", default="transactional", choices=("transactional", "per-layer"))
-    p.add_argument("--bucket-mb", type=options.mebibytes(), default=1.0, help="bucket capacity in MiB (default 1)")
-    p.add_argument("--inject-fault", metavar="FAULT", default=None,
-                   help="[hang:]POINT: bucket:K, begin, finalize, verify or storage (with --procs also "
-                        "export:K): make the plan's refit fail there once")
-    p.add_argument("--fault-step", type=options.steps, default=1, help="the step whose refit the fault hits (default 1)")
-    p.add_argument("--presets", action="store_true", help="add one arm per low-precision preset")
-    p.add_argument("--plot", metavar="PNG", type=options.plot_file, default=None,
-                   help="draw the mismatch per step for every preset (.png, .pdf or .svg)")
-    p.add_argument("--seed", type=options.seed, default=0, help=f"seed of the random weights, 0 to {options.MAX_SEED}")
-    p.add_argument("--threads", type=options.threads, default=1,
-                   help="torch intra-op threads (default 1: the embedded model's ops are too small to gain from more)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="log the canonical line of every refit (stderr), and the notices of third-party packages")
-    p.add_argument("--qat", nargs="?", const="NVFP4", default=None, metavar="PRESET",
-                   help="train with QAT in PRESET (default NVFP4) and without; compare k3 KL against the rollout "
-                        "(with --engine vllm: a vLLM engine in this process, 4-bit presets on the experts)")
-    p.add_argument("--lora", type=options.integer(1, 512), default=None, metavar="RANK",
-                   help="train a LoRA adapter of rank RANK on the embedded model (the steps move only the adapter)")
-    p.add_argument("--lora-sync", choices=("merged", "adapter"), default=None,
-                   help="with --lora: merged (default; W + (alpha/r) B A refitted whole) or adapter (the adapter alone "
-                        "each step, the base once)")
-    p.add_argument("--procs", type=int, default=None, metavar="N",
-                   help="run trainer and engine ranks in N processes (2-4) over gloo on 127.0.0.1")
-    p.add_argument("--fault-rank", type=int, default=None, metavar="R",
-                   help="with --procs: the rank --inject-fault hits (default: the last engine; rank 0 for export:K)")
-    from app.cli.demo_megatron import add_arguments
+    """`refit demo`'s arguments: the embedded mode's, and one sub-parser per mode (app.cli.demo_modes)."""
+    from app.cli.demo_modes import add_arguments as add_modes
 
-    add_arguments(p)
+    add_modes(p)
 
 
 def _row(r: StepRecord) -> list[str]:
@@ -212,57 +163,19 @@ def _plot(result: DemoResult, path: str) -> None:
     plt.close(fig)
 
 
-def _check_engine_options(args: argparse.Namespace) -> None:
-    from domain.errors import ConfigError
-
-    for flag, given in (("--procs", args.procs is not None), ("--fault-rank", args.fault_rank is not None),
-                        ("--presets", args.presets),
-                        ("--plot", args.plot is not None), ("--commit-mode", args.commit_mode != "transactional"),
-                        ("--trainer", args.trainer != "reference")):
-        if given:
-            raise ConfigError(flag, f"does not go with --engine {args.engine} (a real engine runs one plan, "
-                              "committing per layer)")
-    if args.qat is None:
-        return
-    for flag, given in (("--attach", args.attach is not None), ("--inject-fault", args.inject_fault is not None),
-                        ("--linear", args.linear is not None), ("--moe", args.moe is not None),
-                        ("--moe-activation", args.moe_activation is not None),
-                        ("--linear-activation", args.linear_activation is not None)):
-        if given:
-            raise ConfigError(flag, f"does not go with --qat on --engine {args.engine}: the QAT demo starts one "
-                              "engine in this process and serves the QAT preset where the engine serves it "
-                              "(docs/qat.md); drop it")
-
-
 def run(args: argparse.Namespace) -> int:
+    from app.cli.demo_modes import resolve
     from app.logging import configure_logging
-
-    configure_logging(json=args.json, level=logging.INFO if args.verbose else logging.CRITICAL)
-    if args.threads < 1:
-        from domain.errors import ConfigError
-
-        raise ConfigError("--threads", f"must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
     from domain.errors import ConfigError, RefitError
 
-    if is_directory(args.model):
-        for flag, given in (("--procs", args.procs is not None), ("--qat", args.qat is not None),
-                            ("--trainer", args.trainer != "reference")):
-            if given:
-                raise ConfigError("--model", f"a checkpoint directory does not go with {flag} (those demos build "
-                                  "the embedded model); drop one of them")
-
-    if args.lora_sync is not None and args.lora is None:
-        raise ConfigError("--lora-sync", "goes with --lora RANK (the adapter's rank)")
-    if args.lora is not None:
-        for flag, given in (("--engine", args.engine != "reference"), ("--procs", args.procs is not None),
-                            ("--qat", args.qat is not None), ("--trainer", args.trainer != "reference")):
-            if given:
-                raise ConfigError("--lora", f"the LoRA demo trains the embedded model in this process, into the "
-                                  f"embedded engine; it does not go with {flag}")
-    if args.engine != "reference":  # a real engine (app.services.engine_demo, or qat_demo with --qat)
-        _check_engine_options(args)
-        if args.qat:
+    mode = resolve(args)  # every option set; one the mode does not take is refused, naming it
+    configure_logging(json=args.json, level=logging.INFO if args.verbose else logging.CRITICAL)
+    torch.set_num_threads(args.threads)
+    if is_directory(args.model) and mode in ("procs", "qat", "megatron"):
+        raise ConfigError("--model", f"a checkpoint directory does not go with `refit demo {mode}` (it builds the "
+                          "embedded model); give an embedded model's name, or drop --model")
+    if mode == "vllm" or (mode == "qat" and args.engine == "vllm"):  # a real engine
+        if mode == "qat":
             from app.cli.demo_qat import run_cli
 
             return run_cli(args)
@@ -273,17 +186,20 @@ def run(args: argparse.Namespace) -> int:
         except RefitError:
             raise
         except ValueError as err:
-            raise ConfigError("refit demo", str(err)) from None
-    if args.colocated or args.attach:
-        flag = "--colocated" if args.colocated else "--attach"
-        raise ConfigError(flag, "goes with --engine vllm (the reference engine always runs in this process)")
-    if args.fault_rank is not None and args.procs is None:
-        raise ConfigError("--fault-rank", "goes with --procs N (it names the rank of the process world that "
-                          "--inject-fault hits); add --procs, or drop --fault-rank")
-    if args.qat:  # training with and without QAT (app.services.qat_demo)
-        if args.trainer != "reference":
-            raise ConfigError("--qat", f"does not go with --trainer {args.trainer} (the QAT demo trains two copies "
-                              "of the embedded model in this process)")
+            raise ConfigError("refit demo vllm", str(err)) from None
+    if mode == "lora" and args.engine != "vllm" and args.colocated:
+        raise ConfigError("--colocated", "goes with --engine vllm (the embedded engine always runs in this process)")
+    if mode == "lora" and args.engine == "vllm":  # the adapter mode into a real vLLM engine
+        for flag, given in (("--presets", args.presets), ("--plot", args.plot is not None),
+                            ("--commit-mode", args.commit_mode != "transactional"),
+                            ("--inject-fault", args.inject_fault is not None)):
+            if given:
+                raise ConfigError(flag, "is not an option of `refit demo lora --engine vllm` (one engine, the adapter "
+                                  "mode, each adapter against vLLM's own load of it); drop it")
+        from app.cli.demo_lora import run_lora_engine
+
+        return run_lora_engine(args)
+    if mode == "qat":  # training with and without QAT (app.services.qat_demo)
         from app.cli.demo_qat import run_cli
 
         return run_cli(args)
@@ -294,12 +210,11 @@ def run(args: argparse.Namespace) -> int:
         raise
     except ValueError as err:  # DemoSettings' own checks name the option
         raise ConfigError("refit demo", str(err)) from None
-    from app.cli.demo_megatron import check_reference_args, run_megatron
+    if mode == "megatron":  # a real Megatron-Core trainer, sharded over processes
+        from app.cli.demo_megatron import run_megatron
 
-    if args.trainer == "megatron":  # a real Megatron-Core trainer, sharded over processes
         return run_megatron(args, settings)
-    check_reference_args(args)
-    if args.procs is not None:  # trainer and engine ranks in separate processes
+    if mode == "procs":  # trainer and engine ranks in separate processes
         from app.cli.demo_procs import run_procs
 
         return run_procs(args, settings)

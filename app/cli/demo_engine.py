@@ -1,4 +1,4 @@
-"""`refit demo --engine vllm [--colocated]`: the demo's refit loop on a real engine, each refit
+"""`refit demo vllm [--colocated]`: the demo's refit loop on a real engine, each refit
 compared with a cold start of the same exported checkpoint (app.services.engine_demo)."""
 
 from __future__ import annotations

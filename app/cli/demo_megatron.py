@@ -1,4 +1,4 @@
-"""`refit demo --trainer megatron --tp T --pp P [--ep E] [--etp X]`: a real, sharded Megatron-Core
+"""`refit demo megatron --tp T --pp P [--ep E] [--etp X]`: a real, sharded Megatron-Core
 trainer trains the demo model a few steps on CPU and refits the engine after every step.
 
 The processes join one gloo world on 127.0.0.1: the trainer's T x P (x E, carved out of the
@@ -31,32 +31,10 @@ from app.services.demo import DemoSettings
 from app.services.transaction import describe_plan
 from domain.errors import ConfigError
 
-if TYPE_CHECKING:  # the Megatron demo's service loads only when `--trainer megatron` runs
+if TYPE_CHECKING:  # the Megatron demo's service loads only when `refit demo megatron` runs
     from app.services.megatron_demo import MegatronDemoSettings
 
 MAX_TRAINER_RANKS = 4  # this machine: 2 cores
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The `refit demo` options of the Megatron trainer."""
-    p.add_argument("--trainer", default="reference", choices=("reference", "megatron"),
-                   help="reference: the embedded model; megatron: a real Megatron-Core trainer, sharded over processes")
-    p.add_argument("--tp", type=int, default=1, help="with --trainer megatron: tensor-parallel size (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="with --trainer megatron: pipeline-parallel size (default 1)")
-    p.add_argument("--ep", type=int, default=1, help="with --trainer megatron: expert-parallel size (default 1)")
-    p.add_argument("--etp", type=int, default=1,
-                   help="with --trainer megatron: expert tensor-parallel size: 1 (the default: whole experts), --tp, "
-                        "or any size with --tp 1")
-    p.add_argument("--lr", type=float, default=0.1, help="with --trainer megatron: the SGD learning rate (default 0.1)")
-
-
-def check_reference_args(args: argparse.Namespace) -> None:
-    """The Megatron options need `--trainer megatron`; a ConfigError names them otherwise."""
-    given = [f"--{k}" for k, default in (("tp", 1), ("pp", 1), ("ep", 1), ("etp", 1), ("lr", 0.1))
-             if getattr(args, k) != default]
-    if args.trainer != "megatron" and given:
-        raise ConfigError(given[0], "needs --trainer megatron (the embedded trainer is not sharded that way; "
-                          "see --procs for its distributed refit)")
 
 
 def check_layout(services: Any, world: Any, settings: DemoSettings) -> None:
@@ -87,9 +65,6 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
         verdict,
     )
 
-    if args.procs is not None or args.inject_fault or args.qat:
-        raise ConfigError("--trainer", "megatron takes its processes from --tp/--pp/--ep (no --procs), and no "
-                          "--inject-fault or --qat")
     megatron = MegatronConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                               expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp)
     config = attrs.evolve(demo_config(settings), actor=ActorConfig(strategy="megatron", megatron=megatron),
@@ -116,7 +91,7 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
         return 1
     rows = judge(services, demo, world, records, reference[0].value)
     checks = verdict(rows)
-    header = (f"refit demo --trainer megatron: {settings.model} as a Megatron-Core GPTModel, trainer "
+    header = (f"refit demo megatron: {settings.model} as a Megatron-Core GPTModel, trainer "
               f"{world.layout.describe()} on ranks {list(world.trainer_ranks)}, reference engine on rank "
               f"{list(world.engine_ranks)}, gloo on 127.0.0.1; plan {demo.plan_name} and BF16, {settings.steps} steps")
     if args.json:
@@ -146,7 +121,7 @@ def _crashed(results: list[Any]) -> bool:
     crashed = [r for r in results if not r.ok]
     if crashed:
         text = "\n".join(f"rank {r.rank}: {r.error}\n{r.traceback or ''}{r.output[-1500:]}" for r in crashed)
-        sys.stderr.write(f"refit demo --trainer megatron: a rank did not finish:\n{text}\n")
+        sys.stderr.write(f"refit demo megatron: a rank did not finish:\n{text}\n")
     return bool(crashed)
 
 

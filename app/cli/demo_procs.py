@@ -1,4 +1,4 @@
-"""`refit demo --procs N`: the demo's refits with trainer and engine ranks in N processes.
+"""`refit demo procs N`: the demo's refits with trainer and engine ranks in N processes.
 
 The processes (2 to 4) join one gloo world on 127.0.0.1: with 2, one trainer rank and one engine;
 with 3, two trainer ranks (expert parallel for the MoE model, tensor parallel for the dense one)
@@ -111,7 +111,7 @@ def _fault(services: Services, settings: DemoSettings, world: RefitWorld, fault_
 
 
 def run_procs(args: argparse.Namespace, settings: DemoSettings) -> int:
-    """`refit demo --procs N`: run, compare with the single-process refit, print."""
+    """`refit demo procs N`: run, compare with the single-process refit, print."""
     services = demo_services(settings)
     world = demo_world(args.procs, moe=services.embedded.reference_config().is_moe)
     fault = _fault(services, settings, world, args.fault_rank)
@@ -121,12 +121,12 @@ def run_procs(args: argparse.Namespace, settings: DemoSettings) -> int:
     crashed = [r for r in results if not r.ok]
     if crashed:
         text = "\n".join(f"rank {r.rank}: {r.error}\n{r.output[-1500:]}" for r in crashed)
-        sys.stderr.write(f"refit demo --procs: a rank did not finish:\n{text}\n")
+        sys.stderr.write(f"refit demo procs: a rank did not finish:\n{text}\n")
         return 1
     records = [rec for r in results for rec in r.value]
     good = judge(records, _references(settings))
     header = (
-        f"refit demo --procs {args.procs}: {settings.model}, plan {describe_plan(settings.plan)}, trainer "
+        f"refit demo procs {args.procs}: {settings.model}, plan {describe_plan(settings.plan)}, trainer "
         f"{world.layout.describe()} on ranks {list(world.trainer_ranks)}, engines on ranks {list(world.engine_ranks)}, "
         f"gloo on 127.0.0.1" + (f", fault {fault} on rank {fault.rank} at step {fault.refit}" if fault else "")
     )

@@ -1,10 +1,10 @@
-"""`refit demo --qat [PRESET] [--engine vllm]`: training with QAT and without, and the rollout mismatch of each.
+"""`refit demo qat [PRESET] [--engine vllm]`: training with QAT and without, and the rollout mismatch of each.
 
 The comparison itself is app.services.qat_demo; this module configures the composition root for
 it and prints the result as a table or JSON:
 - the embedded engine: rollout and QAT both in PRESET on every Linear and expert;
 - `--engine vllm`: one vLLM engine in this process (colocated, started with dummy weights from
-  the embedded model's config.json, as `refit demo --engine vllm --colocated` starts it), serving
+  the embedded model's config.json, as `refit demo vllm --colocated` starts it), serving
   PRESET where vLLM serves it: FP8_BLOCK and MXFP8 on the dense Linear layers and the experts,
   MXFP4 and NVFP4 (per-token activations, ModelOpt's layout) on the experts alone, dense layers
   BF16 (docs/support-matrix.md; docs/qat.md, "On the real engine").
@@ -77,7 +77,7 @@ def render_qat_demo(result: dict[str, Any], console: Console) -> None:
         console: a rich Console.
     """
     engine = result.get("engine", "reference")
-    console.print(f"[bold]refit demo --qat[/bold] on the {engine} engine: rollout {result['plan']}, "
+    console.print(f"[bold]refit demo qat[/bold] on the {engine} engine: rollout {result['plan']}, "
                   f"qat.mode={result['mode']}, model {result['model']}, {result['qat_layers']} layers fake-quantized")
     if not result["served"]:
         console.print(f"- not run: {result['not_served']}")

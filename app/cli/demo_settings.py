@@ -1,4 +1,4 @@
-"""What `refit demo` and `refit demo --procs` share: the settings from the command line, the
+"""What `refit demo` and `refit demo procs` share: the settings from the command line, the
 composition root's services for them, and how a world's typed errors are reported."""
 
 from __future__ import annotations

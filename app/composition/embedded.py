@@ -108,7 +108,7 @@ class EmbeddedWiring:
         return EmbeddedModule.from_seed(preset(ref.model), ref.seed)
 
     def megatron_demo_kit(self) -> MegatronDemoKit:
-        """What `refit demo --trainer megatron` needs from Megatron-Core on CPU, for the
+        """What `refit demo megatron` needs from Megatron-Core on CPU, for the
         `reference.model` architecture and `reference.seed` (adapters.megatron.demo_kit)."""
         TRAINERS["megatron"].require("actor.strategy", "megatron")
         from adapters.megatron.demo_kit import MegatronDemoKit

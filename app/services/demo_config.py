@@ -1,6 +1,6 @@
 """The configurations the demos and the benchmarks run with: the embedded models or a checkpoint
 directory (`--model`), and a real engine's configuration for the engine demo's settings (what
-`refit demo --engine vllm`, `refit bench engine` and the real-engine tests start)."""
+`refit demo vllm`, `refit bench engine` and the real-engine tests start)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The judgement of `refit demo --procs N`: every engine's weights against a single-process refit.
+"""The judgement of `refit demo procs N`: every engine's weights against a single-process refit.
 
 The demo runs the same steps in a world of processes (app.cli.demo_procs) and as a single-process
 refit; this module holds the pure parts both sides share: which world a number of processes

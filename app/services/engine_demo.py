@@ -1,4 +1,4 @@
-"""`refit demo --engine vllm`: the demo's refit loop against a real engine, each refit checked
+"""`refit demo vllm`: the demo's refit loop against a real engine, each refit checked
 against a cold start of the same exported checkpoint.
 
 The engine starts with dummy weights and refuses to serve; step 0 is the first refit, steps
@@ -91,7 +91,7 @@ class EngineDemoServices(Protocol):
 
 @attrs.frozen
 class EngineDemoSettings:
-    """What `refit demo --engine ...` runs.
+    """What `refit demo vllm` runs.
 
     Attributes:
         engine: the engine's name (vllm).

@@ -1,4 +1,4 @@
-"""`refit demo --lora RANK --lora-sync adapter`: the adapter mode, step after step.
+"""`refit demo lora RANK --sync adapter`: the adapter mode, step after step.
 
 A trainer with a rank-RANK adapter (the embedded model's base, frozen) takes training-like steps
 on the adapter only. Each arm (the chosen plan and BF16) has its own engine, serving base +

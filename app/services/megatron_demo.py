@@ -1,4 +1,4 @@
-"""`refit demo --trainer megatron`: a real Megatron-Core trainer, sharded tp x pp x ep over
+"""`refit demo megatron`: a real Megatron-Core trainer, sharded tp x pp x ep over
 processes, trains a few steps and refits the engine after every step.
 
 The world: trainer ranks 0..N-1 run Megatron (its parallel_state over exactly those ranks), engine
@@ -57,7 +57,7 @@ ENGINE_THREADS = 1
 
 @attrs.frozen
 class MegatronDemoSettings:
-    """What `refit demo --trainer megatron` runs.
+    """What `refit demo megatron` runs.
 
     Attributes:
         plan: the rollout plan under test (a BF16 arm runs beside it).

@@ -1,4 +1,4 @@
-"""`refit demo --qat`: a few training steps with QAT and without, and the rollout mismatch of each.
+"""`refit demo qat`: a few training steps with QAT and without, and the rollout mismatch of each.
 
 Two copies of the embedded reference model start from the same weights and train on the same
 synthetic task (next token = a fixed random permutation of the current token), one plainly in

@@ -60,7 +60,7 @@ class PeerFailed(RefitError, RuntimeError):
 
 
 class RankFailed(RefitError, RuntimeError):
-    """A process of a local world (`refit demo --procs N`, `--trainer megatron`) stopped on a typed
+    """A process of a local world (`refit demo procs N`, `refit demo megatron`) stopped on a typed
     error of its own; the message names the rank and carries that error."""
 
 

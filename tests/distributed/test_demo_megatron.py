@@ -1,4 +1,4 @@
-"""`refit demo --trainer megatron`: a real Megatron-Core trainer sharded over gloo processes
+"""`refit demo megatron`: a real Megatron-Core trainer sharded over gloo processes
 trains and refits; the command judges every refit against the trainer's own weights gathered into
 the unsharded model (placed by Megatron's own checkpoint metadata) and says so in its JSON: the
 engine holds exactly the unsharded refit, the BF16 arm's log-probs equal the reference engine's
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 
 
 def _demo(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
-    rc = main(["demo", "--trainer", "megatron", "--json", *args])
+    rc = main(["demo", "megatron", "--json", *args])
     return rc, json.loads(capsys.readouterr().out)
 
 
@@ -77,7 +77,7 @@ def test_expert_parallelism_carved_out_of_the_tensor_parallel_ranks(capsys: pyte
 
 
 def test_a_layout_beyond_this_machine_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--trainer", "megatron", "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "2"]) == 2
+    assert main(["demo", "megatron", "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "2"]) == 2
     assert "needs 8 trainer processes" in capsys.readouterr().err
     assert main(["demo", "--tp", "2"]) == 2  # the embedded trainer is not sharded by --tp
-    assert "--tp: needs --trainer megatron" in capsys.readouterr().err
+    assert "--tp: is not an option of `refit demo`; it is an option of `refit demo megatron`" in capsys.readouterr().err

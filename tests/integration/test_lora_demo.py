@@ -1,4 +1,4 @@
-"""`refit demo --lora RANK [--lora-sync merged|adapter]` on the embedded model and engine."""
+"""`refit demo lora [RANK] [--sync merged|adapter]` on the embedded model and engine."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
 
 
 def test_the_adapter_mode_sends_the_base_once_then_the_adapter_alone(capsys):
-    out = _run(capsys, "--lora", "4", "--lora-sync", "adapter")
+    out = _run(capsys, "lora", "4", "--sync", "adapter")
     steps = out["steps"]
     assert [(s["step"], s["arm"]) for s in steps][:2] == [(0, out["arms"][0]), (0, "BF16")]
     assert all(s["live"] and s["serving"] == "yes" for s in steps)
@@ -30,7 +30,7 @@ def test_the_adapter_mode_sends_the_base_once_then_the_adapter_alone(capsys):
 
 
 def test_an_injected_base_fault_keeps_the_previous_adapter_and_the_next_step_recovers(capsys):
-    out = _run(capsys, "--lora", "4", "--lora-sync", "adapter", "--inject-fault", "bucket:0", "--fault-step", "1")
+    out = _run(capsys, "lora", "4", "--sync", "adapter", "--inject-fault", "bucket:0", "--fault-step", "1")
     arm = [s for s in out["steps"] if s["arm"] == out["arms"][0]]
     assert [s["live"] for s in arm] == [True, False, True]
     failed = arm[1]
@@ -40,7 +40,7 @@ def test_an_injected_base_fault_keeps_the_previous_adapter_and_the_next_step_rec
 
 
 def test_the_merged_mode_is_the_ordinary_demo_on_the_merged_model(capsys):
-    merged = _run(capsys, "--lora", "4")
+    merged = _run(capsys, "lora", "4")
     plain = _run(capsys)
     assert merged["settings"]["lora_rank"] == 4 and merged["settings"]["lora_sync"] == "merged"
     by_arm = {row["arm"]: row for row in merged["summary"]}
@@ -50,10 +50,11 @@ def test_the_merged_mode_is_the_ordinary_demo_on_the_merged_model(capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--lora-sync", "adapter"], "--lora-sync: goes with --lora RANK"),
-    (["--lora", "4", "--engine", "vllm"], "does not go with --engine"),
-    (["--lora", "4", "--procs", "2"], "does not go with --procs"),
-    (["--lora", "0"], "argument --lora: expected a whole number from 1 to 512"),
+    (["--lora-sync", "adapter"], "--lora-sync: goes with a LoRA adapter"),
+    (["lora", "4", "--presets", "--engine", "vllm"], "--presets: is not an option of `refit demo lora --engine vllm`"),
+    (["lora", "4", "--procs", "2"], "--procs: is not an option of `refit demo lora`"),
+    (["--lora", "0"], "argument --lora: expected a whole number from 1 to 512"),  # the previous spelling
+    (["lora", "0"], "argument RANK: expected a whole number from 1 to 512"),
 ])
 def test_lora_options_that_do_not_go_together_are_refused_by_name(capsys, args, message):
     assert main(["demo", *args]) == 2

@@ -1,4 +1,4 @@
-"""`refit demo --qat` (app.services.qat_demo): QAT closes the train-rollout gap on the embedded model.
+"""`refit demo qat` (app.services.qat_demo): QAT closes the train-rollout gap on the embedded model.
 
 With QAT the training forward computes, bit for bit, what the quantized rollout engine computes,
 so their k3 KL is exactly the BF16 level; the same training without QAT leaves a gap.

@@ -207,10 +207,10 @@ row("refit demo --plot in a missing directory", 2, "argument --plot", "does not 
     lambda t, s: ["demo", "--plot", str(t / "missing" / "m.png")])
 row("refit demo --plot names a directory", 2, "argument --plot", "is a directory", "mismatch.png")(
     lambda t, s: ["demo", "--plot", str(t)])
-row("refit demo --fault-rank without --procs", 2, "--fault-rank", "goes with --procs")(
+row("refit demo --fault-rank without procs", 2, "--fault-rank", "it is an option of `refit demo procs`")(
     lambda t, s: ["demo", "--fault-rank", "1", "--inject-fault", "bucket:0"])
 row("a Megatron layout the embedded model's heads do not split over", 2,
-    "--tp: 3 does not divide the 4 attention heads")(lambda t, s: ["demo", "--trainer", "megatron", "--tp", "3"])
+    "--tp: 3 does not divide the 4 attention heads")(lambda t, s: ["demo", "megatron", "--tp", "3"])
 
 # --- regular expressions with unbounded work -----------------------------------------------------
 
@@ -303,7 +303,7 @@ def test_an_internal_error_is_one_line_and_debug_shows_the_traceback(monkeypatch
 
 def test_a_missing_engine_host_python_is_named(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("RL_REFIT_VLLM_PYTHON", "/nonexistent/bin/python")
-    assert main(["demo", "--engine", "vllm", "--steps", "1"]) == 2
+    assert main(["demo", "vllm", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "ConfigError: RL_REFIT_VLLM_PYTHON: '/nonexistent/bin/python' does not exist" in err
 

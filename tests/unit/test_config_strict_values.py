@@ -84,6 +84,6 @@ def test_a_public_entry_point_refuses_an_argument_of_the_wrong_type(call, argume
 def test_a_megatron_pipeline_the_layers_do_not_split_over_is_refused_before_any_process(
         capsys: pytest.CaptureFixture[str]) -> None:
     # before: exit 1 after four ranks each printed Megatron-Core's assertion (about 150 lines)
-    assert main(["demo", "--trainer", "megatron", "--pp", "3"]) == 2
+    assert main(["demo", "megatron", "--pp", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["refit demo: ConfigError: --pp: 3 does not divide the 4 layers of tiny-moe; use a divisor of 4"]

@@ -6,24 +6,27 @@ from __future__ import annotations
 import pytest
 
 from app.cli.demo_engine import engine_settings
+from app.cli.demo_modes import resolve
 from app.cli.main import build_parser, main
 from app.services.demo_config import engine_config, with_vllm
 
 
 def _args(*argv: str):  # type: ignore[no-untyped-def]
-    return build_parser().parse_args(["demo", *argv])
+    args = build_parser().parse_args(["demo", *argv])
+    resolve(args, notice=lambda line: None)
+    return args
 
 
 def test_defaults_are_what_the_cpu_build_serves() -> None:
-    s = engine_settings(_args("--engine", "vllm"))
+    s = engine_settings(_args("vllm"))
     assert (s.deployment, s.plan.linear.name, s.plan.moe.name, s.model, s.steps, s.back) == \
         ("disaggregated", "FP8_BLOCK", "FP8_BLOCK", "micro-moe", 2, True)
-    s = engine_settings(_args("--engine", "vllm", "--colocated", "--linear", "BF16", "--moe", "BF16", "--steps", "1"))
+    s = engine_settings(_args("vllm", "--colocated", "--linear", "BF16", "--moe", "BF16", "--steps", "1"))
     assert (s.deployment, s.plan.is_quantized, s.steps) == ("colocated", False, 1)
 
 
 def test_the_engine_configuration() -> None:
-    s = engine_settings(_args("--engine", "vllm", "--model", "micro-dense", "--seed", "4"))
+    s = engine_settings(_args("vllm", "--model", "micro-dense", "--seed", "4"))
     config = engine_config(s, 0.5)
     assert (config.rollout.name, config.rollout.deployment) == ("vllm", "disaggregated")
     assert (config.reference.model, config.reference.seed) == ("micro-dense", 4)
@@ -37,16 +40,19 @@ def test_the_engine_configuration() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--engine", "vllm", "--procs", "2"], "--procs: does not go with --engine vllm"),
-    (["--engine", "vllm", "--presets"], "--presets: does not go with --engine vllm"),
-    (["--engine", "vllm", "--commit-mode", "per-layer"], "--commit-mode: does not go with --engine vllm"),
-    (["--colocated"], "--colocated: goes with --engine vllm"),
-    (["--engine", "vllm", "--trainer", "megatron"], "--trainer: does not go with --engine vllm"),
-    (["--qat", "--trainer", "megatron"], "--qat: does not go with --trainer megatron"),
-    (["--engine", "vllm", "--inject-fault", "bucket:1", "--fault-step", "9"], "--fault-step must be in [0, 2]"),
+    (["vllm", "--procs", "2"], "--procs: is not an option of `refit demo vllm`; it selects `refit demo procs`"),
+    (["vllm", "--presets"], "--presets: is not an option of `refit demo vllm`; it is an option of `refit demo`"),
+    (["vllm", "--commit-mode", "per-layer"], "--commit-mode: is not an option of `refit demo vllm`"),
+    (["--colocated"], "--colocated: is not an option of `refit demo`; it is an option of `refit demo lora` and"),
+    (["lora", "--colocated"], "--colocated: goes with --engine vllm"),
+    (["vllm", "--trainer", "megatron"], "--trainer: is not an option of `refit demo vllm`; it selects "
+                                        "`refit demo megatron`"),
+    (["--qat", "--trainer", "megatron"], "--qat: is not an option of `refit demo megatron`"),  # the old spellings
+    (["lora", "--engine", "vllm", "--sync", "merged"], "--sync: merged refits into vLLM are ordinary refits"),
+    (["vllm", "--inject-fault", "bucket:1", "--fault-step", "9"], "--fault-step must be in [0, 2]"),
 ])
-def test_options_that_do_not_go_with_a_real_engine(argv: list[str], message: str,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_option_of_another_mode_is_refused_by_name(argv: list[str], message: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("transformers", reason="needs transformers (the `test` extra)")
 
 from app.cli.demo_engine import engine_settings
+from app.cli.demo_modes import resolve
 from app.cli.main import build_parser, main
 from app.config_sections import RefitConfig
 from app.services.demo_config import engine_config
@@ -27,16 +28,18 @@ def dirs(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def _args(*argv: str):  # type: ignore[no-untyped-def]
-    return build_parser().parse_args(["demo", *argv])
+    args = build_parser().parse_args(["demo", *argv])
+    resolve(args, notice=lambda line: None)
+    return args
 
 
 def test_embedded_names_still_select_the_presets() -> None:
     assert _args("--model", "micro-dense").model == "micro-dense"
-    assert engine_settings(_args("--engine", "vllm")).model == "micro-moe"
+    assert engine_settings(_args("vllm")).model == "micro-moe"
 
 
 def test_the_vllm_demo_on_a_directory_uses_the_hf_trainer_and_a_dummy_start(dirs) -> None:
-    s = engine_settings(_args("--engine", "vllm", "--model", str(dirs["tiny-qwen3"])))
+    s = engine_settings(_args("vllm", "--model", str(dirs["tiny-qwen3"])))
     config = engine_config(s, 1.0)
     assert config.model.path == str(dirs["tiny-qwen3"])
     assert (config.actor.strategy, config.actor.hf.load_model) == ("hf", True)
@@ -86,7 +89,7 @@ def test_a_model_that_is_neither_is_refused(argv, message, capsys) -> None:
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", [["--procs", "2"], ["--qat"], ["--trainer", "megatron"]])
+@pytest.mark.parametrize("flag", [["procs", "2"], ["qat"], ["megatron"]])
 def test_a_directory_with_a_demo_that_builds_the_embedded_model_is_refused(dirs, flag, capsys) -> None:
     assert main(["demo", "--model", str(dirs["tiny-qwen3"]), *flag]) == 2
     err = capsys.readouterr().err
@@ -102,4 +105,4 @@ def test_a_checkpoint_the_reference_engine_cannot_compute_names_the_key(dirs, tm
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     assert main(["demo", "--model", str(tmp_path / "m"), "--steps", "0"]) != 0
     err = capsys.readouterr().err
-    assert "attention_bias" in err and "--engine vllm" in err
+    assert "attention_bias" in err and "refit demo vllm" in err

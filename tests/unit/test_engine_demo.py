@@ -1,5 +1,5 @@
 """The real-engine demo's loop and its cold-start comparison, over the reference engine: the
-refitted engine against a fresh engine loaded from the same export (what `refit demo --engine vllm`
+refitted engine against a fresh engine loaded from the same export (what `refit demo vllm`
 does with vLLM), a fault that must leave the engine refusing, and a refit that serves other bytes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The checks of `refit demo --trainer megatron` over its rows (app.services.megatron_demo.verdict):
+"""The checks of `refit demo megatron` over its rows (app.services.megatron_demo.verdict):
 each one fails on the row that breaks it, the Megatron figure only beyond its documented bound."""
 
 from __future__ import annotations

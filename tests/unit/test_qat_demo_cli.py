@@ -1,4 +1,4 @@
-"""`refit demo --qat PRESET --engine vllm` without vLLM: the configuration it builds (one engine in
+"""`refit demo qat PRESET --engine vllm` without vLLM: the configuration it builds (one engine in
 this process, the 4-bit presets on the experts), the options it refuses, its routing to the QAT
 demo with one engine (the embedded engine standing in for vLLM's), and what it reports when the
 engine cannot start a cell the support matrix says this CPU does not serve."""
@@ -39,21 +39,21 @@ def test_the_configuration_serves_the_preset_where_vllm_serves_it(preset: str, l
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--attach", "http://127.0.0.1:8000"], "--attach: does not go with --qat on --engine vllm"),
-    (["--linear", "MXFP8"], "--linear: does not go with --qat on --engine vllm"),
-    (["--moe-activation", "mxfp8"], "--moe-activation: does not go with --qat on --engine vllm"),
-    (["--inject-fault", "bucket:1"], "--inject-fault: does not go with --qat on --engine vllm"),
-    (["--procs", "2"], "--procs: does not go with --engine vllm"),
-    (["--plot", "out.png"], "--plot: does not go with --engine vllm"),
+    (["--attach", "http://127.0.0.1:8000"], "--attach: is not an option of `refit demo qat`; it is an option of `refit demo vllm`"),
+    (["--linear", "MXFP8"], "--linear: is not an option of `refit demo qat`"),
+    (["--moe-activation", "mxfp8"], "--moe-activation: is not an option of `refit demo qat`"),
+    (["--inject-fault", "bucket:1"], "--inject-fault: is not an option of `refit demo qat`"),
+    (["--procs", "2"], "--procs: is not an option of `refit demo qat`"),
+    (["--plot", "out.png"], "--plot: is not an option of `refit demo qat`"),
 ])
 def test_options_the_vllm_qat_demo_refuses(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--qat", "MXFP8", "--engine", "vllm", *argv]) == 2
+    assert main(["demo", "qat", "MXFP8", "--engine", "vllm", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_qat_mode_without_vllm_roles_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--qat", "w4a16", "--engine", "vllm"]) == 2
+    assert main(["demo", "qat", "w4a16", "--engine", "vllm"]) == 2
     err = capsys.readouterr().err
     assert "--qat: 'w4a16' with --engine vllm: use one of FP8_BLOCK, MXFP8, MXFP4, NVFP4" in err
 
@@ -70,7 +70,7 @@ def test_the_command_runs_both_arms_through_one_engine(monkeypatch: pytest.Monke
         return services
 
     monkeypatch.setattr(demo_qat, "bootstrap", with_stand_in)
-    assert main(["demo", "--qat", "MXFP8", "--engine", "vllm", "--steps", "1", "--json"]) == 0
+    assert main(["demo", "qat", "MXFP8", "--engine", "vllm", "--steps", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [s.config.rollout.name for s in built] == ["vllm"]
     assert (out["engine"], out["model"], out["served"], out["plan"]) == ("vllm", "micro-moe", True,
@@ -116,7 +116,7 @@ def test_a_missing_vllm_is_named_not_reported_as_a_cell_not_served(capsys: pytes
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here: the engine would start")
-    assert main(["demo", "--qat", "MXFP4", "--engine", "vllm", "--steps", "1"]) == 2
+    assert main(["demo", "qat", "MXFP4", "--engine", "vllm", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "ModuleNotFoundError" in err and "needs vllm" in err and "does not serve" not in err
 

@@ -1,7 +1,7 @@
 """Real-engine scenarios, run in a process of their own by tests/vllm/test_real_engine.py:
 `python -m tests.vllm.scenarios '{"scenario": ..., "deployment": ..., "linear": ..., "moe": ..., "model": ...}'`.
 
-Each builds the engine through the composition root exactly as `refit demo --engine vllm` does
+Each builds the engine through the composition root exactly as `refit demo vllm` does
 (with tests.vllm.extensions.TestExtension as the worker extension), runs its refits, compares
 each live one with a cold start of the same export, and prints one JSON line (the last line of
 stdout; vLLM logs to stderr).

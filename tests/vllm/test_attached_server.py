@@ -418,7 +418,7 @@ def test_an_engine_object_the_caller_holds_refits_equal_to_a_cold_start(tmp_path
 @pytest.mark.slow
 @pytest.mark.xdist_group("attached-bf16-server")
 def test_the_main_job_attaches_to_a_users_server(bf16: Started) -> None:
-    out = subprocess.run([sys.executable, "-m", "app.cli.main", "demo", "--engine", "vllm", "--attach",
+    out = subprocess.run([sys.executable, "-m", "app.cli.main", "demo", "vllm", "--attach",
                           bf16.server.url, "--model", bf16.model, "--linear", "BF16", "--moe", "BF16", "--steps", "1",
                           "--json"], capture_output=True, text=True, cwd=str(ROOT), timeout=1500,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

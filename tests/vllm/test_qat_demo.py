@@ -1,4 +1,4 @@
-"""`refit demo --qat NVFP4 --engine vllm` on the real engine (vLLM's CPU build, per-token NVFP4
+"""`refit demo qat NVFP4 --engine vllm` on the real engine (vLLM's CPU build, per-token NVFP4
 experts emulated): one engine in the command's process, both arms refitted into it in turn, k3 KL
 per step against vLLM's log-probs.
 
@@ -33,7 +33,7 @@ FLOOR = 1e-5
 def test_qat_demo_on_vllm_reports_both_arms_per_step() -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    done = subprocess.run([sys.executable, "-m", "app.cli.main", "demo", "--qat", "NVFP4", "--engine", "vllm",
+    done = subprocess.run([sys.executable, "-m", "app.cli.main", "demo", "qat", "NVFP4", "--engine", "vllm",
                            "--model", "micro-moe", "--steps", "1", "--json"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-6000:]

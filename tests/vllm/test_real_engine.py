@@ -235,7 +235,7 @@ def test_bf16_moe_refits_are_right_and_vllms_reload_alone_is_not(cold_cache: Pat
 ])
 def test_your_own_tied_checkpoint_refits_and_equals_a_cold_start(cold_cache: Path, tmp_path: Path, deployment: str,
                                                                    fixture: str, moe: str) -> None:
-    """`refit demo --model DIR --engine vllm`'s path on a tied Qwen3 / Qwen3-MoE written by
+    """`refit demo vllm --model DIR`'s path on a tied Qwen3 / Qwen3-MoE written by
     transformers: no lm_head.weight is sent, none is unwritten, and the served head follows the
     embeddings (vLLM's CPU build packs it outside the parameters)."""
     from adapters.hf.fixtures import write_fixture

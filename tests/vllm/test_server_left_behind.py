@@ -3,7 +3,7 @@
 trainer's temporary directory (the server's private directory, its log, its IPC sockets), and none
 of the shared memory in /dev/shm its processes mapped (the ring is anonymous; vLLM's own segments
 are released by the server's shutdown, which the keeper asks for). The trainer runs in the
-project's `.venv`, the server in this environment, as `refit demo --engine vllm` runs them."""
+project's `.venv`, the server in this environment, as `refit demo vllm` runs them."""
 
 from __future__ import annotations
 

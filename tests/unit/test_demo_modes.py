@@ -1,0 +1,76 @@
+"""`refit demo MODE`: each mode takes only its own options, each option is declared once
+(app.cli.demo_modes.OPTIONS), and the spellings of the previous release still select their mode,
+with a notice."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from app.cli.demo_modes import EMBEDDED, MODES, OPTIONS, resolve
+from app.cli.main import build_parser, main
+
+
+def _resolved(*argv: str) -> tuple[argparse.Namespace, list[str]]:
+    notices: list[str] = []
+    args = build_parser().parse_args(["demo", *argv])
+    resolve(args, notice=notices.append)
+    return args, notices
+
+
+@pytest.mark.parametrize("mode", [EMBEDDED, *MODES])
+def test_a_modes_help_lists_its_options_and_no_other(mode: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--help"] if mode == EMBEDDED else ["demo", mode, "--help"]) == 0
+    shown = capsys.readouterr().out
+    usage = shown.split("\n\n")[0]  # `usage: refit demo ... [--flag VALUE] ...`: what the parser takes
+    for option in OPTIONS:
+        flag = option.flags[0] if option.flags[0].startswith("-") else option.kwargs["metavar"]
+        assert (f"[{flag}" in usage) == (mode in option.modes), f"{flag} in `refit demo {mode} --help`: {usage}"
+    if mode == EMBEDDED:  # and the modes, each with its line
+        assert all(m in shown and line.split()[0] in shown for m, line in MODES.items())
+
+
+@pytest.mark.parametrize(("argv", "mode", "values"), [
+    ([], EMBEDDED, {"engine": "reference", "trainer": "reference", "procs": None, "qat": None, "lora": None}),
+    (["vllm", "--colocated"], "vllm", {"engine": "vllm", "colocated": True, "steps": None}),
+    (["--steps", "2", "vllm"], "vllm", {"steps": 2}),  # the demo's options before the mode count
+    (["procs"], "procs", {"procs": 3, "fault_rank": None}),
+    (["procs", "4", "--fault-rank", "2"], "procs", {"procs": 4, "fault_rank": 2}),
+    (["qat"], "qat", {"qat": "NVFP4", "engine": "reference"}),
+    (["qat", "MXFP8", "--engine", "vllm"], "qat", {"qat": "MXFP8", "engine": "vllm"}),
+    (["lora", "--sync", "adapter"], "lora", {"lora": 16, "lora_sync": "adapter", "engine": "reference"}),
+    (["lora", "8", "--engine", "vllm", "--colocated"], "lora", {"lora": 8, "engine": "vllm", "colocated": True}),
+    (["megatron", "--tp", "2"], "megatron", {"trainer": "megatron", "tp": 2, "pp": 1}),
+])
+def test_each_mode_gets_its_options_and_their_defaults(argv: list[str], mode: str, values: dict) -> None:
+    args, notices = _resolved(*argv)
+    assert args.mode == mode and notices == []
+    assert {k: getattr(args, k) for k in values} == values
+    assert all(hasattr(args, o.dest) for o in OPTIONS)  # every option set: the modes' code reads them
+
+
+@pytest.mark.parametrize(("argv", "mode", "values"), [
+    (["--engine", "vllm", "--colocated"], "vllm", {"engine": "vllm", "colocated": True}),
+    (["--procs", "2"], "procs", {"procs": 2}),
+    (["--qat"], "qat", {"qat": "NVFP4", "engine": "reference"}),
+    (["--qat", "MXFP8", "--engine", "vllm"], "qat", {"qat": "MXFP8", "engine": "vllm"}),
+    (["--lora", "8", "--lora-sync", "adapter"], "lora", {"lora": 8, "lora_sync": "adapter"}),
+    (["--lora", "8", "--engine", "vllm"], "lora", {"lora": 8, "engine": "vllm"}),
+    (["--trainer", "megatron", "--tp", "2"], "megatron", {"trainer": "megatron", "tp": 2}),
+])
+def test_the_previous_spellings_select_their_mode_with_a_notice(argv: list[str], mode: str, values: dict) -> None:
+    args, notices = _resolved(*argv)
+    assert args.mode == mode and {k: getattr(args, k) for k in values} == values
+    assert len(notices) == 1 and f"use `refit demo {mode} ...`" in notices[0], notices
+
+
+def test_the_previous_defaults_spelled_out_select_nothing() -> None:
+    args, notices = _resolved("--engine", "reference", "--trainer", "reference")
+    assert args.mode == EMBEDDED and notices == []
+
+
+def test_the_notice_goes_to_stderr_and_the_refusal_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--procs", "2", "--colocated"]) == 2  # refused before any notice
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--colocated: is not an option of `refit demo procs`" in err[0], err
