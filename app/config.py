@@ -1,8 +1,8 @@
 """Configuration: the schema of verl-style keys, loading from YAML or a dict, dotted overrides.
 
-Every key is declared once in SCHEMA (type, default, allowed values, one line of help); unknown
-keys and wrong types raise errors that name the key and list the valid ones. docs/configuration.md
-documents the same table.
+Every key is declared once, as the field of its typed section (app.config_sections: type, default,
+allowed values, check, its line of docs/configuration.md, whose table is generated from them);
+unknown keys and wrong types raise errors that name the key and list the valid ones.
 
 verl's own files load unchanged: keys under `actor_rollout_ref.` are read without that prefix
 (`actor_rollout_ref.rollout.name` is `rollout.name`), and in such a file the keys rl-refit does
@@ -21,8 +21,8 @@ from typing import Any
 import attrs
 
 from adapters.system.files import read_regular
-from app.config_schema import KEYS, SCHEMA, Key, _check_plain, _hf_overrides, _short, validate_value
-from app.config_sections import RefitConfig
+from app.config_schema import Key, _check_plain, _hf_overrides, _short, validate_value
+from app.config_sections import KEYS, SCHEMA, RefitConfig
 from app.config_yaml import quote_hint, read_yaml
 from domain.errors import ConfigError, ConfigTypeError, RemovedConfigKey, UnknownConfigKey
 from domain.quant.formats import FORMATS

@@ -3,80 +3,215 @@
 `app.config.load_config` parses and validates a file, a dict or dotted overrides once and returns
 a `RefitConfig`; Python callers (the CLI, the benchmarks) build the same sections directly, e.g.
 `RefitConfig(rollout=RolloutConfig(name="vllm"))`, and change them with `attrs.evolve`. Every
-field is one key of app.config_schema.SCHEMA: its default, and a converter that runs the key's
-check, so a value set in Python is validated, normalized and named in errors exactly as one read
-from YAML (`rollout.quantization.linear=fp8_block` and `QuantizationConfig(linear="fp8_block")`
-both hold "FP8_BLOCK").
+key is declared here, once, as its section's field (`setting`: types, default, allowed values,
+check, its line of docs/configuration.md); SCHEMA and KEYS are derived from these declarations.
+The field's converter runs the key's check, so a value set in Python is validated, normalized and
+named in errors exactly as one read from YAML (`rollout.quantization.linear=fp8_block` and
+`QuantizationConfig(linear="fp8_block")` both hold "FP8_BLOCK").
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
-from app.config_schema import KEYS, validate_value
+from adapters.profiles import ENGINES
+from app.config_schema import (
+    SYNC_BACKENDS,
+    VLLM_TRANSPORTS,
+    WIRE_FORMATS,
+    Key,
+    NoneType,
+    _activation,
+    _at_least,
+    _bucket_mib,
+    _commit_mode,
+    _emulation_mode,
+    _fused_forward,
+    _hf_overrides,
+    _non_negative,
+    _optional_non_negative,
+    _patterns,
+    _positive,
+    _positive_or_none,
+    _positive_seconds,
+    _preset,
+    _qat_mode,
+    _torch_device,
+    _url,
+    _urls,
+    declare,
+    section_of,
+    setting,
+)
+from domain.quant.formats import ElementRule, MxScaleRule
 
 
 def _names(items: Iterable[str]) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _key(path: str) -> Any:
-    """The field of the schema key `path`: its default, its check as the converter."""
-    key = KEYS[path]
-    default = attrs.Factory(dict) if isinstance(key.default, dict) else key.default
-    return attrs.field(default=default, converter=functools.partial(validate_value, key), metadata={"key": path})
-
-
 @attrs.frozen(kw_only=True)
 class QuantizationConfig:
     """rollout.quantization: what the rollout is served in (docs/configuration.md#keys)."""
 
-    linear: str | None = _key("rollout.quantization.linear")
-    moe: str | None = _key("rollout.quantization.moe")
-    moe_activation: str | None = _key("rollout.quantization.moe_activation")
-    linear_activation: str | None = _key("rollout.quantization.linear_activation")
-    ignore: tuple[str, ...] = _key("rollout.quantization.ignore")
-    config_file: str | None = _key("rollout.quantization.config_file")
-    allow_config_rewrite: bool = _key("rollout.quantization.allow_config_rewrite")
-    numerics: str = _key("rollout.quantization.numerics")
-    scale_rule: str | None = _key("rollout.quantization.scale_rule")
+    linear: str | None = setting(
+        (str, NoneType), None,
+        "preset for dense Linear layers (FP8_BLOCK, MXFP8, MXFP4, NVFP4); null (or BF16) = not quantized",
+        check=_preset)
+    moe: str | None = setting(
+        (str, NoneType), None,
+        "preset for routed experts; null = BF16",
+        check=_preset)
+    moe_activation: str | None = setting(
+        (str, NoneType), None,
+        "experts' activation scheme; null = the preset's default (see below)",
+        check=_activation)
+    linear_activation: str | None = setting(
+        (str, NoneType), None,
+        "dense layers' activation scheme; null = the preset's default",
+        check=_activation)
+    ignore: tuple[str, ...] = setting(
+        (list, tuple, str), (),
+        "modules kept BF16, added to the defaults: exact names, dot suffixes, `re:REGEX`, fnmatch "
+        "patterns",
+        check=_patterns)
+    config_file: str | None = setting(
+        (str, NoneType), None,
+        "a compressed-tensors `quantization_config` JSON (or a `config.json` holding one) used instead of "
+        "`linear`/`moe`; the engine receives it as written (see below)")
+    allow_config_rewrite: bool = setting(
+        (bool,), False,
+        "`true`: a `config_file` or `hf_overrides` quantization_config that cannot be honoured as written "
+        "is rewritten from the presets, every change listed by `refit plan`, instead of rejected "
+        "(`ConfigNotHonoured`)")
+    numerics: str = setting(
+        (str,), ElementRule.ENGINE.value,
+        "element rule (see [formats](formats.md#element-rules)): `engine` (the operation order of the "
+        "engine's own quantizers and of the QAT kernels; what the rollout computes) or "
+        "`compressed-tensors` (byte-compatible with llm-compressor checkpoints); applies to weights and "
+        "activations",
+        choices=tuple(r.value for r in ElementRule))
+    scale_rule: str | None = setting(
+        (str, NoneType), None,
+        "MX shared-exponent rule for both MX formats: `rceil` or `even`; null = the element rule's choice "
+        "(`engine`: MXFP8 `rceil`, MXFP4 `even`, as vLLM's quantizers; `compressed-tensors`: `even`)",
+        choices=(None, *(r.value for r in MxScaleRule)))
 
 
 @attrs.frozen(kw_only=True)
 class VllmEngineConfig:
     """rollout.engine_kwargs.vllm: the vLLM engine's arguments and rl-refit's settings for it."""
 
-    hf_overrides: Mapping[str, Any] | None = _key("rollout.engine_kwargs.vllm.hf_overrides")
-    use_deep_gemm: bool | None = _key("rollout.engine_kwargs.vllm.use_deep_gemm")
-    kv_cache_dtype: str = _key("rollout.engine_kwargs.vllm.kv_cache_dtype")
-    engine_args: Mapping[str, Any] = _key("rollout.engine_kwargs.vllm.engine_args")
-    environment: Mapping[str, Any] = _key("rollout.engine_kwargs.vllm.environment")
-    python: str | None = _key("rollout.engine_kwargs.vllm.python")
-    start_timeout_s: float = _key("rollout.engine_kwargs.vllm.start_timeout_s")
-    transport: str = _key("rollout.engine_kwargs.vllm.transport")
-    cpu_emulation: str = _key("rollout.engine_kwargs.vllm.cpu_emulation")
-    url: str | None = _key("rollout.engine_kwargs.vllm.url")
-    urls: tuple[str, ...] = _key("rollout.engine_kwargs.vllm.urls")
-    api_key: str | None = _key("rollout.engine_kwargs.vllm.api_key")
-    pause_mode: str = _key("rollout.engine_kwargs.vllm.pause_mode")
-    reset_running_requests: bool = _key("rollout.engine_kwargs.vllm.reset_running_requests")
+    hf_overrides: Mapping[str, Any] | None = setting(
+        (dict, str, NoneType), None,
+        "vLLM `hf_overrides`; its `quantization_config` wins over the checkpoint's; an explicit null "
+        "means BF16",
+        check=_hf_overrides, free=True)
+    use_deep_gemm: bool | None = setting(
+        (bool, NoneType), None,
+        "`false` restores vLLM's automatic kernel selection (no DeepGEMM requests); null = the backend "
+        "policy")
+    kv_cache_dtype: str = setting(
+        (str,), "auto",
+        "vLLM's `kv_cache_dtype`: auto, fp8, fp8_e4m3, fp8_e5m2",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
+    engine_args: Mapping[str, Any] = setting(
+        (dict,), {},
+        "other `vllm.LLM` arguments, passed as given (`model`, `dtype`, `max_model_len`, `enforce_eager`, "
+        "`tensor_parallel_size`, ...); the extension, the load format and what the plan decides are set "
+        "by rl-refit",
+        free=True)
+    environment: Mapping[str, Any] = setting(
+        (dict,), {},
+        "environment variables the vLLM engine starts with (e.g. `VLLM_CPU_KVCACHE_SPACE`); rl-refit sets "
+        "`VLLM_ENABLE_V1_MULTIPROCESSING` for the shape and sends vLLM's logs to stderr",
+        free=True)
+    python: str | None = setting(
+        (str, NoneType), None,
+        "disaggregated: the Python that runs the vLLM server (vLLM and rl-refit installed in it), and "
+        "every cold start; null = `$RL_REFIT_VLLM_PYTHON`, else `.venv-vllm/bin/python` in the working "
+        "directory or beside the rl-refit checkout, else this Python; one that is set must exist and be "
+        "executable (a name on `PATH` is fine)")
+    start_timeout_s: float = setting(
+        (int, float), 120,
+        "disaggregated: seconds the vLLM server may take to start, until `/health` answers (positive and "
+        "finite; a line on stderr every 30 s says it is still waiting); past it the server and its engine "
+        "processes are killed and `EngineProcessError` names the log; each request to a vLLM server, "
+        "attached or disaggregated, may take up to this plus 600 s",
+        check=_positive_seconds)
+    transport: str = setting(
+        (str,), "shm",
+        "disaggregated and attached vLLM: how each refit's buckets reach the engine's workers: `shm`, a "
+        "ring of anonymous shared memory that the trainer writes and every worker copies out of (the "
+        "server's workers on the trainer's host, in its network namespace); `gloo`, a process group over "
+        "TCP on 127.0.0.1; `nccl`, GPU to GPU over NCCL; `cuda_ipc`, a double buffer on the trainer's GPU "
+        "that the workers on its host map once; `auto`, by where the tensors and the workers live "
+        "([engines](engines.md#transports))",
+        choices=VLLM_TRANSPORTS)
+    cpu_emulation: str = setting(
+        (str, bool), "auto",
+        "vLLM's CPU platform only: emulate the matmul of the formats this CPU has no vLLM kernel for "
+        "(`auto`), of every format (`on`), or of none (`off`); weights, loading and the layerwise reload "
+        "stay vLLM's ([engines](engines.md#every-format-on-any-x86-cpu-emulated-matmuls))",
+        check=_emulation_mode)
+    url: str | None = setting(
+        (str, NoneType), None,
+        "attached: the vLLM server's base URL (`http://HOST:PORT`), started with dev mode and "
+        "`--weight-transfer-config '{\"backend\": \"rl_refit\"}'` ([attach](attach.md)); rl-refit starts "
+        "nothing and never stops it",
+        check=_url)
+    urls: tuple[str, ...] = setting(
+        (list, tuple), (),
+        "attached: one URL per replica, refitted together, all or nothing (instead of `url`)",
+        check=_urls)
+    api_key: str | None = setting(
+        (str, NoneType), None,
+        "attached: the server's `--api-key`, when it has one")
+    pause_mode: str = setting(
+        (str,), "keep",
+        "a vLLM server (attached or disaggregated): how generation pauses around a refit: in-flight "
+        "requests freeze and continue after it (`keep`), are dropped (`abort`), or finish first (`wait`)",
+        choices=("keep", "abort", "wait"))
+    reset_running_requests: bool = setting(
+        (bool,), False,
+        "a vLLM server (attached or disaggregated): also drop the KV of requests in flight when the refit "
+        "ends, so their continuation is computed with the new weights (on-policy)")
 
 
 @attrs.frozen(kw_only=True)
 class SglangEngineConfig:
     """rollout.engine_kwargs.sglang: the SGLang engine's settings."""
 
-    hf_overrides: Mapping[str, Any] | None = _key("rollout.engine_kwargs.sglang.hf_overrides")
-    use_deep_gemm: bool | None = _key("rollout.engine_kwargs.sglang.use_deep_gemm")
-    kv_cache_dtype: str = _key("rollout.engine_kwargs.sglang.kv_cache_dtype")
-    url: str | None = _key("rollout.engine_kwargs.sglang.url")
-    api_key: str | None = _key("rollout.engine_kwargs.sglang.api_key")
-    pause_mode: str = _key("rollout.engine_kwargs.sglang.pause_mode")
+    hf_overrides: Mapping[str, Any] | None = setting(
+        (dict, str, NoneType), None,
+        "the same for SGLang",
+        check=_hf_overrides, free=True)
+    use_deep_gemm: bool | None = setting(
+        (bool, NoneType), None,
+        "the same for SGLang")
+    kv_cache_dtype: str = setting(
+        (str,), "auto",
+        "SGLang's `kv_cache_dtype`: auto, fp8_e4m3, fp8_e5m2",
+        choices=("auto", "fp8_e4m3", "fp8_e5m2"))
+    url: str | None = setting(
+        (str, NoneType), None,
+        "attached: the SGLang server's base URL (`http://HOST:PORT`), started with "
+        "`--custom-weight-loader adapters.sglang.loader.load` on this host "
+        "([attach](attach.md#8-sglang)); rl-refit starts nothing and never stops it",
+        check=_url)
+    api_key: str | None = setting(
+        (str, NoneType), None,
+        "attached: the server's `--api-key` or `--admin-api-key`, when it has one")
+    pause_mode: str = setting(
+        (str,), "retract",
+        "attached: SGLang's pause mode around a refit: in-flight requests go back to the queue and "
+        "continue after it, their KV recomputed with the new weights (`retract`), freeze on their old KV "
+        "(`in_place`; SGLang then refuses to flush the cache while they run), or are dropped (`abort`)",
+        choices=("retract", "in_place", "abort"))
 
 
 @attrs.frozen(kw_only=True)
@@ -97,27 +232,67 @@ class EngineKwargsConfig:
 class VerifyConfig:
     """rollout.verify: the post-refit probe."""
 
-    enabled: bool = _key("rollout.verify.enabled")
-    max_abs_logp_diff: float | None = _key("rollout.verify.max_abs_logp_diff")
-    batch: int = _key("rollout.verify.batch")
-    seq_len: int = _key("rollout.verify.seq_len")
+    enabled: bool = setting(
+        (bool,), False,
+        "after each refit, compare the engine's log-probs on a small fixed batch with the trainer's "
+        "([post-refit verification](verification.md)); beyond the bound the refit fails with "
+        "`ProbeMismatch` and the engine is stale")
+    max_abs_logp_diff: float | None = setting(
+        (int, float, NoneType), None,
+        "the probe's bound on max \\|Δlog p\\| (0 or more); null = the plan's per-format bound ([the "
+        "bounds](verification.md#bounds))",
+        check=_optional_non_negative)
+    batch: int = setting(
+        (int,), 2,
+        "sequences in the probe batch (1 or more)",
+        check=_at_least(1))
+    seq_len: int = setting(
+        (int,), 16,
+        "tokens per probe sequence (2 or more)",
+        check=_at_least(2))
 
 
 @attrs.frozen(kw_only=True)
 class DeltaConfig:
     """rollout.checkpoint_engine.delta: delta refits (backend layout_delta)."""
 
-    full_every: int = _key("rollout.checkpoint_engine.delta.full_every")
-    max_host_bytes: int | None = _key("rollout.checkpoint_engine.delta.max_host_bytes")
+    full_every: int = setting(
+        (int,), 10,
+        "`layout_delta`: a full refit at least every this many refits (1 = every refit is full); a failed "
+        "refit, a restarted engine or a base copy that differs also send a full one",
+        check=_at_least(1))
+    max_host_bytes: int | None = setting(
+        (int, NoneType), None,
+        "`layout_delta`: cap on each side's host copy of the checkpoint-format tensors, bytes (null = "
+        "unlimited: the quantized model's bytes on each side); tensors past it, in stream order, go whole "
+        "and are not kept",
+        check=_optional_non_negative)
 
 
 @attrs.frozen(kw_only=True)
 class CheckpointEngineConfig:
     """rollout.checkpoint_engine: verl's weight-sync settings."""
 
-    backend: str = _key("rollout.checkpoint_engine.backend")
-    update_weights_bucket_megabytes: float = _key("rollout.checkpoint_engine.update_weights_bucket_megabytes")
-    restore: str | None = _key("rollout.checkpoint_engine.restore")
+    backend: str = setting(
+        (str,), "naive",
+        "weight-sync backend; one of: naive, nccl, gloo, layout_delta, delta_sharded. `layout_delta` "
+        "sends each checkpoint-format tensor as a sparse delta of the rollout's own layout when smaller "
+        "(any format, BF16 included; [refit.md](refit.md#delta-refits)); verl's `delta_sharded` is "
+        "refused for quantized rollouts (dispatch rule [QuantizedFullSync](plan.md#quantizedfullsync))",
+        choices=SYNC_BACKENDS)
+    update_weights_bucket_megabytes: float = setting(
+        (int, float), 512,
+        "size bound of one weight-sync bucket, MiB (at least one byte and at most 1 TiB; fractions "
+        "allowed, e.g. `0.0625` = 64 KiB or `1e-3`)",
+        check=_bucket_mib)
+    restore: str | None = setting(
+        (str, NoneType), None,
+        "what brings an engine back when a refit fails after it lost its weights: `replay` (re-stream the "
+        "previous refit's buckets from a host copy: one quantized copy of the model), `engine` (its own "
+        "backup; transactional engines only, a per-layer engine is refused) or `stale` (it refuses to "
+        "serve until a full refit); null = the one that costs no copy "
+        "([refit.md](refit.md#when-a-refit-fails-restore))",
+        choices=(None, "replay", "engine", "stale"))
     delta: DeltaConfig = attrs.field(factory=DeltaConfig)
 
     @property
@@ -130,37 +305,94 @@ class CheckpointEngineConfig:
 class RolloutConfig:
     """rollout: the engine, its quantization, its weight sync."""
 
-    name: str = _key("rollout.name")
-    commit_mode: str | None = _key("rollout.commit_mode")
+    name: str = setting(
+        (str,), "reference",
+        "rollout engine; one of: vllm, sglang, trtllm, reference (the composition root builds reference, "
+        "vllm and sglang engines)",
+        choices=ENGINES)
+    commit_mode: str | None = setting(
+        (str, NoneType), None,
+        "how the engine commits a refit: `transactional` or `per-layer`; null = the engine's own "
+        "(reference: transactional, vllm: per-layer, sglang: transactional); a value the engine cannot "
+        "honour is an error",
+        check=_commit_mode)
     quantization: QuantizationConfig = attrs.field(factory=QuantizationConfig)
     engine_kwargs: EngineKwargsConfig = attrs.field(factory=EngineKwargsConfig)
-    deployment: str = _key("rollout.deployment")
-    replicas: int = _key("rollout.replicas")
+    deployment: str = setting(
+        (str,), "colocated",
+        "where the engine runs: `colocated` (in the trainer's process, verl's hybrid engine; buckets pass "
+        "by reference) `disaggregated` (a vLLM server, `python -m vllm.entrypoints.openai.api_server`, "
+        "that rl-refit starts on loopback and refits as an attached one; buckets travel through a "
+        "shared-memory ring or a side process group; [the server rl-refit "
+        "starts](engines.md#the-server-rl-refit-starts)) or `attached` (a vLLM or SGLang server you "
+        "started, `rollout.engine_kwargs.vllm.url` or `rollout.engine_kwargs.sglang.url`; "
+        "[attach](attach.md)); SGLang runs `colocated` or `attached`. See [three ways to run "
+        "vLLM](engines.md#three-ways-to-run-vllm)",
+        choices=("colocated", "disaggregated", "attached"))
+    replicas: int = setting(
+        (int,), 1,
+        "engine replicas (data-parallel rollout) that one refit updates, all or nothing: each bucket goes "
+        "to every replica, the refit is live when every replica finalized, and a failure in any leaves "
+        "every replica serving the old weights or none serving. vLLM replicas run `disaggregated`. See "
+        "[your own model](your-model.md#tensor-parallel-engines-and-replicas)",
+        check=_at_least(1))
     verify: VerifyConfig = attrs.field(factory=VerifyConfig)
     checkpoint_engine: CheckpointEngineConfig = attrs.field(factory=CheckpointEngineConfig)
-    wire_format: str = _key("rollout.wire_format")
+    wire_format: str = setting(
+        (str,), "bucketed",
+        "how buckets travel; one of: bucketed, delta_flush",
+        choices=WIRE_FORMATS)
 
 
 @attrs.frozen(kw_only=True)
 class QatConfig:
     """actor.megatron.qat: fake quantization in training."""
 
-    enable: bool = _key("actor.megatron.qat.enable")
-    mode: str | None = _key("actor.megatron.qat.mode")
-    ignore_patterns: tuple[str, ...] = _key("actor.megatron.qat.ignore_patterns")
+    enable: bool = setting(
+        (bool,), False,
+        "QAT fake-quantization in training")
+    mode: str | None = setting(
+        (str, NoneType), None,
+        "the QAT mode: verl's `fp8`, `mxfp8`, `mxfp4`, `mxfp4_mxfp8`, `nvfp4` (also `w4a16`, "
+        "`FP8_BLOCK`); weights and activations must match the rollout (see QAT modes)",
+        check=_qat_mode)
+    ignore_patterns: tuple[str, ...] = setting(
+        (list, tuple, str), (),
+        "modules QAT keeps BF16 (fnmatch, e.g. `*mlp.gate`); the rollout must keep them BF16 too",
+        check=_patterns)
 
 
 @attrs.frozen(kw_only=True)
 class TransformerOverridesConfig:
     """actor.megatron.override_transformer_config: Transformer Engine training recipes."""
 
-    fp8: str | bool | None = _key("actor.megatron.override_transformer_config.fp8")
-    fp8_recipe: str | None = _key("actor.megatron.override_transformer_config.fp8_recipe")
-    fp4: str | bool | None = _key("actor.megatron.override_transformer_config.fp4")
-    fp4_recipe: str | None = _key("actor.megatron.override_transformer_config.fp4_recipe")
-    first_last_layers_bf16: bool = _key("actor.megatron.override_transformer_config.first_last_layers_bf16")
-    num_layers_at_start_in_bf16: int = _key("actor.megatron.override_transformer_config.num_layers_at_start_in_bf16")
-    num_layers_at_end_in_bf16: int = _key("actor.megatron.override_transformer_config.num_layers_at_end_in_bf16")
+    fp8: str | bool | None = setting(
+        (str, bool, NoneType), None,
+        "Transformer Engine FP8 training: e4m3 or hybrid; null/false = off",
+        choices=(None, False, "e4m3", "hybrid"))
+    fp8_recipe: str | None = setting(
+        (str, NoneType), None,
+        "TE FP8 recipe: delayed, tensorwise, blockwise, mxfp8",
+        choices=(None, "delayed", "tensorwise", "blockwise", "mxfp8"))
+    fp4: str | bool | None = setting(
+        (str, bool, NoneType), None,
+        "Transformer Engine FP4 training: e2m1; null/false = off",
+        choices=(None, False, "e2m1"))
+    fp4_recipe: str | None = setting(
+        (str, NoneType), None,
+        "TE FP4 recipe: nvfp4",
+        choices=(None, "nvfp4"))
+    first_last_layers_bf16: bool = setting(
+        (bool,), False,
+        "keep the first/last layers BF16 in FP8/FP4 training")
+    num_layers_at_start_in_bf16: int = setting(
+        (int,), 1,
+        "BF16 layers at the start (with `first_last_layers_bf16`), 0 or more",
+        check=_non_negative)
+    num_layers_at_end_in_bf16: int = setting(
+        (int,), 1,
+        "BF16 layers at the end (with `first_last_layers_bf16`), 0 or more",
+        check=_non_negative)
 
 
 @attrs.frozen(kw_only=True)
@@ -169,27 +401,59 @@ class MegatronConfig:
 
     qat: QatConfig = attrs.field(factory=QatConfig)
     override_transformer_config: TransformerOverridesConfig = attrs.field(factory=TransformerOverridesConfig)
-    tensor_model_parallel_size: int = _key("actor.megatron.tensor_model_parallel_size")
-    pipeline_model_parallel_size: int = _key("actor.megatron.pipeline_model_parallel_size")
-    expert_model_parallel_size: int = _key("actor.megatron.expert_model_parallel_size")
-    expert_tensor_parallel_size: int | None = _key("actor.megatron.expert_tensor_parallel_size")
-    gdn_kernels: str = _key("actor.megatron.gdn_kernels")
+    tensor_model_parallel_size: int = setting(
+        (int,), 1,
+        "the Megatron trainer's tensor-parallel size: the sharded refit's layout "
+        "(`Services.world.refit_world`), checked against Megatron's `parallel_state`",
+        check=_positive)
+    pipeline_model_parallel_size: int = setting(
+        (int,), 1,
+        "its pipeline-parallel size",
+        check=_positive)
+    expert_model_parallel_size: int = setting(
+        (int,), 1,
+        "its expert-parallel size",
+        check=_positive)
+    expert_tensor_parallel_size: int | None = setting(
+        (int, NoneType), None,
+        "its expert tensor-parallel size; null = Megatron's default, the tensor-parallel size (the refit "
+        "exports 1, the tensor-parallel size, or any size with a tensor-parallel size of 1)",
+        check=_positive_or_none)
+    gdn_kernels: str = setting(
+        (str,), "auto",
+        "GatedDeltaNet packed-sequence kernels: auto, reference, fla, causal_conv1d",
+        choices=("auto", "reference", "fla", "causal_conv1d"))
 
 
 @attrs.frozen(kw_only=True)
 class HfTrainerConfig:
     """actor.hf: the Hugging Face trainer."""
 
-    load_model: bool = _key("actor.hf.load_model")
+    load_model: bool = setting(
+        (bool,), False,
+        "with `actor.strategy: hf` and `model.path`: load the checkpoint as a `transformers` model (in "
+        "memory, trainable: what `refit demo vllm --model DIR` perturbs) instead of streaming its files")
 
 
 @attrs.frozen(kw_only=True)
 class LoraConfig:
     """actor.lora: a LoRA adapter on the trainer, and how its refits reach the engine."""
 
-    rank: int = _key("actor.lora.rank")
-    alpha: float | None = _key("actor.lora.alpha")
-    sync: str = _key("actor.lora.sync")
+    rank: int = setting(
+        (int,), 0,
+        "a LoRA adapter of this rank on the embedded trainer (seeded, all seven projections); 0: none. A "
+        "PEFT model brings its own ([LoRA](lora.md))",
+        check=_at_least(0))
+    alpha: float | None = setting(
+        (int, float, NoneType), None,
+        "PEFT's `lora_alpha` (null: 2 × rank); the scaling is alpha / rank",
+        check=_positive_or_none)
+    sync: str = setting(
+        (str,), "merged",
+        "how a LoRA trainer's refits reach the engine: `merged` sends W + (alpha/r)·B·A like any model "
+        "(every format and engine); `adapter` sends the adapter alone each step and the base only when it "
+        "changed, into an engine that serves adapters ([LoRA](lora.md))",
+        choices=("merged", "adapter"))
 
 
 @attrs.frozen(kw_only=True)
@@ -197,8 +461,19 @@ class ActorConfig:
     """actor: the trainer."""
 
     megatron: MegatronConfig = attrs.field(factory=MegatronConfig)
-    fused_forward: str | bool | int | None = _key("actor.fused_forward")
-    strategy: str = _key("actor.strategy")
+    fused_forward: str | bool | int | None = setting(
+        (str, bool, int, NoneType), None,
+        "fused log-prob forward mode (auto, hook, legacy and their aliases); null = auto; any other value "
+        "is a `FusedForwardModeError` when the configuration loads (`refit plan` too)",
+        check=_fused_forward)
+    strategy: str = setting(
+        (str,), "reference",
+        "the trainer adapter the composition root builds (verl's key for the trainer): `reference` (the "
+        "embedded model), `megatron` (a built Megatron model handed to `bootstrap(config, model=...)`) or "
+        "`hf` (a `transformers` model handed to `bootstrap(config, model=...)`, else `model.path` "
+        "streamed from its safetensors files, tensor by tensor); verl's `fsdp` and `fsdp2` are accepted "
+        "in a verl file but have no adapter",
+        choices=("reference", "megatron", "hf", "fsdp", "fsdp2"))
     hf: HfTrainerConfig = attrs.field(factory=HfTrainerConfig)
     lora: LoraConfig = attrs.field(factory=LoraConfig)
 
@@ -207,16 +482,31 @@ class ActorConfig:
 class ModelConfig:
     """model: the Hugging Face checkpoint."""
 
-    path: str | None = _key("model.path")
+    path: str | None = setting(
+        (str, NoneType), None,
+        "Hugging Face checkpoint directory (`--model DIR` sets it). With `actor.strategy: reference` the "
+        "embedded model takes the checkpoint's shapes (a Qwen3 / Qwen3-MoE `config.json`) and weights "
+        "instead of `reference.model`'s; with `actor.strategy: hf` it is the trainer's source ([your own "
+        "model](your-model.md))")
 
 
 @attrs.frozen(kw_only=True)
 class ReferenceConfig:
     """reference: the embedded reference model."""
 
-    model: str = _key("reference.model")
-    seed: int = _key("reference.seed")
-    device: str = _key("reference.device")
+    model: str = setting(
+        (str,), "tiny-moe",
+        "the embedded reference model (trainer and engine): tiny-moe, tiny-dense, micro-moe, micro-dense, "
+        "bench-moe, bench-quick",
+        choices=("tiny-moe", "tiny-dense", "micro-moe", "micro-dense", "bench-moe", "bench-quick"))
+    seed: int = setting(
+        (int,), 0,
+        "seed of the embedded model's random weights")
+    device: str = setting(
+        (str,), "cpu",
+        "where the embedded reference engine's weights live and its forward runs: `cpu`, `cuda` or "
+        "`cuda:N`",
+        check=_torch_device)
 
 
 @attrs.frozen(kw_only=True)
@@ -267,19 +557,14 @@ class RefitConfig:
         return json.loads(json.dumps(tree, default=list))
 
 
-def _section_type(field: attrs.Attribute[Any]) -> type | None:
-    factory = getattr(field.default, "factory", None)  # a section field's default is its class
-    return factory if isinstance(factory, type) and attrs.has(factory) else None
-
-
 def _fields_from(cls: type, prefix: str, values: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in attrs.fields(cls):
-        section = _section_type(field)
+        section = section_of(field)
         if section is not None:
             out[field.name] = section(**_fields_from(section, f"{prefix}{field.name}.", values))
-        elif field.metadata.get("key") in values:
-            out[field.name] = values[field.metadata["key"]]
+        elif "setting" in field.metadata and f"{prefix}{field.name}" in values:
+            out[field.name] = values[f"{prefix}{field.name}"]
     return out
 
 
@@ -287,9 +572,15 @@ def section_keys(cls: type = RefitConfig, prefix: str = "") -> dict[str, str]:
     """{dotted path of each typed field: the schema key its converter checks} (tests compare them)."""
     out: dict[str, str] = {}
     for field in attrs.fields(cls):
-        section = _section_type(field)
+        section = section_of(field)
         if section is not None:
             out.update(section_keys(section, f"{prefix}{field.name}."))
-        elif "key" in field.metadata:
-            out[prefix + field.name] = field.metadata["key"]
+        elif "setting" in field.metadata:
+            key = field.metadata["setting"].key
+            out[prefix + field.name] = key.path if key is not None else ""
     return out
+
+
+# Every key, in the tree's order, each named by its dotted path from here on.
+SCHEMA: tuple[Key, ...] = declare(RefitConfig)
+KEYS: dict[str, Key] = {k.path: k for k in SCHEMA}

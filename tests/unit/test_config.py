@@ -95,6 +95,26 @@ def test_every_key_is_documented() -> None:
     assert not missing, f"docs/configuration.md lacks {missing}"
 
 
+def test_the_keys_table_is_generated_from_the_declarations() -> None:
+    """docs/configuration.md's table of keys is `keys_table(SCHEMA)`, line for line: each key's
+    types, default and meaning come from its one declaration (app.config_sections). To refresh it:
+    `python -c "from app.config_sections import SCHEMA; from app.config_schema import keys_table;
+    print(keys_table(SCHEMA))"`."""
+    from app.config_schema import keys_table
+
+    section = DOCS.read_text().split("\n## Keys\n", 1)[1]
+    table = section[section.index("| key | type | default | meaning |"):].split("\n\n", 1)[0]
+    assert table.splitlines() == keys_table(SCHEMA).splitlines()
+
+
+def test_a_key_is_declared_once_on_its_field() -> None:
+    """SCHEMA is derived from the sections' fields: every key is one field, at its own path."""
+    from app.config_sections import section_keys
+
+    assert section_keys() == {k.path: k.path for k in SCHEMA}
+    assert len(KEYS) == len(SCHEMA)
+
+
 # --- verl's keys and names ------------------------------------------------------------------------
 
 VERL_YAML = Path(__file__).resolve().parents[1] / "data" / "verl_ppo_megatron.yaml"
