@@ -11,8 +11,9 @@ server; then it exits. When the pipe closes between refits, it just exits.
 
 Its keeper mode watches a server the trainer started itself (adapters.vllm.launcher): when the
 pipe closes without the trainer's `release` (the trainer died, whatever killed it), it kills the
-server's process group and removes what was made for it (its private directory, its log), so
-that nothing of it outlives the trainer.
+server's process group and removes what was made for it (its private directory, its log) and the
+shared memory its processes mapped that nothing maps any more, so that nothing of it outlives the
+trainer.
 
 It imports the standard library only, so it starts in a fraction of a second.
 
@@ -131,14 +132,44 @@ def _group_ends(pgid: int, within_s: float) -> bool:
     return False
 
 
+_SHM = "/dev/shm/"
+
+
+def _shm_mapped(maps: str) -> set[str]:
+    return {line.split(_SHM, 1)[1].split()[0] for line in maps.splitlines() if _SHM in line}
+
+
+def _mapped_shm(pgid: int | None = None) -> set[str]:
+    """The files of /dev/shm that live processes map: those of process group `pgid`, or of any
+    process (None). Empty where /proc cannot be read."""
+    out: set[str] = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                if pgid is not None:
+                    with open(f"/proc/{entry.name}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                            continue
+                with open(f"/proc/{entry.name}/maps") as f:
+                    out |= _shm_mapped(f.read())
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
 def keep(pgid: int, paths: list[str]) -> int:
     """Keeper mode: wait for the pipe to close; without the trainer's `release`, stop the server
-    (SIGTERM, then its whole group killed past the grace) and remove the paths."""
+    (SIGTERM, then its whole group killed past the grace), remove the paths, and unlink the shared
+    memory its processes mapped that no process maps any more (what vLLM's shutdown or Python's
+    resource tracker would have released, had they not been killed)."""
     released = False
     for line in sys.stdin:
         released = released or line.strip() == _RELEASE
     if released:
         return 0
+    owned = _mapped_shm(pgid)  # the server's segments, read while its processes still map them
     # SIGTERM first: vLLM shuts its engine core and workers down and releases its shared memory
     # (its workers see the dead trainer's transport close and stop waiting for buckets)
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -153,6 +184,9 @@ def keep(pgid: int, paths: list[str]) -> int:
         else:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+    for name in owned - _mapped_shm():  # what another process still maps is still in use
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(_SHM, name))
     return 0
 
 

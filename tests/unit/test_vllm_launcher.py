@@ -7,6 +7,7 @@ trainer killed with SIGKILL leaves nothing of its server behind (the keeper)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -220,3 +221,47 @@ def test_a_trainer_killed_with_sigkill_leaves_nothing_of_its_server(fake) -> Non
         trainer.kill()
         if trainer.stdout:
             trainer.stdout.close()
+
+
+_MAPS_SHM = r"""
+import mmap, os, sys, time
+maps = []
+for name in sys.argv[1:]:
+    fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    maps.append(mmap.mmap(fd, 4096))
+print("mapped", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.path.isdir("/proc"), reason="needs /dev/shm and /proc")
+def test_the_keeper_unlinks_the_shared_memory_its_dead_servers_group_mapped() -> None:
+    """A server killed before its own shutdown released its shared memory (vLLM's segments,
+    Python's resource tracker killed with it): the keeper unlinks what the group mapped, except
+    what another live process still maps."""
+    import mmap
+    import uuid
+
+    from adapters.vllm.guardian import Guardian
+
+    own, shared = (f"rl-refit-test-{uuid.uuid4().hex[:12]}" for _ in range(2))
+    server = subprocess.Popen([sys.executable, "-c", _MAPS_SHM, own, shared], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "mapped"
+        with open(f"/dev/shm/{shared}", "r+b") as f:  # this process maps it too: still in use
+            in_use = mmap.mmap(f.fileno(), 4096)
+        keeper = Guardian.keep(server.pid, [])
+        assert keeper.pipe is not None
+        keeper.pipe.close()  # the trainer is gone, without `release`
+        assert keeper.proc.wait(timeout=120) == 0
+        server.wait(timeout=30)
+        assert not os.path.exists(f"/dev/shm/{own}"), "the dead server's segment was left in /dev/shm"
+        assert os.path.exists(f"/dev/shm/{shared}"), "a segment another process maps was unlinked"
+        in_use.close()
+    finally:
+        server.kill()
+        for name in (own, shared):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
