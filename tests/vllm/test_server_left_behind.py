@@ -1,9 +1,10 @@
-"""A trainer killed with SIGKILL in the middle of its first refit into the vLLM server it started
-(rollout.deployment=disaggregated) leaves nothing behind: no process of the server, nothing in the
-trainer's temporary directory (the server's private directory, its log, its IPC sockets), and none
-of the shared memory in /dev/shm its processes mapped (the ring is anonymous; vLLM's own segments
-are released by the server's shutdown, which the keeper asks for). The trainer runs in the
-project's `.venv`, the server in this environment, as `refit demo vllm` runs them."""
+"""A trainer killed with SIGKILL at each named point of its first refit into the vLLM server it
+started (rollout.deployment=disaggregated: begin, the stream, finalize) leaves nothing behind: no
+process of the server, nothing in the trainer's temporary directory (the server's private
+directory, its log, its IPC sockets), and none of the shared memory in /dev/shm its processes
+mapped (the ring is anonymous; vLLM releases its own segments in the shutdown the keeper asks for,
+and the keeper unlinks what a killed shutdown left). The trainer runs in the project's `.venv`,
+the server in this environment, as `refit demo vllm` runs them."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), whi
 
 from tests.vllm.test_real_engine import MAIN_PYTHON, ROOT
 
-# The trainer: starts the server, then kills itself in the middle of the first refit's stream (the
-# server's workers waiting for the next bucket).
+# The trainer: starts the server, then kills itself with SIGKILL at a named point of its first
+# refit: `begin` (the server paused and its workers set up for the update, no bucket sent yet),
+# `stream` (its 12th exported tensor: the stream open, the workers waiting for the next bucket) or
+# `finalize` (every bucket sent, the update not finished).
 TRAINER = r"""
 import json, os, signal, sys
 from app.bootstrap import bootstrap
@@ -30,6 +33,7 @@ from app.services.demo_config import engine_config, with_vllm
 from app.services.engine_demo import EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
 
+point = sys.argv[1]
 settings = EngineDemoSettings(deployment="disaggregated", plan=QuantizationPlan.from_presets(None, None),
                               model="micro-dense")
 services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900))
@@ -37,23 +41,30 @@ engine = services.rollout_engine()
 server = engine.workers.control.server
 print(json.dumps({"server": server.proc.pid, "keeper": server.keeper.proc.pid}), flush=True)
 
-class KilledMidway:
-    # the trainer, killed with SIGKILL as it exports its 12th tensor (the stream open)
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
 
-    def __init__(self, inner):
-        self.inner = inner
+class Killed:
+    # the trainer, killed as it exports its Nth tensor
+
+    def __init__(self, inner, at):
+        self.inner, self.at = inner, at
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def named_weights(self):
         for i, item in enumerate(self.inner.named_weights()):
-            if i == 12:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if i == self.at:
+                die()
             yield item
 
-svc = services.refit_service(engine=engine, trainer=KilledMidway(services.trainer_model()))
-svc.refit()
+trainer = services.trainer_model()
+if point == "finalize":
+    engine.finalize_refit = die
+else:
+    trainer = Killed(trainer, {"begin": 0, "stream": 12}[point])
+services.refit_service(engine=engine, trainer=trainer).refit()
 """
 
 
@@ -84,7 +95,8 @@ def _group_maps(pgid: int) -> set[str]:
 
 
 @pytest.mark.slow
-def test_a_trainer_killed_mid_refit_leaves_nothing_of_its_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("point", ["begin", "stream", "finalize"])
+def test_a_trainer_killed_mid_refit_leaves_nothing_of_its_server(tmp_path: Path, point: str) -> None:
     if not MAIN_PYTHON.exists():
         pytest.skip(f"{MAIN_PYTHON} is missing: the trainer runs in the project's .venv (`make setup`)")
     tmp = tmp_path / "tmp"
@@ -92,8 +104,8 @@ def test_a_trainer_killed_mid_refit_leaves_nothing_of_its_server(tmp_path: Path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(TMPDIR=str(tmp), RL_REFIT_VLLM_PYTHON=sys.executable, VLLM_CPU_KVCACHE_SPACE="1")
     with open(tmp_path / "trainer.err", "w+") as err:
-        trainer = subprocess.Popen([str(MAIN_PYTHON), "-c", TRAINER], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                   stderr=err, text=True)
+        trainer = subprocess.Popen([str(MAIN_PYTHON), "-c", TRAINER, point], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             assert trainer.stdout is not None
             line = " "  # the pids' line, printed once the server serves; "" if the trainer died first
