@@ -230,7 +230,8 @@ def test_bf16_moe_refits_are_right_and_vllms_reload_alone_is_not(cold_cache: Pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("deployment", "fixture", "moe"), [
-    ("colocated", "tiny-qwen3", "FP8_BLOCK"), ("disaggregated", "tiny-qwen3", "FP8_BLOCK"),
+    pytest.param("colocated", "tiny-qwen3", "FP8_BLOCK", marks=pytest.mark.heavy),  # the server's twin in make test
+    ("disaggregated", "tiny-qwen3", "FP8_BLOCK"),
     pytest.param("colocated", "tiny-qwen3-moe", "BF16", marks=pytest.mark.heavy),
 ])
 def test_your_own_tied_checkpoint_refits_and_equals_a_cold_start(cold_cache: Path, tmp_path: Path, deployment: str,
@@ -267,9 +268,9 @@ DELTA_CASES = [  # `make test`: the server's FP8_BLOCK and the colocated NVFP4 e
 # plan's quantization and a normal refit; each refit must equal a cold start of the merged export.
 LORA_MERGED_CASES = [  # the merged export is an ordinary refit: the server's path is the matrix's
     pytest.param("colocated", "BF16-dense", id="colocated-BF16-dense", marks=pytest.mark.heavy),
-    pytest.param("colocated", "FP8_BLOCK-dense", id="colocated-FP8_BLOCK-dense"),
+    pytest.param("colocated", "FP8_BLOCK-dense", id="colocated-FP8_BLOCK-dense", marks=pytest.mark.heavy),
     pytest.param("colocated", "MXFP8-dense", id="colocated-MXFP8-dense", marks=pytest.mark.heavy),
-]
+]  # all in `make bench`: a merged export is refitted as any model is (the matrix's cells in make test)
 
 
 @pytest.mark.slow
