@@ -344,16 +344,23 @@ def attach_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost
                   guard=lambda token: Guardian.start(url, token, section.api_key))
 
 
+def cold_start_arguments(section: VllmSettings, start: EngineStart, host: VllmHost,
+                         directory: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The engine arguments and the vLLM environment (over the host's) of a cold start from a
+    checkpoint directory: the configuration's, reading the weights from `directory`."""
+    base = {**_base(section, start), "model": str(directory)}
+    base.pop("load_format", None)
+    kwargs = vllm_engine_kwargs(start.quantization_config, start.decision, kv_cache_dtype=section.kv_cache_dtype,
+                                base=base)
+    return kwargs, _environment(section, start, host, colocated=False, workers=engine_workers(kwargs))
+
+
 def vllm_cold_start(section: VllmSettings, start: EngineStart, host: VllmHost, directory: str) -> ColdServer:
     """A vLLM server started from a checkpoint directory (a process of its own, whatever the
     deployment), with the configuration's engine arguments: what a refit is compared with."""
     from adapters.vllm.launcher import ColdServer, start_owned
 
-    base = {**_base(section, start), "model": str(directory)}
-    base.pop("load_format", None)
-    kwargs = vllm_engine_kwargs(start.quantization_config, start.decision, kv_cache_dtype=section.kv_cache_dtype,
-                                base=base)
-    env = {**host.environ, **_environment(section, start, host, colocated=False, workers=engine_workers(kwargs))}
-    control = start_owned(host.python(), kwargs, env=env, start_timeout_s=float(section.start_timeout_s),
-                          transfer=False)
+    kwargs, env = cold_start_arguments(section, start, host, directory)
+    control = start_owned(host.python(), kwargs, env={**host.environ, **env},
+                          start_timeout_s=float(section.start_timeout_s), transfer=False)
     return ColdServer(control, Path(directory))

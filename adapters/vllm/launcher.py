@@ -399,6 +399,17 @@ def start_owned(python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[s
     return control
 
 
+def checkpoint_placeholders(directory: Path, names: Any) -> frozenset[str]:
+    """Of `names`, the parameters of an activation-scale kind the checkpoint in `directory` has no
+    tensor of: vLLM creates them for the scheme and a weight-only checkpoint leaves them at their
+    load-time values."""
+    from adapters.hf_checkpoint.reader import HfCheckpoint
+    from adapters.vllm.worker import activation_scale_kind
+
+    carried = {activation_scale_kind(name) for name, _ in HfCheckpoint(directory).tensor_shapes()}
+    return frozenset(n for n in names if (kind := activation_scale_kind(n)) is not None and kind not in carried)
+
+
 @attrs.define
 class ColdServer(WorkerQueries):
     """A server started from a checkpoint directory and queried as it loaded it (no refit): the
@@ -409,13 +420,9 @@ class ColdServer(WorkerQueries):
     directory: Path
 
     def placeholders(self, names: Any) -> frozenset[str]:
-        """The parameters of an activation-scale kind the checkpoint has no tensor of: vLLM creates
-        them for the scheme and a weight-only checkpoint leaves them at their load-time values."""
-        from adapters.hf_checkpoint.reader import HfCheckpoint
-        from adapters.vllm.worker import activation_scale_kind
-
-        carried = {activation_scale_kind(name) for name, _ in HfCheckpoint(self.directory).tensor_shapes()}
-        return frozenset(n for n in names if (kind := activation_scale_kind(n)) is not None and kind not in carried)
+        """The parameters of an activation-scale kind the checkpoint has no tensor of
+        (checkpoint_placeholders)."""
+        return checkpoint_placeholders(self.directory, names)
 
     def call_all(self, request: Request[R]) -> list[R]:
         return replies_of(request, self.control.collective_rpc(request.METHOD, request.to_plain()))

@@ -40,6 +40,7 @@ from app.services.refit import RefitService
 from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
 from domain.errors import RefitError, RefitFailed
 from domain.quant.plan import QuantizationPlan
+from tests.vllm.cold_host import with_cold_host
 from tests.vllm.extensions import Corrupt, CorruptDeltaCopy, DisableRedo, FailReceiver, PoisonKv
 
 EXTENSION = "tests.vllm.extensions.TestExtension"
@@ -99,7 +100,7 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
         trainer = LoraTrainer.from_seed(trainer, r=spec["lora"], seed=1)
     svc = services.refit_service(engine=engine, trainer=trainer)
     cache = Path(spec["cold_cache"]) if spec.get("cold_cache") else None
-    comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, workdir, cache)
+    comparer = ColdStartComparer(with_cold_host(services), trainer.config.vocab_size, settings, workdir, cache)
     replicas: list[Any] = list(getattr(engine, "replicas", [engine]))
     # ExtensionWorkers (colocated) or AttachedWorkers (the server rl-refit started): both answer protocol requests
     workers: WorkerRpc = replicas[0].workers

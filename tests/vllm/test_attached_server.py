@@ -24,6 +24,7 @@ import attrs
 import pytest
 import torch
 
+from tests.vllm.cold_host import with_cold_host
 from tests.vllm.servers import ROOT, StreamingClient, server_environment, vllm_server
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
@@ -105,7 +106,7 @@ def test_a_users_bf16_server_refits_while_a_client_streams(bf16: Started, cold_c
 
     services, engine, svc = _attach(bf16)
     trainer = bf16.trainer
-    comparer = ColdStartComparer(services, trainer.config.vocab_size, bf16.settings, tmp_path, cold_cache)
+    comparer = ColdStartComparer(with_cold_host(services), trainer.config.vocab_size, bf16.settings, tmp_path, cold_cache)
     control = HttpControl(bf16.server.url)
     assert comparer.refuses(engine) is False  # started from a checkpoint: it serves before any refit
     client = StreamingClient(bf16.server.url, control.served_model(), [3, 14, 15, 92, 65, 35]).start()
@@ -253,8 +254,8 @@ def test_a_users_fp8_block_server_refits_while_a_client_streams(tmp_path_factory
                                                                 cold_cache: Path, tmp_path: Path) -> None:
     with _start(tmp_path_factory, "FP8_BLOCK") as started:
         services, engine, svc = _attach(started)
-        comparer = ColdStartComparer(services, started.trainer.config.vocab_size, started.settings, tmp_path,
-                                     cold_cache)
+        comparer = ColdStartComparer(with_cold_host(services), started.trainer.config.vocab_size, started.settings,
+                                     tmp_path, cold_cache)
         from adapters.vllm.controls import HttpControl
 
         client = StreamingClient(started.server.url, HttpControl(started.server.url).served_model(),
@@ -304,6 +305,7 @@ from app.bootstrap import bootstrap
 from app.services.demo_config import engine_config, with_vllm
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
+from tests.vllm.cold_host import with_cold_host
 
 ENGINE_ARGS = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
                    worker_extension_cls="adapters.vllm.extension.RefitWorkerExtension",
@@ -377,7 +379,7 @@ def main():
     trainer = services.trainer_model()
     engine = attach(control, Expected(), bucket_bytes=services.bucket_bytes, settings={})
     svc = services.refit_service(engine=engine, trainer=trainer)
-    comparer = ColdStartComparer(services, trainer.config.vocab_size, settings, work, cache)
+    comparer = ColdStartComparer(with_cold_host(services), trainer.config.vocab_size, settings, work, cache)
     trainer.perturb_(1, 0.02)
     record = comparer.compare(engine, trainer, svc.refit(), 1)
     version = control.weight_version()

@@ -1,0 +1,200 @@
+"""Cold starts for the real-engine tests, each a fresh in-process `vllm.LLM` in a process forked from
+one that has already imported vLLM: `python -m tests.vllm.cold_host ADDRESS` serves them.
+
+A refit is compared with a cold start of the same export (app.services.engine_demo.ColdStartComparer).
+`refit demo vllm` starts that cold start as a vLLM server (adapters.vllm.launcher.ColdServer): three
+processes (the API server, the engine core, the worker), each importing vLLM, about 45 s of CPU on
+this machine before the first weight loads. Here each cold start is one process forked from a host
+that imported vLLM once: it sets the engine's environment, builds `vllm.LLM` from the export with the
+same engine arguments (vLLM's own loader reading the export from disk, multiprocessing off as a
+colocated engine runs), answers the comparer's queries and exits. Nothing of one cold start survives
+into the next: each is a process of its own.
+
+The session fixture `cold_cache` (tests/vllm/conftest.py) starts one host per xdist worker and sets
+`COLD_HOST_ENV` to its address, which scenario processes inherit; `with_cold_host(services)` routes
+a comparer's cold starts there when it is set. An engine of several workers (tensor parallel) is
+started as a server, as before: an in-process engine has one.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+COLD_HOST_ENV = "RL_REFIT_TEST_COLD_HOST"
+AUTHKEY = b"rl-refit-cold-host"
+
+
+class ColdHostError(RuntimeError):
+    """The forked cold start failed: its error and traceback, as the child printed them."""
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    """Tensors by value (plain pickle): Connection.send's pickler would share their storage by file
+    descriptor, which the peer cannot fetch without this process's multiprocessing authkey."""
+    conn.send_bytes(pickle.dumps(obj))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())  # noqa: S301 - a socket of this test session's own processes
+
+
+# --- the client side (any environment with the project: the trainer's .venv or .venv-vllm) ---------
+
+
+@attrs.define
+class ForkedColdStart:
+    """One cold start: a forked child holding the engine, queried over a connection
+    (ports.engine_inspection's digests, log_probs, greedy; placeholders as ColdServer reads them)."""
+
+    conn: Connection
+    directory: Path
+
+    def _ask(self, op: str, *args: Any) -> Any:
+        _send(self.conn, (op, args))
+        status, value = _recv(self.conn)
+        if status != "ok":
+            raise ColdHostError(value)
+        return value
+
+    def digests(self) -> dict[str, str]:
+        return self._ask("digests")  # type: ignore[no-any-return]
+
+    def log_probs(self, input_ids: Any) -> Any:
+        return self._ask("log_probs", input_ids)
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return self._ask("greedy", prompts, max_tokens)  # type: ignore[no-any-return]
+
+    def placeholders(self, names: Any) -> frozenset[str]:
+        from adapters.vllm.launcher import checkpoint_placeholders
+
+        return checkpoint_placeholders(self.directory, names)
+
+    def close(self) -> None:
+        try:
+            _send(self.conn, ("close", ()))
+            _recv(self.conn)
+        except (EOFError, OSError):
+            pass
+        finally:
+            self.conn.close()
+
+
+@attrs.define
+class ForkedColdStarts:
+    """`services.engines` with cold starts from the host at `address`; the engine's other calls
+    (and a cold start of several workers) go to `engines`."""
+
+    engines: Any
+    address: str
+
+    def cold_start(self, directory: str | Path) -> Any:
+        from adapters.vllm.factory import cold_start_arguments, engine_workers
+
+        engines = self.engines
+        kwargs, env = cold_start_arguments(engines.config.rollout.engine_kwargs.vllm, engines.engine_start("vllm"),
+                                           engines.vllm_host(), str(directory))
+        if engine_workers(kwargs) > 1:
+            return engines.cold_start(directory)
+        conn = Client(self.address, family="AF_UNIX", authkey=AUTHKEY)
+        _send(conn, {"kwargs": kwargs, "env": {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
+        status, value = _recv(conn)
+        if status != "ok":
+            conn.close()
+            raise ColdHostError(value)
+        return ForkedColdStart(conn, Path(directory))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engines, name)
+
+
+@attrs.define
+class _ColdHostServices:
+    services: Any
+    engines: ForkedColdStarts
+
+    @property
+    def embedded(self) -> Any:
+        return self.services.embedded
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.services, name)
+
+
+def with_cold_host(services: Any) -> Any:
+    """`services` whose cold starts are forked from the host named by COLD_HOST_ENV (unchanged
+    when it is unset: a server per cold start)."""
+    address = os.environ.get(COLD_HOST_ENV)
+    if not address:
+        return services
+    return _ColdHostServices(services, ForkedColdStarts(services.engines, address))
+
+
+# --- the host (.venv-vllm) ----------------------------------------------------------------------------
+
+
+def _serve_one(conn: Connection) -> None:
+    """In the forked child: start the engine the request names, answer queries until `close`."""
+    try:
+        request = _recv(conn)
+        os.environ.update(request["env"])
+        from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
+
+        workers = ExtensionWorkers.launch(**request["kwargs"])
+        answers = {"digests": workers.digests, "log_probs": lambda ids: LlmLogProbs(workers.llm)(ids)[0],
+                   "greedy": LlmGreedy(workers.llm)}
+        _send(conn, ("ok", None))
+        while True:
+            op, args = _recv(conn)
+            if op == "close":
+                _send(conn, ("ok", None))
+                return
+            _send(conn, ("ok", answers[op](*args)))
+    except EOFError:
+        return
+    except BaseException as err:  # noqa: BLE001 - the client raises it, with the child's traceback
+        try:
+            _send(conn, ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
+
+
+def serve(address: str) -> None:
+    """Import what a cold start needs once, then fork a child per connection."""
+    import vllm  # noqa: F401 - imported before the forks: what every cold start would import
+    import vllm.v1.engine.llm_engine  # noqa: F401
+
+    import adapters.vllm.client  # noqa: F401
+    import adapters.vllm.extension  # noqa: F401
+    import tests.vllm.extensions  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reaped as they exit
+    listener = Listener(address, family="AF_UNIX", authkey=AUTHKEY)
+    print(f"cold host ready at {address}", file=sys.stderr, flush=True)
+    while True:
+        conn = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            code = 0
+            try:
+                _serve_one(conn)
+            except BaseException:  # noqa: BLE001
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # nothing of the host's exit handlers runs in a child
+        conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,51 @@
+"""The cold starts the real-engine tests compare refits with (tests.vllm.cold_host: one process
+forked per cold start, vLLM in it) serve what `refit demo vllm`'s cold start, a vLLM server of the
+same export, serves: every parameter's bytes, the prompt log-probs and the greedy tokens, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
+
+from app.bootstrap import bootstrap  # noqa: E402
+from app.services.demo_config import engine_config, with_vllm  # noqa: E402
+from app.services.engine_demo import EngineDemoSettings  # noqa: E402
+from domain.quant.plan import QuantizationPlan  # noqa: E402
+from tests.vllm.cold_host import ForkedColdStart, with_cold_host  # noqa: E402
+from tests.vllm.scenarios import EXTENSION  # noqa: E402
+
+
+def _served(cold: object, ids: torch.Tensor, prompts: list[list[int]]) -> dict[str, object]:
+    try:
+        digests = cold.digests()  # type: ignore[attr-defined]
+        return {"digests": digests, "log_probs": cold.log_probs(ids), "tokens": cold.greedy(prompts, 4),  # type: ignore[attr-defined]
+                "placeholders": cold.placeholders(digests)}  # type: ignore[attr-defined]
+    finally:
+        cold.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_a_forked_cold_start_serves_what_a_cold_server_serves(cold_host: str, tmp_path: Path) -> None:
+    """ModelOpt's per-token NVFP4 experts on micro-moe: a quantization_config passed as an engine
+    argument, the CPU emulation kernels, and activation scales the export carries none of."""
+    plan = QuantizationPlan.from_presets(None, "NVFP4")
+    settings = EngineDemoSettings(deployment="colocated", plan=plan, model="micro-moe")
+    services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900, worker_extension_cls=EXTENSION))
+    trainer = services.trainer_model()
+    services.embedded.export_trainer(trainer, tmp_path / "export")
+    ids = torch.randint(0, trainer.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    prompts = [row[:6] for row in ids.tolist()]
+
+    forked_start = with_cold_host(services).engines.cold_start(tmp_path / "export")
+    assert isinstance(forked_start, ForkedColdStart)  # not a server: the host answered
+    forked = _served(forked_start, ids, prompts)
+    server = _served(services.engines.cold_start(tmp_path / "export"), ids, prompts)
+
+    assert forked["digests"] == server["digests"] and len(server["digests"]) > 0  # type: ignore[arg-type]
+    assert torch.equal(forked["log_probs"], server["log_probs"])  # type: ignore[arg-type]
+    assert forked["tokens"] == server["tokens"]
+    assert forked["placeholders"] == server["placeholders"] and server["placeholders"]
