@@ -18,6 +18,7 @@ started as a server, as before: an in-process engine has one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -44,7 +45,7 @@ def _send(conn: Connection, obj: Any) -> None:
 
 
 def _recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())  # noqa: S301 - a socket of this test session's own processes
+    return pickle.loads(conn.recv_bytes())
 
 
 # --- the client side (any environment with the project: the trainer's .venv or .venv-vllm) ---------
@@ -161,19 +162,17 @@ def _serve_one(conn: Connection) -> None:
             _send(conn, ("ok", answers[op](*args)))
     except EOFError:
         return
-    except BaseException as err:  # noqa: BLE001 - the client raises it, with the child's traceback
-        try:
+    except BaseException as err:
+        with contextlib.suppress(OSError):
             _send(conn, ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-        except OSError:
-            pass
 
 
 def serve(address: str) -> None:
     """Import what a cold start needs once, then fork a child per connection."""
-    import vllm  # noqa: F401 - imported before the forks: what every cold start would import
+    import vllm  # imported before the forks: what every cold start would import
     import vllm.v1.engine.llm_engine  # noqa: F401
 
-    import adapters.vllm.client  # noqa: F401
+    import adapters.vllm.client
     import adapters.vllm.extension  # noqa: F401
     import tests.vllm.extensions  # noqa: F401
 
@@ -187,7 +186,7 @@ def serve(address: str) -> None:
             code = 0
             try:
                 _serve_one(conn)
-            except BaseException:  # noqa: BLE001
+            except BaseException:
                 code = 1
             finally:
                 sys.stdout.flush()

@@ -11,12 +11,12 @@ import torch
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
-from app.bootstrap import bootstrap  # noqa: E402
-from app.services.demo_config import engine_config, with_vllm  # noqa: E402
-from app.services.engine_demo import EngineDemoSettings  # noqa: E402
-from domain.quant.plan import QuantizationPlan  # noqa: E402
-from tests.vllm.cold_host import ForkedColdStart, with_cold_host  # noqa: E402
-from tests.vllm.scenarios import EXTENSION  # noqa: E402
+from app.bootstrap import bootstrap
+from app.services.demo_config import engine_config, with_vllm
+from app.services.engine_demo import EngineDemoSettings
+from domain.quant.plan import QuantizationPlan
+from tests.vllm.cold_host import ForkedColdStart, with_cold_host
+from tests.vllm.scenarios import EXTENSION
 
 
 def _served(cold: object, ids: torch.Tensor, prompts: list[list[int]]) -> dict[str, object]:
