@@ -138,6 +138,14 @@ class TorchDistCollectives:
             return failed, []
         return failed or any(bool(g[0]) for g in gather), [g[_STATUS_PAD:].to(piece.device) for g in gather]
 
+    def bound(self, step_timeout_s: float, phase_timeout_s: float) -> None:
+        """Set the waits' bounds for the refits that follow, e.g. tighter ones once a run's first
+        refit (its layout exchange, the first quantization, cold caches) is done. The process
+        groups keep the timeout they were made with, the larger of the first bounds."""
+        self.step_timeout_s, self.phase_timeout_s = step_timeout_s, phase_timeout_s
+        for t in self._transports.values():
+            t.timeout_s = step_timeout_s
+
     def transport(self, source: int, refit_id: int) -> TorchDistTransport:
         t = self._transports.get(source)
         if t is None:

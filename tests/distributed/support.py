@@ -18,6 +18,7 @@ from domain.refit.topology import ParallelLayout, RefitWorld
 MODEL = "micro-moe"
 BUCKET_MB = 1 / 16  # 64 KiB: the micro model's refit takes several buckets
 STEP_SCALE = 0.02
+GENEROUS_S = 120.0  # the bound of every wait no fault is injected into
 HANG_S = 30.0  # an injected hang: 20 times the timeout tests' bounds, so that no load reorders them
 
 
@@ -178,13 +179,16 @@ def hang_rank(rank: int, layout_kwargs: dict[str, int], engines: int, fault: Ran
     from adapters.distributed.collectives import TorchDistCollectives
 
     world = RefitWorld(ParallelLayout(**layout_kwargs), engines)
-    comm = TorchDistCollectives(world, rank, step_timeout_s=step_timeout_s, phase_timeout_s=phase_timeout_s,
+    # the good refit under generous bounds (a loaded machine may take seconds per bucket); the
+    # short bounds from the refit that hangs on
+    comm = TorchDistCollectives(world, rank, step_timeout_s=GENEROUS_S, phase_timeout_s=GENEROUS_S,
                                 bucket_bytes=int(BUCKET_MB * 2**20))
     p = plan("FP8_BLOCK", "NVFP4")
     inner = _engine(p, "transactional") if world.role(rank) == "engine" else None
     full = trainer_at(0) if inner is None else None
     svc = _service(world, rank, comm, p, full, inner, fault)
     svc.refit()
+    comm.bound(step_timeout_s, phase_timeout_s)
     before = digest(dict(inner.live_weights())) if inner is not None else None
     t0 = time.monotonic()
     try:

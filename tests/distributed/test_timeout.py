@@ -1,11 +1,13 @@
 """A hung peer ends in a timeout error naming the rank and the step, never in a hang.
 
-World: one trainer (rank 0) and two engines (ranks 1, 2) over gloo on 127.0.0.1, with short
-bounds (step 1.5 s, phase 2.5 s). After one good refit, a rank hangs (sleeps 30 s,
-support.HANG_S) in the next: its peers must raise CollectiveTimeout (or PeerLost, once a timed-out
-peer has exited) long before the hang ends, and every engine must still hold the previous refit's
-weights and serve them. The verdicts do not depend on the machine's load: the hang is 20 times
-the bounds, and the only time checked is that the peers did not wait it out.
+World: one trainer (rank 0) and two engines (ranks 1, 2) over gloo on 127.0.0.1. One good refit
+runs under generous bounds (support.GENEROUS_S); then the bounds are made short (step 1.5 s, phase
+2.5 s: TorchDistCollectives.bound) and a rank hangs (sleeps 30 s, support.HANG_S) in the next
+refit: its peers must raise CollectiveTimeout (or PeerLost, once a timed-out peer has exited) long
+before the hang ends, and every engine must still hold the previous refit's weights and serve
+them. The verdicts do not depend on the machine's load: nothing but the hung refit runs under the
+short bounds, the hang is 20 times them, and the only time checked is that the peers did not wait
+it out.
 """
 
 from __future__ import annotations
