@@ -315,7 +315,9 @@ def control_of(kind, model):
     if kind == "ray":  # an AsyncLLM held in a Ray actor, its methods exposed (verl's and NeMo-RL's shape)
         import ray
         from adapters.vllm.controls import RayControl
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # Ray runs its workers at niceness 15: on a busy machine the actor's vLLM (imports, engine
+        # core, worker) would get a sliver of the CPU. At 0 it starts as every other engine here.
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config={"worker_niceness": 0})
 
         @ray.remote
         class VllmActor:
