@@ -1,4 +1,4 @@
-"""The engine profiles, by rollout.name: the plain dict the composition root picks from.
+"""The engine profiles, by rollout.name: each plugin's (adapters.plugins), with every engine's rules.
 
 Every engine's dispatch carries the rules every engine adds: a rule reports "n/a" for the engines
 it is not about, so that `refit plan` lists the same rules whatever the engine.
@@ -9,10 +9,7 @@ from __future__ import annotations
 import attrs
 
 from adapters.engine_profile import StaticEngineProfile
-from adapters.reference.profile import REFERENCE
-from adapters.sglang.profile import SGLANG
-from adapters.trtllm.profile import TRTLLM
-from adapters.vllm.profile import VLLM
+from adapters.plugins import PLUGINS
 from domain import environment
 from domain.errors import ConfigError
 from domain.quant import dispatch
@@ -22,7 +19,7 @@ from domain.quant.model_rules import Shapes
 from domain.quant.plan import QuantizationPlan
 from ports.engine_profile import EngineProfile
 
-_OWN: tuple[StaticEngineProfile, ...] = (VLLM, SGLANG, TRTLLM, REFERENCE)
+_OWN: tuple[StaticEngineProfile, ...] = tuple(p.profile for p in PLUGINS.values())
 _ENGINE_RULES = tuple(r for p in _OWN for r in p.dispatch.rules)
 
 

@@ -19,11 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from adapters.engine_plugin import DEPLOYMENTS
+from adapters.plugins import DEMO_ENGINES as DEMO_ENGINES  # for the CLI, which names no adapter
+from adapters.plugins import ENVIRONMENT, PLUGINS, plugin_for
+from adapters.profiles import POLICY_ENGINES as POLICY_ENGINES  # for the CLI
 from adapters.profiles import profile_for
 from app.composition.embedded import EmbeddedWiring
 from app.composition.engines import EngineWiring
 from app.composition.lora import LoraWiring
-from app.composition.tables import ENGINES, TRAINERS, BuildContext, engine_start, with_fault
+from app.composition.tables import TRAINERS, BuildContext, engine_request, engine_start, with_fault
 from app.composition.trainer_side import TrainerWiring
 from app.composition.world import WorldWiring
 from app.config import load_config
@@ -35,9 +39,9 @@ from domain.refit.delta_sync import DeltaSender
 from domain.refit.session import CommitMode
 
 if TYPE_CHECKING:
+    from adapters.engine_plugin import EngineHost
     from adapters.engine_start import EngineStart
     from adapters.hf_checkpoint.reader import HfCheckpoint
-    from adapters.vllm.factory import VllmHost
     from app.services.mismatch_probe import MismatchProbe
     from app.services.planning import PlanReport
     from app.services.refit import Progress, RefitService
@@ -48,7 +52,7 @@ if TYPE_CHECKING:
     from ports.trainer_model import TrainerModel
 
 # The environment variables rl-refit honours (read once, here, and passed down as values).
-ENV_VARS = ("VERL_FUSED_USE_OP_HOOK", "VERL_ROLLOUT_USE_DEEP_GEMM", "RL_REFIT_VLLM_PYTHON")
+ENV_VARS = ("VERL_FUSED_USE_OP_HOOK", "VERL_ROLLOUT_USE_DEEP_GEMM", *ENVIRONMENT)
 
 
 def read_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -93,11 +97,11 @@ class Services:
         self.world = WorldWiring(config, lambda: self.plan, lambda: self.trainer, self.rollout_engine,
                                  self.post_refit_probe)
         self.embedded = EmbeddedWiring(config, self.checkpoint, self.plan_report)
-        self.engines = EngineWiring(config, self.environ, self.engine_start, self.vllm_host)
+        self.engines = EngineWiring(config, self.environ, self.engine_start, self.engine_host)
         self.trainer_side = TrainerWiring(config, self.environ, lambda: self.model)
         self.lora = LoraWiring(config, self.trainer_model, lambda: self.plan, self.refit_service)
         self._build = BuildContext(config, self.checkpoint, self.embedded.reference_config, self.engine_start,
-                                   self.vllm_host, lambda: self.trainer_side.fused_forward_request().mode)
+                                   self.engine_host, lambda: self.trainer_side.fused_forward_request().mode)
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -198,26 +202,24 @@ class Services:
         _check_arguments(plan=plan)
         if self.engine is not None:
             return self.engine
-        name = self.config.rollout.name
-        entry = ENGINES.get(name)
-        if entry is None:
-            raise ConfigError("rollout.name", f"{name!r} has no engine adapter; use one of {', '.join(ENGINES)}")
-        replicas = self.config.rollout.replicas
-        if self.config.rollout.deployment == "attached" and name == "vllm":
-            replicas = len(self.config.rollout.engine_kwargs.vllm.urls) or replicas
-        if replicas > 1 and name == "vllm" and self.config.rollout.deployment == "colocated":
-            raise ConfigError("rollout.replicas", f"{replicas} vLLM replicas cannot share the trainer's process (vLLM "
-                              "owns its process's state): set rollout.deployment=disaggregated")
-        if self.config.rollout.deployment == "colocated":
-            entry.require("rollout.name", name)
-        elif not entry.remote:
-            raise ConfigError("rollout.deployment", f"{name} runs colocated only (in this process); set "
-                              "rollout.deployment=colocated")
+        rollout = self.config.rollout
+        plugin = plugin_for(rollout.name)
+        if plugin.build is None:
+            raise ConfigError("rollout.name", f"{rollout.name!r} has no engine adapter; use one of "
+                              f"{', '.join(p.name for p in PLUGINS.values() if p.build is not None)}")
+        replicas = plugin.replicas(rollout.engine_kwargs.engine(plugin.name), rollout.deployment, rollout.replicas)
+        if rollout.deployment not in plugin.deployments:
+            runs = " or ".join(d for d in DEPLOYMENTS if d in plugin.deployments)
+            raise ConfigError("rollout.deployment", f"{plugin.name} runs {runs} only; set "
+                              f"rollout.deployment={'colocated' if len(plugin.deployments) == 1 else runs}")
+        if rollout.deployment == "colocated":
+            plugin.require("rollout.name")
         engines = []
         try:
             for replica in range(replicas):
-                engines.append(entry.build(self._build, plan or self.plan, commit_mode=commit_mode or self.commit_mode,
-                                           kv_cache_scheme=kv_cache_scheme, replica=replica))
+                engines.append(plugin.build(engine_request(self._build, plugin, plan or self.plan, replica=replica,
+                                                           commit_mode=commit_mode or self.commit_mode,
+                                                           kv_cache_scheme=kv_cache_scheme)))
         except BaseException:  # no replica is left running when another fails to start
             for started in engines:
                 close = getattr(started, "close", None)
@@ -271,8 +273,8 @@ class Services:
             engine = with_fault(engine, inject_fault, fault_after)
         trainer = trainer or self.trainer_model()
         rollout = self.config.rollout
-        by_reference = rollout.deployment == "colocated" or (
-            rollout.name == "vllm" and rollout.engine_kwargs.vllm.transport in ("shm", "cuda_ipc", "auto"))  # the ring's copy packs them
+        by_reference = plugin_for(rollout.name).by_reference(rollout.engine_kwargs.engine(rollout.name),
+                                                             rollout.deployment)
         return RefitService(trainer, engine, plan, bucket_bytes=self.bucket_bytes, progress=self.progress,
                             probe=self.post_refit_probe(trainer),
                             restore=restore or self.config.rollout.checkpoint_engine.restore,
@@ -318,17 +320,17 @@ class Services:
         from app.services.verification import trainer_probe
 
         return trainer_probe(trainer, self.config.rollout.verify, self.plan,
-                             embedded_engine=self.config.rollout.name == "reference")
+                             embedded_engine=plugin_for(self.config.rollout.name).embedded)
 
-    def vllm_host(self) -> VllmHost:
-        """What starting a vLLM engine needs from this process: its environment (read here, the
-        composition root), the host's interpreter, the embedded model's config.json."""
-        from adapters.vllm.factory import VllmHost
-        from adapters.vllm.interpreter import host_python
+    def engine_host(self) -> EngineHost:
+        """What this process offers the engines it builds: its environment (read here, the
+        composition root), the honoured variables, the embedded model."""
+        from adapters.engine_plugin import EngineHost
 
-        return VllmHost(python=lambda: host_python(self.engines.configured_python()), environ=dict(os.environ),
-                        export_environment=os.environ.update, embedded_model_dir=self.embedded.model_dir,
-                        bucket_bytes=self.bucket_bytes, cpus=tuple(sorted(os.sched_getaffinity(0))))
+        return EngineHost(environ=dict(os.environ), honoured=self.environ, export_environment=os.environ.update,
+                          embedded_model_dir=self.embedded.model_dir, embedded_config=self.embedded.reference_config,
+                          embedded_device=self.config.reference.device, bucket_bytes=self.bucket_bytes,
+                          cpus=tuple(sorted(os.sched_getaffinity(0))))
 
 
 def _check_arguments(**given: object) -> None:

@@ -21,11 +21,11 @@ from typing import Any
 import attrs
 
 from adapters.system.files import read_regular
-from app.config_schema import Key, _check_plain, _hf_overrides, _short, validate_value
 from app.config_sections import KEYS, SCHEMA, RefitConfig
 from app.config_yaml import quote_hint, read_yaml
 from domain.errors import ConfigError, ConfigTypeError, RemovedConfigKey, UnknownConfigKey
 from domain.quant.formats import FORMATS
+from domain.settings import Key, _check_plain, _hf_overrides, _short, validate_value
 
 __all__ = ["KEYS", "SCHEMA", "Key", "RefitConfig", "build_config", "load_config", "parse_override"]
 

@@ -14,40 +14,77 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from adapters.plugins import SECTIONS
 from adapters.profiles import ENGINES
-from app.config_schema import (
-    SYNC_BACKENDS,
-    VLLM_TRANSPORTS,
-    WIRE_FORMATS,
+from domain.errors import ConfigError
+from domain.forward.mode import parse_fused_forward_mode
+from domain.quant import naming
+from domain.quant.formats import FORMATS, ActivationScheme, ElementRule, MxScaleRule
+from domain.quant.qat_modes import canonical_qat_mode
+from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS, LAYOUT_DELTA_BACKEND
+from domain.settings import (
     Key,
     NoneType,
-    _activation,
     _at_least,
     _bucket_mib,
     _commit_mode,
-    _emulation_mode,
-    _fused_forward,
-    _hf_overrides,
     _non_negative,
     _optional_non_negative,
-    _patterns,
     _positive,
     _positive_or_none,
-    _positive_seconds,
-    _preset,
-    _qat_mode,
+    _short,
     _torch_device,
-    _url,
-    _urls,
     declare,
     section_of,
     setting,
 )
-from domain.quant.formats import ElementRule, MxScaleRule
+
+SYNC_BACKENDS = ("naive", "nccl", "gloo", LAYOUT_DELTA_BACKEND, *DELTA_BACKENDS)
+WIRE_FORMATS = ("bucketed", *DELTA_WIRE_FORMATS)
+
+
+# The checks of keys that name the domain's values (presets, activation schemes, QAT modes, ...).
+def _preset(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    name = str(value).strip().upper().replace("-", "_")
+    if name not in FORMATS:
+        raise ConfigError(key, f"unknown precision preset {_short(value)}; valid: {', '.join(FORMATS)} (or null for BF16)")
+    return None if name == "BF16" else name
+
+
+def _activation(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    valid = [a.value for a in ActivationScheme]
+    if str(value).lower() not in valid:
+        raise ConfigError(key, f"unknown activation scheme {_short(value)}; valid: {', '.join(valid)} (or null for the default)")
+    return str(value).lower()
+
+
+def _patterns(key: str, value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else list(value)
+    for item in items:
+        problem = naming.validate_ignore_entry(item)
+        if problem:
+            raise ConfigError(key, f"{problem} (entry {_short(item)})")
+    return tuple(items)
+
+
+def _qat_mode(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    canonical_qat_mode(value, key)  # validates; the value is kept as written, for messages
+    return str(value).strip()
+
+
+def _fused_forward(key: str, value: Any) -> Any:
+    parse_fused_forward_mode(value, key=key)  # validates; the value is kept as written (bootstrap reads it)
+    return value
 
 
 def _names(items: Iterable[str]) -> tuple[str, ...]:
@@ -102,130 +139,21 @@ class QuantizationConfig:
         choices=(None, *(r.value for r in MxScaleRule)))
 
 
-@attrs.frozen(kw_only=True)
-class VllmEngineConfig:
-    """rollout.engine_kwargs.vllm: the vLLM engine's arguments and rl-refit's settings for it."""
-
-    hf_overrides: Mapping[str, Any] | None = setting(
-        (dict, str, NoneType), None,
-        "vLLM `hf_overrides`; its `quantization_config` wins over the checkpoint's; an explicit null "
-        "means BF16",
-        check=_hf_overrides, free=True)
-    use_deep_gemm: bool | None = setting(
-        (bool, NoneType), None,
-        "`false` restores vLLM's automatic kernel selection (no DeepGEMM requests); null = the backend "
-        "policy")
-    kv_cache_dtype: str = setting(
-        (str,), "auto",
-        "vLLM's `kv_cache_dtype`: auto, fp8, fp8_e4m3, fp8_e5m2",
-        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
-    engine_args: Mapping[str, Any] = setting(
-        (dict,), {},
-        "other `vllm.LLM` arguments, passed as given (`model`, `dtype`, `max_model_len`, `enforce_eager`, "
-        "`tensor_parallel_size`, ...); the extension, the load format and what the plan decides are set "
-        "by rl-refit",
-        free=True)
-    environment: Mapping[str, Any] = setting(
-        (dict,), {},
-        "environment variables the vLLM engine starts with (e.g. `VLLM_CPU_KVCACHE_SPACE`); rl-refit sets "
-        "`VLLM_ENABLE_V1_MULTIPROCESSING` for the shape and sends vLLM's logs to stderr",
-        free=True)
-    python: str | None = setting(
-        (str, NoneType), None,
-        "disaggregated: the Python that runs the vLLM server (vLLM and rl-refit installed in it), and "
-        "every cold start; null = `$RL_REFIT_VLLM_PYTHON`, else `.venv-vllm/bin/python` in the working "
-        "directory or beside the rl-refit checkout, else this Python; one that is set must exist and be "
-        "executable (a name on `PATH` is fine)")
-    start_timeout_s: float = setting(
-        (int, float), 120,
-        "disaggregated: seconds the vLLM server may take to start, until `/health` answers (positive and "
-        "finite; a line on stderr every 30 s says it is still waiting); past it the server and its engine "
-        "processes are killed and `EngineProcessError` names the log; each request to a vLLM server, "
-        "attached or disaggregated, may take up to this plus 600 s",
-        check=_positive_seconds)
-    transport: str = setting(
-        (str,), "shm",
-        "disaggregated and attached vLLM: how each refit's buckets reach the engine's workers: `shm`, a "
-        "ring of anonymous shared memory that the trainer writes and every worker copies out of (the "
-        "server's workers on the trainer's host, in its network namespace); `gloo`, a process group over "
-        "TCP on 127.0.0.1; `nccl`, GPU to GPU over NCCL; `cuda_ipc`, a double buffer on the trainer's GPU "
-        "that the workers on its host map once; `auto`, by where the tensors and the workers live "
-        "([engines](engines.md#transports))",
-        choices=VLLM_TRANSPORTS)
-    cpu_emulation: str = setting(
-        (str, bool), "auto",
-        "vLLM's CPU platform only: emulate the matmul of the formats this CPU has no vLLM kernel for "
-        "(`auto`), of every format (`on`), or of none (`off`); weights, loading and the layerwise reload "
-        "stay vLLM's ([engines](engines.md#every-format-on-any-x86-cpu-emulated-matmuls))",
-        check=_emulation_mode)
-    url: str | None = setting(
-        (str, NoneType), None,
-        "attached: the vLLM server's base URL (`http://HOST:PORT`), started with dev mode and "
-        "`--weight-transfer-config '{\"backend\": \"rl_refit\"}'` ([attach](attach.md)); rl-refit starts "
-        "nothing and never stops it",
-        check=_url)
-    urls: tuple[str, ...] = setting(
-        (list, tuple), (),
-        "attached: one URL per replica, refitted together, all or nothing (instead of `url`)",
-        check=_urls)
-    api_key: str | None = setting(
-        (str, NoneType), None,
-        "attached: the server's `--api-key`, when it has one")
-    pause_mode: str = setting(
-        (str,), "keep",
-        "a vLLM server (attached or disaggregated): how generation pauses around a refit: in-flight "
-        "requests freeze and continue after it (`keep`), are dropped (`abort`), or finish first (`wait`)",
-        choices=("keep", "abort", "wait"))
-    reset_running_requests: bool = setting(
-        (bool,), False,
-        "a vLLM server (attached or disaggregated): also drop the KV of requests in flight when the refit "
-        "ends, so their continuation is computed with the new weights (on-policy)")
+def _engine_sections() -> dict[str, Any]:
+    return {name: attrs.field(factory=section) for name, section in SECTIONS.items()}
 
 
-@attrs.frozen(kw_only=True)
-class SglangEngineConfig:
-    """rollout.engine_kwargs.sglang: the SGLang engine's settings."""
-
-    hf_overrides: Mapping[str, Any] | None = setting(
-        (dict, str, NoneType), None,
-        "the same for SGLang",
-        check=_hf_overrides, free=True)
-    use_deep_gemm: bool | None = setting(
-        (bool, NoneType), None,
-        "the same for SGLang")
-    kv_cache_dtype: str = setting(
-        (str,), "auto",
-        "SGLang's `kv_cache_dtype`: auto, fp8_e4m3, fp8_e5m2",
-        choices=("auto", "fp8_e4m3", "fp8_e5m2"))
-    url: str | None = setting(
-        (str, NoneType), None,
-        "attached: the SGLang server's base URL (`http://HOST:PORT`), started with "
-        "`--custom-weight-loader adapters.sglang.loader.load` on this host "
-        "([attach](attach.md#8-sglang)); rl-refit starts nothing and never stops it",
-        check=_url)
-    api_key: str | None = setting(
-        (str, NoneType), None,
-        "attached: the server's `--api-key` or `--admin-api-key`, when it has one")
-    pause_mode: str = setting(
-        (str,), "retract",
-        "attached: SGLang's pause mode around a refit: in-flight requests go back to the queue and "
-        "continue after it, their KV recomputed with the new weights (`retract`), freeze on their old KV "
-        "(`in_place`; SGLang then refuses to flush the cache while they run), or are dropped (`abort`)",
-        choices=("retract", "in_place", "abort"))
-
-
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, these=_engine_sections())
 class EngineKwargsConfig:
-    """rollout.engine_kwargs: one section per real engine."""
+    """rollout.engine_kwargs: one section per engine plugin that has one (adapters.plugins.SECTIONS),
+    each declared with its plugin (e.g. adapters/vllm/config.py)."""
 
-    vllm: VllmEngineConfig = attrs.field(factory=VllmEngineConfig)
-    sglang: SglangEngineConfig = attrs.field(factory=SglangEngineConfig)
+    def engine(self, name: str) -> Any:
+        """rollout.engine_kwargs.<name> (None: an engine with no section)."""
+        return getattr(self, name, None) if name in SECTIONS else None
 
-    def engine(self, name: str) -> VllmEngineConfig | SglangEngineConfig | None:
-        """rollout.engine_kwargs.<name>, for the settings every engine section has (None: an
-        engine with no section)."""
-        sections: dict[str, VllmEngineConfig | SglangEngineConfig] = {"vllm": self.vllm, "sglang": self.sglang}
-        return sections.get(name)
+    if TYPE_CHECKING:  # the sections are the plugins' (their attributes are made from SECTIONS)
+        def __getattr__(self, name: str) -> Any: ...
 
 
 @attrs.frozen(kw_only=True)

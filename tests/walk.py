@@ -73,13 +73,13 @@ def vllm_refit() -> tuple[int, set[str]]:
     from the configuration to the live weights: the trainer's side (the server's processes are
     vLLM's, not traced here). The server's start and stop are outside the trace."""
     from app.bootstrap import bootstrap
-    from app.services.demo_config import engine_config, with_vllm
+    from app.services.demo_config import engine_config, with_engine_args
     from app.services.engine_demo import EngineDemoSettings
     from domain.quant.plan import QuantizationPlan
 
     settings = EngineDemoSettings(deployment="disaggregated", plan=QuantizationPlan.from_presets("FP8_BLOCK"),
                                   model="micro-dense")
-    services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900))
+    services = bootstrap(with_engine_args(engine_config(settings, 0.25), start_timeout_s=900))
     engine = services.rollout_engine()
     try:
         with tracing() as seen:

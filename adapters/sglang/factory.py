@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from adapters.engine_start import EngineStart, check_commit_mode
+from adapters.sglang.config import SglangEngineConfig
 from adapters.sglang.engine import SglangRolloutEngine
 from adapters.sglang.engine_args import sglang_engine_kwargs
 from domain.refit.session import CommitMode
 
 
-class SglangSettings(Protocol):
-    """rollout.engine_kwargs.sglang as the factory reads it (app.config_sections.SglangEngineConfig)."""
-
-    @property
-    def hf_overrides(self) -> Mapping[str, Any] | None: ...
-
-    @property
-    def kv_cache_dtype(self) -> str: ...
-
-    @property
-    def url(self) -> str | None: ...
-
-    @property
-    def api_key(self) -> str | None: ...
-
-    @property
-    def pause_mode(self) -> str: ...
-
-
-def sglang_kwargs(section: SglangSettings, start: EngineStart) -> dict[str, Any]:
+def sglang_kwargs(section: SglangEngineConfig, start: EngineStart) -> dict[str, Any]:
     """The SGLang server arguments for one start: the model, the user's model-config overrides
     (SGLang's json_model_override_args) with the plan's quantization_config, the kernels."""
     base: dict[str, Any] = {}
@@ -43,7 +24,7 @@ def sglang_kwargs(section: SglangSettings, start: EngineStart) -> dict[str, Any]
                                 base=base)
 
 
-def build_sglang_engine(section: SglangSettings, start: EngineStart, *, sync_backend: str, wire_format: str,
+def build_sglang_engine(section: SglangEngineConfig, start: EngineStart, *, sync_backend: str, wire_format: str,
                         commit_mode: CommitMode | None = None) -> SglangRolloutEngine:
     """A started SGLang engine configured for `start.plan`.
 
@@ -62,7 +43,7 @@ def build_sglang_engine(section: SglangSettings, start: EngineStart, *, sync_bac
                                wire_format=wire_format)
 
 
-def attach_sglang_engine(section: SglangSettings, start: EngineStart, *, sync_backend: str, wire_format: str,
+def attach_sglang_engine(section: SglangEngineConfig, start: EngineStart, *, sync_backend: str, wire_format: str,
                          commit_mode: CommitMode | None = None) -> SglangRolloutEngine:
     """An engine over the SGLang server at `section.url`, which the user started
     (rollout.deployment: attached): probed first, never stopped by rl-refit (docs/attach.md)."""

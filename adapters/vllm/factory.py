@@ -6,23 +6,24 @@ The engine's arguments and environment come from the plan and the backend decisi
 quantization_config travels through `hf_overrides` (vLLM reads it as if config.json carried it),
 `quantization` names its method, and the backend decision becomes `linear_backend` /
 `moe_backend` (vLLM's KernelConfig) plus the DeepGEMM switches vLLM reads from its environment.
-Nothing here reads the environment: the composition root hands over what it read (`VllmHost`).
+Nothing here reads the environment: the composition root hands over what it read (`EngineHost`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
-
-import attrs
+from typing import TYPE_CHECKING, Any
 
 from adapters.engine_overrides import check_request, with_quantization_config
+from adapters.engine_plugin import EngineHost
 from adapters.engine_start import EngineStart, check_commit_mode
+from adapters.vllm.config import PYTHON_VAR, VllmEngineConfig
 from adapters.vllm.cpu_emulation import ENV_VAR as CPU_EMULATION_ENV
 from adapters.vllm.cpu_emulation import parse_mode
 from adapters.vllm.engine import VllmRolloutEngine, remove_dirs
+from adapters.vllm.interpreter import configured_python, host_python
 from domain.errors import ConfigError
 from domain.quant import modelopt_layout
 from domain.quant.backend_policy import DEEP_GEMM, BackendDecision
@@ -131,64 +132,14 @@ def vllm_environment(decision: BackendDecision, *, colocated: bool, cpu_emulatio
     return env
 
 
-class VllmSettings(Protocol):
-    """rollout.engine_kwargs.vllm as the factory reads it (app.config_sections.VllmEngineConfig)."""
-
-    @property
-    def hf_overrides(self) -> Mapping[str, Any] | None: ...
-
-    @property
-    def kv_cache_dtype(self) -> str: ...
-
-    @property
-    def engine_args(self) -> Mapping[str, Any]: ...
-
-    @property
-    def environment(self) -> Mapping[str, Any]: ...
-
-    @property
-    def start_timeout_s(self) -> float: ...
-
-    @property
-    def cpu_emulation(self) -> str: ...
-
-    @property
-    def transport(self) -> str: ...
-
-    @property
-    def api_key(self) -> str | None: ...
-
-    @property
-    def pause_mode(self) -> str: ...
-
-    @property
-    def reset_running_requests(self) -> bool: ...
+def server_python(section: VllmEngineConfig, host: EngineHost) -> str:
+    """The interpreter a vLLM server of rl-refit's runs with: rollout.engine_kwargs.vllm.python, else
+    RL_REFIT_VLLM_PYTHON, else a .venv-vllm (adapters.vllm.interpreter); ConfigError naming the
+    setting when the configured one cannot be run."""
+    return host_python(configured_python(section.python, host.honoured.get(PYTHON_VAR)))
 
 
-@attrs.frozen
-class VllmHost:
-    """What starting vLLM needs from the process that starts it.
-
-    Attributes:
-        python: the vLLM server's interpreter (called only when a server starts; it may raise
-            ConfigError naming the setting).
-        environ: this process's environment, which a vLLM server inherits.
-        export_environment: sets variables in this process (colocated: vLLM reads them as it starts).
-        embedded_model_dir: a directory with the embedded model's config.json (no model.path).
-        bucket_bytes: the refit's bucket size (the host's side group allocates it).
-        cpus: the cores this process may run on; an engine of several workers binds its workers'
-            threads to them (`thread_binding`), every engine of the run the same way.
-    """
-
-    python: Callable[[], str]
-    environ: Mapping[str, str]
-    export_environment: Callable[[Mapping[str, str]], None]
-    embedded_model_dir: Callable[[], Path]
-    bucket_bytes: int
-    cpus: tuple[int, ...] = ()
-
-
-def _base(section: VllmSettings, start: EngineStart) -> dict[str, Any]:
+def _base(section: VllmEngineConfig, start: EngineStart) -> dict[str, Any]:
     base = dict(section.engine_args)
     if section.hf_overrides is not None:
         base["hf_overrides"] = dict(section.hf_overrides)
@@ -197,7 +148,7 @@ def _base(section: VllmSettings, start: EngineStart) -> dict[str, Any]:
     return base
 
 
-def _environment(section: VllmSettings, start: EngineStart, host: VllmHost, *, colocated: bool,
+def _environment(section: VllmEngineConfig, start: EngineStart, host: EngineHost, *, colocated: bool,
                  workers: int = 1) -> dict[str, str]:
     env = vllm_environment(start.decision, colocated=colocated, cpu_emulation=section.cpu_emulation)
     given = {k: str(v) for k, v in section.environment.items()}
@@ -231,7 +182,7 @@ def lora_engine_args(rank: int) -> dict[str, Any]:
     return args
 
 
-def build_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost, *, deployment: str,
+def build_vllm_engine(section: VllmEngineConfig, start: EngineStart, host: EngineHost, *, deployment: str,
                       commit_mode: CommitMode | None = None, lora_rank: int | None = None) -> VllmRolloutEngine:
     """A started vLLM engine configured for `start.plan`.
 
@@ -269,7 +220,7 @@ def build_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost,
         raise
 
 
-def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section: VllmSettings, *,
+def _launch(kwargs: dict[str, Any], env: dict[str, str], host: EngineHost, section: VllmEngineConfig, *,
             colocated: bool, owned: tuple[str, ...]) -> VllmRolloutEngine:
     if colocated:
         from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
@@ -282,7 +233,7 @@ def _launch(kwargs: dict[str, Any], env: dict[str, str], host: VllmHost, section
     from adapters.vllm.launcher import start_owned
 
     # the server a user runs, started on loopback and refitted as an attached one (docs/engines.md)
-    control = start_owned(host.python(), kwargs, env={**host.environ, **env},
+    control = start_owned(server_python(section, host), kwargs, env={**host.environ, **env},
                           start_timeout_s=float(section.start_timeout_s), owned=owned)
     try:
         expected = Expected(model=str(kwargs["model"]), quantization=kwargs.get("quantization"), scheme=_scheme(kwargs),
@@ -302,7 +253,7 @@ def _scheme(kwargs: Mapping[str, Any]) -> str | None:
     return quantization_scheme((kwargs.get("hf_overrides") or {}).get("quantization_config"))
 
 
-def _attach_settings(section: VllmSettings) -> dict[str, Any]:
+def _attach_settings(section: VllmEngineConfig) -> dict[str, Any]:
     """AttachedWorkers' options from the configuration section."""
     import torch
 
@@ -326,7 +277,7 @@ def server_flags(kwargs: Mapping[str, Any]) -> str:
     return " ".join(flags)
 
 
-def attach_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost, url: str) -> VllmRolloutEngine:
+def attach_vllm_engine(section: VllmEngineConfig, start: EngineStart, host: EngineHost, url: str) -> VllmRolloutEngine:
     """An engine over the vLLM server at `url`, which the user started (rollout.deployment:
     attached): probed first (adapters.vllm.attached.probe), never stopped by rl-refit."""
     from adapters.vllm.attached import Expected, attach
@@ -344,7 +295,7 @@ def attach_vllm_engine(section: VllmSettings, start: EngineStart, host: VllmHost
                   guard=lambda token: Guardian.start(url, token, section.api_key))
 
 
-def cold_start_arguments(section: VllmSettings, start: EngineStart, host: VllmHost,
+def cold_start_arguments(section: VllmEngineConfig, start: EngineStart, host: EngineHost,
                          directory: str) -> tuple[dict[str, Any], dict[str, str]]:
     """The engine arguments and the vLLM environment (over the host's) of a cold start from a
     checkpoint directory: the configuration's, reading the weights from `directory`."""
@@ -355,12 +306,12 @@ def cold_start_arguments(section: VllmSettings, start: EngineStart, host: VllmHo
     return kwargs, _environment(section, start, host, colocated=False, workers=engine_workers(kwargs))
 
 
-def vllm_cold_start(section: VllmSettings, start: EngineStart, host: VllmHost, directory: str) -> ColdServer:
+def vllm_cold_start(section: VllmEngineConfig, start: EngineStart, host: EngineHost, directory: str) -> ColdServer:
     """A vLLM server started from a checkpoint directory (a process of its own, whatever the
     deployment), with the configuration's engine arguments: what a refit is compared with."""
     from adapters.vllm.launcher import ColdServer, start_owned
 
     kwargs, env = cold_start_arguments(section, start, host, directory)
-    control = start_owned(host.python(), kwargs, env={**host.environ, **env},
+    control = start_owned(server_python(section, host), kwargs, env={**host.environ, **env},
                           start_timeout_s=float(section.start_timeout_s), transfer=False)
     return ColdServer(control, Path(directory))

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from adapters.vllm.config import PYTHON_VAR
 from domain.errors import ConfigError
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -20,7 +21,7 @@ def configured_python(setting: str | None, variable: str | None) -> tuple[str, s
     if setting:
         return "rollout.engine_kwargs.vllm.python", str(setting)
     if variable:
-        return "RL_REFIT_VLLM_PYTHON", variable
+        return PYTHON_VAR, variable
     return None
 
 

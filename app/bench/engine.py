@@ -484,7 +484,7 @@ def _vllm_here() -> bool:
 
 
 def _config(settings: EngineBenchSettings, deployment: str) -> RefitConfig:
-    from app.services.demo_config import engine_config, with_vllm
+    from app.services.demo_config import engine_config, with_engine_args
     from app.services.engine_demo import EngineDemoSettings
     from domain.quant.plan import QuantizationPlan
 
@@ -492,7 +492,7 @@ def _config(settings: EngineBenchSettings, deployment: str) -> RefitConfig:
     demo = EngineDemoSettings(deployment=deployment, plan=QuantizationPlan.from_presets(preset, preset),
                               model=settings.model)
     config = engine_config(demo, settings.bucket_mb)
-    return with_vllm(config, worker_extension_cls=EXTENSION)
+    return with_engine_args(config, worker_extension_cls=EXTENSION)
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -619,7 +619,7 @@ def measure(settings: EngineBenchSettings) -> EngineTimings:
     deployment = resolve_deployment(settings.deployment, here)
     services = bootstrap(_config(settings, deployment))
     services.check_checkpoint_config()  # a malformed config.json is one line, before any engine or model is built
-    python = services.engines.vllm_python() if deployment == "disaggregated" else None
+    python = services.engines.server_python("vllm") if deployment == "disaggregated" else None
     reason = skip_reason(deployment, vllm_here=here, engine_python=python,
                          engine_python_has_vllm=python_has(python, "vllm") if python else None)
     if reason is not None:

@@ -173,7 +173,7 @@ def _vllm_python() -> str | None:
         return sys.executable
     from app.bootstrap import bootstrap
 
-    python = bootstrap().engines.vllm_python()
+    python = bootstrap().engines.server_python("vllm")
     return python if python != sys.executable and python_has(python, "vllm") else None
 
 

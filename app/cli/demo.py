@@ -164,6 +164,7 @@ def _plot(result: DemoResult, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from app.bootstrap import DEMO_ENGINES
     from app.cli.demo_modes import resolve
     from app.logging import configure_logging
     from domain.errors import ConfigError, RefitError
@@ -174,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     if is_directory(args.model) and mode in ("procs", "qat", "megatron"):
         raise ConfigError("--model", f"a checkpoint directory does not go with `refit demo {mode}` (it builds the "
                           "embedded model); give an embedded model's name, or drop --model")
-    if mode == "vllm" or (mode == "qat" and args.engine == "vllm"):  # a real engine
+    real = mode in DEMO_ENGINES or getattr(args, "engine", None) in DEMO_ENGINES  # a real engine
+    if real and mode in (*DEMO_ENGINES, "qat"):
         if mode == "qat":
             from app.cli.demo_qat import run_cli
 
@@ -187,9 +189,9 @@ def run(args: argparse.Namespace) -> int:
             raise
         except ValueError as err:
             raise ConfigError("refit demo vllm", str(err)) from None
-    if mode == "lora" and args.engine != "vllm" and args.colocated:
+    if mode == "lora" and not real and args.colocated:
         raise ConfigError("--colocated", "goes with --engine vllm (the embedded engine always runs in this process)")
-    if mode == "lora" and args.engine == "vllm":  # the adapter mode into a real vLLM engine
+    if mode == "lora" and real:  # the adapter mode into a real engine
         for flag, given in (("--presets", args.presets), ("--plot", args.plot is not None),
                             ("--commit-mode", args.commit_mode != "transactional"),
                             ("--inject-fault", args.inject_fault is not None)):

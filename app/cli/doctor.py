@@ -46,11 +46,13 @@ def render(report: DoctorReport, console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from app.bootstrap import POLICY_ENGINES
+
     services = services_from_args(args)
     cfg = services.config if args.args else None
     env = services.engines.environment_probe(snapshot_file=args.environment).snapshot()
     opt_out = False
-    if cfg is not None and cfg.rollout.name in ("vllm", "sglang"):
+    if cfg is not None and cfg.rollout.name in POLICY_ENGINES:  # an engine with kernels to choose
         opt_out = services.engines.deep_gemm_opt_out(cfg.rollout.name, env.environ)
     report = diagnose(env, cfg, deep_gemm_opt_out=opt_out)
     if args.json:

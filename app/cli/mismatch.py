@@ -137,15 +137,16 @@ def _plot(result: MismatchResult, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.bootstrap import bootstrap
+    from app.bootstrap import DEMO_ENGINES, bootstrap
     from app.logging import configure_logging
     from domain.errors import ConfigError
 
     configure_logging(json=args.json, level=logging.INFO if getattr(args, "verbose", False) else logging.CRITICAL)
 
-    if args.colocated and args.engine != "vllm":
+    real = ENGINES[args.engine] in DEMO_ENGINES
+    if args.colocated and not real:
         raise ConfigError("--colocated", "goes with --engine vllm (the embedded engine always runs in this process)")
-    model = args.model or ("micro-moe" if args.engine == "vllm" else "tiny-moe")
+    model = args.model or ("micro-moe" if real else "tiny-moe")
     settings = MismatchSettings(presets_of(args.preset, DEFAULT_PRESETS[args.engine]), seed=args.seed,
                                 rollout_is=args.rollout_is, rollout_rs=args.rollout_rs, threshold=args.threshold,
                                 kl_threshold=args.kl_threshold)

@@ -1,22 +1,21 @@
-"""The rollout engines beyond their refits: the interpreter of a vLLM host, cold starts to compare
-with, the kernel backends and their opt-out, and the machine `refit doctor` inspects."""
+"""The rollout engines beyond their refits: cold starts to compare with, the kernel backends and
+their opt-out, and the machine `refit doctor` inspects; each asked of the engine's plugin."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
 
+from adapters.plugins import PLUGINS, plugin_for
 from adapters.profiles import POLICY_ENGINES, backend_decision
 from domain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from adapters.engine_plugin import EngineHost
     from adapters.engine_start import EngineStart
-    from adapters.vllm.factory import VllmHost
     from adapters.vllm.launcher import ColdServer
     from app.config_sections import RefitConfig
     from domain.quant.backend_policy import BackendDecision
@@ -35,46 +34,42 @@ class EngineWiring:
         environ: the honoured environment variables, as the composition root read them.
         engine_start: what the real engine of a name starts with for the configuration's plan
             (`Services.engine_start`).
-        vllm_host: what starting a vLLM engine needs from this process (`Services.vllm_host`).
+        engine_host: what this process offers the engines it builds (`Services.engine_host`).
     """
 
     config: RefitConfig
     environ: Mapping[str, str]
     engine_start: Callable[[str], EngineStart]
-    vllm_host: Callable[[], VllmHost]
+    engine_host: Callable[[], EngineHost]
 
-    def configured_python(self) -> tuple[str, str] | None:
-        """(key, value) of a vLLM host's interpreter as configured: rollout.engine_kwargs.vllm.python,
-        else RL_REFIT_VLLM_PYTHON; None when neither sets it."""
-        from adapters.vllm.interpreter import configured_python
-
-        return configured_python(self.config.rollout.engine_kwargs.vllm.python,
-                                 self.environ.get("RL_REFIT_VLLM_PYTHON"))
-
-    def vllm_python(self) -> str:
-        """The interpreter a disaggregated engine's vLLM server runs with: the configured one, else
-        ./.venv-vllm/bin/python (or the one beside this checkout), else this interpreter."""
-        from adapters.vllm.interpreter import vllm_python
-
-        return vllm_python(self.configured_python())
+    def server_python(self, engine: str | None = None) -> str:
+        """The interpreter a server of the engine (default rollout.name) runs with, as its plugin
+        resolves it (vLLM: rollout.engine_kwargs.vllm.python, else RL_REFIT_VLLM_PYTHON, else a
+        .venv-vllm, else this one). Raises ConfigError naming rollout.name for an engine that
+        starts no server."""
+        plugin = plugin_for(engine or self.config.rollout.name)
+        if plugin.server_python is None:
+            raise ConfigError("rollout.name", f"{plugin.name} starts no server of its own")
+        return plugin.server_python(self.config.rollout.engine_kwargs.engine(plugin.name), self.engine_host())
 
     def cold_start(self, directory: str | Path) -> ColdServer:
-        """An engine of rollout.name started from a checkpoint directory in its own process, for
-        comparisons (ports.engine_inspection, log_probs, placeholders); vllm only."""
+        """An engine of rollout.name started cold from a checkpoint directory in a process of its
+        own, for comparisons (ports.engine_inspection, log_probs, placeholders): its plugin's
+        `cold_start`. Raises ConfigError naming rollout.name for an engine that has none."""
         name = self.config.rollout.name
-        if name != "vllm":
-            raise ConfigError("rollout.name", f"cold starts for comparison are built for vllm only, not {name!r}")
-        from adapters.vllm.factory import vllm_cold_start
-
-        return vllm_cold_start(self.config.rollout.engine_kwargs.vllm, self.engine_start("vllm"), self.vllm_host(),
-                               str(directory))
+        plugin = plugin_for(name)
+        if plugin.cold_start is None:
+            raise ConfigError("rollout.name", f"cold starts for comparison are built for "
+                              f"{', '.join(p.name for p in PLUGINS.values() if p.cold_start)} only, not {name!r}")
+        return plugin.cold_start(self.config.rollout.engine_kwargs.engine(name), self.engine_start(name),
+                                 self.engine_host(), str(directory))
 
     def deep_gemm_opt_out(self, engine: str, environ: Mapping[str, str] | None = None) -> bool:
         """Whether DeepGEMM requests are off: `rollout.engine_kwargs.<engine>.use_deep_gemm: false`
         or `VERL_ROLLOUT_USE_DEEP_GEMM=0` (either restores the engine's automatic selection).
 
         Args:
-            engine: "vllm" or "sglang".
+            engine: an engine with a backend policy (adapters.profiles.POLICY_ENGINES).
             environ: the honoured variables to judge (default: those bootstrap read).
 
         Returns:
@@ -94,7 +89,7 @@ class EngineWiring:
         (docs/engines.md#kernel-backends-backend-policy).
 
         Args:
-            engine: "vllm" or "sglang".
+            engine: an engine with a backend policy (adapters.profiles.POLICY_ENGINES).
             plan: the resolved plan.
             capability: the GPU's compute capability; None skips the capability gates.
         """
@@ -117,11 +112,10 @@ class EngineWiring:
         if snapshot_file is None:
             from adapters.system.probe import SystemProbe
 
-            python: str | None = self.vllm_python()
-            if python == sys.executable and importlib.util.find_spec("vllm") is None:
-                python = None  # no vLLM environment to ask
-            return SystemProbe(environ=dict(self.environ), vllm_python=python,
-                               cpu_emulation=self.config.rollout.engine_kwargs.vllm.cpu_emulation)
+            host, engine_kwargs = self.engine_host(), self.config.rollout.engine_kwargs
+            arguments = {k: v for p in PLUGINS.values() if p.probe is not None
+                         for k, v in p.probe(engine_kwargs.engine(p.name), host).items()}
+            return SystemProbe(environ=dict(self.environ), **arguments)
         from app.services.doctor import snapshot_probe
 
         return snapshot_probe(snapshot_file)

@@ -1,17 +1,18 @@
-"""The adapter tables: which adapter builds the engine of `rollout.name` and the trainer of
-`actor.strategy`, and what each needs installed.
+"""The adapter tables: which adapter builds the trainer of `actor.strategy` and the QAT backend of
+a name, and what each needs installed (the engines of `rollout.name` are plugins,
+adapters.plugins.PLUGINS); and the EngineRequest the composition root gives an engine plugin.
 
 Each entry imports its adapter only when it is built; a missing package raises
-ModuleNotFoundError naming the adapter and the extra to install. Every builder configures the
-engine for the plan it is given (`Services.rollout_engine(plan)`), never the configuration's own.
-Builders take a BuildContext, the configuration and the few things the composition root builds
-from it, never the root's Services.
+ModuleNotFoundError naming the adapter and the extra to install. Engines are configured for the
+plan they are given (`Services.rollout_engine(plan)`), never the configuration's own. Builders
+take a BuildContext, the configuration and the few things the composition root builds from it,
+never the root's Services.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -20,15 +21,16 @@ from domain.errors import ConfigError
 from domain.quant.support import MODELOPT_NVFP4
 
 if TYPE_CHECKING:
+    from adapters.engine_plugin import EngineHost, EnginePlugin, EngineRequest
     from adapters.engine_start import EngineStart
     from adapters.hf_checkpoint.reader import HfCheckpoint
     from adapters.reference.config import ReferenceModelConfig
-    from adapters.vllm.factory import VllmHost
     from app.config_sections import RefitConfig
     from app.services.planning import PlanReport
     from domain.forward.mode import FusedForwardMode
     from domain.quant.backend_policy import BackendDecision
     from domain.quant.plan import QuantizationPlan
+    from domain.refit.session import CommitMode
     from domain.refit.topology import ParallelLayout
     from ports.qat_backend import QatBackend
     from ports.rollout_engine import RolloutEngine
@@ -45,8 +47,6 @@ class AdapterEntry:
         build: the factory, called with the BuildContext and the build's options.
         package: the import name of the optional package it needs (None: nothing optional).
         extra: the rl-refit extra that installs that package.
-        remote: the engine can run in processes of its own (`rollout.deployment: disaggregated`),
-            where its package is needed there, not here.
         sharded: trainers only: the factory of one rank's ShardedTrainerModel, called with the
             rank's model, the parallel layout and the rank (None: no sharded form).
     """
@@ -55,7 +55,6 @@ class AdapterEntry:
     build: Callable[..., Any]
     package: str | None = None
     extra: str | None = None
-    remote: bool = False
     sharded: Callable[..., ShardedTrainerModel] | None = None
 
     def require(self, key: str, name: str) -> None:
@@ -83,7 +82,7 @@ class BuildContext:
         checkpoint: model.path's checkpoint (None without one).
         reference_config: the embedded reference model's shapes.
         engine_start: what a real engine (by name) starts with for a plan (None: the configuration's).
-        vllm_host: what starting a vLLM engine needs from this process.
+        engine_host: what this process offers the engines it builds.
         fused_forward_mode: the fused-forward mode asked for (a Megatron trainer's).
     """
 
@@ -91,7 +90,7 @@ class BuildContext:
     checkpoint: Callable[[], HfCheckpoint | None]
     reference_config: Callable[[], ReferenceModelConfig]
     engine_start: Callable[[str, QuantizationPlan | None], EngineStart]
-    vllm_host: Callable[[], VllmHost]
+    engine_host: Callable[[], EngineHost]
     fused_forward_mode: Callable[[], FusedForwardMode]
 
 
@@ -122,57 +121,17 @@ def engine_start(report: PlanReport, reference_config: Callable[[], ReferenceMod
     return EngineStart(report.plan, engine_config, report.resolution.layout, backends(report.plan), model_path)
 
 
-def _reference_engine(ctx: BuildContext, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.reference.factory import build_reference_engine
+def engine_request(ctx: BuildContext, plugin: EnginePlugin, plan: QuantizationPlan, *, replica: int = 0,
+                   commit_mode: CommitMode | None = None,
+                   kv_cache_scheme: Mapping[str, object] | None = None) -> EngineRequest:
+    """What the plugin of rollout.name builds one engine (replica `replica`) from."""
+    from adapters.engine_plugin import EngineRequest
 
-    return build_reference_engine(ctx.reference_config(), plan,
-                                  commit_mode=options.get("commit_mode"),
-                                  kv_cache_scheme=options.get("kv_cache_scheme"),
-                                  device=ctx.config.reference.device)
-
-
-def _vllm_engine(ctx: BuildContext, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.vllm.factory import build_vllm_engine
-
-    lora = ctx.config.actor.lora
-    section = ctx.config.rollout.engine_kwargs.vllm
-    if ctx.config.rollout.deployment == "attached":
-        from adapters.vllm.factory import attach_vllm_engine
-
-        urls = section.urls or ((section.url,) if section.url else ())
-        if not urls:
-            raise ConfigError("rollout.engine_kwargs.vllm.url", "rollout.deployment=attached refits a server you "
-                              "started: give its URL (http://HOST:PORT), or urls for several replicas")
-        return attach_vllm_engine(section, ctx.engine_start("vllm", plan), ctx.vllm_host(),
-                                  urls[int(options.get("replica", 0))])
-    return build_vllm_engine(ctx.config.rollout.engine_kwargs.vllm, ctx.engine_start("vllm", plan),
-                             ctx.vllm_host(), deployment=ctx.config.rollout.deployment,
-                             commit_mode=options.get("commit_mode"),
-                             lora_rank=lora.rank if lora.sync == "adapter" else None)
-
-
-def _sglang_engine(ctx: BuildContext, plan: QuantizationPlan, **options: Any) -> RolloutEngine:
-    from adapters.sglang.factory import build_sglang_engine
-
-    rollout = ctx.config.rollout
-    if rollout.deployment == "disaggregated":
-        raise ConfigError("rollout.deployment", "sglang runs colocated only (sglang.Engine in this process), or "
-                          "attached to a server you started (rollout.deployment=attached)")
-    if rollout.deployment == "attached":
-        from adapters.sglang.factory import attach_sglang_engine
-
-        if rollout.replicas > 1:
-            raise ConfigError("rollout.replicas", "an attached SGLang deployment refits one server "
-                              "(rollout.engine_kwargs.sglang.url): set rollout.replicas=1")
-        if not rollout.engine_kwargs.sglang.url:
-            raise ConfigError("rollout.engine_kwargs.sglang.url", "rollout.deployment=attached refits a server you "
-                              "started: give its URL (http://HOST:PORT)")
-        return attach_sglang_engine(rollout.engine_kwargs.sglang, ctx.engine_start("sglang", plan),
-                                    sync_backend=rollout.checkpoint_engine.backend, wire_format=rollout.wire_format,
-                                    commit_mode=options.get("commit_mode"))
-    return build_sglang_engine(rollout.engine_kwargs.sglang, ctx.engine_start("sglang", plan),
-                               sync_backend=rollout.checkpoint_engine.backend, wire_format=rollout.wire_format,
-                               commit_mode=options.get("commit_mode"))
+    rollout, lora = ctx.config.rollout, ctx.config.actor.lora
+    return EngineRequest(rollout.engine_kwargs.engine(plugin.name), plan,
+                         lambda: ctx.engine_start(plugin.name, plan), ctx.engine_host(), rollout.deployment, replica,
+                         commit_mode, kv_cache_scheme, rollout.checkpoint_engine.backend, rollout.wire_format,
+                         lora.rank if lora.sync == "adapter" else None)
 
 
 def _reference_trainer(ctx: BuildContext, model: object | None) -> TrainerModel:
@@ -230,14 +189,7 @@ def _megatron_sharded(model: object, layout: ParallelLayout, rank: int) -> Shard
     return megatron_sharded(model, layout, rank)
 
 
-# rollout.name -> the engine adapter; actor.strategy -> the trainer adapter.
-ENGINES: dict[str, AdapterEntry] = {
-    "reference": AdapterEntry("adapters.reference.engine.ReferenceEngine", _reference_engine),
-    "vllm": AdapterEntry("adapters.vllm.engine.VllmRolloutEngine", _vllm_engine, "vllm", "vllm", remote=True),
-    # remote: attached to the user's server (sglang is needed there, not here); never disaggregated
-    "sglang": AdapterEntry("adapters.sglang.engine.SglangRolloutEngine", _sglang_engine, "sglang", "sglang",
-                           remote=True),
-}
+# actor.strategy -> the trainer adapter (the engines are adapters.plugins.PLUGINS).
 TRAINERS: dict[str, AdapterEntry] = {
     "reference": AdapterEntry("adapters.reference.trainer.ReferenceTrainer", _reference_trainer),
     "megatron": AdapterEntry("adapters.megatron.trainer_model.MegatronTrainerModel", _megatron_trainer,

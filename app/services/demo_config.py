@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import attrs
-import torch
 
+from adapters.plugins import plugin_for
 from app.config_sections import (
     ActorConfig,
     CheckpointEngineConfig,
@@ -19,7 +19,6 @@ from app.config_sections import (
     ReferenceConfig,
     RefitConfig,
     RolloutConfig,
-    VllmEngineConfig,
 )
 
 if TYPE_CHECKING:
@@ -52,31 +51,29 @@ def engine_config(settings: EngineDemoSettings, bucket_mb: float) -> RefitConfig
     # your checkpoint: the transformers model is the trainer; the engine starts from its config.json
     # with dummy weights, as it does on the embedded model, so the first refit writes every weight
     actor = ActorConfig(strategy="hf", hf=HfTrainerConfig(load_model=True)) if own else ActorConfig()
-    engine_args: dict[str, object] = {"skip_tokenizer_init": True, "dtype": "bfloat16", "enforce_eager": True,
-                                      "max_model_len": 128, "seed": 0}
-    if own:
-        engine_args["load_format"] = "dummy"
     quantization = QuantizationConfig(
         linear=plan.linear.name if plan.linear.is_quantized else None,
         moe=plan.moe.name if plan.moe.is_quantized else None,
         moe_activation=None if plan.moe_activation is None else plan.moe_activation.value,
         linear_activation=None if plan.linear_activation is None else plan.linear_activation.value,
     )
-    vllm = VllmEngineConfig(engine_args=engine_args,
-                            environment={} if torch.cuda.is_available() else {"VLLM_CPU_KVCACHE_SPACE": "1"},
-                            url=settings.url)
+    plugin = plugin_for(settings.engine)
+    sections = {} if plugin.demo_section is None else {plugin.name: plugin.demo_section(settings.url, own)}
     rollout = RolloutConfig(
         name=settings.engine, deployment=settings.deployment, quantization=quantization,
-        engine_kwargs=EngineKwargsConfig(vllm=vllm),
+        engine_kwargs=EngineKwargsConfig(**sections),
         checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=bucket_mb),
     )
     return model_config(settings.model, settings.seed, RefitConfig(rollout=rollout, actor=actor))
 
 
-def with_vllm(config: RefitConfig, *, start_timeout_s: float | None = None, **engine_args: object) -> RefitConfig:
-    """`config` with more vLLM engine arguments (and another start timeout)."""
-    vllm = config.rollout.engine_kwargs.vllm
-    vllm = attrs.evolve(vllm, engine_args={**vllm.engine_args, **engine_args},
-                        start_timeout_s=vllm.start_timeout_s if start_timeout_s is None else start_timeout_s)
-    kwargs = attrs.evolve(config.rollout.engine_kwargs, vllm=vllm)
+def with_engine_args(config: RefitConfig, *, start_timeout_s: float | None = None,
+                     **engine_args: object) -> RefitConfig:
+    """`config` with more engine arguments for rollout.name's engine (and another start timeout):
+    its section's `engine_args` and `start_timeout_s`."""
+    name = config.rollout.name
+    section = config.rollout.engine_kwargs.engine(name)
+    section = attrs.evolve(section, engine_args={**section.engine_args, **engine_args},
+                           start_timeout_s=section.start_timeout_s if start_timeout_s is None else start_timeout_s)
+    kwargs = attrs.evolve(config.rollout.engine_kwargs, **{name: section})
     return attrs.evolve(config, rollout=attrs.evolve(config.rollout, engine_kwargs=kwargs))

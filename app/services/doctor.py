@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from adapters.plugins import PLUGINS
 from adapters.profiles import POLICY_ENGINES, backend_decision
 from app.config_sections import RefitConfig
 from app.services.doctor_checks import (
@@ -127,11 +128,13 @@ def fused_forward_decision(env: EnvironmentSnapshot, config_value: object = None
 
 
 def _engine_check(env: EnvironmentSnapshot, engine: str) -> Check:
-    if engine == "reference":
-        return Check("config", "rollout.name", Status.OK, "reference: the embedded engine runs here")
-    if engine not in POLICY_ENGINES:
+    plugin = PLUGINS.get(engine)
+    if plugin is not None and plugin.embedded:
+        return Check("config", "rollout.name", Status.OK, f"{engine}: the embedded engine runs here")
+    if plugin is None or plugin.build is None or engine not in POLICY_ENGINES:
+        built = ", ".join(p.name for p in PLUGINS.values() if p.build is not None)
         return Check("config", "rollout.name", Status.ERROR, f"{engine}: rl-refit has no engine adapter for it",
-                     Reason.NOT_SUPPORTED, "use vllm, sglang or reference")
+                     Reason.NOT_SUPPORTED, f"use one of {built}")
     found = package_check(env, "config", engine, f"rollout.name={engine}", f"pip install -e '.[{engine}]' (on a GPU machine)")
     if found.status is not Status.OK:
         return attrs.evolve(found, name="rollout.name", status=Status.ERROR)

@@ -323,10 +323,10 @@ def test_a_failed_put_back_is_a_note() -> None:
 def test_the_engine_hosts_python_comes_from_the_composition_root() -> None:
     from app.bootstrap import bootstrap
 
-    assert bootstrap(environ={"RL_REFIT_VLLM_PYTHON": "/env/python"}).engines.vllm_python() == "/env/python"
+    assert bootstrap(environ={"RL_REFIT_VLLM_PYTHON": "/env/python"}).engines.server_python("vllm") == "/env/python"
     configured = bootstrap(overrides=["rollout.engine_kwargs.vllm.python=/cfg/python"],
                            environ={"RL_REFIT_VLLM_PYTHON": "/env/python"})
-    assert configured.engines.vllm_python() == "/cfg/python"  # the configuration wins over the environment
+    assert configured.engines.server_python("vllm") == "/cfg/python"  # the configuration wins over the environment
 
 
 def test_memory_rows_compare_each_side_with_its_bound() -> None:

@@ -98,15 +98,15 @@ def test_the_engine_hosts_python(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     from adapters.vllm.interpreter import vllm_python
 
     services = bootstrap(overrides=BASE, environ={"RL_REFIT_VLLM_PYTHON": "/opt/vllm/bin/python"})
-    assert services.engines.vllm_python() == "/opt/vllm/bin/python"
+    assert services.engines.server_python("vllm") == "/opt/vllm/bin/python"
     configured = bootstrap(overrides=[*BASE, "rollout.engine_kwargs.vllm.python=/srv/py"],
                            environ={"RL_REFIT_VLLM_PYTHON": "/opt/vllm/bin/python"})
-    assert configured.engines.vllm_python() == "/srv/py"  # the configuration before the environment
+    assert configured.engines.server_python("vllm") == "/srv/py"  # the configuration before the environment
     monkeypatch.chdir(tmp_path)
     local = tmp_path / ".venv-vllm" / "bin" / "python"
     local.parent.mkdir(parents=True)
     local.write_text("")
-    assert bootstrap(overrides=BASE, environ={}).engines.vllm_python() == str(local)
+    assert bootstrap(overrides=BASE, environ={}).engines.server_python("vllm") == str(local)
     local.unlink()
     assert vllm_python(None, roots=[tmp_path, tmp_path / "nowhere"]) == sys.executable
 
@@ -214,9 +214,9 @@ def test_one_worker_keeps_vllms_own_binding(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_a_tensor_parallel_engine_refuses_the_colocated_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.composition import tables
+    from adapters.engine_plugin import EnginePlugin
 
-    monkeypatch.setattr(tables.AdapterEntry, "require", lambda *_: None)  # refused before vLLM is imported
+    monkeypatch.setattr(EnginePlugin, "require", lambda *_: None)  # refused before vLLM is imported
     services = bootstrap(overrides=[*BASE, "rollout.deployment=colocated",
                                     "rollout.engine_kwargs.vllm.engine_args={tensor_parallel_size: 2}"])
     with pytest.raises(ConfigError, match=r"rollout.deployment.*2 workers.*disaggregated"):

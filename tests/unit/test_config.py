@@ -98,9 +98,9 @@ def test_every_key_is_documented() -> None:
 def test_the_keys_table_is_generated_from_the_declarations() -> None:
     """docs/configuration.md's table of keys is `keys_table(SCHEMA)`, line for line: each key's
     types, default and meaning come from its one declaration (app.config_sections). To refresh it:
-    `python -c "from app.config_sections import SCHEMA; from app.config_schema import keys_table;
+    `python -c "from app.config_sections import SCHEMA; from domain.settings import keys_table;
     print(keys_table(SCHEMA))"`."""
-    from app.config_schema import keys_table
+    from domain.settings import keys_table
 
     section = DOCS.read_text().split("\n## Keys\n", 1)[1]
     table = section[section.index("| key | type | default | meaning |"):].split("\n\n", 1)[0]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import attrs
 import pytest
 
+from adapters.vllm.config import VllmEngineConfig
 from app.config import KEYS, build_config, load_config
 from app.config_sections import (
     CheckpointEngineConfig,
     QuantizationConfig,
     RefitConfig,
     RolloutConfig,
-    VllmEngineConfig,
     section_keys,
 )
 from domain.errors import ConfigError, ConfigTypeError

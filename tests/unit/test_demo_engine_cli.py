@@ -8,7 +8,7 @@ import pytest
 from app.cli.demo_engine import engine_settings
 from app.cli.demo_modes import resolve
 from app.cli.main import build_parser, main
-from app.services.demo_config import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_engine_args
 
 
 def _args(*argv: str):  # type: ignore[no-untyped-def]
@@ -33,7 +33,7 @@ def test_the_engine_configuration() -> None:
     assert config.rollout.quantization.linear == "FP8_BLOCK"
     assert config.rollout.checkpoint_engine.update_weights_bucket_megabytes == 0.5
     assert config.rollout.engine_kwargs.vllm.engine_args["skip_tokenizer_init"] is True
-    more = with_vllm(config, start_timeout_s=30, worker_extension_cls="x.Y")
+    more = with_engine_args(config, start_timeout_s=30, worker_extension_cls="x.Y")
     assert more.rollout.engine_kwargs.vllm.engine_args == {**config.rollout.engine_kwargs.vllm.engine_args,
                                                            "worker_extension_cls": "x.Y"}
     assert more.rollout.engine_kwargs.vllm.start_timeout_s == 30 and more.reference == config.reference

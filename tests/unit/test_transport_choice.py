@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
-from app.config_schema import VLLM_TRANSPORTS
+from adapters.vllm.config import VllmEngineConfig
 from domain.errors import ConfigError
 from domain.refit.transport_choice import CHOICES, choose_transport
 
@@ -48,4 +49,5 @@ def test_an_explicit_choice_that_applies_is_kept(requested):
 def test_unknown_names_are_refused_and_the_config_key_accepts_every_choice():
     with pytest.raises(ConfigError, match="unknown transport 'tcp'"):
         choose_transport("tcp", source_device="cpu", receiver_device="cpu", same_host=True)
-    assert set(VLLM_TRANSPORTS) == set(CHOICES)
+    transport = next(f for f in attrs.fields(VllmEngineConfig) if f.name == "transport")
+    assert set(transport.metadata["setting"].choices) == set(CHOICES)

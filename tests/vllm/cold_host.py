@@ -103,7 +103,7 @@ class ForkedColdStarts:
 
         engines = self.engines
         kwargs, env = cold_start_arguments(engines.config.rollout.engine_kwargs.vllm, engines.engine_start("vllm"),
-                                           engines.vllm_host(), str(directory))
+                                           engines.engine_host(), str(directory))
         if engine_workers(kwargs) > 1:
             return engines.cold_start(directory)
         conn = Client(self.address, family="AF_UNIX", authkey=AUTHKEY)

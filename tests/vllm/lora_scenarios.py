@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from adapters.vllm.lora import LoraServing
 from app.bootstrap import bootstrap
 from app.config_sections import LoraConfig
-from app.services.demo_config import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_engine_args
 from app.services.engine_demo import EngineDemoSettings
 from domain.lora.sync import peft_config
 from domain.quant.plan import QuantizationPlan
@@ -78,7 +78,7 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     # a failed base refit is restored by streaming the previous buckets again (vLLM keeps no copy)
     ce = attrs.evolve(cfg.rollout.checkpoint_engine, restore="replay")
     cfg = attrs.evolve(cfg, rollout=attrs.evolve(cfg.rollout, checkpoint_engine=ce))
-    services = bootstrap(with_vllm(cfg, start_timeout_s=900, worker_extension_cls=EXTENSION))
+    services = bootstrap(with_engine_args(cfg, start_timeout_s=900, worker_extension_cls=EXTENSION))
     try:
         svc = services.lora.sync_service()
     except Exception as err:  # the engine did not start: the test decides whether that may be so

@@ -34,7 +34,7 @@ from adapters.memory.faults import FaultScript
 from adapters.memory.faulty import ScriptedFaultyEngine
 from adapters.vllm.protocol import WorkerRpc
 from app.bootstrap import bootstrap
-from app.services.demo_config import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_engine_args
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings, EngineStep
 from app.services.refit import RefitService
 from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
@@ -81,7 +81,7 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     shape: dict[str, Any] = {"worker_extension_cls": EXTENSION}
     if spec.get("tensor_parallel_size"):  # workers in processes of their own, bound to the cores given
         shape["tensor_parallel_size"] = spec["tensor_parallel_size"]
-    config = with_vllm(engine_config(settings, 0.25), start_timeout_s=900, **shape)
+    config = with_engine_args(engine_config(settings, 0.25), start_timeout_s=900, **shape)
     if spec.get("replicas"):  # data-parallel rollout: one refit updates every replica
         config = attrs.evolve(config, rollout=attrs.evolve(config.rollout, replicas=spec["replicas"]))
     if spec.get("transport"):  # disaggregated: how the buckets reach the workers (default: shm)

@@ -30,7 +30,7 @@ from tests.vllm.servers import ROOT, StreamingClient, server_environment, vllm_s
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
 from app.bootstrap import bootstrap
-from app.services.demo_config import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_engine_args
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings
 from domain.errors import RefitFailed, RefitIncomplete
 from domain.quant.plan import QuantizationPlan
@@ -46,7 +46,7 @@ def _settings(preset: str | None) -> EngineDemoSettings:
 
 def _config(settings: EngineDemoSettings, url: str | None = None) -> Any:
     # cold starts: two engines starting at once on two loaded cores
-    return with_vllm(engine_config(attrs.evolve(settings, url=url), 0.25), start_timeout_s=900)
+    return with_engine_args(engine_config(attrs.evolve(settings, url=url), 0.25), start_timeout_s=900)
 
 
 def _shm_rings() -> set[str]:
@@ -152,7 +152,7 @@ def test_a_users_bf16_server_refits_while_a_client_streams(bf16: Started, cold_c
 
         # vLLM's own client and trainer factory, selecting rl-refit by name
         trainer.perturb_(5, 0.02)
-        _refit_with_vllms_client(bf16.server.url, trainer)
+        _refit_with_engine_argss_client(bf16.server.url, trainer)
         ref = comparer.reference(trainer)
         assert torch.equal(control.log_probs(comparer.ids), ref.log_probs)
         assert control.greedy(comparer.prompts, bf16.settings.new_tokens) == ref.tokens
@@ -218,7 +218,7 @@ def _kill_a_trainer_mid_refit(started: Started, tmp_path: Path) -> None:
         proc.wait(60)
 
 
-def _refit_with_vllms_client(url: str, trainer: Any) -> None:
+def _refit_with_engine_argss_client(url: str, trainer: Any) -> None:
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient,
         WeightSource,
@@ -302,7 +302,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from adapters.vllm.attached import Expected, attach
 from adapters.vllm.controls import AsyncLlmControl
 from app.bootstrap import bootstrap
-from app.services.demo_config import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_engine_args
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
 from tests.vllm.cold_host import with_cold_host
@@ -377,7 +377,7 @@ def main():
     model, cache, work, kind = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     control, shutdown = control_of(kind, model)
     settings = EngineDemoSettings(deployment="attached", plan=QuantizationPlan.from_presets(None, None), model="micro-dense")
-    services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900))
+    services = bootstrap(with_engine_args(engine_config(settings, 0.25), start_timeout_s=900))
     trainer = services.trainer_model()
     engine = attach(control, Expected(), bucket_bytes=services.bucket_bytes, settings={})
     svc = services.refit_service(engine=engine, trainer=trainer)

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
 from app.bootstrap import bootstrap
-from app.services.demo_config import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_engine_args
 from app.services.engine_demo import EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
 from tests.vllm.cold_host import ForkedColdStart, with_cold_host
@@ -34,7 +34,7 @@ def test_a_forked_cold_start_serves_what_a_cold_server_serves(cold_host: str, tm
     argument, the CPU emulation kernels, and activation scales the export carries none of."""
     plan = QuantizationPlan.from_presets(None, "NVFP4")
     settings = EngineDemoSettings(deployment="colocated", plan=plan, model="micro-moe")
-    services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900, worker_extension_cls=EXTENSION))
+    services = bootstrap(with_engine_args(engine_config(settings, 0.25), start_timeout_s=900, worker_extension_cls=EXTENSION))
     trainer = services.trainer_model()
     services.embedded.export_trainer(trainer, tmp_path / "export")
     ids = torch.randint(0, trainer.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))

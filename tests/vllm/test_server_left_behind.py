@@ -29,14 +29,14 @@ from tests.vllm.test_real_engine import MAIN_PYTHON, ROOT
 TRAINER = r"""
 import json, os, signal, sys
 from app.bootstrap import bootstrap
-from app.services.demo_config import engine_config, with_vllm
+from app.services.demo_config import engine_config, with_engine_args
 from app.services.engine_demo import EngineDemoSettings
 from domain.quant.plan import QuantizationPlan
 
 point = sys.argv[1]
 settings = EngineDemoSettings(deployment="disaggregated", plan=QuantizationPlan.from_presets(None, None),
                               model="micro-dense")
-services = bootstrap(with_vllm(engine_config(settings, 0.25), start_timeout_s=900))
+services = bootstrap(with_engine_args(engine_config(settings, 0.25), start_timeout_s=900))
 engine = services.rollout_engine()
 server = engine.workers.control.server
 print(json.dumps({"server": server.proc.pid, "keeper": server.keeper.proc.pid}), flush=True)

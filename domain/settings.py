@@ -1,5 +1,5 @@
 """How a configuration key is declared and checked: `setting(...)`, on the field of a typed
-section (app.config_sections), declares a key once, with its types, default, allowed values, check
+section (app.config_sections, and each engine plugin's own section), declares a key once, with its types, default, allowed values, check
 and its line of docs/configuration.md (`keys_table` generates that table); `declare` walks the
 sections and gives each key its dotted path.
 
@@ -17,16 +17,8 @@ from typing import Any
 import attrs
 
 from domain.errors import ConfigError, ConfigTypeError
-from domain.forward.mode import parse_fused_forward_mode
-from domain.quant import naming
-from domain.quant.formats import FORMATS, ActivationScheme
-from domain.quant.qat_modes import canonical_qat_mode
-from domain.quant.rules import DELTA_BACKENDS, DELTA_WIRE_FORMATS, LAYOUT_DELTA_BACKEND
 
 NoneType = type(None)
-SYNC_BACKENDS = ("naive", "nccl", "gloo", LAYOUT_DELTA_BACKEND, *DELTA_BACKENDS)
-WIRE_FORMATS = ("bucketed", *DELTA_WIRE_FORMATS)
-VLLM_TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc", "auto")  # domain.refit.transport_choice.CHOICES
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -36,33 +28,6 @@ def _short(value: Any, limit: int = 80) -> str:
     except ValueError:  # an int too long for repr (sys.get_int_max_str_digits)
         text = f"<an integer of about {int(value.bit_length() * 0.30103)} digits>"
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
-
-
-def _preset(key: str, value: Any) -> Any:
-    if value is None:
-        return None
-    name = str(value).strip().upper().replace("-", "_")
-    if name not in FORMATS:
-        raise ConfigError(key, f"unknown precision preset {_short(value)}; valid: {', '.join(FORMATS)} (or null for BF16)")
-    return None if name == "BF16" else name
-
-
-def _activation(key: str, value: Any) -> Any:
-    if value is None:
-        return None
-    valid = [a.value for a in ActivationScheme]
-    if str(value).lower() not in valid:
-        raise ConfigError(key, f"unknown activation scheme {_short(value)}; valid: {', '.join(valid)} (or null for the default)")
-    return str(value).lower()
-
-
-def _patterns(key: str, value: Any) -> tuple[str, ...]:
-    items = [value] if isinstance(value, str) else list(value)
-    for item in items:
-        problem = naming.validate_ignore_entry(item)
-        if problem:
-            raise ConfigError(key, f"{problem} (entry {_short(item)})")
-    return tuple(items)
 
 
 def _urls(key: str, value: Any) -> tuple[str, ...]:
@@ -76,18 +41,6 @@ def _urls(key: str, value: Any) -> tuple[str, ...]:
 def _url(key: str, value: Any) -> Any:
     if value is not None and not str(value).startswith(("http://", "https://")):
         raise ConfigError(key, f"{_short(value)} is not an http(s) URL: give the server as http://HOST:PORT")
-    return value
-
-
-def _qat_mode(key: str, value: Any) -> Any:
-    if value is None:
-        return None
-    canonical_qat_mode(value, key)  # validates; the value is kept as written, for messages
-    return str(value).strip()
-
-
-def _fused_forward(key: str, value: Any) -> Any:
-    parse_fused_forward_mode(value, key=key)  # validates; the value is kept as written (bootstrap reads it)
     return value
 
 
@@ -239,7 +192,7 @@ class _Check:
 
     def __call__(self, value: Any) -> Any:
         if self.declared.key is None:
-            raise RuntimeError("a configuration section was built before its keys were declared (app.config_sections)")
+            raise RuntimeError("a configuration section was built before its keys were declared (declare)")
         return validate_value(self.declared.key, value)
 
 

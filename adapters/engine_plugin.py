@@ -1,0 +1,171 @@
+"""The engine plugin: everything rl-refit knows about one rollout engine, in one record
+(adapters.plugins holds the one table of them; docs/architecture.md#engine-plugins).
+
+A plugin names its profile (support table, layouts, dispatch rules, backend policy, pins), its
+`rollout.engine_kwargs.<name>` section, how it is built for each deployment it runs in, how an
+engine of it is started cold for comparisons, and what it asks of the process that builds it. The
+composition root, `refit doctor`, the demos and the benchmarks ask the plugin; none of them names
+an engine. Each plugin's module imports its engine's package only inside the functions that build
+one, so reading this table costs no engine import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from adapters.engine_profile import StaticEngineProfile
+
+if TYPE_CHECKING:
+    from adapters.engine_start import EngineStart
+    from adapters.reference.config import ReferenceModelConfig
+    from domain.quant.plan import QuantizationPlan
+    from domain.refit.session import CommitMode
+    from ports.rollout_engine import RolloutEngine
+
+COLOCATED, DISAGGREGATED, ATTACHED = "colocated", "disaggregated", "attached"
+DEPLOYMENTS = (COLOCATED, DISAGGREGATED, ATTACHED)  # rollout.deployment's values
+
+
+@attrs.frozen
+class EngineHost:
+    """What the process that builds an engine offers it, as the composition root read it.
+
+    Attributes:
+        environ: this process's environment (a server the plugin starts inherits it).
+        honoured: the honoured environment variables that are set (bootstrap.ENV_VARS, each
+            plugin's `environment` among them).
+        export_environment: sets variables in this process (an engine in this process reads them
+            as it starts).
+        embedded_model_dir: a directory with the embedded model's config.json (no model.path).
+        embedded_config: the embedded model's shapes (reference.model, or model.path's).
+        embedded_device: reference.device, where the embedded engine computes.
+        bucket_bytes: the refit's bucket size.
+        cpus: the cores this process may run on.
+    """
+
+    environ: Mapping[str, str]
+    honoured: Mapping[str, str]
+    export_environment: Callable[[Mapping[str, str]], None]
+    embedded_model_dir: Callable[[], Path]
+    embedded_config: Callable[[], ReferenceModelConfig]
+    embedded_device: str = "cpu"
+    bucket_bytes: int = 0
+    cpus: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class EngineRequest:
+    """One engine to build, as the composition root resolved it.
+
+    Attributes:
+        section: the engine's `rollout.engine_kwargs.<name>` section (None: it has none).
+        plan: the plan the refits into it send.
+        start: what a real engine starts with for that plan (called only by engines that start).
+        host: what this process offers it.
+        deployment: rollout.deployment, one of the plugin's `deployments`.
+        replica: which replica of the deployment (0 for the first).
+        commit_mode: rollout.commit_mode (None: the engine's own).
+        kv_cache_scheme: the quantization config's kv_cache_scheme (None: uncalibrated).
+        sync_backend: rollout.checkpoint_engine.backend.
+        wire_format: rollout.wire_format.
+        lora_rank: serve LoRA adapters of this rank (`actor.lora.sync: adapter`); None: no LoRA.
+    """
+
+    section: Any
+    plan: QuantizationPlan
+    start: Callable[[], EngineStart]
+    host: EngineHost
+    deployment: str = COLOCATED
+    replica: int = 0
+    commit_mode: CommitMode | None = None
+    kv_cache_scheme: Mapping[str, object] | None = None
+    sync_backend: str = "naive"
+    wire_format: str = "bucketed"
+    lora_rank: int | None = None
+
+
+def _one_each(section: Any, deployment: str, configured: int) -> int:
+    return configured
+
+
+@attrs.frozen
+class EnginePlugin:
+    """One rollout engine, as rl-refit knows it (each engine's `adapters/<engine>/engine_plugin.py`).
+
+    Attributes:
+        profile: its profile; `profile.name` is rollout.name, `profile.package` what it needs
+            installed.
+        adapter: its RolloutEngine class, by dotted name (for errors).
+        build: builds one engine for an EngineRequest; None for an engine rl-refit only plans for.
+        deployments: the `rollout.deployment` values it runs in.
+        section: the type of its `rollout.engine_kwargs.<name>` section (None: it has none).
+            A section may define `replicas(deployment, configured)`, the number of engines a
+            deployment refits (raising ConfigError for one it refuses), and
+            `ring_copies_buckets()`, whether its transport copies each tensor out of the
+            trainer's memory itself (buckets then travel by reference, unpacked).
+        extra: the rl-refit extra that installs `profile.package`.
+        cold_start: starts an engine cold from a checkpoint directory, in a process of its own, for
+            comparisons: (section, start, host, directory) -> ColdServer. None: it has none.
+        environment: the environment variables it honours (the composition root reads them).
+        embedded: it computes in this process, in pure torch: the trainer's model can be checked
+            against it directly (rollout.verify).
+        demo: `refit demo <name>` runs on it as a real engine, each refit against a cold start.
+        demo_section: its section for the demos: (url of a server to attach to, or None; whether
+            the model is the user's checkpoint) -> the section (None: the defaults).
+        server_python: the interpreter a server of its own runs with (disaggregated, cold starts):
+            (section, host) -> path. None: it starts no server.
+        probe: the arguments it adds to `refit doctor`'s environment probe:
+            (section, host) -> keyword arguments of adapters.system.probe.SystemProbe.
+    """
+
+    profile: StaticEngineProfile
+    adapter: str
+    build: Callable[[EngineRequest], RolloutEngine] | None = None
+    deployments: frozenset[str] = frozenset({COLOCATED})
+    section: type | None = None
+    extra: str | None = None
+    cold_start: Callable[..., Any] | None = None
+    environment: tuple[str, ...] = ()
+    embedded: bool = False
+    demo: bool = False
+    demo_section: Callable[[str | None, bool], Any] | None = None
+    server_python: Callable[[Any, EngineHost], str] | None = None
+    probe: Callable[[Any, EngineHost], Mapping[str, Any]] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.profile.name
+
+    @property
+    def package(self) -> str | None:
+        return self.profile.package
+
+    def replicas(self, section: Any, deployment: str, configured: int) -> int:
+        """How many engines `deployment` refits (the section's rule, else `configured`)."""
+        rule = getattr(section, "replicas", None)
+        return configured if rule is None else int(rule(deployment, configured))
+
+    def by_reference(self, section: Any, deployment: str) -> bool:
+        """Whether buckets reach this engine by reference (the trainer's tensors, unpacked):
+        colocated, or a transport that copies each tensor out itself."""
+        copies = getattr(section, "ring_copies_buckets", None)
+        return deployment == COLOCATED or (copies is not None and bool(copies()))
+
+    def require(self, key: str) -> None:
+        """ModuleNotFoundError naming the adapter and the extra when the engine's package is missing."""
+        package = self.package
+        if package is None:
+            return
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except ModuleNotFoundError:  # a missing parent package
+            found = False
+        if not found:
+            raise ModuleNotFoundError(
+                f"{key}={self.name}: {self.adapter} needs {package}, which is not installed; "
+                f"install it with pip install 'rl-refit[{self.extra}]'", name=package)
