@@ -147,7 +147,7 @@ def kernel_checks(env: EnvironmentSnapshot) -> list[Check]:
             for preset, need in MIN_CAPABILITY.items()]
 
 
-def vllm_cpu_checks(env: EnvironmentSnapshot) -> list[Check]:
+def engine_cpu_checks(env: EnvironmentSnapshot) -> list[Check]:
     """Which formats vLLM's CPU build serves here: with vLLM's own kernel, with the matmul emulated
     (the vLLM adapter's CPU emulation plugin), or not (vLLM's reason). Empty when no vLLM
     environment was probed."""
@@ -254,5 +254,5 @@ def transport_checks(env: EnvironmentSnapshot) -> list[Check]:
 
 def environment_checks(env: EnvironmentSnapshot) -> list[Check]:
     """Every machine-only check, in report order."""
-    return [*platform_checks(env), *export_checks(env), *kernel_checks(env), *vllm_cpu_checks(env), *engine_checks(env),
+    return [*platform_checks(env), *export_checks(env), *kernel_checks(env), *engine_cpu_checks(env), *engine_checks(env),
             *trainer_checks(env), *qat_checks(env), *transport_checks(env)]

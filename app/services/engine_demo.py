@@ -21,6 +21,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import attrs
 import torch
 
+from adapters.plugins import DEMO_ENGINES
 from app.services.demo import check_steps
 from app.services.mismatch_probe import token_batch
 from app.services.refit import RefitService
@@ -110,7 +111,7 @@ class EngineDemoSettings:
         url: attached: the server the user started (rl-refit starts no engine then).
     """
 
-    engine: str = "vllm"
+    engine: str = DEMO_ENGINES[0]  # the first engine whose plugin runs the demo
     deployment: str = "disaggregated"
     plan: QuantizationPlan = attrs.field(factory=lambda: QuantizationPlan.from_presets("FP8_BLOCK", "FP8_BLOCK"))
     model: str = "micro-moe"

@@ -266,6 +266,63 @@ def test_the_engine_name_check_sees_code_and_skips_docstrings_and_comments(tmp_p
 CONFIG_KEY = re.compile(r"\b(?:rollout|actor)\.[a-z_]")
 
 
+# --- app/ asks the engine plugins ------------------------------------------------------------------
+
+# The modules of app/ that exist for one engine, and why; the CLI (app/cli/) may spell engine names
+# as its vocabulary: the `refit demo vllm` mode and the `--engine` choices.
+ONE_ENGINE_MODULES = {
+    "app/bench/engine.py": "`refit bench engine`: a vLLM engine's refit against its cold start",
+    "app/bench/imports.py": "`refit bench imports`: what the engine side of vLLM loads of rl-refit",
+    "app/bench/sglang_backup.py": "SGLang's in-process backup, measured (a `refit bench refit` row)",
+    "app/bench/refit.py": "names the SGLang backup rows of its suite",
+    "app/bench/export.py": "exports the layouts vLLM reads",
+}
+ENGINE_EXACT = re.compile(r"^(vllm|sglang|trtllm)$", re.IGNORECASE)
+
+
+def _names_an_engine(text: str) -> bool:
+    """An engine's name as code spells it: an identifier, a dotted module, an engine's own name as a
+    string (not prose in a message, which holds spaces or quotes)."""
+    return bool(ENGINE_EXACT.match(text.strip()) or (ENGINE_NAME.search(text) and not any(c in text for c in " `'(")))
+
+
+def _app_modules_for_every_engine() -> list[pathlib.Path]:
+    return [p for p in _modules("app") if "cli" not in p.relative_to(ROOT).parts
+            and str(p.relative_to(ROOT)) not in ONE_ENGINE_MODULES]
+
+
+@pytest.mark.parametrize("path", _app_modules_for_every_engine(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_app_names_no_engine_but_asks_its_plugin(path: pathlib.Path) -> None:
+    """The composition root, the configuration and the services name no engine in code: no
+    identifier, import or attribute, and no string constant that is an engine's name (prose in a
+    message may cite one, as docstrings do). They ask adapters.plugins.PLUGINS."""
+    named = [f"{path.relative_to(ROOT)}:{line}: {text[:80]!r}" for line, text in _names_in_code(path)
+             if _names_an_engine(text)]
+    assert not named, "ask the engine's plugin (adapters/<engine>/engine_plugin.py) instead:\n" + "\n".join(named)
+
+
+@pytest.mark.parametrize("path", _modules("app"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_of_app_compares_an_engine_name_but_the_clis_vocabulary(path: pathlib.Path) -> None:
+    """Behaviour that differs by engine is a plugin's field, not `rollout.name == "vllm"`."""
+    if "cli" in path.relative_to(ROOT).parts or str(path.relative_to(ROOT)) in ONE_ENGINE_MODULES:
+        return
+    tree = ast.parse(path.read_text(), filename=str(path))
+    compared = [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Compare)
+                for c in ast.walk(n) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                and ENGINE_EXACT.match(c.value)]
+    assert not compared, f"a comparison with an engine's name: {compared}; give the plugin a field"
+
+
+def test_the_app_engine_check_sees_names_and_skips_prose(tmp_path: pathlib.Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text('"""About vLLM."""\nraise ValueError("use vllm or the reference engine")\n')
+    assert not [t for _, t in _names_in_code(module) if _names_an_engine(t)]
+    for code in ('X = "sglang"\n', "def check_vllm(): pass\n", "from adapters.vllm.factory import f\n",
+                 "a.engine_kwargs.vllm = 1\n"):
+        module.write_text(code)
+        assert [t for _, t in _names_in_code(module) if _names_an_engine(t)], code
+
+
 @pytest.mark.parametrize("path", [p for p in _modules("domain") if p.name != "keys.py"],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_domain_spells_configuration_keys_only_through_the_key_function(path: pathlib.Path) -> None:

@@ -15,7 +15,7 @@ from adapters.vllm.cpu_emulation import ENV_VAR, FORMATS, emulated_formats, pars
 from adapters.vllm.factory import vllm_environment
 from adapters.vllm.launcher import root_cause
 from app.bootstrap import bootstrap
-from app.services.doctor_checks import Status, vllm_cpu_checks
+from app.services.doctor_checks import Status, engine_cpu_checks
 from domain.environment import EnvironmentSnapshot
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
@@ -91,7 +91,7 @@ def _snapshot(kernels: dict[str, object] | None) -> EnvironmentSnapshot:
 
 
 def test_doctor_says_which_of_vllms_cpu_kernels_this_machine_has_and_what_is_emulated() -> None:
-    rows = {c.name: c for c in vllm_cpu_checks(_snapshot({
+    rows = {c.name: c for c in engine_cpu_checks(_snapshot({
         "mode": "auto", "emulated": ["MXFP8"],
         "native": {"FP8_BLOCK": None, "MXFP8": "vLLM registers no MXFP8 linear kernel for the CPU platform"}}))}
     assert rows["FP8_BLOCK"].status is Status.OK and "vLLM's own" in rows["FP8_BLOCK"].detail
@@ -100,13 +100,13 @@ def test_doctor_says_which_of_vllms_cpu_kernels_this_machine_has_and_what_is_emu
 
 
 def test_doctor_with_emulation_off_lists_the_formats_vllm_cannot_serve_here() -> None:
-    (row,) = vllm_cpu_checks(_snapshot({"mode": "off", "emulated": [], "native": {"FP8_BLOCK": "requires AMX"}}))
+    (row,) = engine_cpu_checks(_snapshot({"mode": "off", "emulated": [], "native": {"FP8_BLOCK": "requires AMX"}}))
     assert row.status is Status.UNAVAILABLE and "requires AMX" in row.detail and "cpu_emulation=auto" in row.fix
 
 
 def test_doctor_has_no_vllm_cpu_rows_without_a_vllm_environment_and_says_why_a_probe_failed() -> None:
-    assert vllm_cpu_checks(_snapshot(None)) == []
-    (row,) = vllm_cpu_checks(_snapshot({"error": "no module named vllm"}))
+    assert engine_cpu_checks(_snapshot(None)) == []
+    (row,) = engine_cpu_checks(_snapshot({"error": "no module named vllm"}))
     assert row.status is Status.WARNING and "no module named vllm" in row.detail
 
 
