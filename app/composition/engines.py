@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from adapters.engine_plugin import EngineHost
     from adapters.engine_start import EngineStart
     from app.config_sections import RefitConfig
+    from app.services.engine_demo import ColdStart
     from domain.quant.backend_policy import BackendDecision
     from domain.quant.plan import QuantizationPlan
-    from ports.engine_inspection import EngineInspection
     from ports.environment_probe import EnvironmentProbe
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -52,7 +52,7 @@ class EngineWiring:
             raise ConfigError("rollout.name", f"{plugin.name} starts no server of its own")
         return plugin.server_python(self.config.rollout.engine_kwargs.engine(plugin.name), self.engine_host())
 
-    def cold_start(self, directory: str | Path) -> EngineInspection:
+    def cold_start(self, directory: str | Path) -> ColdStart:
         """An engine of rollout.name started cold from a checkpoint directory in a process of its
         own, for comparisons (ports.engine_inspection, log_probs, placeholders): its plugin's
         `cold_start`. Raises ConfigError naming rollout.name for an engine that has none."""
