@@ -27,7 +27,14 @@ from adapters.profiles import profile_for
 from app.composition.embedded import EmbeddedWiring
 from app.composition.engines import EngineWiring
 from app.composition.lora import LoraWiring
-from app.composition.tables import TRAINERS, BuildContext, engine_request, engine_start, with_fault
+from app.composition.tables import (
+    TRAINERS,
+    BuildContext,
+    engine_request,
+    engine_start,
+    native_codecs,
+    with_fault,
+)
 from app.composition.trainer_side import TrainerWiring
 from app.composition.world import WorldWiring
 from app.config import load_config
@@ -279,7 +286,7 @@ class Services:
                             probe=self.post_refit_probe(trainer),
                             restore=restore or self.config.rollout.checkpoint_engine.restore,
                             ownership=Ownership.BY_REFERENCE if by_reference else Ownership.REUSED,
-                            delta=self.delta_sender())
+                            delta=self.delta_sender(), native_codecs=native_codecs)
 
     def delta_sender(self) -> DeltaSender | None:
         """The trainer's delta sender when `rollout.checkpoint_engine.backend` is layout_delta, else None."""

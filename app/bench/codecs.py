@@ -1,7 +1,8 @@
 """`refit bench codecs`: quantize throughput per preset and element rule against compressed-tensors,
 torchao and the memory-bandwidth bound (a plain `copy_` of the same bytes), all on the same tensor
 in one run. The default rule (`engine`) is also measured against the `compressed-tensors` rule,
-the operation order the codecs had before the rules were named, eager and compiled."""
+the operation order the codecs had before the rules were named, eager, compiled and native (the
+native kernels where they build: adapters/native_codecs/)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,9 @@ def run(quick: bool = False, device: str = "cpu") -> BenchReport:
     report.add(case, "copy_ (memory bound)", gbytes / copy_s, "GB/s")
     report.add(case, "bare cast to float8_e4m3fn", gbytes / cast_s, "GB/s", "copy_", gbytes / copy_s)
     shares = []
+    native_missing = _native() if w.device.type == "cpu" else "the native kernels run on the CPU only"
+    if native_missing is not None:
+        report.notes.append(f"native codecs not measured: {native_missing}")
     for fmt in (FP8_BLOCK, MXFP8, MXFP4, NVFP4):
         fns = {rule.value: timed(functools.partial(quantize_weight, fmt, w, numerics=rule)) for rule in ElementRule}
         kernels.set_compiled(False)
@@ -122,7 +126,16 @@ def run(quick: bool = False, device: str = "cpu") -> BenchReport:
                    "compressed-tensors", ref_speeds.get("compressed-tensors"))
         row = report.add(case_name, "quantize (compiled)", ours, "GB/s", "copy_ bound (in turns)",
                          gbytes / fast["copy_"])
-        shares.append(_share_note(fmt, row.ratio or 0.0))
+        if native_missing is None:  # the native kernels, in turns with their own copy_ bound
+            with kernels.use(kernels.CodecPath.NATIVE):
+                native = measure_interleaved({**fns, "copy_": copy}, repeat=repeat)
+            native_gbps = gbytes / native[engine.value]
+            row = report.add(case_name, "quantize (native)", native_gbps, "GB/s", "copy_ bound (in turns)",
+                             gbytes / native["copy_"])
+            report.add(case_name, "quantize (native)", native_gbps, "GB/s", "quantize (compiled)", ours)
+            report.add(case_name, "quantize (native, engine rule)", native_gbps, "GB/s",
+                       "compressed-tensors rule (native)", gbytes / native[ct_rule.value])
+        shares.append(_share_note(fmt, row.ratio or 0.0, "native" if native_missing is None else "compiled"))
         report.add(case_name, "quantize (compiled)", ours, "GB/s", "quantize (eager)", gbytes / eager_s[engine])
         for mode, times in (("eager", eager_s), ("compiled", fast_s)):
             report.add(case_name, f"quantize ({mode}, engine rule)", gbytes / times[engine], "GB/s",
@@ -146,10 +159,17 @@ def _load_average() -> float | None:
         return None
 
 
-def _share_note(fmt: PrecisionFormat, share: float) -> str:
+def _native() -> str | None:
+    """Build and install the native kernels (app.composition.tables.native_codecs): None, or why not."""
+    from app.composition.tables import native_codecs
+
+    return native_codecs()
+
+
+def _share_note(fmt: PrecisionFormat, share: float, path: str = "compiled") -> str:
     target = TARGETS[fmt.name]
     verdict = "met" if share >= target else "NOT met"
-    return (f"{fmt.name}: the fast path (compiled) reaches {share:.0%} of the copy_ bound measured in turns with it "
+    return (f"{fmt.name}: the fast path ({path}) reaches {share:.0%} of the copy_ bound measured in turns with it "
             f"(target {target:.0%}: {verdict})")
 
 

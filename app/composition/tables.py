@@ -227,6 +227,14 @@ def qat_backend(backend: str, numerics: str, layout: str) -> QatBackend:
     return built
 
 
+def native_codecs() -> str | None:
+    """Build and install the native codec kernels (adapters/native_codecs): None, or why they are
+    not there (the refit then tries the compiled path; docs/refit.md#the-codec-path)."""
+    from adapters.native_codecs.kernels import install
+
+    return install()
+
+
 def with_fault(engine: RolloutEngine, spelling: str, after: int = 0) -> RolloutEngine:
     """`engine` wrapped to fail once where `spelling` says (`--inject-fault`: `[hang:]bucket:K`,
     `begin`, `finalize`, `verify`, `storage`), after `after` refits that succeed (demos, tests)."""

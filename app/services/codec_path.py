@@ -1,17 +1,20 @@
-"""Which codec path a refit quantizes with: the compiled fast path where it is bit-identical and
-faster on this machine, else the eager reference (docs/refit.md#the-codec-path).
+"""Which codec path a refit quantizes with: the native kernels, else the compiled fast path, where
+it is bit-identical and faster on this machine, else the eager reference
+(docs/refit.md#the-codec-path).
 
-The choice is made once per RefitService, before its first refit and outside its timings: the
-compiled path quantizes the trainer's weights once (that compiles one kernel per format, rule,
-dtype and row length of the model: the warm-up), then both paths quantize them again, in turns
-tensor by tensor, and every output is compared byte for byte. The compiled path is chosen when
-every byte is equal and it took less time; otherwise the refit stays eager and says why.
+The choice is made once per RefitService, before its first refit and outside its timings. Each
+fast path in turn (native first, where the composition root gave a way to build its kernels;
+then compiled) quantizes the trainer's weights once (the warm-up: building the native kernels,
+or compiling one kernel per format, rule, dtype and row length of the model), then it and the
+eager path quantize them again, in turns tensor by tensor, and every output is compared byte for
+byte. The first fast path whose bytes are all equal and that took less time is chosen; otherwise
+the refit stays eager and says why.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 import structlog
@@ -33,11 +36,13 @@ class CodecPathChoice:
     """The codec path of a refit service, and why.
 
     Attributes:
-        path: eager or compiled.
-        reason: why, in words.
-        warmup_seconds: the compiled path's first pass over the model (compiling), 0 when not tried.
+        path: eager, compiled or native.
+        reason: why, in words (for each fast path tried).
+        warmup_seconds: the chosen (else the last tried) fast path's first pass over the model,
+            0 when none was tried.
         eager_seconds: quantizing the model eagerly, in the comparison (0 when not compared).
-        compiled_seconds: quantizing it compiled, warm, in the comparison (0 when not compared).
+        compiled_seconds: quantizing it on that fast path, warm, in the comparison (0 when not
+            compared).
     """
 
     path: CodecPath
@@ -73,10 +78,11 @@ def _quantized_bytes(plan: QuantizationPlan, trainer: TrainerModel) -> int:
                if plan.decide(name, tuple(t.shape)).is_quantized)
 
 
-def _compare(plan: QuantizationPlan, trainer: TrainerModel) -> tuple[str | None, float, float]:
-    """Both paths over the model, in turns tensor by tensor: the first tensor whose bytes differ
-    (None: none), and each path's seconds."""
-    times = {CodecPath.EAGER: 0.0, CodecPath.COMPILED: 0.0}
+def _compare(plan: QuantizationPlan, trainer: TrainerModel,
+             fast: CodecPath = CodecPath.COMPILED) -> tuple[str | None, float, float]:
+    """The eager and the `fast` path over the model, in turns tensor by tensor: the first tensor
+    whose bytes differ (None: none), and each path's seconds."""
+    times = {CodecPath.EAGER: 0.0, fast: 0.0}
     streams = {path: on_path(path, quantize_stream(plan, trainer.named_weights())) for path in times}
     while True:
         out = {}
@@ -84,31 +90,35 @@ def _compare(plan: QuantizationPlan, trainer: TrainerModel) -> tuple[str | None,
             t0 = time.perf_counter()
             out[path] = next(stream, None)
             times[path] += time.perf_counter() - t0
-        eager, compiled = out[CodecPath.EAGER], out[CodecPath.COMPILED]
-        if eager is None or compiled is None:
-            if eager is not compiled:
+        eager, other_out = out[CodecPath.EAGER], out[fast]
+        if eager is None or other_out is None:
+            if eager is not other_out:
                 return "the two paths yielded different numbers of tensors", times[CodecPath.EAGER], 0.0
-            return None, times[CodecPath.EAGER], times[CodecPath.COMPILED]
-        (name, a), (other, b) = eager, compiled
+            return None, times[CodecPath.EAGER], times[fast]
+        (name, a), (other, b) = eager, other_out
         if name != other or a.dtype != b.dtype or a.shape != b.shape or not torch.equal(
                 a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
-            return name, times[CodecPath.EAGER], times[CodecPath.COMPILED]
+            return name, times[CodecPath.EAGER], times[fast]
 
 
 def choose_codec_path(plan: QuantizationPlan, trainer: TrainerModel, policy: str = "auto",
-                      *, min_bytes: int | None = None) -> CodecPathChoice:
+                      *, min_bytes: int | None = None,
+                      native: Callable[[], str | None] | None = None) -> CodecPathChoice:
     """Choose the path a refit of `trainer` under `plan` quantizes with.
 
     Args:
         plan: the rollout plan.
         trainer: the trainer whose weights are refitted.
-        policy: auto (the compiled path where it is bit-identical and faster) or eager.
+        policy: auto (the native, else the compiled path, where it is bit-identical and faster)
+            or eager.
         min_bytes: auto keeps a model with fewer bytes to quantize eager, untried (None:
             AUTO_MIN_BYTES).
+        native: builds and installs the native kernels, returning None, or why they are not
+            there (the composition root's `native_codecs`); None: the native path is not tried.
 
     Returns:
-        The choice; compiling that fails (no C++ compiler, an unsupported torch) gives eager with
-        the error as the reason.
+        The choice; a fast path that fails to build or compile (no C++ compiler, an unsupported
+        torch) is passed over, with the error in the reason.
     """
     if policy not in POLICIES:
         raise ValueError(f"codec path policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -121,23 +131,41 @@ def choose_codec_path(plan: QuantizationPlan, trainer: TrainerModel, policy: str
     if nbytes < min_bytes:
         return CodecPathChoice(CodecPath.EAGER, f"{nbytes / 2**20:.0f} MiB to quantize, under {min_bytes >> 20} MiB: "
                                "compiling would cost more than it saves")
+    reasons: list[str] = []
+    last = CodecPathChoice(CodecPath.EAGER, "")
+    for fast in (CodecPath.NATIVE, CodecPath.COMPILED):
+        if fast is CodecPath.NATIVE:
+            missing = "no native kernels were offered" if native is None else native()
+            if missing is not None:
+                reasons.append(missing)
+                continue
+        tried = _try(plan, trainer, fast)
+        if tried.path is fast:
+            return attrs.evolve(tried, reason="; ".join([*reasons, tried.reason]))
+        reasons.append(tried.reason)
+        last = tried
+    return attrs.evolve(last, path=CodecPath.EAGER, reason="; ".join(reasons))
+
+
+def _try(plan: QuantizationPlan, trainer: TrainerModel, fast: CodecPath) -> CodecPathChoice:
+    """`fast` warmed up over the model, then compared with eager: chosen (its path) or not
+    (eager), and why."""
     t0 = time.perf_counter()
     try:
-        for _ in on_path(CodecPath.COMPILED, quantize_stream(plan, trainer.named_weights())):
+        for _ in on_path(fast, quantize_stream(plan, trainer.named_weights())):
             pass
-    except Exception as err:  # compiling is optional: any failure leaves the reference path
-        structlog.get_logger().warning("the compiled codec path is unavailable; quantizing eagerly",
+    except Exception as err:  # a fast path is optional: any failure leaves the reference path
+        structlog.get_logger().warning(f"the {fast.value} codec path is unavailable; not using it",
                                        error=f"{type(err).__name__}: {err}")
         first_line = str(err).splitlines()[0][:200] if str(err) else ""
-        return CodecPathChoice(CodecPath.EAGER, f"compiling failed ({type(err).__name__}: {first_line})")
+        return CodecPathChoice(CodecPath.EAGER, f"the {fast.value} path failed ({type(err).__name__}: {first_line})")
     warmup = time.perf_counter() - t0
-    differs, eager_s, compiled_s = _compare(plan, trainer)
+    differs, eager_s, fast_s = _compare(plan, trainer, fast)
     if differs is not None:
-        return CodecPathChoice(CodecPath.EAGER, f"the compiled path's bytes differ from eager's in {differs}",
-                               warmup, eager_s, compiled_s)
-    verdict = (f"bit-identical to eager on every tensor of the model; quantizing took {compiled_s:.3f} s compiled "
-               f"against {eager_s:.3f} s eager")
-    if compiled_s >= eager_s:
-        return CodecPathChoice(CodecPath.EAGER, f"the compiled path is {verdict}: not faster", warmup, eager_s,
-                               compiled_s)
-    return CodecPathChoice(CodecPath.COMPILED, verdict, warmup, eager_s, compiled_s)
+        return CodecPathChoice(CodecPath.EAGER, f"the {fast.value} path's bytes differ from eager's in {differs}",
+                               warmup, eager_s, fast_s)
+    verdict = (f"the {fast.value} path is bit-identical to eager on every tensor of the model; quantizing took "
+               f"{fast_s:.3f} s {fast.value} against {eager_s:.3f} s eager")
+    if fast_s >= eager_s:
+        return CodecPathChoice(CodecPath.EAGER, f"{verdict}: not faster", warmup, eager_s, fast_s)
+    return CodecPathChoice(fast, verdict, warmup, eager_s, fast_s)

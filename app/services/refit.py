@@ -68,9 +68,11 @@ class RefitService:
             commit; a mismatch fails the refit and leaves the engine stale); None: not run.
         delta: the delta sender of a `layout_delta` refit (the engine must be a DeltaEngine);
             None: every refit sends every tensor whole.
-        codec_path: auto (before the first refit, outside its timings, choose the compiled codec
-            path where it is bit-identical to the eager one on the model and faster:
-            app.services.codec_path) or eager.
+        codec_path: auto (before the first refit, outside its timings, choose the native, else
+            the compiled codec path where it is bit-identical to the eager one on the model and
+            faster: app.services.codec_path) or eager.
+        native_codecs: builds and installs the native codec kernels, returning None or why not
+            (the composition root's); None: the native path is not tried.
         reports: every refit's report, oldest first.
     """
 
@@ -85,6 +87,7 @@ class RefitService:
     probe: PostRefitProbe | None = None
     delta: DeltaSender | None = None
     codec_path: str = "auto"
+    native_codecs: Callable[[], str | None] | None = None
     reports: list[RefitReport] = attrs.field(factory=list)
     _codec: CodecPathChoice | None = attrs.field(init=False, default=None)
     _next_id: int = attrs.field(init=False, default=1)
@@ -107,7 +110,7 @@ class RefitService:
     def codec_choice(self) -> CodecPathChoice:
         """The codec path this service's refits quantize with, chosen on the first call."""
         if self._codec is None:
-            self._codec = choose_codec_path(self.plan, self.trainer, self.codec_path)
+            self._codec = choose_codec_path(self.plan, self.trainer, self.codec_path, native=self.native_codecs)
             structlog.get_logger().info("codec path", path=self._codec.path.value, reason=self._codec.reason,
                                         warmup_s=round(self._codec.warmup_seconds, 3))
         return self._codec

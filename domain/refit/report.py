@@ -150,8 +150,8 @@ class RefitReport:
             engine on this side).
         delta: a `layout_delta` refit's figures: full or delta and why, bytes sent against a full
             refit's, both sides' host copies (None for other backends).
-        codec_path: the path the codecs quantized with: `eager` (the reference) or `compiled`
-            (the fast path, bit-identical on this machine); None: not reported.
+        codec_path: the path the codecs quantized with: `eager` (the reference), `native` or
+            `compiled` (the fast paths, bit-identical on this machine); None: not reported.
     """
 
     refit_id: int

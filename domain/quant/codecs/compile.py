@@ -1,4 +1,4 @@
-"""Which path the codec kernels run: eager (the readable reference) or compiled (the fast path).
+"""Which path the codec kernels run: eager (the readable reference), compiled, or native.
 
 The eager kernels are the reference. The compiled path runs the same kernel functions through
 torch.compile with `fast=True`, which swaps their E2M1 encoder for `fast_elements` (float
@@ -16,6 +16,11 @@ has a fixed number of rows for a given row length, so a shape family is one row 
 shorter last chunk of a weight whose rows are not a whole number of chunks). Those combinations
 can exceed dynamo's default of 8 entries per function, past which a fullgraph compile raises, so
 codec calls run with a larger limit.
+
+The native path runs a kernel's native port where one is installed (`install_native`, by the
+native codecs adapter, adapters/native_codecs/) and it takes the call; every other call runs
+compiled. A port returns the kernel's outputs, byte for byte, or None for a call it does not
+port.
 """
 
 from __future__ import annotations
@@ -41,9 +46,28 @@ class CodecPath(enum.Enum):
 
     EAGER = "eager"  # the readable reference: torch ops one by one, in cache-sized row chunks
     COMPILED = "compiled"  # torch.compile of the same kernels with float-only element encoders
+    NATIVE = "native"  # the kernels' native ports where installed, else compiled
 
 
 _path: contextvars.ContextVar[CodecPath] = contextvars.ContextVar("codec_path", default=CodecPath.EAGER)
+# kernel function -> its native port: (the kernel's arguments, without `fast`) -> its outputs, or None
+_native: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def install_native(kernel: Callable[..., Any], port: Callable[..., Any]) -> None:
+    """Install `port` as `kernel`'s native port (the native path calls it first).
+
+    Args:
+        kernel: a codec kernel function (e.g. domain.quant.codecs.fp8_block._quantize_kernel).
+        port: called with the kernel's arguments but `fast`; returns the kernel's outputs, or None
+            for a call it does not port.
+    """
+    _native[kernel] = port
+
+
+def native_kernels() -> tuple[str, ...]:
+    """The kernels that have a native port installed, by qualified name."""
+    return tuple(f"{k.__module__}.{k.__qualname__}" for k in _native)
 
 
 def set_compiled(enabled: bool) -> None:
@@ -82,7 +106,12 @@ def run(fn: Callable[..., Any], *args: Any) -> Any:
     True. Kernels return their block maxima instead of checking them, so that the caller's
     finiteness check is the only host synchronization.
     """
-    if _path.get() is CodecPath.EAGER:
+    path = _path.get()
+    if path is CodecPath.EAGER:
         return fn(*args)
+    if path is CodecPath.NATIVE and (port := _native.get(fn)) is not None:
+        out = port(*args)
+        if out is not None:
+            return out
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         return _compiled(fn)(*args, True)
