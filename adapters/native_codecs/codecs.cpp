@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -205,9 +206,15 @@ namespace {
 inline int32_t e8m0_rceil(float amax, float elem_max) {
   const float descale = amax / elem_max;
   if (descale == 0.0f) return 0;
-  int exponent;
-  const float mantissa = std::frexp(descale, &exponent);
-  const int32_t ceil_log2 = mantissa == 0.5f ? exponent - 1 : exponent;
+  const uint32_t b = bits_of(descale), biased = b >> 23 & 0xFFu;
+  int32_t ceil_log2;
+  if (biased != 0 && biased != 0xFFu) {  // a normal float: its exponent, plus one unless a power of two
+    ceil_log2 = static_cast<int32_t>(biased) - 127 + ((b & 0x7FFFFFu) != 0 ? 1 : 0);
+  } else {  // subnormal, Inf or NaN: frexp, as the reference takes it
+    int exponent;
+    const float mantissa = std::frexp(descale, &exponent);
+    ceil_log2 = mantissa == 0.5f ? exponent - 1 : exponent;
+  }
   return std::min(std::max(ceil_log2 + 127, 0), 254);
 }
 
@@ -383,6 +390,39 @@ std::vector<torch::Tensor> nvfp4(torch::Tensor w, torch::Tensor gs, bool engine)
   return {q, scales, amaxes};
 }
 
+// The largest |x| of each matrix of [M, N] bf16 (NVFP4's global scale), as float32 [M].
+torch::Tensor amax(torch::Tensor w) {
+  check_input(w);
+  TORCH_CHECK(w.dim() == 2, "amax takes [M, N]");
+  const int64_t m = w.size(0), n = w.size(1);
+  auto out = torch::empty({m}, w.options().dtype(torch::kFloat));
+  const uint16_t* x = bf16_data(w);
+  float* o = out.data_ptr<float>();
+  for (int64_t mat = 0; mat < m; ++mat) {
+    const uint16_t* base = x + mat * n;
+    const int64_t chunk = 1 << 16, chunks = (n + chunk - 1) / chunk;
+    std::vector<uint32_t> tops(static_cast<size_t>(chunks), 0);
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t i0 = c * chunk, i1 = std::min(n, i0 + chunk);
+        int64_t i = i0;
+        uint32_t top = 0;
+#if defined(__AVX2__)
+        __m256i vmax = _mm256_setzero_si256();
+        for (; i + 8 <= i1; i += 8) vmax = _mm256_max_epi32(vmax, abs_bits(load_bf16(base + i)));
+        top = hmax(vmax);
+#endif
+        for (; i < i1; ++i) top = std::max(top, static_cast<uint32_t>(base[i]) << 16 & 0x7FFFFFFFu);
+        tops[static_cast<size_t>(c)] = top;
+      }
+    });
+    uint32_t top = 0;
+    for (uint32_t t : tops) top = std::max(top, t);
+    o[mat] = float_of(top);
+  }
+  return out;
+}
+
 // The element encoders alone, on float32 values, for the tests of every rounding midpoint.
 torch::Tensor e4m3_bytes(torch::Tensor x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous());
@@ -432,6 +472,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_block", &fp8_block, "FP8 block quantization of [M, N, K] bf16 in 128 x 128 blocks");
   m.def("mx", &mx, "MX quantization of [R, K] bf16 in blocks of 32 along K");
   m.def("nvfp4", &nvfp4, "NVFP4 quantization of [M, R, K] bf16 in blocks of 16 along K");
+  m.def("amax", &amax, "the largest |x| of each matrix of [M, N] bf16");
   m.def("e4m3_bytes", &e4m3_bytes, "float32 -> float8_e4m3fn bytes, saturating");
   m.def("e2m1_codes", &e2m1_codes, "float32 -> E2M1 codes, saturating");
   m.def("vectorized", &vectorized, "whether the build uses AVX2");

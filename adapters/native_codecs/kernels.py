@@ -23,7 +23,9 @@ NAME = "rl_refit_native_codecs_torch" + "".join(c if c.isalnum() else "_" for c 
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-ffp-contract=off"]  # no fused multiply-add: each product and sum rounds, as torch's do
+    # -ffp-contract=off: no fused multiply-add, each product and sum rounds as torch's do;
+    # -fopenmp: at::parallel_for spreads the blocks over torch's threads only in an OpenMP build
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     if x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
@@ -35,7 +37,7 @@ def module() -> ModuleType:
     """The built extension (built on first use, then loaded from torch's extension cache)."""
     from torch.utils.cpp_extension import load
 
-    return load(NAME, sources=[str(SOURCE)], extra_cflags=_flags(), verbose=False)
+    return load(NAME, sources=[str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _fp8_block(w: torch.Tensor, block: tuple[int, int], rule: ElementRule,
@@ -77,6 +79,13 @@ def _nvfp4(w: torch.Tensor, gscale: torch.Tensor, block: int,
             amax.reshape(*lead, -1, 1))
 
 
+def _amax(t: torch.Tensor) -> torch.Tensor | None:
+    if t.dtype != torch.bfloat16 or t.dim() < 2 or t.device.type != "cpu" or t.numel() == 0:
+        return None
+    lead = t.shape[:-2]
+    return module().amax(t.reshape(-1, t.shape[-2] * t.shape[-1]).contiguous()).reshape(lead)
+
+
 def install() -> str | None:
     """Build the kernels and install them as the `native` codec path; None when installed, else
     why not (the build's first line of error)."""
@@ -88,6 +97,7 @@ def install() -> str | None:
     install_native(fp8_block._quantize_kernel, _fp8_block)
     install_native(mx._quantize_kernel, _mx)
     install_native(nvfp4._quantize_kernel, _nvfp4)
+    install_native(nvfp4._amax_kernel, _amax)
     return None
 
 

@@ -105,10 +105,11 @@ def test_calls_the_kernels_do_not_port_take_the_compiled_path(monkeypatch) -> No
         assert all(_same(got[key], ref[key]) for key in ref), fmt.name
     assert set(kernels.native_kernels()) == {"domain.quant.codecs.fp8_block._quantize_kernel",
                                              "domain.quant.codecs.mx._quantize_kernel",
-                                             "domain.quant.codecs.nvfp4._quantize_kernel"}
+                                             "domain.quant.codecs.nvfp4._quantize_kernel",
+                                             "domain.quant.codecs.nvfp4._amax_kernel"}
 
 
-@pytest.mark.parametrize("fmt", [FP8_BLOCK, MXFP8, MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [FP8_BLOCK, MXFP8, MXFP4, NVFP4], ids=lambda f: f.name)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_weight_is_refused_by_name(fmt, bad, monkeypatch) -> None:
     monkeypatch.setattr(kernels, "_compiled", _refused)

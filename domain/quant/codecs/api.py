@@ -161,6 +161,9 @@ CHUNK_ELEMENTS = 2**18
 # keeps no float32 temporaries), and a power of two of rows for a given row length, so that every
 # weight with that row length (and whole chunks) reuses one compiled kernel.
 COMPILED_CHUNK_ELEMENTS = 2**20
+# The native path's chunks: its kernels keep no temporaries and split the work over the threads
+# themselves, so a weight is one call (up to this many elements), with no outputs to concatenate.
+NATIVE_CHUNK_ELEMENTS = 2**28
 
 
 def chunk_rows(k: int, block_rows: int, path: kernels.CodecPath) -> int:
@@ -172,11 +175,13 @@ def chunk_rows(k: int, block_rows: int, path: kernels.CodecPath) -> int:
         path: the codec path.
 
     Returns:
-        Eager: about CHUNK_ELEMENTS per chunk; compiled: the largest power of two of rows within
-        COMPILED_CHUNK_ELEMENTS (at least one block).
+        Eager: about CHUNK_ELEMENTS per chunk; native: about NATIVE_CHUNK_ELEMENTS; compiled: the
+        largest power of two of rows within COMPILED_CHUNK_ELEMENTS (at least one block).
     """
     if path is kernels.CodecPath.EAGER:
         return max(block_rows, CHUNK_ELEMENTS // max(k, 1) // block_rows * block_rows)
+    if path is kernels.CodecPath.NATIVE:
+        return max(block_rows, NATIVE_CHUNK_ELEMENTS // max(k, 1) // block_rows * block_rows)
     rows = 1 << max(0, (COMPILED_CHUNK_ELEMENTS // max(k, 1)).bit_length() - 1)
     return max(block_rows, rows // block_rows * block_rows)
 

@@ -94,6 +94,16 @@ def use(path: CodecPath) -> Iterator[None]:
         _path.reset(token)
 
 
+def run_small(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a kernel too small to be worth compiling (one reduction): its native port on the native
+    path where it takes the call, else the kernel itself, eagerly."""
+    if _path.get() is CodecPath.NATIVE and (port := _native.get(fn)) is not None:
+        out = port(*args)
+        if out is not None:
+            return out
+    return fn(*args)
+
+
 @functools.cache
 def _compiled(fn: F) -> F:
     return torch.compile(fn, fullgraph=True, dynamic=False)  # type: ignore[return-value]

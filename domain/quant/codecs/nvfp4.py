@@ -49,7 +49,7 @@ def global_scale(*tensors: torch.Tensor, name: str = "weight", rule: ElementRule
         if t.numel() == 0:
             raise UnsupportedShape(name, f"a member has no elements (shape {tuple(t.shape)}); NVFP4 has no blocks to scale",
                                    f"keep the whole group in BF16 (add it to {key('quantization', 'ignore')})")
-    amaxes = [t.detach().abs().amax(dim=(-2, -1)).float() for t in tensors]
+    amaxes = [kernels.run_small(_amax_kernel, t.detach()) for t in tensors]
     amax = torch.stack(amaxes).amax(dim=0)
     check_finite_amax(amax, name)
     if rule is ElementRule.ENGINE:
@@ -58,6 +58,11 @@ def global_scale(*tensors: torch.Tensor, name: str = "weight", rule: ElementRule
         gs = (F8E4M3_MAX * F4E2M1_MAX) / amax.clamp(min=_FP32_TINY)
         gs = torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
     return gs.reshape(*amax.shape, 1) if amax.dim() else gs.reshape(1)
+
+
+def _amax_kernel(t: torch.Tensor, fast: bool = False) -> torch.Tensor:
+    """The largest |x| of each [N, K] matrix of `t`, in float32."""
+    return t.abs().amax(dim=(-2, -1)).float()
 
 
 def _reciprocal(t: torch.Tensor) -> torch.Tensor:
