@@ -190,5 +190,7 @@ def _bound_note(copy_gbps: float, cast_gbps: float) -> str:
             "thread(s): it reads and writes 2 bytes per element and computes nothing, where a codec reads the same "
             "2 bytes, writes 1 (E4M3) or 0.5 (FP4) plus its scales, and computes a block maximum, a scale and a "
             f"rounding per element; the bare float8 cast alone (no scale, {cast_gbps:.2f} GB/s) shows what one "
-            "per-element conversion costs against it. The FP4 formats are bound by their per-element arithmetic "
-            "(E2M1 rounding in float operations, two codes per byte), not by memory: see their stages")
+            "per-element conversion costs against it. The native kernels are bound by that per-element "
+            "arithmetic (a rounding on the float's bits, 8 lanes wide) and by one scalar scale per block (a "
+            "division, and for NVFP4 two reciprocals and an E4M3 round trip per 16 elements), not by memory; "
+            "the compiled path by its float8 cast and its E2M1 rounding in float operations: see its stages")
