@@ -22,22 +22,27 @@ SOURCE = Path(__file__).with_name("codecs.cpp")
 NAME = "rl_refit_native_codecs_torch" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
 
 
-def _flags() -> list[str]:
-    # -ffp-contract=off: no fused multiply-add, each product and sum rounds as torch's do;
-    # -fopenmp: at::parallel_for spreads the blocks over torch's threads only in an OpenMP build
-    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
+def _has_avx2() -> bool:
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    if x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
-    return flags
+    return x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 @functools.cache
-def module() -> ModuleType:
-    """The built extension (built on first use, then loaded from torch's extension cache)."""
+def module(avx2: bool | None = None) -> ModuleType:
+    """The built extension (built on first use, then loaded from torch's extension cache).
+
+    Args:
+        avx2: None: with AVX2 where this CPU has it; False: the scalar code only (a build of its
+            own, which the tests hold to the same bytes).
+    """
     from torch.utils.cpp_extension import load
 
-    return load(NAME, sources=[str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"], verbose=False)
+    vector = _has_avx2() if avx2 is None else avx2
+    # -ffp-contract=off: no fused multiply-add, each product and sum rounds as torch's do;
+    # -fopenmp: at::parallel_for spreads the blocks over torch's threads only in an OpenMP build
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(["-mavx2", "-mfma"] if vector else [])]
+    return load(NAME + ("" if vector else "_scalar"), sources=[str(SOURCE)], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _fp8_block(w: torch.Tensor, block: tuple[int, int], rule: ElementRule,

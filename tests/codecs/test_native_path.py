@@ -1,7 +1,7 @@
 """The native codec kernels (adapters/native_codecs/) give the bytes of the eager reference.
 
 Built once for the module (the first build on a machine takes about a minute; torch's extension
-cache keeps it). Three levels, as tests/codecs/test_fast_path.py checks the compiled path: the
+cache keeps it), and once more without AVX2, for the scalar code. Three levels, as tests/codecs/test_fast_path.py checks the compiled path: the
 element encoders on every float32 whose low 16 bits are one of six patterns (every rounding
 midpoint of E4M3 and E2M1, and its neighbours, both signs); every format under both element rules
 (and both MX scale rules) on the adversarial blocks, a random weight whose rows and columns end in
@@ -83,6 +83,25 @@ def test_every_format_and_rule_gives_the_eager_bytes(fmt, rule, scale_rule, monk
         assert set(got) == set(ref)
         for key in ref:
             assert _same(got[key], ref[key]), f"{name}: {key}"
+
+
+def test_the_scalar_build_gives_the_same_bytes(monkeypatch) -> None:
+    """The code a CPU without AVX2 runs (and every build runs for a row's tail), built on its own."""
+    scalar = native.module(avx2=False)
+    assert not scalar.vectorized()
+    x = _every_midpoint()
+    assert torch.equal(scalar.e4m3_bytes(x), elements.to_e4m3(x).view(torch.uint8))
+    monkeypatch.setattr(native, "module", lambda: scalar)
+    monkeypatch.setattr(kernels, "_compiled", _refused)
+    for fmt in (FP8_BLOCK, MXFP8, MXFP4, NVFP4):
+        for rule in ElementRule:
+            for name in ("mixed", "random", "experts"):
+                w = _weights(fmt)[name]
+                with kernels.use(kernels.CodecPath.EAGER):
+                    ref = quantize_weight(fmt, w, numerics=rule).tensors
+                with kernels.use(kernels.CodecPath.NATIVE):
+                    got = quantize_weight(fmt, w, numerics=rule).tensors
+                assert all(_same(got[key], ref[key]) for key in ref), f"{fmt.name} {rule.value} {name}"
 
 
 def _refused(fn):
