@@ -32,24 +32,21 @@ from typing import Any
 import torch
 
 from adapters.vllm import protocol as p
-from adapters.vllm.extension import RefitWorkerExtension
-from adapters.vllm.protocol import BenchMode, BenchReload, Seconds, answer
+from adapters.vllm.extension import RefitWorkerExtension, serves
+from adapters.vllm.protocol import BenchMode, BenchReload, Seconds
 
 MODES = ("refit", "layerwise", "load_weights", "receive")
 
 
+@serves(*p.BENCH_REQUESTS)
 class BenchExtension(RefitWorkerExtension):
     """RefitWorkerExtension with the bench's baselines (`self` is vLLM's worker)."""
 
     def _rl_refit_bench_mode(self) -> str:
         return str(getattr(self, "_rl_refit_bench", "refit"))
 
-    def rl_refit_bench_mode(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(BenchMode, request, self._rl_refit_guarded(request, self._rl_refit_on_bench_mode))
-
-    def rl_refit_bench_reload(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(BenchReload, request, self._rl_refit_guarded(
-            request, lambda r: Seconds(self._rl_refit_bench_reload(r.path))))
+    def _rl_refit_on_bench_reload(self, request: BenchReload) -> Seconds:
+        return Seconds(self._rl_refit_bench_reload(request.path))
 
     def _rl_refit_on_bench_mode(self, request: BenchMode) -> p.Record:
         """How the next refits load: `refit` (rl-refit's WorkerRefit) or `load_weights` (the baseline).

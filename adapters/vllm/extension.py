@@ -2,11 +2,13 @@
 
 Start the engine with `worker_extension_cls="adapters.vllm.extension.RefitWorkerExtension"`
 (protocol.EXTENSION); vLLM mixes the class into its worker class, and `LLM.collective_rpc`
-calls its methods by name. Every method is named `rl_refit_*` (vLLM refuses an extension whose
-names its worker already has), takes its request record and answers its reply record, or an
-ErrorReply for what it raised, as plain values (adapters.vllm.protocol): with vLLM's multiprocess
-engine (the default) collective_rpc arguments cross msgpack, where a tensor arrives as
-`[dtype, shape, buffer]` and its data is lost, and an error as text.
+calls its methods by name. Each RPC is declared once, as a request record of
+adapters.vllm.protocol (its method name, its reply, who may send it); `serves` derives the
+extension's method from it, and the handler `_rl_refit_on_<name>` does the work. A method takes
+its request and answers its reply record, or an ErrorReply for what it raised, as plain values:
+with vLLM's multiprocess engine (the default) collective_rpc arguments cross msgpack, where a
+tensor arrives as `[dtype, shape, buffer]` and its data is lost, and an error as text. (Every
+name starts with `rl_refit_`: vLLM refuses an extension whose names its worker already has.)
 
 Two ways in:
 - colocated (trainer and engine in one process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`):
@@ -26,7 +28,7 @@ import ctypes
 import platform
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import structlog
@@ -62,8 +64,36 @@ def request_amx_permission() -> bool:
         return False
 
 
+E = TypeVar("E", bound=type)
+
+
+def serves(*requests: type[p.Request[Any]]) -> Callable[[E], E]:
+    """Class decorator: for each request record, the RPC method vLLM's `collective_rpc` calls by
+    its name (`METHOD`). Each takes the request as plain values (a JSON string over HTTP) and
+    answers with its reply record, or the ErrorReply of what it raised (`_rl_refit_answer`): the
+    record is the only place a worker call is declared."""
+    def add(cls: E) -> E:
+        for kind in requests:
+            setattr(cls, kind.METHOD, _rpc(kind))
+        return cls
+
+    return add
+
+
+def _rpc(kind: type[p.Request[Any]]) -> Callable[[Any, Any], dict[str, Any]]:
+    def rpc(self: RefitWorkerExtension, request: Any) -> dict[str, Any]:
+        return self._rl_refit_answer(kind, request)
+
+    rpc.__name__ = rpc.__qualname__ = kind.METHOD
+    rpc.__doc__ = f"Answer {kind.__name__} with {kind.handler()} (adapters.vllm.protocol).\n\n{kind.__doc__ or ''}"
+    return rpc
+
+
+@serves(*p.WORKER_REQUESTS)
 class RefitWorkerExtension:
-    """Methods vLLM mixes into its worker class; `self` is vLLM's worker."""
+    """Methods vLLM mixes into its worker class; `self` is vLLM's worker. Its RPC methods
+    (`rl_refit_*`) are derived from the protocol's records (`serves`); what each does is its
+    handler, `_rl_refit_on_*`."""
 
     # --- the worker's refit state -------------------------------------------------------------
 
@@ -104,81 +134,19 @@ class RefitWorkerExtension:
         inside the receiver); `retained`: they stay valid until the refit ends (no copy)."""
         return self._rl_refit_state().load(named_tensors, retained)
 
-    def _rl_refit_guarded(self, request: Any, handler: Callable[[Any], p.Record]) -> Callable[[Any], p.Record]:
-        """`handler`, run only when the request may change this worker: on a server (the rl_refit
-        backend holds a session, and dev mode opens `/collective_rpc` to whoever reaches the port)
-        it must carry the session's token (SessionRefused otherwise); in-process, nothing to check."""
+    def _rl_refit_answer(self, kind: type[p.Request[Any]], request: Any) -> dict[str, Any]:
+        """One RPC: the request's access checked (protocol.Access: on a server, a request that
+        changes the worker must carry the session's token, SessionRefused otherwise; in-process
+        there is nothing to check), then its handler's reply, as plain values (protocol.answer)."""
         def run(record: Any) -> p.Record:
-            session = self._rl_refit_session()
-            if session is not None:
-                session.check(p.token_of(request))
-            return handler(record)
+            if kind.ACCESS is not p.Access.READ:
+                session = (self._rl_refit_required_session() if kind.ACCESS is p.Access.SESSION
+                           else self._rl_refit_session())
+                if session is not None:
+                    session.check(p.token_of(request))
+            return getattr(self, kind.handler())(record)
 
-        return run
-
-    # --- refit steps: each RPC takes its request record and answers its reply record (plain) ------
-
-    def rl_refit_begin(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(p.Begin, request, self._rl_refit_guarded(request, self._rl_refit_on_begin))
-
-    def rl_refit_load(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Colocated: one bucket's tensors, by reference (copied before this returns unless the
-        request says they are retained)."""
-        return answer(p.Load, request, self._rl_refit_guarded(request, self._rl_refit_on_load))
-
-    def rl_refit_finalize(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(p.Finalize, request, self._rl_refit_guarded(request, self._rl_refit_on_finalize))
-
-    def rl_refit_abort(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(p.Abort, request, self._rl_refit_guarded(request, self._rl_refit_on_abort))
-
-    def rl_refit_delta_base(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The worker's delta receiver: its copy's digest, host bytes, last patch's seconds (the
-        first call turns it on)."""
-        return answer(p.DeltaBaseQuery, request, self._rl_refit_guarded(
-            request, lambda _: p.DeltaBaseReply.of(self._rl_refit_state().delta_base())))
-
-    def rl_refit_fingerprint(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(p.Fingerprint, request,
-                      lambda _: p.FingerprintReply.of(self._rl_refit_state().fingerprint()))
-
-    def rl_refit_digests(self, request: dict[str, Any]) -> dict[str, Any]:
-        """sha256 of every parameter and buffer (to compare engines bit for bit)."""
-        return answer(p.Digests, request, lambda _: p.DigestsReply(weight_digests(self._rl_refit_state())))
-
-    def rl_refit_live_weights(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Every parameter and buffer as [dtype, shape, bytes]."""
-        return answer(p.LiveWeights, request, lambda _: p.LiveWeightsReply.of(self._rl_refit_state().live_weights()))
-
-    def rl_refit_kv_scales(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Each attention layer's q/k/v/prob scale buffers (`_q_scale`, ...), by module name."""
-        return answer(p.KvScales, request, lambda _: p.KvScalesReply(kv_scales(self._rl_refit_state().model)))
-
-    def rl_refit_lora_stage(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Build a LoRA adapter from the tensors sent, under the id given (held, not served)."""
-        return answer(p.LoraStage, request, self._rl_refit_guarded(request, self._rl_refit_on_lora_stage))
-
-    def rl_refit_lora_drop(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Drop a held LoRA adapter (nothing when none has the id)."""
-        return answer(p.LoraDrop, request, self._rl_refit_guarded(request, self._rl_refit_on_lora_drop))
-
-    # --- the attached server's session (the rl_refit weight-transfer backend) -------------------
-
-    def rl_refit_info(self, request: Any) -> dict[str, Any]:
-        """What this worker is: rl-refit's version, the backend, the world, the model."""
-        return answer(p.Info, request, lambda _: self._rl_refit_on_info())
-
-    def rl_refit_report(self, request: Any) -> dict[str, Any]:
-        """The session's last refit: its finalize report, its error, whether the worker is stale."""
-        return answer(p.Report, request, lambda _: self._rl_refit_on_report())
-
-    def rl_refit_restore(self, request: Any) -> dict[str, Any]:
-        """Put the previous weights back (token-checked); ends vLLM's weight update in progress."""
-        return answer(p.Restore, request, lambda r: self._rl_refit_on_restore(r, p.token_of(request)))
-
-    def rl_refit_commit(self, request: Any) -> dict[str, Any]:
-        """The trainer accepted the finalized refit (token-checked)."""
-        return answer(p.Commit, request, lambda _: self._rl_refit_on_commit(p.token_of(request)))
+        return answer(kind, request, run)
 
     def _rl_refit_required_session(self) -> WorkerSession:
         session = self._rl_refit_session()
@@ -189,7 +157,30 @@ class RefitWorkerExtension:
                                  "start it with --weight-transfer-config '{\"backend\": \"rl_refit\"}'")
         return session
 
-    def _rl_refit_on_info(self) -> p.InfoReply:
+    # --- what each request does (subclasses override these) ------------------------------------------
+
+    def _rl_refit_on_delta_base(self, _: p.DeltaBaseQuery) -> p.DeltaBaseReply:
+        """The worker's delta receiver: its copy's digest, host bytes, last patch's seconds (the
+        first call turns it on)."""
+        return p.DeltaBaseReply.of(self._rl_refit_state().delta_base())
+
+    def _rl_refit_on_fingerprint(self, _: p.Fingerprint) -> p.FingerprintReply:
+        return p.FingerprintReply.of(self._rl_refit_state().fingerprint())
+
+    def _rl_refit_on_digests(self, _: p.Digests) -> p.DigestsReply:
+        """sha256 of every parameter and buffer (to compare engines bit for bit)."""
+        return p.DigestsReply(weight_digests(self._rl_refit_state()))
+
+    def _rl_refit_on_live_weights(self, _: p.LiveWeights) -> p.LiveWeightsReply:
+        """Every parameter and buffer as [dtype, shape, bytes]."""
+        return p.LiveWeightsReply.of(self._rl_refit_state().live_weights())
+
+    def _rl_refit_on_kv_scales(self, _: p.KvScales) -> p.KvScalesReply:
+        """Each attention layer's q/k/v/prob scale buffers (`_q_scale`, ...), by module name."""
+        return p.KvScalesReply(kv_scales(self._rl_refit_state().model))
+
+    def _rl_refit_on_info(self, _: p.Info) -> p.InfoReply:
+        """What this worker is: rl-refit's version, the backend, the world, the model."""
         from adapters.vllm.session import rl_refit_version
 
         config = self.vllm_config  # type: ignore[attr-defined]
@@ -205,32 +196,36 @@ class RefitWorkerExtension:
                            getattr(model, "quantization", None), weights, str(self._rl_refit_state().device),
                            scheme, str(cache))
 
-    def _rl_refit_on_report(self) -> p.ReportReply:
+    def _rl_refit_on_report(self, _: p.Report) -> p.ReportReply:
+        """The session's last refit: its finalize report, its error, whether the worker is stale."""
         session = self._rl_refit_required_session()
         report = None if session.report is None else p.FinalizeReply(**session.report._asdict()).to_plain()
         error = None if session.error is None else p.ErrorReply.of(session.error).to_plain()
         return p.ReportReply(report, error, session.stale_reason, session.restores, session.phase.value)
 
-    def _rl_refit_on_restore(self, request: p.Restore, token: str | None) -> p.Restored:
+    def _rl_refit_on_restore(self, request: p.Restore) -> p.Restored:
+        """Put the previous weights back; ends vLLM's weight update in progress. (The caller's
+        token was checked (Access.SESSION): the session acts under its own.)"""
         session = self._rl_refit_required_session()
-        session.check(token)
         self._weight_update_active = False  # vLLM's worker: its weight update ends here
         with self._rl_refit_context():
-            return p.Restored(session.restore(token, request.reason))
+            return p.Restored(session.restore(session.token, request.reason))
 
-    def _rl_refit_on_commit(self, token: str | None) -> p.Record:
-        self._rl_refit_required_session().commit(token)
+    def _rl_refit_on_commit(self, _: p.Commit) -> p.Record:
+        """The trainer accepted the finalized refit."""
+        session = self._rl_refit_required_session()
+        session.commit(session.token)
         return p.Done()
 
-    # --- what each step does (subclasses override these) ------------------------------------------
-
     def _rl_refit_on_lora_stage(self, request: p.LoraStage) -> p.LoraStaged:
+        """Build a LoRA adapter from the tensors sent, under the id given (held, not served)."""
         from adapters.vllm.lora import stage, worker_manager
 
         with self._rl_refit_context():
             return p.LoraStaged(stage(worker_manager(self), request.adapter_id, request.config, request.tensors))
 
     def _rl_refit_on_lora_drop(self, request: p.LoraDrop) -> p.Record:
+        """Drop a held LoRA adapter (nothing when none has the id)."""
         from adapters.vllm.lora import drop, worker_manager
 
         drop(worker_manager(self), request.adapter_id)
@@ -242,6 +237,8 @@ class RefitWorkerExtension:
         return p.Done()
 
     def _rl_refit_on_load(self, request: p.Load) -> p.Loaded:
+        """Colocated: one bucket's tensors, by reference (copied before this returns unless the
+        request says they are retained)."""
         with self._rl_refit_context():
             return p.Loaded(self._rl_refit_load_named(list(request.tensors), request.retained))
 

@@ -21,6 +21,7 @@ reference, and only ever crosses within one process.
 
 from __future__ import annotations
 
+import enum
 import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -93,11 +94,30 @@ class Record:
             raise errors.WireProtocolError(f"a malformed {cls.__name__} record: {err}") from err
 
 
+class Access(enum.Enum):
+    """Who may send a request to a worker of a server (dev mode opens `/collective_rpc` to whoever
+    reaches the port); in-process (colocated) there is no session and nothing to check."""
+
+    READ = "read"  # it changes nothing: anyone may ask
+    WRITE = "write"  # it changes the worker: on a server, only with the session's token
+    SESSION = "session"  # a server's session step: only there (ServerMismatch elsewhere), with its token
+
+
 class Request(Record, Generic[R]):
-    """A request: the worker extension's method that answers it and the record of its reply."""
+    """A request: the worker extension's method that answers it (`METHOD`), the record of its
+    reply (`REPLY`) and who may send it (`ACCESS`). The extension's method is derived from the
+    record (adapters.vllm.extension.serves): it checks the access, then answers with the handler
+    `_rl_refit_on_<name>` (`handler()`), where METHOD is `rl_refit_<name>`."""
 
     METHOD: ClassVar[str]
     REPLY: ClassVar[type[Record]]
+    ACCESS: ClassVar[Access] = Access.WRITE
+
+    @classmethod
+    def handler(cls) -> str:
+        """The name of the extension's method that answers the request (`rl_refit_x` ->
+        `_rl_refit_on_x`)."""
+        return "_rl_refit_on_" + cls.METHOD.removeprefix("rl_refit_")
 
 
 def tuple_of(value: Any) -> tuple[Any, ...]:
@@ -263,24 +283,28 @@ class DeltaBaseQuery(Request[DeltaBaseReply]):
 
 @attrs.frozen
 class Fingerprint(Request[FingerprintReply]):
+    ACCESS: ClassVar[Access] = Access.READ
     METHOD: ClassVar[str] = "rl_refit_fingerprint"
     REPLY: ClassVar[type[Record]] = FingerprintReply
 
 
 @attrs.frozen
 class Digests(Request[DigestsReply]):
+    ACCESS: ClassVar[Access] = Access.READ
     METHOD: ClassVar[str] = "rl_refit_digests"
     REPLY: ClassVar[type[Record]] = DigestsReply
 
 
 @attrs.frozen
 class LiveWeights(Request[LiveWeightsReply]):
+    ACCESS: ClassVar[Access] = Access.READ
     METHOD: ClassVar[str] = "rl_refit_live_weights"
     REPLY: ClassVar[type[Record]] = LiveWeightsReply
 
 
 @attrs.frozen
 class KvScales(Request[KvScalesReply]):
+    ACCESS: ClassVar[Access] = Access.READ
     METHOD: ClassVar[str] = "rl_refit_kv_scales"
     REPLY: ClassVar[type[Record]] = KvScalesReply
 
@@ -368,6 +392,7 @@ class InfoReply(Record):
 
 @attrs.frozen
 class Info(Request[InfoReply]):
+    ACCESS: ClassVar[Access] = Access.READ
     METHOD: ClassVar[str] = "rl_refit_info"
     REPLY: ClassVar[type[Record]] = InfoReply
 
@@ -387,6 +412,7 @@ class ReportReply(Record):
 
 @attrs.frozen
 class Report(Request[ReportReply]):
+    ACCESS: ClassVar[Access] = Access.READ
     METHOD: ClassVar[str] = "rl_refit_report"
     REPLY: ClassVar[type[Record]] = ReportReply
 
@@ -402,6 +428,7 @@ class Restored(Record):
 class Restore(Request[Restored]):
     """Put the previous weights back (the session's backup); ends any weight update in progress."""
 
+    ACCESS: ClassVar[Access] = Access.SESSION
     METHOD: ClassVar[str] = "rl_refit_restore"
     REPLY: ClassVar[type[Record]] = Restored
 
@@ -412,13 +439,17 @@ class Restore(Request[Restored]):
 class Commit(Request[Done]):
     """The trainer accepted the finalized refit: it becomes the session's backup."""
 
+    ACCESS: ClassVar[Access] = Access.SESSION
     METHOD: ClassVar[str] = "rl_refit_commit"
     REPLY: ClassVar[type[Record]] = Done
 
 
-REQUESTS: tuple[type[Request[Any]], ...] = (Begin, Load, Finalize, Abort, Fingerprint, Digests, LiveWeights, KvScales,
-                                             DeltaBaseQuery, BenchMode, BenchReload, LoraStage, LoraDrop, Info, Report,
-                                             Restore, Commit)
+# What rl-refit's worker extension answers, and what the bench's adds (adapters.vllm.bench_extension).
+WORKER_REQUESTS: tuple[type[Request[Any]], ...] = (Begin, Load, Finalize, Abort, Fingerprint, Digests, LiveWeights,
+                                                   KvScales, DeltaBaseQuery, LoraStage, LoraDrop, Info, Report,
+                                                   Restore, Commit)
+BENCH_REQUESTS: tuple[type[Request[Any]], ...] = (BenchMode, BenchReload)
+REQUESTS = WORKER_REQUESTS + BENCH_REQUESTS
 
 
 # --- errors --------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from adapters.vllm.extension import RefitWorkerExtension
+from adapters.vllm.protocol import from_json_safe, json_safe
 from adapters.vllm.session import InitInfo, UpdateInfo, WorkerSession
 from adapters.vllm.worker import WorkerRefit
 from tests.engine_fakes.vllm import (
@@ -78,11 +79,12 @@ class FakeServer:
 
     def collective_rpc(self, method: str, request: dict[str, Any]) -> list[Any]:
         self.calls.append(method)
-        answers = [getattr(w, method)(json.dumps(request)) for w in self.workers]
+        # as vLLM's HTTP route carries it (adapters.vllm.controls.HttpControl): JSON text, bytes base64
+        answers = [getattr(w, method)(json.dumps(json_safe(request))) for w in self.workers]
         if self.version_reported is not None and method == "rl_refit_info":
             for a in answers:
                 a["version"] = self.version_reported
-        return json.loads(json.dumps(answers))
+        return [from_json_safe(a) for a in json.loads(json.dumps(answers))]
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.calls.append("init")

@@ -158,18 +158,22 @@ def test_only_the_session_token_drives_a_workers_refit() -> None:
 
 
 def test_a_worker_call_that_changes_a_servers_model_needs_the_session_token() -> None:
-    """Dev mode opens `/collective_rpc` to whoever reaches the port: a begin, an abort, an adapter or
-    the delta receiver without the trainer's token is refused, and the server keeps serving."""
+    """Dev mode opens `/collective_rpc` to whoever reaches the port: every request that changes a
+    worker (protocol.Access WRITE or SESSION: a begin, an abort, an adapter, the delta receiver, a
+    restore, a commit...) without the trainer's token is refused, and the server keeps serving."""
     from adapters.vllm import protocol as p
+    from tests.unit.test_vllm_protocol import SAMPLES
 
     server = FakeServer([FakeVllmModel()])
     engine = _engine(server)
     try:
         assert _service(engine).refit().ok
         before = weights_of(server.models[0])
-        for request in (p.Begin(), p.Abort(), p.Finalize(True), p.DeltaBaseQuery(), p.LoraDrop(1)):
+        changing = [r for r in SAMPLES if type(r) in p.WORKER_REQUESTS and r.ACCESS is not p.Access.READ]
+        assert {type(r) for r in changing} >= {k for k in p.WORKER_REQUESTS if k.ACCESS is not p.Access.READ} - {p.Load}
+        for request in changing:
             (answer,) = server.collective_rpc(request.METHOD, request.to_plain())  # no token
-            assert p.ErrorReply.from_plain(answer).type == "SessionRefused", answer
+            assert p.ErrorReply.from_plain(answer).type == "SessionRefused", (request, answer)
         (answer,) = server.collective_rpc(p.Abort.METHOD, p.with_token(p.Abort(), "0" * 32))  # another token
         assert p.ErrorReply.from_plain(answer).type == "SessionRefused"
         assert _equal(weights_of(server.models[0]), before)

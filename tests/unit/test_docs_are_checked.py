@@ -234,3 +234,17 @@ def test_every_dispatch_rule_has_its_section_in_the_plan_page(engine: str) -> No
     assert len(names) == len(set(names)), f"two rules share a name: {names}"
     missing = [n for n in names if n.lower() not in sections]
     assert not missing, f"docs/plan.md has no section (### NAME) for the dispatch rules: {missing}"
+
+
+def test_every_worker_call_has_its_row_in_the_engines_page() -> None:
+    """docs/engines.md's table of the vLLM worker calls names every request record's method and
+    the record itself (adapters.vllm.protocol.REQUESTS), and no method that is not one."""
+    import re
+
+    from adapters.vllm import protocol as p
+
+    page = (DOCS / "engines.md").read_text()
+    missing = [k.METHOD for k in p.REQUESTS if f"`{k.METHOD}`" not in page or f"`{k.__name__}" not in page]
+    assert not missing, f"docs/engines.md has no row for {missing}"
+    named = set(re.findall(r"`(rl_refit_[a-z_]+)`", page))
+    assert named <= {k.METHOD for k in p.REQUESTS} | {"rl_refit_count_layers"}, named  # the page's own example

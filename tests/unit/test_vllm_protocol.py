@@ -61,6 +61,49 @@ def test_every_rpc_has_a_sample() -> None:
     assert all(r.METHOD.startswith("rl_refit_") for r in p.REQUESTS)
 
 
+@pytest.mark.parametrize("served", ["worker", "bench"])
+def test_every_rpc_method_is_derived_from_its_record_and_no_other_exists(served: str) -> None:
+    """The request record is the one declaration of a worker call: the extension that serves it
+    has the method vLLM calls by the record's METHOD (built by `serves`) and the record's handler;
+    the class has no `rl_refit_*` method that is not a record's."""
+    from adapters.vllm.bench_extension import BenchExtension
+    from adapters.vllm.extension import RefitWorkerExtension
+
+    cls, requests = ((RefitWorkerExtension, p.WORKER_REQUESTS) if served == "worker"
+                     else (BenchExtension, p.REQUESTS))
+    for kind in requests:
+        method = getattr(cls, kind.METHOD)
+        assert method.__name__ == kind.METHOD and kind.__name__ in (method.__doc__ or ""), kind
+        assert callable(getattr(cls, kind.handler(), None)), f"{cls.__name__} has no {kind.handler()}"
+    public = {name for name in dir(cls) if name.startswith("rl_refit_")}
+    assert public == {kind.METHOD for kind in requests}
+
+
+def test_a_derived_rpc_answers_its_handlers_reply_and_checks_access_before_the_handler() -> None:
+    from adapters.vllm.extension import RefitWorkerExtension
+
+    calls: list[str] = []
+
+    class Worker(RefitWorkerExtension):
+        def _rl_refit_session(self) -> Any:
+            return None  # in-process: nothing to check for WRITE; SESSION needs a server's session
+
+        def _rl_refit_on_kv_scales(self, request: p.KvScales) -> p.KvScalesReply:
+            calls.append(type(request).__name__)
+            return p.KvScalesReply({"attn": [1.0, 2.0, 3.0, 4.0]})
+
+        def _rl_refit_on_commit(self, request: p.Commit) -> p.Record:
+            calls.append("commit")
+            return p.Done()
+
+    worker = Worker()
+    answer = worker.rl_refit_kv_scales(p.KvScales().to_plain())  # type: ignore[attr-defined]
+    assert p.KvScalesReply.from_plain(answer).scales == {"attn": (1.0, 2.0, 3.0, 4.0)}
+    refused = p.ErrorReply.from_plain(worker.rl_refit_commit(p.Commit().to_plain()))  # type: ignore[attr-defined]
+    assert refused.type == "ServerMismatch" and "weight-transfer backend" in refused.message
+    assert calls == ["KvScales"]  # the refused commit never reached its handler
+
+
 def test_live_weights_come_back_bit_for_bit() -> None:
     tensors = {"w": torch.randn(4, 8).to(torch.bfloat16), "s": torch.rand(2).to(torch.float8_e4m3fn)}
     back = p.LiveWeightsReply.from_plain(_json(p.LiveWeightsReply.of(tensors).to_plain())).to_tensors()

@@ -12,8 +12,7 @@ import attrs
 import torch
 
 from adapters.vllm import protocol as p
-from adapters.vllm.extension import RefitWorkerExtension
-from adapters.vllm.protocol import answer
+from adapters.vllm.extension import RefitWorkerExtension, serves
 from adapters.vllm.worker import KV_SCALE_NAMES
 
 
@@ -97,6 +96,11 @@ def _no_redo(_model: torch.nn.Module, _written: Any) -> int:
     return 0
 
 
+TEST_REQUESTS: tuple[type[p.Request[Any]], ...] = (FailReceiver, Corrupt, DisableRedo, CorruptDeltaCopy, PoisonKv,
+                                                   FailLoraStage, LoraIds)
+
+
+@serves(*TEST_REQUESTS)
 class TestExtension(RefitWorkerExtension):
     """RefitWorkerExtension with test hooks."""
 
@@ -106,35 +110,23 @@ class TestExtension(RefitWorkerExtension):
             state = self._rl_refit_test = {"fail_at": None, "corrupt": None, "loads": 0}
         return state
 
-    def rl_refit_test_fail_receiver(self, request: dict[str, Any]) -> dict[str, Any]:
-        def arm(r: FailReceiver) -> p.Record:
-            self._rl_refit_test_state().update(fail_at=r.after_loads, loads=0)
-            return p.Done()
+    def _rl_refit_on_test_fail_receiver(self, request: FailReceiver) -> p.Record:
+        self._rl_refit_test_state().update(fail_at=request.after_loads, loads=0)
+        return p.Done()
 
-        return answer(FailReceiver, request, arm)
+    def _rl_refit_on_test_corrupt(self, request: Corrupt) -> p.Record:
+        self._rl_refit_test_state()["corrupt"] = request.name_part
+        return p.Done()
 
-    def rl_refit_test_corrupt(self, request: dict[str, Any]) -> dict[str, Any]:
-        def arm(r: Corrupt) -> p.Record:
-            self._rl_refit_test_state()["corrupt"] = r.name_part
-            return p.Done()
+    def _rl_refit_on_test_disable_redo(self, _: DisableRedo) -> p.Record:
+        refit = self._rl_refit_state()
+        refit.hooks = attrs.evolve(refit.hooks, redo_experts=_no_redo)
+        return p.Done()
 
-        return answer(Corrupt, request, arm)
-
-    def rl_refit_test_disable_redo(self, request: dict[str, Any]) -> dict[str, Any]:
-        def arm(_: DisableRedo) -> p.Record:
-            refit = self._rl_refit_state()
-            refit.hooks = attrs.evolve(refit.hooks, redo_experts=_no_redo)
-            return p.Done()
-
-        return answer(DisableRedo, request, arm)
-
-    def rl_refit_test_fail_lora_stage(self, request: dict[str, Any]) -> dict[str, Any]:
-        def arm(_: FailLoraStage) -> p.Record:
-            self._rl_refit_test_state()["fail_lora"] = True
-            self._rl_refit_test_wrap_lora_loads()
-            return p.Done()
-
-        return answer(FailLoraStage, request, arm)
+    def _rl_refit_on_test_fail_lora_stage(self, _: FailLoraStage) -> p.Record:
+        self._rl_refit_test_state()["fail_lora"] = True
+        self._rl_refit_test_wrap_lora_loads()
+        return p.Done()
 
     def _rl_refit_test_wrap_lora_loads(self) -> None:
         """A server loads adapters through vLLM's own route (the worker's add_adapter from a
@@ -155,10 +147,10 @@ class TestExtension(RefitWorkerExtension):
         manager.add_adapter = add_adapter
         manager._rl_refit_test_wrapped = True
 
-    def rl_refit_test_lora_ids(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _rl_refit_on_test_lora_ids(self, _: LoraIds) -> Ids:
         from adapters.vllm.lora import worker_manager
 
-        return answer(LoraIds, request, lambda _: Ids(sorted(worker_manager(self).list_adapters())))
+        return Ids(sorted(worker_manager(self).list_adapters()))
 
     def _rl_refit_on_lora_stage(self, request: p.LoraStage) -> p.LoraStaged:
         staged = super()._rl_refit_on_lora_stage(request)
@@ -166,28 +158,22 @@ class TestExtension(RefitWorkerExtension):
             raise RuntimeError("injected adapter staging fault (tests.vllm.extensions), after the adapter was held")
         return staged
 
-    def rl_refit_test_poison_kv(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(PoisonKv, request, lambda r: Layers(self._poison_kv(r.value)))
-
-    def _poison_kv(self, value: float) -> int:
+    def _rl_refit_on_test_poison_kv(self, request: PoisonKv) -> Layers:
         count = 0
         with torch.no_grad():
             for module in self._rl_refit_state().model.modules():
                 buffers = [getattr(module, f"_{s}", None) for s in KV_SCALE_NAMES]
                 if all(isinstance(b, torch.Tensor) for b in buffers):
                     for b in buffers:
-                        b.fill_(float(value))  # type: ignore[union-attr]
+                        b.fill_(float(request.value))  # type: ignore[union-attr]
                     count += 1
-        return count
+        return Layers(count)
 
-    def rl_refit_test_corrupt_delta_copy(self, request: dict[str, Any]) -> dict[str, Any]:
-        return answer(CorruptDeltaCopy, request, lambda _: Name(self._corrupt_delta_copy()))
-
-    def _corrupt_delta_copy(self) -> str:
+    def _rl_refit_on_test_corrupt_delta_copy(self, _: CorruptDeltaCopy) -> Name:
         copy = self._rl_refit_state().delta.tensors  # type: ignore[union-attr]
         name = max(copy, key=lambda n: copy[n].numel() * copy[n].element_size())
         copy[name].reshape(-1).view(torch.uint8)[-1] ^= 1
-        return name
+        return Name(name)
 
     def _rl_refit_load_named(self, named_tensors: list[tuple[str, torch.Tensor]], retained: bool = False) -> int:
         state = self._rl_refit_test_state()
