@@ -89,8 +89,32 @@ class EngineRequest:
     lora_rank: int | None = None
 
 
-def _one_each(section: Any, deployment: str, configured: int) -> int:
-    return configured
+@attrs.frozen
+class DemoDefaults:
+    """What the demos run on an engine that serves them for real (`refit demo <name>`, `refit demo
+    qat --engine <name>`, `refit demo lora --engine <name>`, `refit mismatch --engine <name>`):
+    what it serves on its CPU build, so that every default runs on the machine the tests run on.
+
+    Attributes:
+        section: its section for the demos: (url of a server to attach to, or None; whether the
+            model is the user's checkpoint) -> the section.
+        preset: the preset `refit demo <name>` refits by default, dense and MoE (None: BF16).
+        model: the embedded model the demos start it with by default.
+        mismatch_presets: the presets `refit mismatch --engine <name>` scores by default.
+        qat_roles: `refit demo qat PRESET --engine <name>`: each preset it serves ->
+            (rollout.quantization.linear, moe) (None: BF16 on that role).
+        lora_model: the embedded model of `refit demo lora --engine <name>` (None: it has no LoRA demo).
+        one_per_process: an engine in this process owns the process's state for the process's
+            life: a demo that needs two engines refits both arms into one, in turn.
+    """
+
+    section: Callable[[str | None, bool], Any]
+    preset: str | None = None
+    model: str = "micro-moe"
+    mismatch_presets: tuple[str, ...] = ("BF16",)
+    qat_roles: Mapping[str, tuple[str | None, str]] = attrs.field(factory=dict)
+    lora_model: str | None = None
+    one_per_process: bool = False
 
 
 @attrs.frozen
@@ -114,9 +138,8 @@ class EnginePlugin:
         environment: the environment variables it honours (the composition root reads them).
         embedded: it computes in this process, in pure torch: the trainer's model can be checked
             against it directly (rollout.verify).
-        demo: `refit demo <name>` runs on it as a real engine, each refit against a cold start.
-        demo_section: its section for the demos: (url of a server to attach to, or None; whether
-            the model is the user's checkpoint) -> the section (None: the defaults).
+        demo: what the demos run on it as a real engine, each refit against a cold start (None:
+            `refit demo <name>` does not exist).
         server_python: the interpreter a server of its own runs with (disaggregated, cold starts):
             (section, host) -> path. None: it starts no server.
         probe: the arguments it adds to `refit doctor`'s environment probe:
@@ -132,8 +155,7 @@ class EnginePlugin:
     cold_start: Callable[..., Any] | None = None
     environment: tuple[str, ...] = ()
     embedded: bool = False
-    demo: bool = False
-    demo_section: Callable[[str | None, bool], Any] | None = None
+    demo: DemoDefaults | None = None
     server_python: Callable[[Any, EngineHost], str] | None = None
     probe: Callable[[Any, EngineHost], Mapping[str, Any]] | None = None
 

@@ -3,7 +3,7 @@ docs/architecture.md#engine-plugins). Reading it imports no engine."""
 
 from __future__ import annotations
 
-from adapters.engine_plugin import EnginePlugin
+from adapters.engine_plugin import DemoDefaults, EnginePlugin
 from adapters.reference.engine_plugin import PLUGIN as REFERENCE
 from adapters.sglang.engine_plugin import PLUGIN as SGLANG
 from adapters.trtllm.engine_plugin import PLUGIN as TRTLLM
@@ -26,3 +26,14 @@ def plugin_for(name: str) -> EnginePlugin:
     if name not in PLUGINS:
         raise ConfigError("rollout.name", f"unknown engine {name!r}; use one of {', '.join(PLUGINS)}")
     return PLUGINS[name]
+
+
+def demo_of(name: str) -> DemoDefaults:
+    """What the demos run on the engine `name` (plugin_for's ConfigError for an unknown one;
+    ConfigError naming rollout.name for an engine the demos do not run on)."""
+    from domain.errors import ConfigError
+
+    demo = plugin_for(name).demo
+    if demo is None:
+        raise ConfigError("rollout.name", f"the demos do not run on {name!r}; use one of {', '.join(DEMO_ENGINES)}")
+    return demo

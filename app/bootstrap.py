@@ -21,6 +21,7 @@ import attrs
 
 from adapters.engine_plugin import DEPLOYMENTS
 from adapters.plugins import DEMO_ENGINES as DEMO_ENGINES  # for the CLI, which names no adapter
+from adapters.plugins import demo_of as demo_of  # for the CLI
 from adapters.plugins import ENVIRONMENT, PLUGINS, plugin_for
 from adapters.profiles import POLICY_ENGINES as POLICY_ENGINES  # for the CLI
 from adapters.profiles import profile_for
@@ -265,10 +266,11 @@ class Services:
                 app.services.transaction.Restore.default).
 
         Returns:
-            The RefitService: buckets by reference when colocated, and when a disaggregated vLLM
-            engine's buckets travel through the shared-memory ring (the trainer writes each
-            tensor into the ring: that copy is the bucket's only packing); otherwise packed into
-            one reused buffer (the transport copies each bucket out).
+            The RefitService: buckets by reference when colocated, and when a disaggregated
+            engine's buckets travel through a transport that copies each tensor out itself (the
+            shared-memory ring: the trainer writes each tensor into it, and that copy is the
+            bucket's only packing); otherwise packed into one reused buffer (the transport copies
+            each bucket out).
         """
         from app.services.refit import RefitService
         from app.services.transaction import Ownership

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from adapters.plugins import SECTIONS
+from adapters.engine_plugin import DEPLOYMENTS
+from adapters.plugins import PLUGINS, SECTIONS
 from adapters.profiles import ENGINES
 from domain.errors import ConfigError
 from domain.forward.mode import parse_fused_forward_mode
@@ -229,39 +230,44 @@ class CheckpointEngineConfig:
         return int(self.update_weights_bucket_megabytes * 2**20)
 
 
+# What the engine keys' docs say of each engine, from the plugin table (docs/configuration.md is
+# generated from these docs).
+_BUILT = ", ".join(name for name, plugin in PLUGINS.items() if plugin.build is not None)
+_DEPLOYMENTS = "; ".join(f"{name}: {', '.join(d for d in DEPLOYMENTS if d in plugin.deployments)}"
+                         for name, plugin in PLUGINS.items() if plugin.build is not None)
+
+
 @attrs.frozen(kw_only=True)
 class RolloutConfig:
     """rollout: the engine, its quantization, its weight sync."""
 
     name: str = setting(
         (str,), "reference",
-        "rollout engine; one of: vllm, sglang, trtllm, reference (the composition root builds reference, "
-        "vllm and sglang engines)",
+        f"rollout engine; one of: {', '.join(ENGINES)} (the composition root builds {_BUILT}; the others "
+        "are planned for: `refit plan`, the export)",
         choices=ENGINES)
     commit_mode: str | None = setting(
         (str, NoneType), None,
         "how the engine commits a refit: `transactional` or `per-layer`; null = the engine's own "
-        "(reference: transactional, vllm: per-layer, sglang: transactional); a value the engine cannot "
-        "honour is an error",
+        "([engines](engines.md)); a value the engine cannot honour is an error",
         check=_commit_mode)
     quantization: QuantizationConfig = attrs.field(factory=QuantizationConfig)
     engine_kwargs: EngineKwargsConfig = attrs.field(factory=EngineKwargsConfig)
     deployment: str = setting(
         (str,), "colocated",
         "where the engine runs: `colocated` (in the trainer's process, verl's hybrid engine; buckets pass "
-        "by reference) `disaggregated` (a vLLM server, `python -m vllm.entrypoints.openai.api_server`, "
-        "that rl-refit starts on loopback and refits as an attached one; buckets travel through a "
-        "shared-memory ring or a side process group; [the server rl-refit "
-        "starts](engines.md#the-server-rl-refit-starts)) or `attached` (a vLLM or SGLang server you "
-        "started, `rollout.engine_kwargs.vllm.url` or `rollout.engine_kwargs.sglang.url`; "
-        "[attach](attach.md)); SGLang runs `colocated` or `attached`. See [three ways to run "
-        "vLLM](engines.md#three-ways-to-run-vllm)",
-        choices=("colocated", "disaggregated", "attached"))
+        "by reference), `disaggregated` (a server of the engine that rl-refit starts on loopback and "
+        "refits as an attached one; buckets travel through a shared-memory ring or a side process group; "
+        "[the server rl-refit starts](engines.md#the-server-rl-refit-starts)) or `attached` (a server "
+        "you started, at the engine section's `url`; [attach](attach.md)). Each engine runs in its "
+        f"own: {_DEPLOYMENTS}. See [three ways to run](engines.md#three-ways-to-run-vllm)",
+        choices=DEPLOYMENTS)
     replicas: int = setting(
         (int,), 1,
         "engine replicas (data-parallel rollout) that one refit updates, all or nothing: each bucket goes "
         "to every replica, the refit is live when every replica finalized, and a failure in any leaves "
-        "every replica serving the old weights or none serving. vLLM replicas run `disaggregated`. See "
+        "every replica serving the old weights or none serving; the engine's section says in which "
+        "deployments it runs replicas. See "
         "[your own model](your-model.md#tensor-parallel-engines-and-replicas)",
         check=_at_least(1))
     verify: VerifyConfig = attrs.field(factory=VerifyConfig)

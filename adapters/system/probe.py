@@ -80,21 +80,26 @@ class SystemProbe:
 VLLM_PROBE_TIMEOUT_S = 180.0
 
 
+# How `refit doctor` names what the probe below asked (beside its findings, in every answer).
+VLLM_KERNEL_LABELS = {"engine": "vLLM", "setup": "make test creates .venv-vllm (scripts/setup-vllm-env.sh)",
+                      "emulation": "rollout.engine_kwargs.vllm.cpu_emulation=auto"}
+
+
 def vllm_cpu_kernels(python: str | None, mode: str) -> dict[str, Any] | None:
     """What the vLLM adapter's CPU emulation plugin reports in the vLLM environment of `python`
     (`python -m adapters.vllm.cpu_emulation MODE`: vLLM's native CPU kernels, the emulated
-    formats), or None when there is no such interpreter. A probe that fails says why, as
-    `{"error": ...}`."""
+    formats), with VLLM_KERNEL_LABELS, or None when there is no such interpreter. A probe that
+    fails says why, as `{"error": ...}`."""
     if python is None or not Path(python).is_file():
         return None
     try:
         done = subprocess.run([python, "-m", "adapters.vllm.cpu_emulation", mode], capture_output=True, text=True,
                               timeout=VLLM_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as err:
-        return {"error": f"{python} -m adapters.vllm.cpu_emulation: {err}"}
+        return {**VLLM_KERNEL_LABELS, "error": f"{python} -m adapters.vllm.cpu_emulation: {err}"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"{python} -m adapters.vllm.cpu_emulation exited {done.returncode}: {last}"}
-    result: dict[str, Any] = json.loads(lines[-1])
+        return {**VLLM_KERNEL_LABELS, "error": f"{python} -m adapters.vllm.cpu_emulation exited {done.returncode}: {last}"}
+    result: dict[str, Any] = {**VLLM_KERNEL_LABELS, **json.loads(lines[-1])}
     return result

@@ -7,7 +7,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from adapters.engine_plugin import ATTACHED, COLOCATED, DISAGGREGATED, EngineHost, EnginePlugin, EngineRequest
+from adapters.engine_plugin import (
+    ATTACHED,
+    COLOCATED,
+    DISAGGREGATED,
+    DemoDefaults,
+    EngineHost,
+    EnginePlugin,
+    EngineRequest,
+)
 from adapters.vllm.config import PYTHON_VAR, VllmEngineConfig
 from adapters.vllm.profile import VLLM
 
@@ -73,7 +81,17 @@ def demo_section(url: str | None, own_checkpoint: bool) -> VllmEngineConfig:
                             url=url)
 
 
+# What the demos run on vLLM's CPU build: FP8_BLOCK (dense and MoE) and MXFP8 on its own kernels;
+# the 4-bit formats on the experts alone, as the seed's runs serve them (vLLM serves no per-token
+# NVFP4 Linear layer); LoRA on its BF16 kernels. An engine in this process (colocated) owns the
+# process's state for the process's life.
+DEMO = DemoDefaults(
+    demo_section, preset="FP8_BLOCK", model="micro-moe", mismatch_presets=("BF16", "FP8_BLOCK", "MXFP8"),
+    qat_roles={"FP8_BLOCK": ("FP8_BLOCK", "FP8_BLOCK"), "MXFP8": ("MXFP8", "MXFP8"),
+               "MXFP4": (None, "MXFP4"), "NVFP4": (None, "NVFP4")},
+    lora_model="micro-dense", one_per_process=True)
+
 PLUGIN = EnginePlugin(VLLM, "adapters.vllm.engine.VllmRolloutEngine", build,
                       frozenset({COLOCATED, DISAGGREGATED, ATTACHED}), VllmEngineConfig, extra="vllm",
-                      cold_start=cold_start, environment=(PYTHON_VAR,), demo=True, demo_section=demo_section,
+                      cold_start=cold_start, environment=(PYTHON_VAR,), demo=DEMO,
                       server_python=server_python, probe=probe)

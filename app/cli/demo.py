@@ -188,16 +188,17 @@ def run(args: argparse.Namespace) -> int:
         except RefitError:
             raise
         except ValueError as err:
-            raise ConfigError("refit demo vllm", str(err)) from None
+            raise ConfigError(f"refit demo {mode}", str(err)) from None
     if mode == "lora" and not real and args.colocated:
-        raise ConfigError("--colocated", "goes with --engine vllm (the embedded engine always runs in this process)")
+        raise ConfigError("--colocated", f"goes with --engine {' or '.join(DEMO_ENGINES)} (the embedded engine always "
+                          "runs in this process)")
     if mode == "lora" and real:  # the adapter mode into a real engine
         for flag, given in (("--presets", args.presets), ("--plot", args.plot is not None),
                             ("--commit-mode", args.commit_mode != "transactional"),
                             ("--inject-fault", args.inject_fault is not None)):
             if given:
-                raise ConfigError(flag, "is not an option of `refit demo lora --engine vllm` (one engine, the adapter "
-                                  "mode, each adapter against vLLM's own load of it); drop it")
+                raise ConfigError(flag, f"is not an option of `refit demo lora --engine {args.engine}` (one engine, "
+                                  f"the adapter mode, each adapter against {args.engine}'s own load of it); drop it")
         from app.cli.demo_lora import run_lora_engine
 
         return run_lora_engine(args)

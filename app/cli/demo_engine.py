@@ -1,5 +1,6 @@
-"""`refit demo vllm [--colocated]`: the demo's refit loop on a real engine, each refit
-compared with a cold start of the same exported checkpoint (app.services.engine_demo)."""
+"""`refit demo ENGINE [--colocated]`: the demo's refit loop on a real engine, each refit
+compared with a cold start of the same exported checkpoint (app.services.engine_demo). Its
+defaults (the preset, the model) are the engine plugin's (adapters.engine_plugin.DemoDefaults)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,22 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from app.bootstrap import bootstrap
+from app.bootstrap import bootstrap, demo_of
 from app.services.demo_config import engine_config, is_directory
 from app.services.engine_demo import EngineDemoResult, EngineDemoSettings, EngineStep, run_engine_demo
 from app.services.transaction import describe_plan
 from domain.quant.plan import QuantizationPlan
 
-DEFAULT_PRESET = "FP8_BLOCK"  # served by vLLM's CPU build, dense and MoE (NVFP4 and MX are not)
-
-
-def _preset(value: str | None) -> str | None:
+def _preset(value: str | None, default: str | None) -> str | None:
     if value is None:
-        return DEFAULT_PRESET
+        return default
     return None if value.strip().upper() == "BF16" else value
 
 
 def engine_settings(args: argparse.Namespace) -> EngineDemoSettings:
     """EngineDemoSettings from the command line (ConfigError / ValueError name a bad value)."""
-    plan = QuantizationPlan.from_presets(linear=_preset(args.linear), moe=_preset(args.moe),
+    demo = demo_of(args.engine)
+    plan = QuantizationPlan.from_presets(linear=_preset(args.linear, demo.preset), moe=_preset(args.moe, demo.preset),
                                          moe_activation=args.moe_activation,
                                          linear_activation=args.linear_activation)
     if args.attach and args.colocated:
@@ -38,7 +37,7 @@ def engine_settings(args: argparse.Namespace) -> EngineDemoSettings:
     deployment = "attached" if args.attach else "colocated" if args.colocated else "disaggregated"
     return EngineDemoSettings(
         engine=args.engine, deployment=deployment, plan=plan, url=args.attach,
-        model=args.model or "micro-moe", seed=args.seed, steps=2 if args.steps is None else args.steps,
+        model=args.model or demo.model, seed=args.seed, steps=2 if args.steps is None else args.steps,
         inject_fault=args.inject_fault, fault_step=args.fault_step,
     )
 

@@ -1,6 +1,6 @@
 """`refit demo lora RANK --sync adapter`: the adapter mode's table and its JSON; with `--engine
-vllm`, the adapter mode into a real vLLM engine, each adapter against vLLM's own load of it
-(app.services.lora_engine_demo).
+ENGINE` (a real engine whose plugin has a LoRA demo), the adapter mode into that engine, each
+adapter against the engine's own load of it (app.services.lora_engine_demo).
 
 (`--sync merged`, the default on the embedded engine, is the ordinary demo on a trainer whose
 weights are the merged model: app/cli/demo.py.)"""
@@ -83,9 +83,9 @@ def run_lora(args: argparse.Namespace, settings: DemoSettings) -> int:
 
 
 def run_lora_engine(args: argparse.Namespace) -> int:
-    """`refit demo lora --engine vllm`: exit 0 when every adapter step went live and equals its
+    """`refit demo lora --engine ENGINE`: exit 0 when every adapter step went live and equals its
     disk twin, bit for bit."""
-    from app.bootstrap import bootstrap
+    from app.bootstrap import bootstrap, demo_of
     from app.config_sections import LoraConfig
     from app.services.demo_config import engine_config
     from app.services.engine_demo import EngineDemoSettings
@@ -93,19 +93,23 @@ def run_lora_engine(args: argparse.Namespace) -> int:
     from domain.errors import ConfigError
     from domain.quant.plan import QuantizationPlan
 
+    engine = args.engine
     if args.lora_sync == "merged":
-        raise ConfigError("--sync", "merged refits into vLLM are ordinary refits of the merged model; on vLLM the "
-                          "LoRA demo shows the adapter mode (drop --sync, or use --engine reference)")
+        raise ConfigError("--sync", f"merged refits into {engine} are ordinary refits of the merged model; on {engine} "
+                          "the LoRA demo shows the adapter mode (drop --sync, or use --engine reference)")
+    model = demo_of(engine).lora_model
+    if model is None:
+        raise ConfigError("--engine", f"{engine} has no LoRA demo; use --engine reference")
     plan = QuantizationPlan.from_presets(linear=_bf16_none(args.linear), moe=_bf16_none(args.moe),
                                          moe_activation=args.moe_activation, linear_activation=args.linear_activation)
-    settings = EngineDemoSettings(deployment="colocated" if args.colocated else "disaggregated", plan=plan,
-                                  model=args.model or "micro-dense", seed=args.seed)
+    settings = EngineDemoSettings(engine=engine, deployment="colocated" if args.colocated else "disaggregated",
+                                  plan=plan, model=args.model or model, seed=args.seed)
     config = engine_config(settings, args.bucket_mb)
     config = attrs.evolve(config, actor=attrs.evolve(config.actor, lora=LoraConfig(rank=args.lora, sync="adapter")))
     steps = 2 if args.steps is None else args.steps
     console = None if args.json else Console(width=max(Console().width, 120))
     if console is not None:
-        console.print(f"starting the vllm engine ({settings.deployment}) with LoRA adapters of rank {args.lora} ...")
+        console.print(f"starting the {engine} engine ({settings.deployment}) with LoRA adapters of rank {args.lora} ...")
     svc = bootstrap(config).lora.sync_service()
     try:
         records = run_lora_engine_demo(svc, steps, seed=args.seed)
@@ -113,15 +117,15 @@ def run_lora_engine(args: argparse.Namespace) -> int:
         svc.engine.close()  # type: ignore[attr-defined]
     ok = all(r.equal for r in records)
     if args.json:
-        payload = {"engine": "vllm", "deployment": settings.deployment, "model": settings.model,
+        payload = {"engine": engine, "deployment": settings.deployment, "model": settings.model,
                    "plan": describe_plan(plan), "rank": args.lora, "seed": args.seed,
                    "steps": [r.to_dict() for r in records], "ok": ok}
         sys.stdout.write(json.dumps(payload, indent=2) + "\n")
         return 0 if ok else 1
     assert console is not None
-    console.print(f"[bold]refit demo lora {args.lora} --engine vllm[/bold] ({settings.deployment}): base plan "
+    console.print(f"[bold]refit demo lora {args.lora} --engine {engine}[/bold] ({settings.deployment}): base plan "
                   f"{describe_plan(plan)}, model {settings.model}; {steps} steps on the adapter")
-    table = Table(title="one row per step (step 0 = base and adapter); each adapter against vLLM's own load of it")
+    table = Table(title=f"one row per step (step 0 = base and adapter); each adapter against {engine}'s own load of it")
     for col in ("step", "outcome", "base sent", "KiB sent", "adapter KiB", "= disk twin", "max |dlogp|"):
         table.add_column(col, justify="left" if col == "outcome" else "right")
     for r in records:
@@ -132,11 +136,11 @@ def run_lora_engine(args: argparse.Namespace) -> int:
     for r in records:
         if not r.live:
             console.print(f"- step {r.step}: {r.error}")
-    console.print("- every adapter equals vLLM's own load of it, bit for bit" if ok
-                  else "- NOT every adapter equals vLLM's own load of it")
+    console.print(f"- every adapter equals {engine}'s own load of it, bit for bit" if ok
+                  else f"- NOT every adapter equals {engine}'s own load of it")
     return 0 if ok else 1
 
 
 def _bf16_none(value: str | None) -> str | None:
-    """The base's preset: BF16 by default on vLLM (its LoRA kernels), None for BF16."""
+    """The base's preset: BF16 by default on a real engine (its LoRA kernels), None for BF16."""
     return None if value is None or value.strip().upper() == "BF16" else value

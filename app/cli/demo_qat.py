@@ -1,13 +1,12 @@
-"""`refit demo qat [PRESET] [--engine vllm]`: training with QAT and without, and the rollout mismatch of each.
+"""`refit demo qat [PRESET] [--engine ENGINE]`: training with QAT and without, and the rollout mismatch of each.
 
 The comparison itself is app.services.qat_demo; this module configures the composition root for
 it and prints the result as a table or JSON:
 - the embedded engine: rollout and QAT both in PRESET on every Linear and expert;
-- `--engine vllm`: one vLLM engine in this process (colocated, started with dummy weights from
-  the embedded model's config.json, as `refit demo vllm --colocated` starts it), serving
-  PRESET where vLLM serves it: FP8_BLOCK and MXFP8 on the dense Linear layers and the experts,
-  MXFP4 and NVFP4 (per-token activations, ModelOpt's layout) on the experts alone, dense layers
-  BF16 (docs/support-matrix.md; docs/qat.md, "On the real engine").
+- a real engine (`--engine`, one whose plugin runs the demos): one engine in this process
+  (colocated, started with dummy weights from the embedded model's config.json, as `refit demo
+  ENGINE --colocated` starts it), serving PRESET on the roles its plugin names
+  (adapters.engine_plugin.DemoDefaults.qat_roles; docs/qat.md, "On the real engine").
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from app.bootstrap import Services, bootstrap
+from app.bootstrap import DEMO_ENGINES, Services, bootstrap, demo_of
 from app.config_sections import (
     ActorConfig,
     MegatronConfig,
@@ -35,14 +34,6 @@ from app.services.qat_demo import run_qat_demo
 from domain.errors import ConfigError
 from domain.quant.plan import QuantizationPlan
 
-# --qat PRESET on vLLM -> (rollout.quantization.linear, moe): the 4-bit formats on the experts
-# alone, as the seed's runs serve them (vLLM serves no per-token NVFP4 Linear layer).
-VLLM_ROLES: dict[str, tuple[str | None, str]] = {
-    "FP8_BLOCK": ("FP8_BLOCK", "FP8_BLOCK"), "MXFP8": ("MXFP8", "MXFP8"),
-    "MXFP4": (None, "MXFP4"), "NVFP4": (None, "NVFP4"),
-}
-VLLM_DEFAULT_MODEL = "micro-moe"
-
 
 def qat_demo_services(mode: str, model: str, seed: int) -> Services:
     """The composition root's services for the QAT demo in `mode` on the embedded `model`."""
@@ -53,17 +44,19 @@ def qat_demo_services(mode: str, model: str, seed: int) -> Services:
     ))
 
 
-def vllm_qat_config(mode: str, model: str, seed: int, bucket_mb: float) -> RefitConfig:
-    """The configuration of the QAT demo on vLLM: a colocated engine serving `mode` per VLLM_ROLES,
-    QAT in `mode`, the embedded `model` (ConfigError naming --qat for a preset it has no roles for)."""
+def engine_qat_config(engine: str, mode: str, model: str, seed: int, bucket_mb: float) -> RefitConfig:
+    """The configuration of the QAT demo on a real engine: a colocated engine serving `mode` on the
+    roles its plugin names (DemoDefaults.qat_roles), QAT in `mode`, the embedded `model`
+    (ConfigError naming --qat for a preset it has no roles for)."""
     from app.services.demo_config import engine_config
     from app.services.engine_demo import EngineDemoSettings
 
-    roles = VLLM_ROLES.get(mode.strip().upper())
+    roles = demo_of(engine).qat_roles.get(mode.strip().upper())
     if roles is None:
-        raise ConfigError("--qat", f"{mode!r} with --engine vllm: use one of {', '.join(VLLM_ROLES)}")
+        raise ConfigError("--qat", f"{mode!r} with --engine {engine}: use one of "
+                          f"{', '.join(demo_of(engine).qat_roles)}")
     plan = QuantizationPlan.from_presets(linear=roles[0], moe=roles[1])
-    settings = EngineDemoSettings(engine="vllm", deployment="colocated", plan=plan, model=model, seed=seed)
+    settings = EngineDemoSettings(engine=engine, deployment="colocated", plan=plan, model=model, seed=seed)
     config = engine_config(settings, bucket_mb)
     megatron = attrs.evolve(config.actor.megatron, qat=QatConfig(enable=True, mode=mode))
     return attrs.evolve(config, actor=attrs.evolve(config.actor, megatron=megatron))
@@ -110,15 +103,16 @@ def run_cli(args: argparse.Namespace) -> int:
     engine could not serve the preset here: nothing was measured)."""
     console = Console(stderr=bool(args.json))
     steps = 3 if args.steps is None else args.steps
-    if args.engine == "vllm":
-        model = args.model or VLLM_DEFAULT_MODEL
-        services = bootstrap(vllm_qat_config(args.qat, model, args.seed, args.bucket_mb))
+    real = args.engine in DEMO_ENGINES
+    if real:
+        model = args.model or demo_of(args.engine).model
+        services = bootstrap(engine_qat_config(args.engine, args.qat, model, args.seed, args.bucket_mb))
     else:
         model = args.model or "tiny-moe"
         services = qat_demo_services(args.qat, model, args.seed)
     with console.status(f"training with and without QAT ({args.qat}), {steps} steps"):
         result = run_qat_demo(services, mode=args.qat, model=model, steps=steps, seed=args.seed,
-                              one_engine=args.engine == "vllm")
+                              one_engine=real and demo_of(args.engine).one_per_process)
     result = {"engine": args.engine, **result}
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")

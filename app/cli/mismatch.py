@@ -22,11 +22,11 @@ from domain.mismatch import IS_LEVELS, RS_LEVELS
 from domain.mismatch_sentinel import DEFAULT_K3_THRESHOLD
 from domain.quant.plan import QuantizationPlan
 
-ENGINES = {"embedded": "reference", "vllm": "vllm"}  # --engine -> rollout.name
-# The presets each engine scores by default: every one on the embedded engine; on vLLM those its
-# CPU build serves for dense and MoE models alike (MXFP4 needs CUDA there, NVFP4 per-token experts
-# a GPU or the emulation; name them with --preset where they serve).
-DEFAULT_PRESETS = {"embedded": ("BF16", "FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4"), "vllm": ("BF16", "FP8_BLOCK", "MXFP8")}
+EMBEDDED = "embedded"  # --engine's default: the reference engine in this process (rollout.name=reference)
+# The presets the embedded engine scores by default: every one. A real engine scores its plugin's
+# (adapters.engine_plugin.DemoDefaults.mismatch_presets: those its CPU build serves for dense and
+# MoE models alike; name others with --preset where they serve).
+EMBEDDED_PRESETS = ("BF16", "FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4")
 COLUMNS = ("rollout_corr/k3_kl", "rollout_corr/kl", "rollout_corr/rollout_is_mean", "training/rollout_logprobs_diff_mean",
            "training/rollout_probs_diff_max")
 
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="NAME|DIR", type=options.model_or_directory(EMBEDDED_MODELS),
                    help="embedded model (tiny-moe, tiny-dense, micro-moe, micro-dense; default tiny-moe, micro-moe "
                         "with --engine vllm), or DIR: a Hugging Face checkpoint directory")
-    p.add_argument("--engine", default="embedded", choices=tuple(ENGINES),
+    p.add_argument("--engine", default=EMBEDDED, choices=(EMBEDDED, "vllm"),
                    help="embedded (default: the reference engine in this process) or vllm (a real vLLM engine, "
                         "one per preset, each closed before the next starts)")
     p.add_argument("--colocated", action="store_true",
@@ -84,13 +84,13 @@ def mismatch_config(engine: str, model: str, seed: int, *, colocated: bool) -> R
     """The configuration `refit mismatch` scores on: the demo's for a real engine (the trainer's
     model, the engine started from its config.json with dummy weights), the embedded engine in
     this process otherwise."""
-    if engine == "embedded":
+    if engine == EMBEDDED:
         rollout = RolloutConfig(name="reference", checkpoint_engine=CheckpointEngineConfig())
         return model_config(model, seed, RefitConfig(rollout=rollout))
     from app.services.demo_config import engine_config
     from app.services.engine_demo import EngineDemoSettings
 
-    settings = EngineDemoSettings(engine=ENGINES[engine], deployment="colocated" if colocated else "disaggregated",
+    settings = EngineDemoSettings(engine=engine, deployment="colocated" if colocated else "disaggregated",
                                   plan=QuantizationPlan.bf16(), model=model, seed=seed)
     return engine_config(settings, CheckpointEngineConfig().update_weights_bucket_megabytes)
 
@@ -137,21 +137,24 @@ def _plot(result: MismatchResult, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.bootstrap import DEMO_ENGINES, bootstrap
+    from app.bootstrap import DEMO_ENGINES, bootstrap, demo_of
     from app.logging import configure_logging
     from domain.errors import ConfigError
 
     configure_logging(json=args.json, level=logging.INFO if getattr(args, "verbose", False) else logging.CRITICAL)
 
-    real = ENGINES[args.engine] in DEMO_ENGINES
+    real = args.engine in DEMO_ENGINES
     if args.colocated and not real:
-        raise ConfigError("--colocated", "goes with --engine vllm (the embedded engine always runs in this process)")
-    model = args.model or ("micro-moe" if real else "tiny-moe")
-    settings = MismatchSettings(presets_of(args.preset, DEFAULT_PRESETS[args.engine]), seed=args.seed,
+        raise ConfigError("--colocated", f"goes with --engine {' or '.join(DEMO_ENGINES)} (the embedded engine always "
+                          "runs in this process)")
+    demo = demo_of(args.engine) if real else None
+    model = args.model or (demo.model if demo is not None else "tiny-moe")
+    defaults = demo.mismatch_presets if demo is not None else EMBEDDED_PRESETS
+    settings = MismatchSettings(presets_of(args.preset, defaults), seed=args.seed,
                                 rollout_is=args.rollout_is, rollout_rs=args.rollout_rs, threshold=args.threshold,
                                 kl_threshold=args.kl_threshold)
-    if args.colocated and len(settings.presets) > 1:
-        raise ConfigError("--colocated", f"scores one preset per run ({len(settings.presets)} asked): a vLLM engine in "
+    if args.colocated and demo is not None and demo.one_per_process and len(settings.presets) > 1:
+        raise ConfigError("--colocated", f"scores one preset per run ({len(settings.presets)} asked): an engine in "
                           "this process owns its state for the process's life; name one --preset, or drop --colocated")
     services = bootstrap(mismatch_config(args.engine, model, args.seed, colocated=args.colocated))
     result = run_mismatch(services, settings, engine_label=args.engine, model=model)

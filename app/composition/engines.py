@@ -44,8 +44,7 @@ class EngineWiring:
 
     def server_python(self, engine: str | None = None) -> str:
         """The interpreter a server of the engine (default rollout.name) runs with, as its plugin
-        resolves it (vLLM: rollout.engine_kwargs.vllm.python, else RL_REFIT_VLLM_PYTHON, else a
-        .venv-vllm, else this one). Raises ConfigError naming rollout.name for an engine that
+        resolves it (its `server_python`, docs/engines.md). Raises ConfigError naming rollout.name for an engine that
         starts no server."""
         plugin = plugin_for(engine or self.config.rollout.name)
         if plugin.server_python is None:

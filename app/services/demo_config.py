@@ -1,6 +1,6 @@
 """The configurations the demos and the benchmarks run with: the embedded models or a checkpoint
 directory (`--model`), and a real engine's configuration for the engine demo's settings (what
-`refit demo vllm`, `refit bench engine` and the real-engine tests start)."""
+`refit demo ENGINE`, `refit bench engine` and the real-engine tests start)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def engine_config(settings: EngineDemoSettings, bucket_mb: float) -> RefitConfig
         linear_activation=None if plan.linear_activation is None else plan.linear_activation.value,
     )
     plugin = plugin_for(settings.engine)
-    sections = {} if plugin.demo_section is None else {plugin.name: plugin.demo_section(settings.url, own)}
+    sections = {} if plugin.demo is None else {plugin.name: plugin.demo.section(settings.url, own)}
     rollout = RolloutConfig(
         name=settings.engine, deployment=settings.deployment, quantization=quantization,
         engine_kwargs=EngineKwargsConfig(**sections),

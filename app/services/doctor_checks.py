@@ -58,7 +58,7 @@ class Check:
 
     Attributes:
         area: platform, export, rollout kernels, engines, trainer, qat, transport or config.
-        name: what was checked ("vllm", "NVFP4 kernels", ...).
+        name: what was checked (an engine, "NVFP4 kernels", ...).
         status: OK, UNAVAILABLE, WARNING or ERROR.
         detail: what was found, in words.
         reason: why it does not work (None when it does).
@@ -142,35 +142,37 @@ def export_checks(env: EnvironmentSnapshot) -> list[Check]:
 
 
 def kernel_checks(env: EnvironmentSnapshot) -> list[Check]:
-    """Which presets the GPU can serve in vLLM / SGLang (docs/engines.md#kernel-backends-backend-policy)."""
+    """Which presets the GPU can serve in the engines (docs/engines.md#kernel-backends-backend-policy)."""
     return [gpu_gate(env, "rollout kernels", f"{preset} kernels", need, f"serving {preset}")
             for preset, need in MIN_CAPABILITY.items()]
 
 
 def engine_cpu_checks(env: EnvironmentSnapshot) -> list[Check]:
-    """Which formats vLLM's CPU build serves here: with vLLM's own kernel, with the matmul emulated
-    (the vLLM adapter's CPU emulation plugin), or not (vLLM's reason). Empty when no vLLM
-    environment was probed."""
+    """Which formats the engine's CPU build serves here: with its own kernel, with the matmul
+    emulated (its adapter's CPU emulation plugin), or not (the engine's reason), named as the probe
+    labels them (`engine`, `setup`, `emulation`). Empty when no engine environment was probed."""
     found = env.engine_cpu_kernels
     if found is None:
         return []
-    area = "rollout kernels (vLLM CPU)"
+    engine = str(found.get("engine", "the engine"))
+    area = f"rollout kernels ({engine} CPU)"
     if "error" in found:
-        return [Check(area, "vLLM CPU kernels", Status.WARNING, f"could not ask the vLLM environment: {found['error']}",
-                      Reason.PACKAGE_MISSING, "make test creates .venv-vllm (scripts/setup-vllm-env.sh)")]
+        return [Check(area, f"{engine} CPU kernels", Status.WARNING,
+                      f"could not ask the {engine} environment: {found['error']}", Reason.PACKAGE_MISSING,
+                      str(found.get("setup", "install the engine's environment")))]
     mode = found.get("mode", "auto")
     emulated = set(found.get("emulated", ()))
     out = []
     for fmt, reason in dict(found.get("native", {})).items():
         if reason is None:
-            out.append(Check(area, fmt, Status.OK, "vLLM's own CPU kernel"))
+            out.append(Check(area, fmt, Status.OK, f"{engine}'s own CPU kernel"))
         elif fmt in emulated:
             out.append(Check(area, fmt, Status.WARNING, f"emulated matmul (cpu_emulation={mode}); weight loading, "
-                             f"processing and the layerwise reload are vLLM's own. vLLM has no kernel: {reason}",
+                             f"processing and the layerwise reload are {engine}'s own. {engine} has no kernel: {reason}",
                              Reason.NOT_SUPPORTED, "tests and demos only; serve this format on a GPU"))
         else:
-            out.append(Check(area, fmt, Status.UNAVAILABLE, f"vLLM has no kernel here: {reason}", Reason.NOT_SUPPORTED,
-                             "rollout.engine_kwargs.vllm.cpu_emulation=auto emulates its matmul"))
+            out.append(Check(area, fmt, Status.UNAVAILABLE, f"{engine} has no kernel here: {reason}", Reason.NOT_SUPPORTED,
+                             f"{found.get('emulation', 'the engine CPU emulation')} emulates its matmul"))
     return out
 
 

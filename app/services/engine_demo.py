@@ -1,4 +1,4 @@
-"""`refit demo vllm`: the demo's refit loop against a real engine, each refit checked
+"""`refit demo ENGINE`: the demo's refit loop against a real engine, each refit checked
 against a cold start of the same exported checkpoint.
 
 The engine starts with dummy weights and refuses to serve; step 0 is the first refit, steps
@@ -62,7 +62,7 @@ def inspected(engine: RolloutEngine) -> InspectedEngine:
     if not isinstance(engine, EngineInspection):
         raise ConfigError("rollout.name", f"the engine demo compares engines through their digests, KV scales and "
                                           f"greedy tokens (ports.engine_inspection), which {type(engine).__name__} "
-                                          "does not serve: use vllm or the reference engine")
+                                          "does not serve: use an engine whose adapter does (docs/engines.md)")
     return cast(InspectedEngine, engine)
 
 
@@ -92,10 +92,10 @@ class EngineDemoServices(Protocol):
 
 @attrs.frozen
 class EngineDemoSettings:
-    """What `refit demo vllm` runs.
+    """What `refit demo ENGINE` runs.
 
     Attributes:
-        engine: the engine's name (vllm).
+        engine: the engine's name (rollout.name of a plugin with demo defaults).
         deployment: colocated or disaggregated.
         plan: the rollout quantization plan.
         model: the embedded model preset, or a checkpoint directory (`--model DIR`).
@@ -138,9 +138,9 @@ class ColdReference:
         log_probs, tokens: its prompt log-probs and greedy tokens.
         digests: sha256 of every parameter and buffer.
         placeholders: parameters no load of this export writes, on a cold start or by a refit:
-            activation scales of a kind the export has no tensor of (vLLM's NVFP4 expert method
-            allocates `w13/w2_input_global_scale` for weight-only experts, which its W4A16
-            kernels never read). Their bytes are whatever the engine allocated, so they are not
+            activation scales of a kind the export has no tensor of (an engine's NVFP4 expert
+            method may allocate input scales for weight-only experts, which its W4A16 kernels
+            never read; docs/engines.md). Their bytes are whatever the engine allocated, so they are not
             compared.
     """
 
@@ -169,7 +169,7 @@ class EngineStep:
         kv_scales: attention layers' q/k/v/prob scales after the refit, by layer.
         not_compared: parameters left out of the byte comparison (ColdReference.placeholders).
         unreadable: parameters the engine keeps packed outside their (emptied) tensor, whose bytes
-            cannot be read (vLLM's CPU BF16 Linear layers); the log-probs and greedy tokens check
+            cannot be read (docs/engines.md: CPU BF16 Linear layers); the log-probs and greedy tokens check
             their computation instead.
     """
 
@@ -304,7 +304,7 @@ class ColdStartComparer:
     def __attrs_post_init__(self) -> None:
         s = self.settings
         self.ids = token_batch(self.vocab_size, s.batch, s.seq_len, s.seed + 20_000)
-        # prompts of >= 5 tokens: vLLM's CPU build needs them on its first request (docs/engines.md)
+        # prompts of >= 5 tokens: a CPU build may need them on its first request (docs/engines.md)
         self.prompts = [row[: max(5, s.seq_len // 2)] for row in self.ids.tolist()]
 
     def refuses(self, engine: RolloutEngine) -> bool:

@@ -1,10 +1,10 @@
-"""`refit demo lora --engine vllm`: the adapter mode into a real engine, each adapter against its
+"""`refit demo lora --engine ENGINE`: the adapter mode into a real engine, each adapter against its
 disk twin.
 
 Step 0 sends the base and the adapter; every later step perturbs the adapter (the base stays
 frozen) and sends it alone. After each step the adapter the engine serves is compared with its
 disk twin: the same adapter written as PEFT writes it and loaded by the engine's own loader
-(vLLM's `LoRARequest` of that directory), on the same base weights, in the same engine: prompt
+(a load request of that directory), on the same base weights, in the same engine: prompt
 log-probs and greedy tokens, bit for bit (docs/lora.md#on-a-real-vllm-engine).
 """
 

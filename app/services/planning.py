@@ -314,7 +314,7 @@ def support_matrix_rows(engine: str) -> list[str]:
     """docs/support-matrix.md's table of cells for one engine, from its profile's support table.
 
     Args:
-        engine: "vllm" or "sglang".
+        engine: rollout.name of an engine with a support table.
 
     Returns:
         One markdown table row per cell: role, preset, activations, layout, verdict, how it was

@@ -9,8 +9,8 @@ log-probs are compared with the engine's on a fixed evaluation batch (k3 KL, doc
 Two engine shapes (docs/qat.md, "On the real engine"):
 - engines of their own (the embedded engine): one per arm, and the BF16 copy is also refitted
   into a BF16 engine, the BF16 level of the mismatch;
-- one engine (`one_engine`, a vLLM engine in this process: vLLM owns its process's state, so
-  there is only one): both arms are refitted into it in turn, each scored right after its own
+- one engine (`one_engine`, an engine in this process that owns the process's state, so
+  there is only one: adapters.engine_plugin.DemoDefaults.one_per_process): both arms are refitted into it in turn, each scored right after its own
   refit; no BF16 engine, so no BF16 level. An engine that does not start where the support
   matrix says its build cannot serve the plan (a cell not served on this CPU) is reported with
   the engine's own reason instead of a measurement.
@@ -122,7 +122,7 @@ def run_qat_demo(
         lr: AdamW learning rate.
         batch, seq_len, prompt_len: the shape of each batch; the loss and the probe cover the
             tokens after the prompt.
-        one_engine: refit both arms into one engine in turn (a vLLM engine in this process), and
+        one_engine: refit both arms into one engine in turn (an engine in this process), and
             start no BF16 engine; otherwise an engine per arm and a BF16 one.
         on_step: called with each record as soon as it exists.
 

@@ -101,7 +101,7 @@ class RefitService:
         if self.delta is not None:
             key = "rollout.checkpoint_engine.backend"
             if not isinstance(self.engine, DeltaEngine):
-                raise ConfigError(key, f"layout_delta needs an engine with a delta receiver (reference, vllm); "
+                raise ConfigError(key, f"layout_delta needs an engine with a delta receiver (ports.delta_engine); "
                                   f"{type(self.engine).__name__} has none: use 'naive'")
             if self.restore_policy is Restore.REPLAY:  # the previous refit's records need the dropped copies
                 raise ConfigError(key, "layout_delta cannot restore by replaying the previous refit's buckets "

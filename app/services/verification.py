@@ -84,7 +84,7 @@ class ColdStartReference:
     `log_probs(input_ids)` returns the [B, T-1] log-probs alone) as the reference: it computes the
     refitted engine's way, so the probe allows no difference."""
 
-    cold: Any  # adapters.vllm.launcher.ColdServer or alike: log_probs(input_ids) -> Tensor
+    cold: Any  # a cold start (an engine plugin's cold_start): log_probs(input_ids) -> Tensor
     name: str = "a cold start of the exported checkpoint"
     engine_way: bool = True
 

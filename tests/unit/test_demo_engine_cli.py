@@ -48,7 +48,7 @@ def test_the_engine_configuration() -> None:
     (["vllm", "--trainer", "megatron"], "--trainer: is not an option of `refit demo vllm`; it selects "
                                         "`refit demo megatron`"),
     (["--qat", "--trainer", "megatron"], "--qat: is not an option of `refit demo megatron`"),  # the old spellings
-    (["lora", "--engine", "vllm", "--sync", "merged"], "--sync: merged refits into vLLM are ordinary refits"),
+    (["lora", "--engine", "vllm", "--sync", "merged"], "--sync: merged refits into vllm are ordinary refits"),
     (["vllm", "--inject-fault", "bucket:1", "--fault-step", "9"], "--fault-step must be in [0, 2]"),
 ])
 def test_an_option_of_another_mode_is_refused_by_name(argv: list[str], message: str,

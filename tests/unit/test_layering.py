@@ -291,6 +291,19 @@ def _app_modules_for_every_engine() -> list[pathlib.Path]:
             and str(p.relative_to(ROOT)) not in ONE_ENGINE_MODULES]
 
 
+@pytest.mark.parametrize("path", [p for p in _modules("app") if "cli" in p.relative_to(ROOT).parts],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_cli_spells_engine_names_only_as_its_vocabulary(path: pathlib.Path) -> None:
+    """The CLI may spell an engine's name as a string (a mode's name, an `--engine` choice, its
+    help), but keeps no engine's data: no identifier, import or attribute names an engine (the
+    demo defaults are the plugin's, adapters.engine_plugin.DemoDefaults)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    strings = {(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    named = [f"{path.relative_to(ROOT)}:{line}: {text[:80]!r}" for line, text in _names_in_code(path)
+             if (line, text) not in strings and ENGINE_NAME.search(text)]
+    assert not named, "the CLI names an engine in code; give the engine's plugin a field:\n" + "\n".join(named)
+
+
 @pytest.mark.parametrize("path", _app_modules_for_every_engine(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_app_names_no_engine_but_asks_its_plugin(path: pathlib.Path) -> None:
     """The composition root, the configuration and the services name no engine in code: no

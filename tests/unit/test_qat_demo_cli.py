@@ -14,7 +14,7 @@ import torch
 
 import app.cli.demo_qat as demo_qat
 from app.bootstrap import Services, bootstrap
-from app.cli.demo_qat import qat_demo_services, vllm_qat_config
+from app.cli.demo_qat import engine_qat_config, qat_demo_services
 from app.cli.main import main
 from app.services.qat_demo import run_qat_demo
 from domain.errors import EngineClosed
@@ -29,7 +29,7 @@ NO_MARLIN = "'_OpNamespace' '_C' object has no attribute 'gptq_marlin_repack'"  
 ])
 def test_the_configuration_serves_the_preset_where_vllm_serves_it(preset: str, linear: str | None, moe: str,
                                                                   activation: str | None) -> None:
-    config = vllm_qat_config(preset, "micro-moe", 3, 0.5)
+    config = engine_qat_config("vllm", preset, "micro-moe", 3, 0.5)
     assert (config.rollout.name, config.rollout.deployment) == ("vllm", "colocated")
     q = config.rollout.quantization
     assert (q.linear, q.moe, q.moe_activation) == (linear, moe, activation)
@@ -103,7 +103,7 @@ class _NoStart:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU serves every cell: a failed start is not the CPU's limit")
 def test_a_cell_this_cpu_does_not_serve_is_reported_with_the_engines_reason() -> None:
-    services = _NoStart(bootstrap(vllm_qat_config("MXFP4", "micro-moe", 0, 1.0)))
+    services = _NoStart(bootstrap(engine_qat_config("vllm", "MXFP4", "micro-moe", 0, 1.0)))
     result = run_qat_demo(services, mode="MXFP4", model="micro-moe", steps=1, one_engine=True)
     assert (result["served"], result["records"], result["mean"]) == (False, [], None)
     assert result["not_served"] == ("vllm's CPU build does not serve rollout.quantization.moe=MXFP4 with mxfp4 "
@@ -122,6 +122,6 @@ def test_a_missing_vllm_is_named_not_reported_as_a_cell_not_served(capsys: pytes
 
 
 def test_a_cell_this_cpu_serves_that_fails_to_start_is_an_error() -> None:
-    services = _NoStart(bootstrap(vllm_qat_config("MXFP8", "micro-moe", 0, 1.0)))
+    services = _NoStart(bootstrap(engine_qat_config("vllm", "MXFP8", "micro-moe", 0, 1.0)))
     with pytest.raises(AttributeError, match="gptq_marlin_repack"):
         run_qat_demo(services, mode="MXFP8", model="micro-moe", steps=1, one_engine=True)

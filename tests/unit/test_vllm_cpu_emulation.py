@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from adapters.memory.environment import FixedEnvironmentProbe
-from adapters.system.probe import vllm_cpu_kernels
+from adapters.system.probe import VLLM_KERNEL_LABELS, vllm_cpu_kernels
 from adapters.vllm.cpu_emulation import ENV_VAR, FORMATS, emulated_formats, parse_mode
 from adapters.vllm.factory import vllm_environment
 from adapters.vllm.launcher import root_cause
@@ -87,7 +87,9 @@ def test_a_log_without_an_exception_has_no_root_cause() -> None:
 
 
 def _snapshot(kernels: dict[str, object] | None) -> EnvironmentSnapshot:
-    return EnvironmentSnapshot(python="3.11.7", engine_cpu_kernels=kernels)
+    """A snapshot whose probe found `kernels`, labelled as the vLLM probe labels its answers."""
+    labelled = None if kernels is None else {**VLLM_KERNEL_LABELS, **kernels}
+    return EnvironmentSnapshot(python="3.11.7", engine_cpu_kernels=labelled)
 
 
 def test_doctor_says_which_of_vllms_cpu_kernels_this_machine_has_and_what_is_emulated() -> None:
@@ -108,6 +110,7 @@ def test_doctor_has_no_vllm_cpu_rows_without_a_vllm_environment_and_says_why_a_p
     assert engine_cpu_checks(_snapshot(None)) == []
     (row,) = engine_cpu_checks(_snapshot({"error": "no module named vllm"}))
     assert row.status is Status.WARNING and "no module named vllm" in row.detail
+    assert row.area == "rollout kernels (vLLM CPU)" and ".venv-vllm" in row.fix  # the probe's labels
 
 
 def test_the_probe_of_an_environment_without_vllm_reports_its_error(tmp_path: Path) -> None:
@@ -122,7 +125,7 @@ def test_the_probe_of_an_environment_without_vllm_reports_its_error(tmp_path: Pa
 def test_a_saved_snapshot_keeps_the_vllm_cpu_kernels() -> None:
     kernels = {"mode": "on", "emulated": ["FP8_BLOCK"], "native": {"FP8_BLOCK": None}}
     again = FixedEnvironmentProbe.from_dict(_snapshot(kernels).to_dict()).snapshot()
-    assert again.engine_cpu_kernels == kernels
+    assert again.engine_cpu_kernels == {**VLLM_KERNEL_LABELS, **kernels}
 
 
 def test_a_snapshot_saved_under_the_former_key_keeps_the_vllm_cpu_kernels() -> None:
