@@ -21,8 +21,8 @@ import attrs
 
 from adapters.engine_plugin import DEPLOYMENTS
 from adapters.plugins import DEMO_ENGINES as DEMO_ENGINES  # for the CLI, which names no adapter
-from adapters.plugins import demo_of as demo_of  # for the CLI
 from adapters.plugins import ENVIRONMENT, PLUGINS, plugin_for
+from adapters.plugins import demo_of as demo_of  # for the CLI
 from adapters.profiles import POLICY_ENGINES as POLICY_ENGINES  # for the CLI
 from adapters.profiles import profile_for
 from app.composition.embedded import EmbeddedWiring

@@ -18,6 +18,7 @@ from app.services.engine_demo import EngineDemoResult, EngineDemoSettings, Engin
 from app.services.transaction import describe_plan
 from domain.quant.plan import QuantizationPlan
 
+
 def _preset(value: str | None, default: str | None) -> str | None:
     if value is None:
         return default
