@@ -90,6 +90,21 @@ class EngineRequest:
 
 
 @attrs.frozen
+class WorkerSide:
+    """What an engine's own processes import of rl-refit (`refit bench imports` measures it).
+
+    Attributes:
+        modules: rl-refit's modules each engine process imports, in order.
+        base: the engine's modules they build on (imported first, timed apart: the baseline).
+        label: how the baseline is named in the report.
+    """
+
+    modules: tuple[str, ...]
+    base: tuple[str, ...]
+    label: str
+
+
+@attrs.frozen
 class DemoDefaults:
     """What the demos run on an engine that serves them for real (`refit demo <name>`, `refit demo
     qat --engine <name>`, `refit demo lora --engine <name>`, `refit mismatch --engine <name>`):
@@ -144,6 +159,7 @@ class EnginePlugin:
             (section, host) -> path. None: it starts no server.
         probe: the arguments it adds to `refit doctor`'s environment probe:
             (section, host) -> keyword arguments of adapters.system.probe.SystemProbe.
+        worker_side: what its own processes import of rl-refit (None: rl-refit runs in none).
     """
 
     profile: StaticEngineProfile
@@ -158,6 +174,7 @@ class EnginePlugin:
     demo: DemoDefaults | None = None
     server_python: Callable[[Any, EngineHost], str] | None = None
     probe: Callable[[Any, EngineHost], Mapping[str, Any]] | None = None
+    worker_side: WorkerSide | None = None
 
     @property
     def name(self) -> str:

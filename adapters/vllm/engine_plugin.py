@@ -15,6 +15,7 @@ from adapters.engine_plugin import (
     EngineHost,
     EnginePlugin,
     EngineRequest,
+    WorkerSide,
 )
 from adapters.vllm.config import PYTHON_VAR, VllmEngineConfig
 from adapters.vllm.profile import VLLM
@@ -94,4 +95,11 @@ DEMO = DemoDefaults(
 PLUGIN = EnginePlugin(VLLM, "adapters.vllm.engine.VllmRolloutEngine", build,
                       frozenset({COLOCATED, DISAGGREGATED, ATTACHED}), VllmEngineConfig, extra="vllm",
                       cold_start=cold_start, environment=(PYTHON_VAR,), demo=DEMO,
-                      server_python=server_python, probe=probe)
+                      server_python=server_python, probe=probe,
+                      # every vLLM process runs the plugin; its workers import the extension and the
+                      # rl_refit backend, which subclasses vLLM's weight-transfer base and registers
+                      # into its factory
+                      worker_side=WorkerSide(
+                          ("adapters.vllm.plugin", "adapters.vllm.extension", "adapters.vllm.transfer_backend"),
+                          ("vllm.distributed.weight_transfer.base", "vllm.distributed.weight_transfer.factory"),
+                          "vLLM's weight-transfer modules"))

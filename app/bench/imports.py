@@ -8,16 +8,17 @@ imported is counted as free:
   ends (the project's own, under domain/, ports/, adapters/, app/, and all of them) and the import
   time, the sum of every import's own time as `-X importtime` reports it (the command's run itself
   is not in it);
-- the engine side is what a vLLM worker imports for rl-refit: `adapters.vllm.plugin` (every vLLM
-  process runs it), `adapters.vllm.extension` and `adapters.vllm.transfer_backend`, timed after
-  torch and the vLLM modules they build on are imported. It runs with vLLM where an interpreter
-  has it (this one, or the configured vLLM python, docs/engines.md); otherwise with a stand-in
-  for every `vllm` module, which counts rl-refit's own modules and the third-party ones they pull
-  (the stand-in costs nothing, so the time is rl-refit's alone). The report's notes say which.
+- the engine side is what an engine's own processes import of rl-refit, for each engine whose
+  plugin names it (adapters.engine_plugin.WorkerSide: its modules, and the engine's modules they
+  build on), timed after torch and those are imported. It runs with the engine where an
+  interpreter has it (this one, or the engine's server python, docs/engines.md); otherwise with
+  a stand-in for every module of the engine's package, which counts rl-refit's own modules and
+  the third-party ones they pull (the stand-in costs nothing, so the time is rl-refit's alone).
+  The report's notes say which.
 
 Baselines, measured in the same run: for module counts, every module of the project (the size of
 the tree); for times, the import time of torch alone in a fresh interpreter (what any command that
-touches the domain pays first), and on the engine side the vLLM modules rl-refit's build on.
+touches the domain pays first), and on the engine side the engine's modules rl-refit's build on.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from pathlib import Path
 
 import attrs
 
+from adapters.engine_plugin import WorkerSide
+from adapters.plugins import PLUGINS
 from app.bench.child import python_has
 from app.bench.report import BenchReport
 
 PROJECT = ("domain", "ports", "adapters", "app")
-ENGINE_MODULES = ("adapters.vllm.plugin", "adapters.vllm.extension", "adapters.vllm.transfer_backend")
-# What adapters.vllm.transfer_backend subclasses, and the factory the plugin registers into.
-VLLM_BASE = ("vllm.distributed.weight_transfer.base", "vllm.distributed.weight_transfer.factory")
 ROOT = Path(__file__).resolve().parents[2]  # the checkout whose modules are measured
 
 # In the child: run a command, then print what it loaded as one JSON line (stdout is the command's
@@ -49,9 +49,9 @@ with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.St
 print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
 """
 
-# A stand-in for every `vllm` module: any attribute is a class (subscriptable, so that
-# `WeightTransferEngine[A, B]` works), and nothing runs.
-_STUB_VLLM = """
+# A stand-in for every module of the package PACKAGE: any attribute is a class (subscriptable, so
+# that `WeightTransferEngine[A, B]` works), and nothing runs.
+_STUB = """
 import importlib.abc, importlib.machinery, sys, types
 class _Stub(types.ModuleType):
     def __getattr__(self, name):
@@ -62,7 +62,7 @@ class _Stub(types.ModuleType):
         return value
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path, target=None):
-        if name == "vllm" or name.startswith("vllm."):
+        if name == PACKAGE or name.startswith(PACKAGE + "."):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
     def create_module(self, spec):
@@ -98,8 +98,8 @@ class Loaded:
         seconds: the import time (the sum of every import's own time; the engine side: the
             wall time of importing its modules).
         code: the command's exit status.
-        added: the engine side: the modules its imports added (after torch and vLLM's own).
-        base_seconds: the engine side: the seconds of importing the vLLM modules it builds on.
+        added: the engine side: the modules its imports added (after torch and the engine's own).
+        base_seconds: the engine side: the seconds of importing the engine's modules it builds on.
     """
 
     modules: tuple[str, ...]
@@ -144,37 +144,40 @@ def command(argv: Sequence[str], python: str = sys.executable) -> Loaded:
     return _run(python, _COMMAND, argv)
 
 
-def engine_side(python: str | None = None) -> tuple[Loaded, str]:
-    """What a vLLM worker imports for rl-refit (ENGINE_MODULES), in a fresh interpreter.
+def engine_side(package: str, side: WorkerSide, python: str | None = None) -> tuple[Loaded, str]:
+    """What an engine's processes import of rl-refit (`side.modules`), in a fresh interpreter.
 
     Args:
-        python: an interpreter that has vLLM; None: a stand-in for every vllm module, here.
+        package: the engine's package (the plugin's `package`).
+        side: the plugin's WorkerSide.
+        python: an interpreter that has the package; None: a stand-in for every module of it, here.
 
     Returns:
-        The modules and the seconds of importing ENGINE_MODULES, and how vLLM was provided.
+        The modules and the seconds of importing `side.modules`, and how the engine was provided.
     """
-    code = _ENGINE.format(base=VLLM_BASE, engine=ENGINE_MODULES)
+    code = _ENGINE.format(base=side.base, engine=side.modules)
     if python is None:  # the stand-ins are not modules rl-refit adds
-        loaded = _run(sys.executable, _STUB_VLLM + code, importtime=False)
-        kept = tuple(m for m in loaded.added if m.split(".")[0] != "vllm")
-        return attrs.evolve(loaded, added=kept), "vllm stubbed (not installed here)"
-    version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+        loaded = _run(sys.executable, f"PACKAGE = {package!r}\n" + _STUB + code, importtime=False)
+        kept = tuple(m for m in loaded.added if m.split(".")[0] != package)
+        return attrs.evolve(loaded, added=kept), f"{package} stubbed (not installed here)"
+    version = subprocess.run([python, "-c", f"import {package}; print({package}.__version__)"], capture_output=True,
                              text=True, timeout=600).stdout.strip().splitlines()
-    return _run(python, code, importtime=False), f"vLLM {version[-1] if version else '?'} ({python})"
+    return _run(python, code, importtime=False), f"{package} {version[-1] if version else '?'} ({python})"
 
 
 def _torch_import(python: str) -> float:
     return _run(python, "import json, sys, torch; print(json.dumps({'modules': sorted(sys.modules)}))").seconds
 
 
-def _vllm_python() -> str | None:
-    """An interpreter with vLLM: this one, else the configured vLLM python (None: neither)."""
-    if python_has(sys.executable, "vllm"):
+def _engine_python(name: str, package: str) -> str | None:
+    """An interpreter with the engine's package: this one, else the engine's server python (None:
+    neither)."""
+    if python_has(sys.executable, package):
         return sys.executable
     from app.bootstrap import bootstrap
 
-    python = bootstrap().engines.server_python("vllm")
-    return python if python != sys.executable and python_has(python, "vllm") else None
+    python = bootstrap().engines.server_python(name)
+    return python if python != sys.executable and python_has(python, package) else None
 
 
 def run(quick: bool = False) -> BenchReport:
@@ -193,15 +196,20 @@ def run(quick: bool = False) -> BenchReport:
         report.add(case, "modules", len(loaded.modules), "modules")
         report.add(case, "import time", loaded.seconds, "s", "import torch", torch_s)
         report.notes.append(f"{case}: torch {'imported' if 'torch' in loaded.modules else 'not imported'}")
-    python = _vllm_python()
-    engine, how = engine_side(python)
-    report.add("engine side", "project modules", len(engine.project), "modules", "every project module", every)
-    report.add("engine side", "modules rl-refit adds", len(engine.added), "modules")
-    if python is None:  # the stand-in costs nothing: no baseline to compare with
-        report.add("engine side", "import time", engine.seconds, "s")
-    else:
-        report.add("engine side", "import time", engine.seconds, "s", "vLLM's weight-transfer modules", engine.base_seconds)
-    report.notes.append(f"engine side: {', '.join(ENGINE_MODULES)} after torch and {', '.join(VLLM_BASE)}; {how}")
+    for plugin in PLUGINS.values():
+        side, package = plugin.worker_side, plugin.package
+        if side is None or package is None:
+            continue
+        case = f"engine side ({plugin.name})"
+        python = _engine_python(plugin.name, package)
+        engine, how = engine_side(package, side, python)
+        report.add(case, "project modules", len(engine.project), "modules", "every project module", every)
+        report.add(case, "modules rl-refit adds", len(engine.added), "modules")
+        if python is None:  # the stand-in costs nothing: no baseline to compare with
+            report.add(case, "import time", engine.seconds, "s")
+        else:
+            report.add(case, "import time", engine.seconds, "s", side.label, engine.base_seconds)
+        report.notes.append(f"{case}: {', '.join(side.modules)} after torch and {', '.join(side.base)}; {how}")
     report.notes.append(f"every project module: {every} files under {', '.join(PROJECT)}; import time: the sum of "
                         "each import's own time (-X importtime), best of the runs")
     return report

@@ -272,7 +272,6 @@ CONFIG_KEY = re.compile(r"\b(?:rollout|actor)\.[a-z_]")
 # as its vocabulary: the `refit demo vllm` mode and the `--engine` choices.
 ONE_ENGINE_MODULES = {
     "app/bench/engine.py": "`refit bench engine`: a vLLM engine's refit against its cold start",
-    "app/bench/imports.py": "`refit bench imports`: what the engine side of vLLM loads of rl-refit",
     "app/bench/sglang_backup.py": "SGLang's in-process backup, measured (a `refit bench refit` row)",
     "app/bench/refit.py": "names the SGLang backup rows of its suite",
     "app/bench/export.py": "exports the layouts vLLM reads",
