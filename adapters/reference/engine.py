@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import structlog
@@ -32,8 +32,6 @@ from adapters.reference.config import ReferenceModelConfig, hf_weight_shapes
 from adapters.reference.layout import GLOBAL, EngineLayout, is_routed
 from adapters.reference.model import check_input_ids, forward_logits, log_probs_from_logits, slot_table
 from domain.errors import AdapterUpdateFailed, EngineTensorMismatch, LoraError, RefitVerificationFailed
-from domain.lora import LoraAdapter, LoraWeights, merge_weight
-from domain.lora.sync import StagedAdapter
 from domain.quant.codecs import QuantizedWeight, dequantize_weight, fake_quantize_activation
 from domain.quant.plan import QuantizationPlan
 from domain.refit.buckets import Bucket, unpack_bucket
@@ -42,6 +40,10 @@ from domain.refit.guard import EngineGuard
 from domain.refit.report import EngineFinalizeResult
 from domain.refit.session import CommitMode
 from domain.refit.storage import StorageFingerprint, tensor_digest
+
+if TYPE_CHECKING:  # the adapter mode's types: domain.lora loads only when an adapter is staged
+    from domain.lora import LoraAdapter
+    from domain.lora.sync import StagedAdapter
 
 # A verifier sees one commit group's post-processed tensors ("key.local" -> tensor) before they
 # are committed, and raises to stop the commit.
@@ -359,6 +361,8 @@ class ReferenceEngine:
     def _merge_adapter(self, eff: dict[str, torch.Tensor], adapter: LoraAdapter) -> None:
         """Fold the served adapter into the effective weights: each module's rows of its fused
         weight become PEFT's merge of them (`domain.lora.merge_weight`), in the effective dtype."""
+        from domain.lora import merge_weight
+
         slots = slot_table(self.config)
         copied: set[str] = set()
         for module, w in adapter.modules.items():
@@ -382,6 +386,9 @@ class ReferenceEngine:
                 raise LoraError(unknown[0], "the engine applies adapters to dense projections only")
         except LoraError as err:
             raise AdapterUpdateFailed(str(err), self._serving_adapter) from err
+        from domain.lora import LoraWeights
+        from domain.lora.sync import StagedAdapter
+
         owned = {m: LoraWeights(w.lora_A.clone(), w.lora_B.clone()) for m, w in adapter.modules.items()}
         staged = StagedAdapter(self._next_adapter, adapter.nbytes)  # in process: the owned copies
         self._adapters[staged.adapter_id] = attrs.evolve(adapter, modules=owned)

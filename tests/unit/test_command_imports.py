@@ -49,6 +49,26 @@ def test_refit_plan_loads_no_demo_benchmark_refit_or_engine() -> None:
     assert not never and not engines, f"refit plan loads {never + engines}"
 
 
+# What the embedded `refit demo` never needs: the other modes (LoRA, Megatron, processes, QAT),
+# the other commands, and every engine's adapter but the embedded one's (the plugin table reads
+# each engine's profile, section and plugin record, nothing else of them).
+DEMO_NEVER = (
+    "domain.lora.", "app.services.lora_demo", "app.services.megatron_demo", "app.services.distributed_demo",
+    "app.services.qat_demo", "app.services.engine_demo", "app.bench", "app.cli.export", "app.cli.doctor",
+    "app.cli.plan", "adapters.megatron", "adapters.distributed", "adapters.hf.", "adapters.modelopt",
+)
+
+
+def test_the_embedded_demo_loads_no_other_mode_command_or_engine() -> None:
+    loaded = command(["demo", "--steps", "1"])
+    assert loaded.code == 0
+    assert "app.cli.demo" in loaded.project and "adapters.reference.engine" in loaded.project
+    never = sorted(m for m in loaded.project if m.startswith(DEMO_NEVER) or m == "domain.lora")
+    engines = sorted(m for m in loaded.project if m.startswith(ENGINE_PACKAGES[:2] + ENGINE_PACKAGES[3:])
+                     and m not in ENGINE_PACKAGES and not m.endswith((".profile", ".config", ".engine_plugin")))
+    assert not never and not engines, f"refit demo loads {never + engines}"
+
+
 def test_the_top_level_help_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
