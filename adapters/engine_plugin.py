@@ -90,6 +90,43 @@ class EngineRequest:
 
 
 @attrs.frozen
+class EngineBaselines:
+    """The engine's own ways in, that `refit bench engine` measures a refit against, all in one
+    engine started once (app.bench.engine; docs/benchmarks.md).
+
+    Attributes:
+        name: how the report names the engine.
+        extension: the worker extension the bench starts the engine with; it answers the calls below.
+        presets: the presets its CPU build serves, dense and MoE alike (the bench's choices).
+        reload: (engine, directory) -> the engine's own reload of the checkpoint in `directory`.
+        mode: (engine, mode) -> how the next refits load: `refit` (rl-refit's), `layerwise` (the
+            engine's own reload of the buckets, nothing else), `load_weights` (each bucket straight
+            into the model's loaders, unprocessed), `receive` (the buckets received and dropped).
+        stream: engine -> its workers' bucket steps (`begin()`, `load(bucket)`, `finalize(reset_kv)`)
+            without rl-refit's checks around them: the floors send the refit's buckets through it.
+        here: what to do when a colocated bench cannot import the engine in this process.
+        setup: what to do when the engine's server python cannot import it.
+        labels: the report's rows of its baselines: `reload`, `layerwise`, `write_reload`, `load_weights`.
+        terms: how the notes name its ways in: `reload`, `layerwise`, `load`, `processing`,
+            `loading`, `server`.
+        notes: what the notes explain of it: `start_colocated`, `start_disaggregated`, `threads`,
+            `load_weights`, `layerwise_differs`, `reload_differs_bf16`, `transport_key`.
+    """
+
+    name: str
+    extension: str
+    presets: tuple[str, ...]
+    reload: Callable[[Any, str], None]
+    mode: Callable[[Any, str], None]
+    stream: Callable[[Any], Any]
+    here: str
+    setup: str
+    labels: Mapping[str, str]
+    terms: Mapping[str, str]
+    notes: Mapping[str, str]
+
+
+@attrs.frozen
 class WorkerSide:
     """What an engine's own processes import of rl-refit (`refit bench imports` measures it).
 
@@ -160,6 +197,8 @@ class EnginePlugin:
         probe: the arguments it adds to `refit doctor`'s environment probe:
             (section, host) -> keyword arguments of adapters.system.probe.SystemProbe.
         worker_side: what its own processes import of rl-refit (None: rl-refit runs in none).
+        bench: its own ways in, that `refit bench engine` measures a refit against (None: the
+            bench does not run on it).
     """
 
     profile: StaticEngineProfile
@@ -175,6 +214,7 @@ class EnginePlugin:
     server_python: Callable[[Any, EngineHost], str] | None = None
     probe: Callable[[Any, EngineHost], Mapping[str, Any]] | None = None
     worker_side: WorkerSide | None = None
+    bench: EngineBaselines | None = None
 
     @property
     def name(self) -> str:

@@ -17,6 +17,8 @@ SECTIONS: dict[str, type] = {p.name: p.section for p in PLUGINS.values() if p.se
 ENVIRONMENT: tuple[str, ...] = tuple(v for p in PLUGINS.values() for v in p.environment)
 # The engines `refit demo` runs on as real engines.
 DEMO_ENGINES: tuple[str, ...] = tuple(p.name for p in PLUGINS.values() if p.demo)
+# The engines `refit bench engine` measures against their own ways in.
+BENCH_ENGINES: tuple[str, ...] = tuple(p.name for p in PLUGINS.values() if p.bench)
 
 
 def plugin_for(name: str) -> EnginePlugin:

@@ -17,6 +17,7 @@ from adapters.engine_plugin import (
     EngineRequest,
     WorkerSide,
 )
+from adapters.vllm.bench import BASELINES
 from adapters.vllm.config import PYTHON_VAR, VllmEngineConfig
 from adapters.vllm.profile import VLLM
 
@@ -102,4 +103,5 @@ PLUGIN = EnginePlugin(VLLM, "adapters.vllm.engine.VllmRolloutEngine", build,
                       worker_side=WorkerSide(
                           ("adapters.vllm.plugin", "adapters.vllm.extension", "adapters.vllm.transfer_backend"),
                           ("vllm.distributed.weight_transfer.base", "vllm.distributed.weight_transfer.factory"),
-                          "vLLM's weight-transfer modules"))
+                          "vLLM's weight-transfer modules"),
+                      bench=BASELINES)

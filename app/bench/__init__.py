@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # Suite name -> module. Explicit, imported lazily. `bench all` runs them in this order: `engine`
-# last, since a colocated vLLM engine changes its process (threads, environment variables).
+# last, since a colocated engine changes its process (threads, environment variables).
 SUITES: dict[str, str] = {
     "codecs": "app.bench.codecs",
     "export": "app.bench.export",

@@ -1,40 +1,38 @@
-"""`refit bench engine`: refit time into a real vLLM engine against vLLM's own ways in, all in one
-engine (started once), for the same weights.
+"""`refit bench engine`: refit time into a real engine against the engine's own ways in, all in
+one engine (started once), for the same weights.
 
-The engine is the one `refit demo vllm` starts (the embedded model, dummy weights,
-rl-refit's worker extension, here adapters.vllm.bench_extension.BenchExtension with the
-baselines), colocated (vLLM in this process, buckets by reference) or disaggregated (an engine
-vLLM server rl-refit starts, buckets through the shared-memory ring, or over a side gloo group with
-`rollout.engine_kwargs.vllm.transport=gloo`). After a first refit (the engine goes live), one
+The engine is one whose plugin names its baselines (adapters.engine_plugin.EngineBaselines; for
+one engine's adapters/<engine>/bench.py), started as `refit demo ENGINE` starts it (the embedded model, dummy
+weights) with the baselines' worker extension, colocated (the engine in this process, buckets by
+reference) or disaggregated (a server of the engine rl-refit starts, buckets through the
+shared-memory ring, or over a side gloo group). After a first refit (the engine goes live), one
 untimed try of each baseline and a warm-up round, `repeat` rounds measure, in turns (the order
 reversed every other round, so that a load change on a shared machine hits every path alike),
 wall-clock seconds in the trainer's process of:
 
 - `rl-refit refit`: RefitService.refit() through the composition root: quantize, bucket,
-  stream, vLLM's layerwise reload, the expert redo, the KV-scale reset, the storage check;
+  stream, the engine's reload, the expert redo, the KV-scale reset, the storage check;
 - `write checkpoint`: the same quantized tensors written as one safetensors file (what the disk
   baseline needs on disk first; page cache, no fsync);
-- `vLLM reload_weights`: the worker calls vLLM's own `Worker.reload_weights(weights_path=DIR,
-  is_checkpoint_format=True)` on that file;
-- `vLLM layerwise reload of the same buckets`: the same buckets through the same transport, into
-  vLLM's own reload and nothing else (`initialize_layerwise_reload`, `model.load_weights` per
-  bucket, `finalize_layerwise_reload`: what `reload_weights(weights_iterator=...)` does): the
-  floor of vLLM's loading and processing, without rl-refit's worker-side work (expert redo,
-  written-parameter audit, tied head, KV scales) or its trainer-side checks;
+- the engine's reload from disk (`reload`): the workers reload that file the engine's own way
+  (for example a worker's `reload_weights(weights_path=DIR, is_checkpoint_format=True)`);
+- the engine's reload of the same buckets (`layerwise`): the same buckets through the same
+  transport, into the engine's own reload and nothing else: the floor of its loading and
+  processing, without rl-refit's worker-side work (expert redo, written-parameter audit, tied
+  head, KV scales) or its trainer-side checks;
 - `made, sent and dropped`: the same buckets, quantized and packed by the trainer and through the
   same transport, dropped by the worker: the floor of the trainer's side and the transport;
-- `per-bucket load_weights`: the same buckets through the same transport, each handed straight
-  to `model.load_weights` with no layerwise reload and no processing, into checkpoint-format
+- per-bucket `load_weights`: the same buckets through the same transport, each handed straight
+  to the model's loaders with no reload around them and no processing, into checkpoint-format
   tensors set up beside the engine's own (untimed, before each such call, and put back after
-  it). A timing floor only: on CPU vLLM's dense weights are kernel handles and FP8 weights are
-  processed, so such writes never reach what the engine computes with.
+  it). A timing floor only: such writes need not reach what the engine computes with.
 
-And the engine's start (`LLM(...)` in this process with vLLM already imported; for the
-disaggregated shape the vLLM server's start until it serves, vLLM's import included), for scale.
+And the engine's start (in this process with the engine already imported; disaggregated, the
+server's start until it serves, the engine's import included), for scale.
 
 Rows: rl-refit's median refit time against each baseline's median (ratio = baseline / ours,
 above 1 = the refit is faster). Notes: the refit's phases; whether the engine held the same bytes
-after rl-refit's refit as after vLLM's reload of the same weights (the reload compared starts
+after rl-refit's refit as after the engine's reload of the same weights (the reload compared starts
 from an engine holding other weights, a refit of perturbed trainer weights, so that a reload
 that changed nothing cannot pass); whether a load_weights round left the engine's bytes as they
 were; a baseline that failed, and why; and what each figure includes.
@@ -50,15 +48,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from adapters.vllm.engine import VllmRolloutEngine
-from adapters.vllm.protocol import BenchMode, BenchReload, WorkerRpc
+from adapters.engine_plugin import EngineBaselines
+from adapters.plugins import BENCH_ENGINES, plugin_for
 from app.bench.child import python_has
 from app.bench.report import BenchReport
 from domain.refit.storage import DigestComparison
@@ -66,18 +64,10 @@ from domain.refit.storage import DigestComparison
 if TYPE_CHECKING:
     from app.config_sections import RefitConfig
 
-EXTENSION = "adapters.vllm.bench_extension.BenchExtension"
 DEPLOYMENTS = ("auto", "colocated", "disaggregated")
-# what vLLM's CPU build serves, dense and MoE, on any x86-64 CPU (the matmul emulated where the
-# CPU has no kernel: adapters.vllm.cpu_emulation)
-PRESETS = ("BF16", "FP8_BLOCK", "MXFP8")
 
 REFIT = "rl-refit refit"
-RELOAD = "vLLM reload_weights from disk (checkpoint already written)"
-LAYERWISE = "vLLM layerwise reload of the same buckets, nothing else (loading + processing floor)"
 RECEIVE = "the same buckets made, sent and dropped (trainer side + transport floor)"
-WRITE_RELOAD = "write checkpoint + vLLM reload_weights"
-LOAD_WEIGHTS = "per-bucket model.load_weights, unprocessed (timing floor only: serves wrong weights)"
 RESTART = "engine start (a restart instead of a refit)"
 COPY = "copy_ of the same bytes in this process (the memory bound)"
 BF16_REFIT = "rl-refit refit of the same model in BF16 (same run)"
@@ -89,13 +79,15 @@ class EngineBenchSettings:
     """What `refit bench engine` measures.
 
     Attributes:
-        deployment: colocated, disaggregated, or auto (colocated when vLLM imports here).
+        deployment: colocated, disaggregated, or auto (colocated when the engine imports here).
         model: the embedded model preset.
-        preset: the rollout plan, linear and MoE alike: BF16, FP8_BLOCK or MXFP8.
+        preset: the rollout plan, linear and MoE alike: one the engine's CPU build serves (its
+            baselines' `presets`).
         repeat: measured rounds of each path (the median is reported).
         bucket_mb: bucket size, MiB.
         trainer_threads: torch threads of the trainer's process while it measures; None: on a
             machine without CUDA, disaggregated, half the cores (see `trainer_threads_for`).
+        engine: rollout.name of an engine whose plugin names its baselines (default: the first).
     """
 
     deployment: str = "auto"
@@ -104,28 +96,38 @@ class EngineBenchSettings:
     repeat: int = 3
     bucket_mb: float = 1.0
     trainer_threads: int | None = None
+    engine: str = BENCH_ENGINES[0]
 
     def __attrs_post_init__(self) -> None:
+        if self.engine not in BENCH_ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(BENCH_ENGINES)}, got {self.engine!r}")
         if self.deployment not in DEPLOYMENTS:
             raise ValueError(f"deployment must be one of {', '.join(DEPLOYMENTS)}, got {self.deployment!r}")
-        if self.preset.upper() not in PRESETS:
-            raise ValueError(f"preset must be one of {', '.join(PRESETS)} (what vLLM's CPU build serves), "
-                             f"got {self.preset!r}")
+        presets = self.baselines.presets
+        if self.preset.upper() not in presets:
+            raise ValueError(f"preset must be one of {', '.join(presets)} (what {self.baselines.name}'s CPU build "
+                             f"serves), got {self.preset!r}")
         if self.repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {self.repeat}")
         if self.trainer_threads is not None and self.trainer_threads < 1:
             raise ValueError(f"trainer_threads must be >= 1 (or None), got {self.trainer_threads}")
 
+    @property
+    def baselines(self) -> EngineBaselines:
+        """The engine's own ways in (its plugin's)."""
+        bench = plugin_for(self.engine).bench
+        assert bench is not None, "BENCH_ENGINES holds the engines with baselines"
+        return bench
+
     def trainer_threads_for(self, deployment: str, cpu_count: int, cuda: bool) -> int | None:
         """The trainer's torch threads for a deployment, None: leave them as they are.
 
-        Disaggregated on CPU, the vLLM server shares the trainer's cores, and vLLM's
-        multiprocess engine busy-polls its message queues for 1 s after every call it reads
-        (SpinCondition.busy_loop_s, vllm/distributed/device_communicators/shm_broadcast.py):
-        an OpenMP team spanning every core beside that spinning process waits at each barrier
-        for a descheduled thread (on 2 cores, quantizing right after an RPC took 30 times as
-        long). So by default the trainer gets half the cores and the vLLM server the rest.
-        Colocated, vLLM sets this process's threads itself.
+        Disaggregated on CPU, the engine's server shares the trainer's cores, and a server that
+        busy-polls its message queues after every call (the baselines' `threads` note,
+        docs/benchmarks.md) leaves an OpenMP team spanning every core waiting at each barrier for
+        a descheduled thread (on 2 cores, quantizing right after an RPC took 30 times as long).
+        So by default the trainer gets half the cores and the server the rest. Colocated, the
+        engine sets this process's threads itself.
 
         Args:
             deployment: colocated or disaggregated.
@@ -153,30 +155,30 @@ class EngineTimings:
         start: the engine's start.
         refit: rl-refit's refits, one per round.
         write: writing the checkpoint, one per round.
-        reload: vLLM's reload_weights, one per round (empty: it failed, see reload_error).
+        reload: the engine's reload from disk, one per round (empty: it failed, see reload_error).
         load_weights: the per-bucket load_weights rounds (empty: it failed, see load_weights_error).
-        layerwise: the rounds of vLLM's layerwise reload of the same buckets (empty: it failed,
-            see layerwise_error).
+        layerwise: the rounds of the engine's reload of the same buckets (empty: it failed, see
+            layerwise_error).
         receive: the rounds of the same buckets received and dropped (empty: not measured).
-        transport: disaggregated, how the buckets reached the vLLM server ("shm": the shared-memory
-            ring; "gloo": the side group); None colocated.
+        transport: disaggregated, how the buckets reached the engine's server ("shm": the
+            shared-memory ring; "gloo": the side group); None colocated.
         source_bytes: the trainer's BF16 weights.
         sent_bytes: the bytes one refit sends (quantized).
         buckets: buckets per refit.
-        trainer_threads: the trainer's torch threads while it measured (None: as vLLM or the
-            process set them).
+        trainer_threads: the trainer's torch threads while it measured (None: as the engine or
+            the process set them).
         phases: rl-refit's refit per phase (export, quantize, pack, load, finalize, verify), the
             median over the measured rounds.
-        same_bytes: the engine held the same bytes after rl-refit's refit as after vLLM's reload
+        same_bytes: the engine held the same bytes after rl-refit's refit as after its own reload
             (None: not compared).
         moved: before the compared reload the engine held other weights (a refit of perturbed
             trainer weights), so that a reload that changed nothing could not pass as the same
             bytes (None: the trainer cannot be perturbed, the reload started from the same weights).
         differing: the tensors that differed (at most 10).
         unreadable: the parameters no byte comparison here could read, so none of them counts as
-            equal: the engine keeps them packed outside their (emptied) tensor (vLLM's CPU BF16
-            Linear layers); `same_bytes`, `moved`, `layerwise_same` and `put_back` compare the rest.
-        reload_error: why vLLM's reload_weights could not be measured.
+            equal: the engine keeps them packed outside their (emptied) tensor (docs/engines.md);
+            `same_bytes`, `moved`, `layerwise_same` and `put_back` compare the rest.
+        reload_error: why the engine's reload from disk could not be measured.
         load_weights_error: why the load_weights baseline could not be measured.
         layerwise_error: why the layerwise floor could not be measured.
         copy_seconds: one `copy_` of the trainer's weights, tensor by tensor, into a buffer already
@@ -188,7 +190,7 @@ class EngineTimings:
         bucket_bytes: the bucket size.
         trainer_peak_bytes: over one refit, the trainer's process's peak RSS above its RSS before
             the refit (colocated: the engine's worker is in that process too).
-        engine_peak_bytes: over the same refit, the sum over the vLLM server's processes of each
+        engine_peak_bytes: over the same refit, the sum over the engine server's processes of each
             one's peak RSS above its RSS before (an upper bound of their joint peak growth; None:
             colocated, the engine is in the trainer's process).
         codec: the refit's codec path choice (app.services.codec_path.CodecPathChoice.to_dict).
@@ -235,31 +237,30 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def resolve_deployment(deployment: str, vllm_here: bool) -> str:
-    """`auto` -> colocated when vLLM imports in this process, else disaggregated."""
+def resolve_deployment(deployment: str, engine_here: bool) -> str:
+    """`auto` -> colocated when the engine imports in this process, else disaggregated."""
     if deployment != "auto":
         return deployment
-    return "colocated" if vllm_here else "disaggregated"
+    return "colocated" if engine_here else "disaggregated"
 
 
-def skip_reason(deployment: str, *, vllm_here: bool, engine_python: str | None = None,
-                engine_python_has_vllm: bool | None = None) -> str | None:
+def skip_reason(deployment: str, baselines: EngineBaselines, *, engine_here: bool, engine_python: str | None = None,
+                engine_python_has_it: bool | None = None) -> str | None:
     """Why the bench cannot run, or None.
 
     Args:
         deployment: colocated or disaggregated.
-        vllm_here: vLLM imports in this process.
-        engine_python: the interpreter of the disaggregated engine's vLLM server.
-        engine_python_has_vllm: vLLM imports in that interpreter.
+        baselines: the engine's (its name, and what to do).
+        engine_here: the engine imports in this process.
+        engine_python: the interpreter of the disaggregated engine's server.
+        engine_python_has_it: the engine imports in that interpreter.
     """
-    if deployment == "colocated" and not vllm_here:
-        return ("refit bench engine, colocated, needs vLLM in this process; run it with the vLLM "
-                "environment's python (.venv-vllm/bin/python -m app.cli.main bench engine), or deploy it "
-                "disaggregated")
-    if deployment == "disaggregated" and not engine_python_has_vllm:
-        return (f"refit bench engine, disaggregated, starts a vLLM server with {engine_python}, where vLLM "
-                "does not import; set RL_REFIT_VLLM_PYTHON to the vLLM environment's python, create .venv-vllm "
-                "(scripts/setup-vllm-env.sh), or run the bench with that python (colocated)")
+    name = baselines.name
+    if deployment == "colocated" and not engine_here:
+        return f"refit bench engine, colocated, needs {name} in this process; {baselines.here}"
+    if deployment == "disaggregated" and not engine_python_has_it:
+        return (f"refit bench engine, disaggregated, starts a {name} server with {engine_python}, where {name} "
+                f"does not import; {baselines.setup}")
     return None
 
 
@@ -274,6 +275,7 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
         The BenchReport: rl-refit's median refit against each baseline's median.
     """
     report = BenchReport("engine")
+    labels = settings.baselines.labels
     case = f"{settings.model} {settings.preset.upper()} {t.deployment} bucket {settings.bucket_mb:g} MiB"
     ours = _median(t.refit)
     assert ours is not None, "at least one refit is measured"
@@ -282,15 +284,17 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
     load, layerwise, receive = _median(t.load_weights), _median(t.layerwise), _median(t.receive)
     metric = "refit time"
     if reload is not None:
-        report.add(case, metric, ours, "s", RELOAD, reload, figure="other", preset=settings.preset.upper())
+        report.add(case, metric, ours, "s", labels["reload"], reload, figure="other", preset=settings.preset.upper())
     if layerwise is not None:
-        report.add(case, metric, ours, "s", LAYERWISE, layerwise, figure="other", preset=settings.preset.upper())
+        report.add(case, metric, ours, "s", labels["layerwise"], layerwise, figure="other",
+                   preset=settings.preset.upper())
     if receive is not None:
         report.add(case, metric, ours, "s", RECEIVE, receive, figure="other", preset=settings.preset.upper())
     if written is not None:
-        report.add(case, metric, ours, "s", WRITE_RELOAD, written, figure="other", preset=settings.preset.upper())
+        report.add(case, metric, ours, "s", labels["write_reload"], written, figure="other",
+                   preset=settings.preset.upper())
     if load is not None:
-        report.add(case, metric, ours, "s", LOAD_WEIGHTS, load, figure="other", preset=settings.preset.upper())
+        report.add(case, metric, ours, "s", labels["load_weights"], load, figure="other", preset=settings.preset.upper())
     report.add(case, metric, ours, "s", RESTART, t.start, figure="other", preset=settings.preset.upper())
     if write is not None:
         report.add(case, "write checkpoint (quantize + one safetensors file)", write, "s")
@@ -312,10 +316,10 @@ def build_report(settings: EngineBenchSettings, t: EngineTimings) -> BenchReport
                    t.engine_peak_bytes / mib, "MiB", "a second copy of the model (BF16 source bytes)",
                    t.source_bytes / mib, figure="memory")
     report.notes += _notes(settings, t)
-    split = time_split(ours, receive, load, layerwise)
+    split = time_split(ours, receive, load, layerwise, settings.baselines.terms)
     if split is not None:
         report.notes.append(split)
-    target = speed_target(ours, reload, layerwise)
+    target = speed_target(ours, reload, layerwise, settings.baselines.terms)
     if target is not None:
         report.notes.append(target)
     report.notes += _quantized_notes(settings, t, ours, bf16)
@@ -338,16 +342,18 @@ def _quantized_notes(settings: EngineBenchSettings, t: EngineTimings, ours: floa
     return notes
 
 
-def time_split(refit: float, receive: float | None, load: float | None, layerwise: float | None) -> str | None:
+def time_split(refit: float, receive: float | None, load: float | None, layerwise: float | None,
+               terms: Mapping[str, str]) -> str | None:
     """Where the refit's time goes, from the floors of one run, each one a way in that does less
-    than the next: the trainer's side and the transport, plus vLLM's loaders, plus its processing,
-    plus rl-refit's own checks in the worker and around it (the refit). None: a floor is missing."""
+    than the next: the trainer's side and the transport, plus the engine's loaders, plus its
+    processing, plus rl-refit's own checks in the worker and around it (the refit). None: a floor
+    is missing. `terms`: how the engine's ways in are named (EngineBaselines.terms)."""
     if receive is None or load is None or layerwise is None:
         return None
     steps = (("the trainer's side and the transport (export, quantize, pack, hand-over: the buckets made, sent "
               "and dropped)", receive),
-             ("vLLM's load_weights (the unprocessed floor less the transport)", load - receive),
-             ("vLLM's processing (the layerwise floor less the unprocessed one)", layerwise - load),
+             (f"{terms['load']} (the unprocessed floor less the transport)", load - receive),
+             (f"{terms['processing']} (the layerwise floor less the unprocessed one)", layerwise - load),
              ("rl-refit's own checks (the refit less the layerwise floor: the storage check, the expert redo, "
               "the KV-scale reset, the audit, the tied head)", refit - layerwise))
     parts = [f"{what} {seconds:.3f} s" if seconds >= 0 else f"{what} none measurable ({seconds:.3f} s)"
@@ -356,53 +362,52 @@ def time_split(refit: float, receive: float | None, load: float | None, layerwis
             "own overheads or the machine's noise exceed it): " + "; ".join(parts))
 
 
-def speed_target(refit: float, reload: float | None, floor: float | None) -> str | None:
-    """Where the refit stands against its bound, in words (None: reload_weights not measured).
+def speed_target(refit: float, reload: float | None, floor: float | None, terms: Mapping[str, str]) -> str | None:
+    """Where the refit stands against its bound, in words (None: the reload from disk not measured).
 
-    The bound: at most half of vLLM's `reload_weights` from a page-cached file; where vLLM's own
-    loading and processing (the layerwise floor) cost more than half of `reload_weights`, that
-    floor bounds every way in, and the refit is held to at most 1.25x the floor instead.
+    The bound: at most half of the engine's reload from a page-cached file; where the engine's own
+    loading and processing (the layerwise floor) cost more than half of that reload, that floor
+    bounds every way in, and the refit is held to at most 1.25x the floor instead. `terms`: how the
+    engine's ways in are named (EngineBaselines.terms).
     """
     if reload is None:
         return None
     if refit <= reload / 2:
-        return f"bound: met, the refit takes {refit / reload:.2f}x vLLM's reload_weights (at most 0.5x)"
+        return f"bound: met, the refit takes {refit / reload:.2f}x {terms['reload']} (at most 0.5x)"
     if floor is not None and floor > reload / 2:
         verdict = "met" if refit <= 1.25 * floor else "NOT met"
-        return (f"bound: {verdict}, the refit takes {refit / floor:.2f}x vLLM's layerwise reload of the same "
-                f"buckets (at most 1.25x), which itself takes {floor / reload:.2f}x reload_weights (over 0.5x: "
-                "vLLM's loading and processing, through these buckets and this transport, bound every way in "
-                "through them)")
-    return (f"bound: NOT met, the refit takes {refit / reload:.2f}x vLLM's reload_weights (at most 0.5x"
-            + (f"; the layerwise floor takes {floor / reload:.2f}x reload_weights" if floor is not None else "")
+        return (f"bound: {verdict}, the refit takes {refit / floor:.2f}x {terms['layerwise']} (at most 1.25x), "
+                f"which itself takes {floor / reload:.2f}x {terms['reload']} (over 0.5x: {terms['loading']}, "
+                "through these buckets and this transport, bound every way in through them)")
+    return (f"bound: NOT met, the refit takes {refit / reload:.2f}x {terms['reload']} (at most 0.5x"
+            + (f"; the layerwise floor takes {floor / reload:.2f}x {terms['reload']}" if floor is not None else "")
             + ")")
 
 
 def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
+    base = settings.baselines
+    told, terms = base.notes, base.terms
     rounds = (f"median of {settings.repeat} round{'s' if settings.repeat > 1 else ''} in turns after a "
               "warm-up round")
-    start = ("`LLM(...)` in this process, vLLM already imported" if t.deployment == "colocated"
-             else "the vLLM server rl-refit starts, until `/health` answers: Python, vLLM's import, the engine's start")
+    start = told["start_colocated"] if t.deployment == "colocated" else told["start_disaggregated"]
     notes = [
         f"one engine, {t.deployment}: every figure is wall-clock seconds in the trainer's process, {rounds}; "
         f"{t.buckets} buckets, {t.sent_bytes / 2**20:.2f} MiB sent per refit "
         f"({t.source_bytes / 2**20:.2f} MiB of BF16 source weights)",
         "ratio = baseline / rl-refit (above 1: the refit is faster)",
         f"engine start ({t.start:.1f} s): {start}",
-        *([f"the buckets reached the vLLM server's workers through the {_TRANSPORTS.get(t.transport, t.transport)} "
-           f"(rollout.engine_kwargs.vllm.transport={t.transport})"] if t.transport else []),
+        *([f"the buckets reached {terms['server']}'s workers through the {_TRANSPORTS.get(t.transport, t.transport)} "
+           f"({told['transport_key']}={t.transport})"] if t.transport else []),
         *([f"the trainer's process ran with {t.trainer_threads} torch thread{'s' if t.trainer_threads > 1 else ''}, "
-           "the other cores left to the vLLM server (vLLM's multiprocess engine busy-polls for 1 s after "
-           "every call; an OpenMP team over every core beside it stalls at each barrier)"]
+           f"the other cores left to {terms['server']} ({told['threads']})"]
           if t.trainer_threads else []),
         "per-bucket load_weights: the same buckets and transport, each bucket straight into "
         "model.load_weights with no layerwise reload and no processing, into checkpoint-format "
         "parameters set up beside the engine's processed ones (put back afterwards): a timing floor, "
-        "not a refit; its writes never reach the kernels (on CPU dense weights are packed kernel "
-        "handles and FP8 weights are processed)",
+        f"not a refit; its writes never reach the kernels ({told['load_weights']})",
     ]
     if t.phases:
-        notes.append(_phases_note(t))
+        notes.append(_phases_note(t, terms))
     if t.trainer_peak_bytes is not None:
         notes.append(
             "memory rows: one more refit after the timed rounds, each process's peak RSS (VmHWM) reset just before "
@@ -419,15 +424,14 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
                      f"{', ...' if len(t.unreadable) > 3 else ''}); the comparisons cover the other parameters and "
                      "buffers")
     if t.reload_error:
-        notes.append(f"vLLM's reload_weights could not be measured: {t.reload_error}")
+        notes.append(f"{terms['reload']} could not be measured: {t.reload_error}")
     if t.load_weights_error:
         notes.append(f"the per-bucket load_weights baseline could not be measured: {t.load_weights_error}")
     if t.layerwise_error:
         notes.append(f"the layerwise floor could not be measured: {t.layerwise_error}")
     if t.layerwise_same is False:
-        notes.append("vLLM's layerwise reload of the refit's own buckets left the engine holding other bytes than "
-                     "the refit (expected where rl-refit redoes what the reload skips: BF16 MoE experts on CPU, a "
-                     "tied head)")
+        notes.append(f"{terms['layerwise']} left the engine holding other bytes than the refit "
+                     f"({told['layerwise_differs']})")
     if t.put_back is False:
         notes.append("after the first per-bucket load_weights call the engine did NOT hold its bytes from before it: "
                      "putting its own tensors back failed, and every later figure is suspect")
@@ -437,13 +441,12 @@ def _notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
 _TRANSPORTS = {"shm": "shared-memory ring", "gloo": "side group's stream (gloo)"}
 
 
-def _phases_note(t: EngineTimings) -> str:
-    where = ("load: each bucket into the engine, vLLM's layerwise reload and processing included; "
+def _phases_note(t: EngineTimings, terms: Mapping[str, str]) -> str:
+    where = (f"load: each bucket into the engine, {terms['loading']} included; "
              "finalize: the reload's last layers, the expert redo, the KV-scale reset"
              if t.deployment == "colocated" else
              f"load: each bucket into the {_TRANSPORTS.get(t.transport or '', 'transport')}; finalize: waiting for "
-             "the server's workers to receive and load the stream (vLLM's layerwise reload and processing), then its "
-             "finalize")
+             f"the server's workers to receive and load the stream ({terms['loading']}), then its finalize")
     ms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.phases.items())
     parts = [v for k, v in t.phases.items() if k != "total"]
     rest = t.phases.get("total", 0.0) - sum(parts)
@@ -453,6 +456,7 @@ def _phases_note(t: EngineTimings) -> str:
 
 
 def _bytes_notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
+    terms, told = settings.baselines.terms, settings.baselines.notes
     if t.moved is False:
         return ["the bytes were not compared: a refit of perturbed trainer weights left the engine's bytes "
                 "unchanged, so a reload that did nothing would have looked the same"]
@@ -463,22 +467,19 @@ def _bytes_notes(settings: EngineBenchSettings, t: EngineTimings) -> list[str]:
                   "did not change them)")
     if t.same_bytes:
         which = "every parameter and buffer it could read" if t.unreadable else "every parameter and buffer"
-        return [f"vLLM's reload_weights of the checkpoint, {start}, left the engine holding exactly the bytes "
+        return [f"{terms['reload']} of the checkpoint, {start}, left the engine holding exactly the bytes "
                 f"rl-refit's refit had left ({which})"]
-    why = (" (expected for BF16 MoE on CPU: vLLM's reload copies plain expert weights into storage its MoE "
-           "kernel reads as prepacked tiles and skips the prepack on a weight update, so it serves other "
-           "weights; rl-refit's refit redoes the prepack, docs/engines.md#bf16-moe-on-vllm)"
-           if settings.preset.upper() == "BF16" else "")
-    return [f"vLLM's reload_weights of the checkpoint, {start}, left the engine holding different bytes "
+    why = f" ({told['reload_differs_bf16']})" if settings.preset.upper() == "BF16" else ""
+    return [f"{terms['reload']} of the checkpoint, {start}, left the engine holding different bytes "
             f"than rl-refit's refit in {', '.join(t.differing)}{why}"]
 
 
 # --- measuring ---------------------------------------------------------------------------------
 
 
-def _vllm_here() -> bool:
+def _engine_here(package: str) -> bool:
     try:
-        return importlib.util.find_spec("vllm") is not None
+        return importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
         return False
 
@@ -489,10 +490,10 @@ def _config(settings: EngineBenchSettings, deployment: str) -> RefitConfig:
     from domain.quant.plan import QuantizationPlan
 
     preset = None if settings.preset.upper() == "BF16" else settings.preset.upper()
-    demo = EngineDemoSettings(deployment=deployment, plan=QuantizationPlan.from_presets(preset, preset),
-                              model=settings.model)
+    demo = EngineDemoSettings(engine=settings.engine, deployment=deployment,
+                              plan=QuantizationPlan.from_presets(preset, preset), model=settings.model)
     config = engine_config(demo, settings.bucket_mb)
-    return with_engine_args(config, worker_extension_cls=EXTENSION)
+    return with_engine_args(config, worker_extension_cls=settings.baselines.extension)
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -508,29 +509,18 @@ class _Bench:
     services: Any
     svc: Any  # RefitService
     workdir: Path
+    baselines: EngineBaselines
     timings: list[dict[str, float]] = attrs.field(factory=list)  # each refit's phases
 
     @property
-    def engine(self) -> VllmRolloutEngine:
-        engine = self.svc.engine
-        if not isinstance(engine, VllmRolloutEngine):
-            raise TypeError(f"refit bench engine measures a vLLM engine, got {type(engine).__name__}")
-        return engine
-
-    @property
-    def workers(self) -> WorkerRpc:
-        """The engine's workers, which answer the bench extension's requests (adapters.vllm.protocol)."""
-        workers = self.engine.workers
-        if not isinstance(workers, WorkerRpc):
-            raise TypeError(f"refit bench engine needs vLLM workers that answer protocol requests, got "
-                            f"{type(workers).__name__}")
-        return workers
+    def engine(self) -> Any:
+        return self.svc.engine
 
     def digests(self) -> dict[str, str]:
         return self.engine.digests()
 
     def mode(self, mode: str) -> None:
-        self.workers.call(BenchMode(mode))
+        self.baselines.mode(self.engine, mode)
 
     def refit(self) -> None:
         self.timings.append(dict(self.svc.refit().timings))
@@ -550,12 +540,12 @@ class _Bench:
         return on_path(svc.codec_choice().path, quantize_stream(svc.plan, svc.trainer.named_weights()))
 
     def reload(self) -> None:
-        self.workers.call(BenchReload(str(self.workdir)))
+        self.baselines.reload(self.engine, str(self.workdir))
 
     def buckets_only(self) -> None:
         """The refit's buckets, through the same workers and ownership, with nothing else around
-        them (the worker's bench mode says what it does with them: a floor)."""
-        svc, workers = self.svc, self.engine.workers
+        them (the workers' bench mode says what they do with them: a floor)."""
+        svc, workers = self.svc, self.baselines.stream(self.engine)
         planner = svc.ownership.planner(svc.bucket_bytes, svc.alignment)
         workers.begin()
         for bucket in planner.pack(self.quantized()):
@@ -610,29 +600,31 @@ def measure(settings: EngineBenchSettings) -> EngineTimings:
     """Start one engine and measure every path into it.
 
     Raises:
-        ModuleNotFoundError: (name `vllm`) with the reason, when vLLM is not where this
-            deployment needs it.
+        ModuleNotFoundError: (name: the engine's package) with the reason, when the engine is not
+            where this deployment needs it.
     """
     from app.bootstrap import bootstrap
 
-    here = _vllm_here()
+    package = plugin_for(settings.engine).package or settings.engine
+    here = _engine_here(package)
     deployment = resolve_deployment(settings.deployment, here)
     services = bootstrap(_config(settings, deployment))
     services.check_checkpoint_config()  # a malformed config.json is one line, before any engine or model is built
-    python = services.engines.server_python("vllm") if deployment == "disaggregated" else None
-    reason = skip_reason(deployment, vllm_here=here, engine_python=python,
-                         engine_python_has_vllm=python_has(python, "vllm") if python else None)
+    python = services.engines.server_python(settings.engine) if deployment == "disaggregated" else None
+    reason = skip_reason(deployment, settings.baselines, engine_here=here, engine_python=python,
+                         engine_python_has_it=python_has(python, package) if python else None)
     if reason is not None:
-        raise ModuleNotFoundError(reason, name="vllm")
-    if deployment == "colocated":
-        import vllm  # noqa: F401 - imported before the clock starts: the start is LLM(...) alone
+        raise ModuleNotFoundError(reason, name=package)
+    if deployment == "colocated":  # imported before the clock starts: the start is the engine's alone
+        importlib.import_module(package)
     trainer = services.trainer_model()
     t0 = time.perf_counter()
-    engine: Any = services.rollout_engine()  # VllmRolloutEngine (close)
+    engine: Any = services.rollout_engine()  # (close)
     start = time.perf_counter() - t0
     try:
         with tempfile.TemporaryDirectory(prefix="rl-refit-bench-engine-") as tmp:
-            bench = _Bench(services, services.refit_service(engine=engine, trainer=trainer), Path(tmp))
+            bench = _Bench(services, services.refit_service(engine=engine, trainer=trainer), Path(tmp),
+                           settings.baselines)
             return _measure(settings, deployment, start, bench)
     finally:
         engine.close()
@@ -646,7 +638,7 @@ def _measure(settings: EngineBenchSettings, deployment: str, start: float, bench
     after_refit = bench.digests()
     bench.write()
     moved = _move_away(bench, after_refit)
-    reload_error = _attempt(bench.reload)  # vLLM's own path: a failure is reported, the rest measured
+    reload_error = _attempt(bench.reload)  # the engine's own path: a failure is reported, the rest measured
     after_reload = bench.digests() if reload_error is None else None
     bench.refit()  # rl-refit's weights again (after a failed reload too)
     floor = (lambda: bench.mode("load_weights"), lambda: bench.mode("refit"))
@@ -753,11 +745,12 @@ def _copy_bound(trainer: Any, repeat: int) -> float:
 
 def _refit_memory(bench: _Bench) -> tuple[int, int | None]:
     """One refit with the peak RSS of every process reset before it: the trainer's process's peak
-    above its RSS before, and the sum of the vLLM server's processes' peaks above theirs (None
+    above its RSS before, and the sum of the engine server's processes' peaks above theirs (None
     colocated). Bytes."""
     from app.bench.memory import process_kib, process_tree, reset_peak_rss
 
-    server = getattr(getattr(bench.engine.workers, "control", None), "server", None)  # the vLLM server rl-refit started
+    # the server rl-refit started (an attached engine's workers reach it through their control)
+    server = getattr(getattr(getattr(bench.engine, "workers", None), "control", None), "server", None)
     pids = process_tree(server.proc.pid) if server is not None else []
     engine_base = {pid: reset_peak_rss(pid) for pid in pids}
     base = reset_peak_rss()
@@ -814,8 +807,9 @@ def run(quick: bool = False, settings: EngineBenchSettings | None = None) -> Ben
         settings: what to run (default: `EngineBenchSettings.defaults(quick)`).
 
     Returns:
-        The BenchReport. Raises ModuleNotFoundError (name `vllm`, the reason in its message) when
-        vLLM is not where the deployment needs it: `refit bench all` reports the suite skipped.
+        The BenchReport. Raises ModuleNotFoundError (the engine's package, the reason in its
+        message) when the engine is not where the deployment needs it: `refit bench all` reports
+        the suite skipped.
     """
     from app.logging import configure_logging
 
@@ -826,7 +820,7 @@ def run(quick: bool = False, settings: EngineBenchSettings | None = None) -> Ben
     try:
         timings = measure(settings)
     finally:
-        torch.set_num_threads(threads)  # vLLM lowers this process's threads when it runs here
+        torch.set_num_threads(threads)  # an engine in this process may lower its threads
     if settings.preset.upper() != "BF16":
         timings = attrs.evolve(timings, **_bf16_refits(settings, timings.deployment))
     report = build_report(settings, timings)

@@ -1,6 +1,6 @@
 """`refit bench engine --device DEV`: refits into the embedded reference engine on DEV, the trainer's
 weights on DEV too, against a `copy_` of the same bytes on DEV (device to device), measured in the
-same run. No vLLM: what it measures is rl-refit's own path (export, quantize, buckets, staging,
+same run. No engine server: what it measures is rl-refit's own path (export, quantize, buckets, staging,
 commit, checks) on the device, bounded by the device's copy rate."""
 
 from __future__ import annotations

@@ -8,16 +8,13 @@ import statistics
 import pytest
 
 import app.bench
+from adapters.vllm.bench import BASELINES
 from app.bench import engine
 from app.bench.all import AllResult, SuiteResult, markdown, run_suite
 from app.bench.engine import (
     COPY,
-    LAYERWISE,
-    LOAD_WEIGHTS,
     RECEIVE,
-    RELOAD,
     RESTART,
-    WRITE_RELOAD,
     EngineBenchSettings,
     EngineTimings,
     build_report,
@@ -27,6 +24,11 @@ from app.bench.engine import (
     time_split,
 )
 from app.bench.figures import group_rows
+
+# vLLM's baselines, the engine the bench measures by default (its plugin's EngineBaselines)
+RELOAD, LAYERWISE, WRITE_RELOAD, LOAD_WEIGHTS = (BASELINES.labels[k] for k in
+                                                 ("reload", "layerwise", "write_reload", "load_weights"))
+TERMS = BASELINES.terms
 
 REFIT = (0.3, 0.1, 0.2)
 WRITE = (0.01, 0.2, 0.06)
@@ -80,24 +82,26 @@ def test_trainer_threads() -> None:
 
 
 def test_resolve_deployment() -> None:
-    assert resolve_deployment("auto", vllm_here=True) == "colocated"
-    assert resolve_deployment("auto", vllm_here=False) == "disaggregated"
-    assert resolve_deployment("disaggregated", vllm_here=True) == "disaggregated"
-    assert resolve_deployment("colocated", vllm_here=False) == "colocated"
+    assert resolve_deployment("auto", engine_here=True) == "colocated"
+    assert resolve_deployment("auto", engine_here=False) == "disaggregated"
+    assert resolve_deployment("disaggregated", engine_here=True) == "disaggregated"
+    assert resolve_deployment("colocated", engine_here=False) == "colocated"
 
 
 def test_skip_reasons() -> None:
-    colocated = skip_reason("colocated", vllm_here=False)
+    colocated = skip_reason("colocated", BASELINES, engine_here=False)
     assert colocated is not None and "needs vLLM in this process" in colocated and ".venv-vllm/bin/python" in colocated
-    remote = skip_reason("disaggregated", vllm_here=False, engine_python="/opt/py", engine_python_has_vllm=False)
+    remote = skip_reason("disaggregated", BASELINES, engine_here=False, engine_python="/opt/py",
+                         engine_python_has_it=False)
     assert remote is not None and "/opt/py" in remote and "RL_REFIT_VLLM_PYTHON" in remote
     assert "scripts/setup-vllm-env.sh" in remote
-    assert skip_reason("colocated", vllm_here=True) is None
-    assert skip_reason("disaggregated", vllm_here=False, engine_python="/opt/py", engine_python_has_vllm=True) is None
+    assert skip_reason("colocated", BASELINES, engine_here=True) is None
+    assert skip_reason("disaggregated", BASELINES, engine_here=False, engine_python="/opt/py",
+                       engine_python_has_it=True) is None
 
 
 def test_measure_raises_module_not_found_naming_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine, "_vllm_here", lambda: False)
+    monkeypatch.setattr(engine, "_engine_here", lambda package: False)
     monkeypatch.setattr(engine, "python_has", lambda python, package: False)
     with pytest.raises(ModuleNotFoundError, match="where vLLM does not import") as err:
         engine.measure(EngineBenchSettings(deployment="disaggregated"))
@@ -106,7 +110,7 @@ def test_measure_raises_module_not_found_naming_vllm(monkeypatch: pytest.MonkeyP
 
 def test_bench_all_reports_the_suite_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     assert app.bench.SUITES["engine"] == "app.bench.engine"
-    monkeypatch.setattr(engine, "_vllm_here", lambda: False)
+    monkeypatch.setattr(engine, "_engine_here", lambda package: False)
     monkeypatch.setattr(engine, "python_has", lambda python, package: False)
     res = run_suite("engine", app.bench.SUITES["engine"], True)
     assert res.status == "skipped", res.error
@@ -178,24 +182,26 @@ def test_the_layerwise_floor_is_a_row_and_the_bound_a_note() -> None:
     assert row.value == 0.2 and row.baseline_value == 0.2  # medians: ours 0.2, the floor 0.2
     # reload median 0.3: the refit (0.2) is over half of it, the floor (0.2) too: held to 1.25x the floor
     assert ("bound: met, the refit takes 1.00x vLLM's layerwise reload of the same buckets (at most 1.25x), "
-            "which itself takes 0.67x reload_weights") in next(n for n in report.notes if n.startswith("bound:"))
+            "which itself takes 0.67x vLLM's reload_weights") in next(n for n in report.notes if n.startswith("bound:"))
 
 
 def test_speed_target() -> None:
-    assert speed_target(1.0, 2.0, 1.9).startswith("bound: met, the refit takes 0.50x vLLM's reload_weights")
-    assert speed_target(1.0, 1.0, 0.9).startswith("bound: met, the refit takes 1.11x vLLM's layerwise")
-    assert speed_target(1.2, 1.0, 0.9).startswith("bound: NOT met, the refit takes 1.33x vLLM's layerwise")
+    assert speed_target(1.0, 2.0, 1.9, TERMS).startswith("bound: met, the refit takes 0.50x vLLM's reload_weights")
+    assert speed_target(1.0, 1.0, 0.9, TERMS).startswith("bound: met, the refit takes 1.11x vLLM's layerwise")
+    assert speed_target(1.2, 1.0, 0.9, TERMS).startswith("bound: NOT met, the refit takes 1.33x vLLM's layerwise")
     # a floor at or under half of reload_weights does not excuse the refit
-    assert speed_target(1.0, 1.0, 0.5) == ("bound: NOT met, the refit takes 1.00x vLLM's reload_weights (at most "
-                                           "0.5x; the layerwise floor takes 0.50x reload_weights)")
-    assert speed_target(1.0, 1.0, None) == "bound: NOT met, the refit takes 1.00x vLLM's reload_weights (at most 0.5x)"
-    assert speed_target(1.0, None, 0.9) is None
+    assert speed_target(1.0, 1.0, 0.5, TERMS) == ("bound: NOT met, the refit takes 1.00x vLLM's reload_weights (at "
+                                                  "most 0.5x; the layerwise floor takes 0.50x vLLM's reload_weights)")
+    assert speed_target(1.0, 1.0, None, TERMS) == ("bound: NOT met, the refit takes 1.00x vLLM's reload_weights (at "
+                                                   "most 0.5x)")
+    assert speed_target(1.0, None, 0.9, TERMS) is None
 
 
 def test_layerwise_errors_and_differing_bytes_are_notes() -> None:
     report = build_report(EngineBenchSettings(), timings(layerwise_error="KeyError: 'y'", layerwise_same=False))
     assert "the layerwise floor could not be measured: KeyError: 'y'" in report.notes
-    assert any(n.startswith("vLLM's layerwise reload of the refit's own buckets left") for n in report.notes)
+    assert any(n.startswith("vLLM's layerwise reload of the same buckets left the engine holding other bytes")
+               for n in report.notes)
     assert not any(r.baseline == LAYERWISE for r in report.rows)
 
 
@@ -213,7 +219,7 @@ def test_the_floors_split_the_refit_time() -> None:
 
 def test_a_floor_above_the_next_is_no_share() -> None:
     assert "vLLM's processing (the layerwise floor less the unprocessed one) none measurable (-0.100 s)" in (
-        time_split(0.3, 0.1, 0.35, 0.25) or "")
+        time_split(0.3, 0.1, 0.35, 0.25, TERMS) or "")
 
 
 def test_load_weights_error_is_a_note() -> None:

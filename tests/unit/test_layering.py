@@ -271,7 +271,6 @@ CONFIG_KEY = re.compile(r"\b(?:rollout|actor)\.[a-z_]")
 # The modules of app/ that exist for one engine, and why; the CLI (app/cli/) may spell engine names
 # as its vocabulary: the `refit demo vllm` mode and the `--engine` choices.
 ONE_ENGINE_MODULES = {
-    "app/bench/engine.py": "`refit bench engine`: a vLLM engine's refit against its cold start",
     "app/bench/sglang_backup.py": "SGLang's in-process backup, measured (a `refit bench refit` row)",
     "app/bench/refit.py": "names the SGLang backup rows of its suite",
     "app/bench/export.py": "exports the layouts vLLM reads",

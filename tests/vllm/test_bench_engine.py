@@ -39,16 +39,11 @@ def report() -> dict[str, object]:
 
 
 def test_every_baseline_is_measured(report: dict[str, object]) -> None:
-    from app.bench.engine import (
-        BF16_REFIT,
-        COPY,
-        LAYERWISE,
-        LOAD_WEIGHTS,
-        RECEIVE,
-        RELOAD,
-        RESTART,
-        WRITE_RELOAD,
-    )
+    from adapters.vllm.bench import BASELINES
+    from app.bench.engine import BF16_REFIT, COPY, RECEIVE, RESTART
+
+    RELOAD, LAYERWISE, WRITE_RELOAD, LOAD_WEIGHTS = (BASELINES.labels[k] for k in
+                                                     ("reload", "layerwise", "write_reload", "load_weights"))
 
     rows = {r["baseline"]: r for r in report["rows"] if r["baseline"]}  # type: ignore[attr-defined]
     measured = [RELOAD, LAYERWISE, RECEIVE, WRITE_RELOAD, LOAD_WEIGHTS, RESTART]
