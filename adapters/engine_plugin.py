@@ -127,6 +127,28 @@ class EngineBaselines:
 
 
 @attrs.frozen
+class InProcessBackup:
+    """An engine whose loader backs up what a refit overwrites, served in this process on a model
+    shaped like the engine's: what `refit bench refit` measures that backup's host memory on
+    (app/bench/loader_backup.py).
+
+    Attributes:
+        name: how the report names the engine.
+        plans: each row's label -> (rollout.quantization.linear, moe) presets (None: BF16), plans it serves.
+        harness: (plan, named weights, head_dim=, hidden=) -> one engine over such a model: its
+            `engine` (a RolloutEngine), `updates` (the update calls so far, one per bucket and one
+            per marker), `fail_update(index)` (that update fails after the backup),
+            `peak_backup_bytes()` and `tensors()` (every parameter and buffer of its model).
+        note: what the report says of the model and the loader.
+    """
+
+    name: str
+    plans: Mapping[str, tuple[str | None, str | None]]
+    harness: Callable[..., Any]
+    note: str
+
+
+@attrs.frozen
 class WorkerSide:
     """What an engine's own processes import of rl-refit (`refit bench imports` measures it).
 
@@ -199,6 +221,8 @@ class EnginePlugin:
         worker_side: what its own processes import of rl-refit (None: rl-refit runs in none).
         bench: its own ways in, that `refit bench engine` measures a refit against (None: the
             bench does not run on it).
+        backup: its loader's backup, measured in this process (a function that builds it on first
+            use, so that reading the table imports nothing of it; None: it has none to measure).
     """
 
     profile: StaticEngineProfile
@@ -215,6 +239,7 @@ class EnginePlugin:
     probe: Callable[[Any, EngineHost], Mapping[str, Any]] | None = None
     worker_side: WorkerSide | None = None
     bench: EngineBaselines | None = None
+    backup: Callable[[], InProcessBackup] | None = None
 
     @property
     def name(self) -> str:

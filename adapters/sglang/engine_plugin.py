@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from adapters.engine_plugin import ATTACHED, COLOCATED, EnginePlugin, EngineRequest
+from adapters.engine_plugin import ATTACHED, COLOCATED, EnginePlugin, EngineRequest, InProcessBackup
 from adapters.sglang.config import SglangEngineConfig
 from adapters.sglang.profile import SGLANG
 
@@ -28,5 +28,23 @@ def build(request: EngineRequest) -> SglangRolloutEngine:
                                wire_format=request.wire_format, commit_mode=request.commit_mode)
 
 
+def backup() -> InProcessBackup:
+    """SGLang's custom loader of rl-refit, measured in this process (adapters.sglang.inprocess)."""
+    from adapters.sglang.inprocess import ROTARY_POSITIONS, harness
+
+    return InProcessBackup(
+        "SGLang",
+        # SGLang serves neither per-token NVFP4 nor MXFP8 linear with MXFP4 experts (dispatch rule
+        # EngineSupportMatrix)
+        {"BF16": (None, None), "FP8_BLOCK/MXFP4": ("FP8_BLOCK", "MXFP4")},
+        harness,
+        "SGLang's custom loader of rl-refit in process, on a model shaped like SGLang's from the exported stream; "
+        "it backs up, just before writing, the decoder layer (or module) a tensor goes to. The previous loader "
+        "copied every parameter and buffer at BEGIN; the difference is what no refit writes (here a rotary cache "
+        f"for {ROTARY_POSITIONS} positions and a vision patch embedding, which dominate on the small presets; on a "
+        "real text model they are a small share, with a frozen tower the tower). A full refit still backs up every "
+        "tensor it overwrites: that is the transactional bound")
+
+
 PLUGIN = EnginePlugin(SGLANG, "adapters.sglang.engine.SglangRolloutEngine", build, frozenset({COLOCATED, ATTACHED}),
-                      SglangEngineConfig, extra="sglang")
+                      SglangEngineConfig, extra="sglang", backup=backup)

@@ -91,9 +91,10 @@ def _ours(src: str, out: str) -> None:
     from app.services.planning import make_plan
 
     checkpoint = HfCheckpoint(src)
-    # weight-only: what vLLM serves for compressed-tensors NVFP4 (the exported weights are the same)
+    # weight-only NVFP4 in the compressed-tensors layout, what compressed-tensors' path writes too; the
+    # default engine's plan (every engine that reads that layout gets the same files)
     quantization = QuantizationConfig(linear=PRESET, linear_activation="none")
-    report = make_plan(RefitConfig(rollout=RolloutConfig(name="vllm", quantization=quantization)), checkpoint)
+    report = make_plan(RefitConfig(rollout=RolloutConfig(quantization=quantization)), checkpoint)
     export_checkpoint(checkpoint, out, report)
 
 

@@ -13,8 +13,9 @@ Rows (ratios against the same-run baseline, or against the memory bound):
 - every tensor allocated during a refit (TensorBytesTracker), for the default plan;
 - a bucket-size sweep;
 - mismatch (k3 KL) per preset on the tiny model, to read next to the throughput;
-- the SGLang-style transactional refit's peak host memory (the custom loader's backup) against
-  its bound, the bytes the refit overwrites (app/bench/sglang_backup.py).
+- the peak host memory of a transactional refit into each engine whose loader backs up what it
+  overwrites (the engine plugin's `backup`), against its bound, the bytes the refit overwrites
+  (app/bench/loader_backup.py).
 """
 
 from __future__ import annotations
@@ -219,17 +220,9 @@ def _run(model: str, bucket_mb: float, sizes: tuple[float, ...], quick: bool) ->
     _throughput_rows(report, trainer, model, bucket_mb)
     _sweep_rows(report, trainer, model, sizes)
     _mismatch_rows(report, "micro-moe" if quick else "tiny-moe")
-    from app.bench import sglang_backup
+    from app.bench import loader_backup
 
-    sglang_backup.rows(report, model, bucket_mb)
-    report.notes.append(
-        "sglang rows: SGLang's custom loader of rl-refit in process, on a model shaped like SGLang's from the "
-        "exported stream; it backs up, just before writing, the decoder layer (or module) a tensor goes to. "
-        "The previous loader copied every parameter and buffer at BEGIN; the difference is what no refit writes "
-        f"(here a rotary cache for {sglang_backup.ROTARY_POSITIONS} positions and a vision patch embedding, "
-        "which dominate on the small presets; on a real text model they are a small share, with a frozen tower "
-        "the tower). A full refit still backs up every tensor it overwrites: that is the transactional bound"
-    )
+    loader_backup.rows(report, model, bucket_mb)
     report.notes.append("target: at least 3x the baseline's throughput; memory rows: ratio >= 1 means within the bound")
     report.notes.append(
         "the baseline holds one tensor at a time and has no transactional guarantee: a failure mid-way "

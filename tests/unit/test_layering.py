@@ -268,13 +268,8 @@ CONFIG_KEY = re.compile(r"\b(?:rollout|actor)\.[a-z_]")
 
 # --- app/ asks the engine plugins ------------------------------------------------------------------
 
-# The modules of app/ that exist for one engine, and why; the CLI (app/cli/) may spell engine names
-# as its vocabulary: the `refit demo vllm` mode and the `--engine` choices.
-ONE_ENGINE_MODULES = {
-    "app/bench/sglang_backup.py": "SGLang's in-process backup, measured (a `refit bench refit` row)",
-    "app/bench/refit.py": "names the SGLang backup rows of its suite",
-    "app/bench/export.py": "exports the layouts vLLM reads",
-}
+# The CLI (app/cli/) may spell engine names as its vocabulary: the `refit demo vllm` mode and the
+# `--engine` choices. Every other module of app/ asks the plugins (none exists for one engine).
 ENGINE_EXACT = re.compile(r"^(vllm|sglang|trtllm)$", re.IGNORECASE)
 
 
@@ -285,8 +280,7 @@ def _names_an_engine(text: str) -> bool:
 
 
 def _app_modules_for_every_engine() -> list[pathlib.Path]:
-    return [p for p in _modules("app") if "cli" not in p.relative_to(ROOT).parts
-            and str(p.relative_to(ROOT)) not in ONE_ENGINE_MODULES]
+    return [p for p in _modules("app") if "cli" not in p.relative_to(ROOT).parts]
 
 
 @pytest.mark.parametrize("path", [p for p in _modules("app") if "cli" in p.relative_to(ROOT).parts],
@@ -315,7 +309,7 @@ def test_app_names_no_engine_but_asks_its_plugin(path: pathlib.Path) -> None:
 @pytest.mark.parametrize("path", _modules("app"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_of_app_compares_an_engine_name_but_the_clis_vocabulary(path: pathlib.Path) -> None:
     """Behaviour that differs by engine is a plugin's field, not `rollout.name == "vllm"`."""
-    if "cli" in path.relative_to(ROOT).parts or str(path.relative_to(ROOT)) in ONE_ENGINE_MODULES:
+    if "cli" in path.relative_to(ROOT).parts:
         return
     tree = ast.parse(path.read_text(), filename=str(path))
     compared = [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Compare)
