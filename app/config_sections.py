@@ -2,7 +2,7 @@
 
 `app.config.load_config` parses and validates a file, a dict or dotted overrides once and returns
 a `RefitConfig`; Python callers (the CLI, the benchmarks) build the same sections directly, e.g.
-`RefitConfig(rollout=RolloutConfig(name="vllm"))`, and change them with `attrs.evolve`. Every
+`RefitConfig(rollout=RolloutConfig(deployment="attached"))`, and change them with `attrs.evolve`. Every
 key is declared here, once, as its section's field (`setting`: types, default, allowed values,
 check, its line of docs/configuration.md); SCHEMA and KEYS are derived from these declarations.
 The field's converter runs the key's check, so a value set in Python is validated, normalized and
@@ -136,7 +136,7 @@ class QuantizationConfig:
     scale_rule: str | None = setting(
         (str, NoneType), None,
         "MX shared-exponent rule for both MX formats: `rceil` or `even`; null = the element rule's choice "
-        "(`engine`: MXFP8 `rceil`, MXFP4 `even`, as vLLM's quantizers; `compressed-tensors`: `even`)",
+        "(`engine`: MXFP8 `rceil`, MXFP4 `even`, as the engines' own quantizers; `compressed-tensors`: `even`)",
         choices=(None, *(r.value for r in MxScaleRule)))
 
 
@@ -147,7 +147,7 @@ def _engine_sections() -> dict[str, Any]:
 @attrs.frozen(kw_only=True, these=_engine_sections())
 class EngineKwargsConfig:
     """rollout.engine_kwargs: one section per engine plugin that has one (adapters.plugins.SECTIONS),
-    each declared with its plugin (e.g. adapters/vllm/config.py)."""
+    each declared with its plugin (adapters/<engine>/config.py)."""
 
     def engine(self, name: str) -> Any:
         """rollout.engine_kwargs.<name> (None: an engine with no section)."""
@@ -366,7 +366,7 @@ class HfTrainerConfig:
     load_model: bool = setting(
         (bool,), False,
         "with `actor.strategy: hf` and `model.path`: load the checkpoint as a `transformers` model (in "
-        "memory, trainable: what `refit demo vllm --model DIR` perturbs) instead of streaming its files")
+        "memory, trainable: what `refit demo ENGINE --model DIR` perturbs) instead of streaming its files")
 
 
 @attrs.frozen(kw_only=True)
@@ -463,7 +463,7 @@ class RefitConfig:
         """The configuration of {dotted key: value} (keys left out take their defaults).
 
         Args:
-            values: values by schema key, e.g. {"rollout.name": "vllm"}.
+            values: values by schema key, e.g. {"rollout.deployment": "attached"}.
             unused: the keys of a verl file that rl-refit does not read.
         """
         return cls(**_fields_from(cls, "", values), unused=unused)

@@ -134,6 +134,6 @@ def run(quick: bool = False, rank: int = 16) -> BenchReport:
         "k3 KL: the trainer's BF16 merged model against the engine, on 4 x 32 tokens; the baseline is the same "
         "format's mismatch without an adapter (merged rows) or the merged mode's (adapter rows)",
         "the embedded engine merges the served adapter into its dequantized weights (BF16: exactly the merged "
-        "model); vLLM and SGLang apply it beside the base with their own LoRA kernels",
+        "model); the engines apply it beside the base with their own LoRA kernels",
     ])
     return report

@@ -5,7 +5,7 @@ Step 0 sends the base and the adapter; every later step perturbs the adapter (th
 frozen) and sends it alone. After each step the adapter the engine serves is compared with its
 disk twin: the same adapter written as PEFT writes it and loaded by the engine's own loader
 (a load request of that directory), on the same base weights, in the same engine: prompt
-log-probs and greedy tokens, bit for bit (docs/lora.md#on-a-real-vllm-engine).
+log-probs and greedy tokens, bit for bit (docs/lora.md, on a real engine).
 """
 
 from __future__ import annotations
