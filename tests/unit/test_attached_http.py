@@ -129,6 +129,12 @@ def test_the_guardian_restores_and_resumes_a_server_whose_trainer_vanished_mid_r
     assert fake.paths() == list(_RESCUE)
     restore = json.loads(fake.requests[0][1]["args"][0])
     assert restore["record"] == "Restore" and restore["token"] == "a" * 32
+    # the guardian imports the standard library only and spells the request itself: it is the
+    # protocol's record, as the worker extension reads it
+    from adapters.vllm import protocol as p
+
+    assert fake.requests[0][1]["method"] == p.Restore.METHOD and p.Restore.ACCESS is p.Access.SESSION
+    assert p.Restore.from_plain({k: v for k, v in restore.items() if k != p.TOKEN}).reason
 
 
 def test_the_guardian_leaves_a_server_alone_between_refits(fake: FakeVllmHttp) -> None:
