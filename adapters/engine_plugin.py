@@ -219,8 +219,9 @@ class EnginePlugin:
         probe: the arguments it adds to `refit doctor`'s environment probe:
             (section, host) -> keyword arguments of adapters.system.probe.SystemProbe.
         worker_side: what its own processes import of rl-refit (None: rl-refit runs in none).
-        bench: its own ways in, that `refit bench engine` measures a refit against (None: the
-            bench does not run on it).
+        bench: its own ways in, that `refit bench engine` measures a refit against (a function
+            that builds them on first use, so that reading the table imports nothing of them; None:
+            the bench does not run on it).
         backup: its loader's backup, measured in this process (a function that builds it on first
             use, so that reading the table imports nothing of it; None: it has none to measure).
     """
@@ -238,7 +239,7 @@ class EnginePlugin:
     server_python: Callable[[Any, EngineHost], str] | None = None
     probe: Callable[[Any, EngineHost], Mapping[str, Any]] | None = None
     worker_side: WorkerSide | None = None
-    bench: EngineBaselines | None = None
+    bench: Callable[[], EngineBaselines] | None = None
     backup: Callable[[], InProcessBackup] | None = None
 
     @property

@@ -12,12 +12,12 @@ from adapters.engine_plugin import (
     COLOCATED,
     DISAGGREGATED,
     DemoDefaults,
+    EngineBaselines,
     EngineHost,
     EnginePlugin,
     EngineRequest,
     WorkerSide,
 )
-from adapters.vllm.bench import BASELINES
 from adapters.vllm.config import PYTHON_VAR, VllmEngineConfig
 from adapters.vllm.profile import VLLM
 
@@ -83,6 +83,13 @@ def demo_section(url: str | None, own_checkpoint: bool) -> VllmEngineConfig:
                             url=url)
 
 
+def baselines() -> EngineBaselines:
+    """vLLM's own ways in, for `refit bench engine` (adapters.vllm.bench)."""
+    from adapters.vllm.bench import BASELINES
+
+    return BASELINES
+
+
 # What the demos run on vLLM's CPU build: FP8_BLOCK (dense and MoE) and MXFP8 on its own kernels;
 # the 4-bit formats on the experts alone, as the seed's runs serve them (vLLM serves no per-token
 # NVFP4 Linear layer); LoRA on its BF16 kernels. An engine in this process (colocated) owns the
@@ -104,4 +111,4 @@ PLUGIN = EnginePlugin(VLLM, "adapters.vllm.engine.VllmRolloutEngine", build,
                           ("adapters.vllm.plugin", "adapters.vllm.extension", "adapters.vllm.transfer_backend"),
                           ("vllm.distributed.weight_transfer.base", "vllm.distributed.weight_transfer.factory"),
                           "vLLM's weight-transfer modules"),
-                      bench=BASELINES)
+                      bench=baselines)

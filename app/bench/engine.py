@@ -117,7 +117,7 @@ class EngineBenchSettings:
         """The engine's own ways in (its plugin's)."""
         bench = plugin_for(self.engine).bench
         assert bench is not None, "BENCH_ENGINES holds the engines with baselines"
-        return bench
+        return bench()
 
     def trainer_threads_for(self, deployment: str, cpu_count: int, cuda: bool) -> int | None:
         """The trainer's torch threads for a deployment, None: leave them as they are.
