@@ -260,7 +260,7 @@ class RolloutConfig:
         "refits as an attached one; buckets travel through a shared-memory ring or a side process group; "
         "[the server rl-refit starts](engines.md#the-server-rl-refit-starts)) or `attached` (a server "
         "you started, at the engine section's `url`; [attach](attach.md)). Each engine runs in its "
-        f"own: {_DEPLOYMENTS}. See [three ways to run](engines.md#three-ways-to-run-vllm)",
+        f"own: {_DEPLOYMENTS}. See [engines](engines.md)",
         choices=DEPLOYMENTS)
     replicas: int = setting(
         (int,), 1,

@@ -1,6 +1,6 @@
 """Host memory of a transactional refit into an engine whose loader backs up what it overwrites:
 the backup's peak against its bound, for every engine whose plugin serves such a loader in this
-process (adapters.engine_plugin.InProcessBackup; SGLang's: adapters/sglang/inprocess.py).
+process (adapters.engine_plugin.InProcessBackup; docs/architecture.md#engine-plugins).
 
 The refit runs through the engine's adapter and its loader in process, on a model shaped like the
 engine's, built from the exported stream (with what a refit never writes beside it).
