@@ -29,8 +29,8 @@ def sglang_engine_kwargs(
     """Keyword arguments for `sglang.Engine(...)` / `ServerArgs(...)`.
 
     Args:
-        quantization_config: what the engine is sent (adapters.compressed_tensors
-            engine_quantization_config), or None for BF16.
+        quantization_config: what the engine is sent
+            (adapters.engine_quantization.engine_quantization_config), or None for BF16.
         decision: the backend policy's decision for SGLang.
         kv_cache_dtype: SGLang's `kv_cache_dtype`.
         base: the user's other server arguments, kept; a `json_model_override_args` there is

@@ -75,8 +75,8 @@ def vllm_engine_kwargs(
     """Keyword arguments for `vllm.LLM(...)` / `EngineArgs(...)`.
 
     Args:
-        quantization_config: what the engine is sent (adapters.compressed_tensors
-            engine_quantization_config), or None for BF16.
+        quantization_config: what the engine is sent
+            (adapters.engine_quantization.engine_quantization_config), or None for BF16.
         decision: the backend policy's decision for vLLM.
         kv_cache_dtype: vLLM's `kv_cache_dtype` ("auto", or "fp8" for an FP8 KV cache).
         base: the user's other engine arguments (model, seed, ...), kept as given; an

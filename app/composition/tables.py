@@ -112,7 +112,7 @@ def engine_start(report: PlanReport, reference_config: Callable[[], ReferenceMod
     if not report.shapes and report.resolution.layout == MODELOPT_NVFP4:
         # ModelOpt's config excludes modules by name (no `re:` entries): without a checkpoint the
         # engine serves the embedded model, whose names are known.
-        from adapters.compressed_tensors.quantization_config import engine_quantization_config
+        from adapters.engine_quantization import engine_quantization_config
         from adapters.reference.config import hf_weight_shapes
         from app.services.planning import bf16_linear_modules
 

@@ -258,7 +258,7 @@ def _make_plan(cfg: RefitConfig, checkpoint: _Checkpoint | None, purpose: str, p
     plan = with_numerics(res.plan, cfg) if requested is None else res.plan
     if plan is not res.plan:
         res = attrs.evolve(res, plan=plan)
-    from adapters.compressed_tensors.quantization_config import engine_quantization_config
+    from adapters.engine_quantization import engine_quantization_config
 
     decoded: dict[str, int] = {}
     if checkpoint is not None and res.layout == "native-passthrough":

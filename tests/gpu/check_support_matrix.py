@@ -236,7 +236,7 @@ def _plan_for(arm: str):  # type: ignore[no-untyped-def]  # pragma: no cover - s
 def _export(out: pathlib.Path, arm: str) -> tuple[list, dict, object]:  # pragma: no cover - needs the stack
     from safetensors.torch import load_file
 
-    from adapters.compressed_tensors.quantization_config import engine_quantization_config
+    from adapters.engine_quantization import engine_quantization_config
     from adapters.profiles import resolve
     from app.services.planning import bf16_linear_modules
     from domain.quant.dispatch import DispatchInput

@@ -29,6 +29,9 @@ PLAN_NEVER = (
 # The engine packages: a plan reads each engine's profile (every engine's dispatch rules are part
 # of every plan, reporting "n/a" for the engines they are not about), nothing else of them.
 ENGINE_PACKAGES = ("adapters.vllm", "adapters.sglang", "adapters.reference", "adapters.trtllm")
+# What a BF16 plan never imports: compressed-tensors (and through it transformers and torchao) builds
+# only the compressed-tensors layout's quantization_config, and takes seconds to import.
+BF16_NEVER = ("compressed_tensors", "transformers", "torchao", "adapters.compressed_tensors")
 
 
 def test_refit_help_lists_every_command_and_imports_none() -> None:
@@ -49,6 +52,18 @@ def test_refit_plan_loads_no_demo_benchmark_refit_or_engine() -> None:
     assert not never and not engines, f"refit plan loads {never + engines}"
 
 
+def test_a_bf16_plan_imports_no_compressed_tensors() -> None:
+    loaded = command(["plan"])  # the default configuration: the embedded engine, BF16
+    assert loaded.code == 0
+    assert not sorted(m for m in loaded.modules if m.startswith(BF16_NEVER))
+
+
+def test_a_compressed_tensors_plan_imports_it() -> None:  # the measure above sees the package when it loads
+    loaded = command(["plan", "rollout.name=vllm", "rollout.quantization.linear=FP8_BLOCK"])
+    assert loaded.code == 0
+    assert "compressed_tensors" in loaded.modules and "adapters.compressed_tensors.quantization_config" in loaded.modules
+
+
 # What the embedded `refit demo` never needs: the other modes (LoRA, Megatron, processes, QAT),
 # the other commands, and every engine's adapter but the embedded one's (the plugin table reads
 # each engine's profile, section and plugin record, nothing else of them).
@@ -67,6 +82,7 @@ def test_the_embedded_demo_loads_no_other_mode_command_or_engine() -> None:
     engines = sorted(m for m in loaded.project if m.startswith(ENGINE_PACKAGES[:2] + ENGINE_PACKAGES[3:])
                      and m not in ENGINE_PACKAGES and not m.endswith((".profile", ".config", ".engine_plugin")))
     assert not never and not engines, f"refit demo loads {never + engines}"
+    assert not sorted(m for m in loaded.modules if m.startswith(BF16_NEVER))  # its plan is BF16
 
 
 def test_the_top_level_help_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,7 +63,7 @@ def _moe(layers: int = 2, experts: int = 2) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_the_stream_writes_vllms_per_token_nvfp4_experts_in_modelopts_layout() -> None:
-    from adapters.compressed_tensors.quantization_config import NUMERICS_KEY, engine_quantization_config
+    from adapters.engine_quantization import NUMERICS_KEY, engine_quantization_config
     from app.services.planning import bf16_linear_modules
     from domain.quant.stream import checkpoint_specs, quantize_stream
     from tests.dispatching import DispatchInput, resolve

@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="building the tiny HF models needs tr
 import torch
 from safetensors.torch import load_file
 
-from adapters.compressed_tensors.quantization_config import NUMERICS_KEY
+from adapters.engine_quantization import NUMERICS_KEY
 from adapters.hf_checkpoint.reader import HfCheckpoint
 from app.config import build_config
 from app.services.checkpoint_export import export_checkpoint
