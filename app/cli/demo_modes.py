@@ -48,6 +48,11 @@ class Option:
     modes: frozenset[str]
     default: Any
     kwargs: dict[str, Any] = attrs.field(factory=dict)
+    helps: dict[str, str] = attrs.field(factory=dict)  # the help of a mode whose defaults differ
+
+    def help_in(self, mode: str) -> str | None:
+        """The help `refit demo MODE --help` shows for it: the mode's own defaults only."""
+        return self.helps.get(mode, self.kwargs.get("help"))
 
     @property
     def dest(self) -> str:
@@ -59,30 +64,44 @@ class Option:
         return self.flags[0] if self.flags[0].startswith("-") else self.flags[0].upper()
 
 
-def _opt(*flags: str, modes: frozenset[str], default: Any = None, **kwargs: Any) -> Option:
-    return Option(flags, modes, default, kwargs)
+def _opt(*flags: str, modes: frozenset[str], default: Any = None, helps: dict[str, str] | None = None,
+         **kwargs: Any) -> Option:
+    return Option(flags, modes, default, kwargs, helps or {})
+
+
+_MODELS = "tiny-moe, tiny-dense, micro-moe, micro-dense"
+_ON_VLLM = "with --engine vllm"
 
 
 OPTIONS: tuple[Option, ...] = (
-    _opt("--linear", modes=PLANNED, help="preset for dense Linear layers, or BF16 (default FP8_BLOCK)"),
-    _opt("--moe", modes=PLANNED,
-         help="preset for routed experts, or BF16 (default NVFP4; FP8_BLOCK on vLLM)"),
+    _opt("--linear", modes=PLANNED, help="preset for dense Linear layers, or BF16 (default FP8_BLOCK)",
+         helps={"lora": f"the base's preset for dense Linear layers, or BF16 (default FP8_BLOCK; BF16 {_ON_VLLM})"}),
+    _opt("--moe", modes=PLANNED, help="preset for routed experts, or BF16 (default NVFP4)",
+         helps={"vllm": "preset for routed experts, or BF16 (default FP8_BLOCK)",
+                "lora": f"the base's preset for routed experts, or BF16 (default NVFP4; BF16 {_ON_VLLM})"}),
     _opt("--moe-activation", modes=PLANNED, help="experts' activation scheme (e.g. mxfp8); default: the preset's"),
     _opt("--linear-activation", modes=PLANNED,
-         help="dense layers' activation scheme (none = weight-only, e.g. NVFP4 on vLLM); default: the preset's"),
-    _opt("--steps", modes=ALL, type=options.steps,
-         help="training-like steps after the initial sync (default 3; 2 on vLLM)"),
+         help="dense layers' activation scheme (none: weight-only); default: the preset's"),
+    _opt("--steps", modes=ALL, type=options.steps, help="training-like steps after the initial sync (default 3)",
+         helps={"vllm": "training-like steps after the initial sync (default 2)",
+                "lora": f"training-like steps after the initial sync (default 3; 2 {_ON_VLLM})"}),
     _opt("--model", modes=ALL, metavar="NAME|DIR", type=options.model_or_directory(EMBEDDED_MODELS),
-         help="embedded model (tiny-moe, tiny-dense, micro-moe, micro-dense; default tiny-moe, micro-moe on vLLM), "
-              "or DIR: your Hugging Face checkpoint directory (Qwen3 / Qwen3-MoE for the embedded engine, any model "
-              "vLLM serves with `refit demo vllm`; not with procs, qat or megatron, which build the embedded model)"),
+         help=f"embedded model ({_MODELS}; default tiny-moe), or DIR: your Hugging Face checkpoint directory "
+              "(Qwen3 or Qwen3-MoE)",
+         helps={"vllm": f"embedded model ({_MODELS}; default micro-moe), or DIR: your Hugging Face checkpoint "
+                        "directory (any model vLLM serves)",
+                "lora": f"embedded model ({_MODELS}; default tiny-moe; micro-dense {_ON_VLLM}), or DIR: your "
+                        "Hugging Face checkpoint directory",
+                "qat": f"embedded model ({_MODELS}; default tiny-moe; micro-moe {_ON_VLLM})",
+                **{mode: f"embedded model ({_MODELS}; default tiny-moe)" for mode in ("procs", "megatron")}}),
     _opt("--commit-mode", modes=frozenset({EMBEDDED, "procs", "lora", "megatron"}), default="transactional",
          choices=("transactional", "per-layer")),
     _opt("--bucket-mb", modes=ALL, default=1.0, type=options.mebibytes(),
          help="bucket capacity in MiB (default 1)"),
     _opt("--inject-fault", modes=FAULTS, metavar="FAULT",
-         help="[hang:]POINT: bucket:K, begin, finalize, verify or storage (procs also export:K): make the plan's "
-              "refit fail there once"),
+         help="[hang:]POINT: bucket:K, begin, finalize, verify or storage: make the plan's refit fail there once",
+         helps={"procs": "[hang:]POINT: bucket:K, export:K, begin, finalize, verify or storage: make the plan's "
+                         "refit fail there once"}),
     _opt("--fault-step", modes=FAULTS, default=1, type=options.steps,
          help="the step whose refit the fault hits (default 1)"),
     _opt("--presets", modes=frozenset({EMBEDDED, "lora"}), default=False, action="store_true",
@@ -94,7 +113,9 @@ OPTIONS: tuple[Option, ...] = (
          help="torch intra-op threads (default 1: the embedded model's ops are too small to gain from more)"),
     _opt("--json", modes=ALL, default=False, action="store_true", help="print machine-readable JSON"),
     _opt("--colocated", modes=frozenset({"vllm", "lora"}), default=False, action="store_true",
-         help="on vLLM: the engine in this process (verl's hybrid engine) instead of a server of its own"),
+         help="the engine in this process (verl's hybrid engine) instead of a server of its own",
+         helps={"lora": f"{_ON_VLLM}: the engine in this process (verl's hybrid engine) instead of a server of its "
+                        "own"}),
     _opt("--attach", modes=frozenset({"vllm"}), metavar="URL", type=options.server_url,
          help="refit the vLLM server you started at URL (docs/attach.md) instead of starting one"),
     _opt("--engine", modes=frozenset({"qat", "lora"}), default="reference", choices=("reference", "vllm"),
@@ -145,10 +166,10 @@ LEGACY: tuple[Legacy, ...] = (
 LEGACY_ONLY = {"--lora-sync": "lora_sync"}  # the old name of `refit demo lora --sync`
 
 
-def _add(parser: argparse.ArgumentParser, option: Option, shown: bool) -> None:
+def _add(parser: argparse.ArgumentParser, option: Option, mode: str) -> None:
+    shown = mode in option.modes
     kwargs = dict(option.kwargs)
-    if not shown:
-        kwargs["help"] = argparse.SUPPRESS
+    kwargs["help"] = option.help_in(mode) if shown else argparse.SUPPRESS
     if option.flags[0].startswith("-"):
         parser.add_argument(*option.flags, default=argparse.SUPPRESS, **kwargs)
     elif shown:  # a positional: its mode's own, always set (argparse converts a default it is not given)
@@ -160,7 +181,7 @@ def _add_options(parser: argparse.ArgumentParser, mode: str) -> None:
     `resolve` refuses them by name, and the spellings of the previous release still run."""
     taken = {flag for option in OPTIONS if option.flags[0].startswith("-") for flag in option.flags}
     for option in OPTIONS:
-        _add(parser, option, shown=mode in option.modes)
+        _add(parser, option, mode)
     for legacy in LEGACY:
         if legacy.flag not in taken:
             parser.add_argument(legacy.flag, dest=legacy.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS,

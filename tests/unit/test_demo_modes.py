@@ -74,3 +74,33 @@ def test_the_notice_goes_to_stderr_and_the_refusal_is_one_line(capsys: pytest.Ca
     assert main(["demo", "--procs", "2", "--colocated"]) == 2  # refused before any notice
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--colocated: is not an option of `refit demo procs`" in err[0], err
+
+
+def _help_of(mode: str, capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["demo", "--help"] if mode == EMBEDDED else ["demo", mode, "--help"]) == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse's line wrapping undone
+
+
+@pytest.mark.parametrize("mode", [EMBEDDED, "vllm", "procs", "megatron"])
+def test_a_modes_help_states_the_defaults_its_settings_take(mode: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli.demo_engine import engine_settings
+    from app.cli.demo_settings import settings_from_args
+
+    args, _ = _resolved(*([] if mode == EMBEDDED else [mode]))
+    s = engine_settings(args) if mode == "vllm" else settings_from_args(args)
+    shown = _help_of(mode, capsys)
+    plan = s.plan
+    assert f"preset for dense Linear layers, or BF16 (default {plan.linear.name})" in shown
+    assert f"preset for routed experts, or BF16 (default {plan.moe.name})" in shown
+    assert f"after the initial sync (default {s.steps})" in shown and f"default {s.model})" in shown
+    assert "on vLLM" not in shown  # no other mode's default
+
+
+def test_the_lora_and_qat_help_state_both_engines_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from app.bootstrap import demo_of
+
+    vllm = demo_of("vllm")
+    lora = _help_of("lora", capsys)
+    assert f"default tiny-moe; {vllm.lora_model} with --engine vllm" in lora
+    assert "(default 3; 2 with --engine vllm)" in lora and "BF16 with --engine vllm" in lora
+    assert f"default tiny-moe; {vllm.model} with --engine vllm" in _help_of("qat", capsys)
