@@ -13,6 +13,10 @@ stdout; vLLM logs to stderr).
   each followed by a full refit that must recover.
 - delta: layout_delta refits over Adam-like steps, each compared with a full refit of the same
   weights on the same engine (every parameter's digest), and a corrupted base copy on the worker.
+- distributed: the matrix's refits, each through a refit world (app.services.distributed_refit):
+  trainer ranks holding the embedded trainer's shares as Megatron's grid `layout` ([tp, pp, ep,
+  etp]) places them, and one engine rank holding this engine; every rank a thread of this process
+  over in-memory collectives.
 - shapes: the fault table of tests/integration/test_refit_shapes.py (begin, a bucket, finalize,
   the storage check, the probe) with each restore (stale, replay): the failed refit's outcome
   and engine state, what the engine serves afterwards, and the recovery.
@@ -25,6 +29,8 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,7 @@ from adapters.memory.faulty import ScriptedFaultyEngine
 from adapters.vllm.protocol import WorkerRpc
 from app.bootstrap import bootstrap
 from app.services.demo_config import engine_config, with_engine_args
+from app.services.distributed_refit import DistributedRefitService
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings, EngineStep
 from app.services.refit import RefitService
 from app.services.verification import PostRefitProbe, TrainerReference, probe_batch
@@ -65,7 +72,7 @@ def _step(record: EngineStep, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _refit(svc: RefitService) -> Any:
+def _refit(svc: RefitService | DistributedRefitService) -> Any:
     try:
         return svc.refit()
     except RefitFailed as err:
@@ -102,10 +109,15 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     cache = Path(spec["cold_cache"]) if spec.get("cold_cache") else None
     comparer = ColdStartComparer(with_cold_host(services), trainer.config.vocab_size, settings, workdir, cache)
     replicas: list[Any] = list(getattr(engine, "replicas", [engine]))
+    scenario = spec["scenario"]
+    # how a refit runs: this process's RefitService, or a world of trainer ranks and this engine's rank
+    refit, ranks = (_world_refit(services, engine, spec["layout"]) if scenario == "distributed"
+                    else (lambda: _refit(svc), 1))
+
     # ExtensionWorkers (colocated) or AttachedWorkers (the server rl-refit started): both answer protocol requests
     workers: WorkerRpc = replicas[0].workers
     out: dict[str, Any] = {"spec": spec, "refused_before_first_refit": comparer.refuses(engine), "steps": [],
-                           "replicas": len(replicas),
+                           "replicas": len(replicas), "ranks": ranks,
                            "workers": [w if isinstance(w := getattr(r.workers, "workers", 1), int) else 1
                                        for r in replicas],
                            "digest_names": sorted(replicas[0].digests())[:2]}
@@ -113,17 +125,16 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     fingerprint = engine.storage_fingerprint()
 
     def refit_and_compare(label: str, service: RefitService | None = None, **extra: Any) -> None:
-        report = _refit(service or svc)
+        report = _refit(service) if service is not None else refit()
         for i, replica in enumerate(replicas):  # every replica against the same cold start
             record = comparer.compare(replica, trainer, report, 0)
             steps.append(_step(record, name=label if len(replicas) == 1 else f"{label} replica {i}",
                                **_served(replica, comparer), **extra))
 
     try:
-        scenario = spec["scenario"]
         refit_and_compare("first")
         start = trainer.snapshot()
-        if scenario == "matrix":
+        if scenario in ("matrix", "distributed"):
             trainer.perturb_(1, 0.02)
             refit_and_compare("second")
             trainer.restore_(start)
@@ -168,6 +179,44 @@ def run(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     finally:
         engine.close()
     return out
+
+
+def _world_refit(services: Any, engine: Any, layout: list[int]) -> tuple[Callable[[], Any], int]:
+    """A refit through a world of trainer ranks (the embedded trainer's shares, as Megatron's grid
+    `layout` = [tp, pp, ep, etp] places them) and one engine rank holding `engine`, each rank a
+    thread over in-memory collectives: what the refit returns is the engine rank's report; and the
+    world's size."""
+    from adapters.memory.collectives import InMemoryWorld
+    from domain.refit.status import Role
+    from domain.refit.topology import ParallelLayout, RefitWorld
+
+    world = RefitWorld(ParallelLayout(*layout), 1)
+    shared = InMemoryWorld(world, step_timeout_s=600.0, phase_timeout_s=600.0)
+    ranks = [services.world.distributed_refit(world, r, comm=shared.collectives(r),
+                                              engine=engine if world.role(r) is Role.ENGINE else None)
+             for r in range(world.size)]
+    engine_rank = next(r for r in range(world.size) if world.role(r) is Role.ENGINE)
+
+    def refit() -> Any:
+        reports: dict[int, Any] = {}
+
+        def run_rank(rank: int) -> None:
+            try:
+                reports[rank] = _refit(ranks[rank])
+            except BaseException as err:  # raised again below, in this thread
+                reports[rank] = err
+
+        threads = [threading.Thread(target=run_rank, args=(r,), daemon=True) for r in range(world.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for report in reports.values():
+            if isinstance(report, BaseException):
+                raise report
+        return reports[engine_rank]
+
+    return refit, world.size
 
 
 def _served(engine: Any, comparer: ColdStartComparer) -> dict[str, Any]:

@@ -165,6 +165,24 @@ def test_refits_over_the_gloo_transport_equal_a_cold_start(cold_cache: Path) -> 
         _equal(step)
 
 
+@pytest.mark.slow
+def test_a_distributed_refit_from_sharded_trainer_ranks_equals_a_cold_start(cold_cache: Path) -> None:
+    """The distributed refit (what `services.world.distributed_refit` gives every rank of a Megatron
+    trainer, docs/megatron-sharded.md) into the server rl-refit starts: two trainer ranks hold the
+    tensor-parallel (tp 2) and expert-parallel (ep 2) shares of the embedded trainer, and one
+    engine rank holds the vLLM engine. FP8_BLOCK's 128-column blocks span both tensor-parallel
+    shares of o_proj and down_proj, so those go whole to the source rank and are quantized there:
+    every refit equals a cold start of the single process's export, bit for bit."""
+    result = scenario(cold_cache, "FP8_BLOCK-experts", scenario="distributed", deployment="disaggregated",
+                      layout=[2, 1, 2, 1])
+    assert result["ranks"] == 3  # two trainer ranks and the engine's
+    steps = _by_name(result)
+    assert list(steps) == ["first", "second", "back"]
+    for step in steps.values():
+        _equal(step)
+    assert result["rebound"] == []
+
+
 def _restored_then_recovered(steps: dict[str, dict[str, Any]], fault: str, previous: dict[str, Any]) -> None:
     failed, after = steps[f"fault {fault}"], steps[f"after {fault}"]
     assert not failed["ok"] and failed["outcome"] == "rolled-back", failed
