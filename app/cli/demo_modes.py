@@ -70,29 +70,29 @@ def _opt(*flags: str, modes: frozenset[str], default: Any = None, helps: dict[st
 
 
 _MODELS = "tiny-moe, tiny-dense, micro-moe, micro-dense"
-_ON_VLLM = "with --engine vllm"
+_REAL_ENGINE = "with --engine vllm"
 
 
 OPTIONS: tuple[Option, ...] = (
     _opt("--linear", modes=PLANNED, help="preset for dense Linear layers, or BF16 (default FP8_BLOCK)",
-         helps={"lora": f"the base's preset for dense Linear layers, or BF16 (default FP8_BLOCK; BF16 {_ON_VLLM})"}),
+         helps={"lora": f"the base's preset for dense Linear layers, or BF16 (default FP8_BLOCK; BF16 {_REAL_ENGINE})"}),
     _opt("--moe", modes=PLANNED, help="preset for routed experts, or BF16 (default NVFP4)",
          helps={"vllm": "preset for routed experts, or BF16 (default FP8_BLOCK)",
-                "lora": f"the base's preset for routed experts, or BF16 (default NVFP4; BF16 {_ON_VLLM})"}),
+                "lora": f"the base's preset for routed experts, or BF16 (default NVFP4; BF16 {_REAL_ENGINE})"}),
     _opt("--moe-activation", modes=PLANNED, help="experts' activation scheme (e.g. mxfp8); default: the preset's"),
     _opt("--linear-activation", modes=PLANNED,
          help="dense layers' activation scheme (none: weight-only); default: the preset's"),
     _opt("--steps", modes=ALL, type=options.steps, help="training-like steps after the initial sync (default 3)",
          helps={"vllm": "training-like steps after the initial sync (default 2)",
-                "lora": f"training-like steps after the initial sync (default 3; 2 {_ON_VLLM})"}),
+                "lora": f"training-like steps after the initial sync (default 3; 2 {_REAL_ENGINE})"}),
     _opt("--model", modes=ALL, metavar="NAME|DIR", type=options.model_or_directory(EMBEDDED_MODELS),
          help=f"embedded model ({_MODELS}; default tiny-moe), or DIR: your Hugging Face checkpoint directory "
               "(Qwen3 or Qwen3-MoE)",
          helps={"vllm": f"embedded model ({_MODELS}; default micro-moe), or DIR: your Hugging Face checkpoint "
                         "directory (any model vLLM serves)",
-                "lora": f"embedded model ({_MODELS}; default tiny-moe; micro-dense {_ON_VLLM}), or DIR: your "
+                "lora": f"embedded model ({_MODELS}; default tiny-moe; micro-dense {_REAL_ENGINE}), or DIR: your "
                         "Hugging Face checkpoint directory",
-                "qat": f"embedded model ({_MODELS}; default tiny-moe; micro-moe {_ON_VLLM})",
+                "qat": f"embedded model ({_MODELS}; default tiny-moe; micro-moe {_REAL_ENGINE})",
                 **{mode: f"embedded model ({_MODELS}; default tiny-moe)" for mode in ("procs", "megatron")}}),
     _opt("--commit-mode", modes=frozenset({EMBEDDED, "procs", "lora", "megatron"}), default="transactional",
          choices=("transactional", "per-layer")),
@@ -114,7 +114,7 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--json", modes=ALL, default=False, action="store_true", help="print machine-readable JSON"),
     _opt("--colocated", modes=frozenset({"vllm", "lora"}), default=False, action="store_true",
          help="the engine in this process (verl's hybrid engine) instead of a server of its own",
-         helps={"lora": f"{_ON_VLLM}: the engine in this process (verl's hybrid engine) instead of a server of its "
+         helps={"lora": f"{_REAL_ENGINE}: the engine in this process (verl's hybrid engine) instead of a server of its "
                         "own"}),
     _opt("--attach", modes=frozenset({"vllm"}), metavar="URL", type=options.server_url,
          help="refit the vLLM server you started at URL (docs/attach.md) instead of starting one"),
