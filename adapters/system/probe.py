@@ -56,12 +56,15 @@ class SystemProbe:
         vllm_python: the interpreter of the vLLM environment, whose CPU kernels are asked for
             (None: not asked).
         cpu_emulation: the CPU emulation mode that environment is asked about.
+        notify: told what the probe waits for before a step that takes seconds (asking the vLLM
+            environment starts an interpreter that imports vLLM); None: nothing is said.
     """
 
     environ: Mapping[str, str] = attrs.field(factory=dict)
     version_of: Callable[[tuple[str, ...]], str | None] = installed_version
     vllm_python: str | None = None
     cpu_emulation: str = "auto"
+    notify: Callable[[str], None] | None = None
 
     def snapshot(self) -> EnvironmentSnapshot:
         torch_cuda, gpus, nccl = _torch_facts()
@@ -73,7 +76,7 @@ class SystemProbe:
             nccl=nccl,
             environ=self.environ,
             platform=platform.platform(),
-            engine_cpu_kernels=vllm_cpu_kernels(self.vllm_python, self.cpu_emulation) if not gpus else None,
+            engine_cpu_kernels=vllm_cpu_kernels(self.vllm_python, self.cpu_emulation, self.notify) if not gpus else None,
         )
 
 
@@ -85,13 +88,17 @@ VLLM_KERNEL_LABELS = {"engine": "vLLM", "setup": "make test creates .venv-vllm (
                       "emulation": "rollout.engine_kwargs.vllm.cpu_emulation=auto"}
 
 
-def vllm_cpu_kernels(python: str | None, mode: str) -> dict[str, Any] | None:
+def vllm_cpu_kernels(python: str | None, mode: str,
+                     notify: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """What the vLLM adapter's CPU emulation plugin reports in the vLLM environment of `python`
     (`python -m adapters.vllm.cpu_emulation MODE`: vLLM's native CPU kernels, the emulated
     formats), with VLLM_KERNEL_LABELS, or None when there is no such interpreter. A probe that
-    fails says why, as `{"error": ...}`."""
+    fails says why, as `{"error": ...}`. `notify` is told first: the interpreter imports vLLM,
+    which takes seconds."""
     if python is None or not Path(python).is_file():
         return None
+    if notify is not None:
+        notify(f"asking {python} for vLLM's CPU kernels (it imports vLLM, which takes seconds) ...")
     try:
         done = subprocess.run([python, "-m", "adapters.vllm.cpu_emulation", mode], capture_output=True, text=True,
                               timeout=VLLM_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)

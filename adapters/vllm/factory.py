@@ -313,5 +313,6 @@ def vllm_cold_start(section: VllmEngineConfig, start: EngineStart, host: EngineH
 
     kwargs, env = cold_start_arguments(section, start, host, directory)
     control = start_owned(server_python(section, host), kwargs, env={**host.environ, **env},
-                          start_timeout_s=float(section.start_timeout_s), transfer=False)
+                          start_timeout_s=float(section.start_timeout_s), transfer=False,
+                          role=f"the vLLM server cold-started from {directory} (to compare with)")
     return ColdServer(control, Path(directory))

@@ -243,7 +243,7 @@ class ServerProcess:
     def start(cls, python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str],
               host: str = "127.0.0.1", start_timeout_s: float = 600.0, log_path: str | Path | None = None,
               notify: Callable[[str], None] | None = None, transfer: bool = True,
-              keeper: bool = True, owned: tuple[str, ...] = ()) -> ServerProcess:
+              keeper: bool = True, owned: tuple[str, ...] = (), role: str = "the vLLM server") -> ServerProcess:
         """Start the server and wait until it serves.
 
         Args:
@@ -261,6 +261,7 @@ class ServerProcess:
             keeper: start the keeper that stops it if this process dies.
             owned: other paths made for it (the embedded model's config directory), which the
                 keeper removes with it if this process dies (closing them is the engine's).
+            role: what the waiting lines and a timeout call it (a cold start says so).
 
         Returns:
             The serving ServerProcess. Raises EngineProcessError (with the log's root cause and
@@ -289,7 +290,7 @@ class ServerProcess:
                 from adapters.vllm.guardian import Guardian
 
                 server.keeper = Guardian.keep(proc.pid, [str(private), str(out), *owned])
-            server._wait(start_timeout_s, notify or _say)
+            server._wait(start_timeout_s, notify or _say, role)
         except BaseException:  # Ctrl-C, SIGTERM, a timeout: nothing of the server is left running
             server.failed = True
             server.close(0.0)
@@ -297,7 +298,7 @@ class ServerProcess:
         log.info("vllm server started", pid=proc.pid, url=url, log=str(out))
         return server
 
-    def _wait(self, timeout_s: float, notify: Callable[[str], None]) -> None:
+    def _wait(self, timeout_s: float, notify: Callable[[str], None], role: str) -> None:
         start = time.monotonic()
         said = 0.0
         while not self._healthy():
@@ -307,12 +308,12 @@ class ServerProcess:
             waited = time.monotonic() - start
             if waited > timeout_s:
                 raise EngineProcessError(
-                    f"the vLLM server (pid {self.proc.pid}) did not serve within {timeout_s:g} s "
+                    f"{role} (pid {self.proc.pid}) did not serve within {timeout_s:g} s "
                     f"(rollout.engine_kwargs.vllm.start_timeout_s) and was killed, with its engine processes: "
                     f"{diagnosis(self.log_path)}")
             if waited - said >= _PROGRESS_EVERY_S:
                 said = waited
-                notify(f"waiting for the vLLM server (pid {self.proc.pid}) at {self.url} to start: {waited:.0f} s "
+                notify(f"waiting for {role} (pid {self.proc.pid}) at {self.url} to start: {waited:.0f} s "
                        f"of {timeout_s:g} s (rollout.engine_kwargs.vllm.start_timeout_s); its log: {self.log_path}")
             time.sleep(_POLL_S)
 
@@ -389,10 +390,11 @@ class OwnedHttpControl(HttpControl):
 
 
 def start_owned(python: str, engine_kwargs: Mapping[str, Any], *, env: Mapping[str, str], start_timeout_s: float,
-                api_key: str | None = None, transfer: bool = True, owned: tuple[str, ...] = ()) -> OwnedHttpControl:
+                api_key: str | None = None, transfer: bool = True, owned: tuple[str, ...] = (),
+                role: str = "the vLLM server") -> OwnedHttpControl:
     """A server started by this trainer (`ServerProcess.start`) and its control."""
     server = ServerProcess.start(python, engine_kwargs, env=env, start_timeout_s=start_timeout_s, transfer=transfer,
-                                 owned=owned)
+                                 owned=owned, role=role)
     control = OwnedHttpControl(server.url, timeout_s=start_timeout_s + 600.0, api_key=api_key, server=server)
     if server.private_dir is not None:  # the adapters written for it go with it, whatever ends the trainer
         control.lora_root = server.private_dir / "lora"

@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
     services = services_from_args(args)
     cfg = services.config if args.args else None
-    env = services.engines.environment_probe(snapshot_file=args.environment).snapshot()
+    say = (lambda line: None) if args.json else (lambda line: sys.stderr.write(f"refit doctor: {line}\n"))
+    env = services.engines.environment_probe(snapshot_file=args.environment, notify=say).snapshot()
     opt_out = False
     if cfg is not None and cfg.rollout.name in POLICY_ENGINES:  # an engine with kernels to choose
         opt_out = services.engines.deep_gemm_opt_out(cfg.rollout.name, env.environ)

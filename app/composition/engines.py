@@ -101,12 +101,14 @@ class EngineWiring:
             return None
         return self.backend_decision(engine, plan)
 
-    def environment_probe(self, snapshot_file: str | None = None) -> EnvironmentProbe:
+    def environment_probe(self, snapshot_file: str | None = None, *,
+                          notify: Callable[[str], None] | None = None) -> EnvironmentProbe:
         """The EnvironmentProbe `refit doctor` inspects: this machine, or a saved snapshot.
 
         Args:
             snapshot_file: a JSON file written by `refit doctor --json` (its `environment`
                 object is used); None probes this machine.
+            notify: told what a probe of this machine waits for, before a step that takes seconds.
         """
         if snapshot_file is None:
             from adapters.system.probe import SystemProbe
@@ -114,7 +116,7 @@ class EngineWiring:
             host, engine_kwargs = self.engine_host(), self.config.rollout.engine_kwargs
             arguments = {k: v for p in PLUGINS.values() if p.probe is not None
                          for k, v in p.probe(engine_kwargs.engine(p.name), host).items()}
-            return SystemProbe(environ=dict(self.environ), **arguments)
+            return SystemProbe(environ=dict(self.environ), notify=notify, **arguments)
         from app.services.doctor import snapshot_probe
 
         return snapshot_probe(snapshot_file)

@@ -118,8 +118,11 @@ def test_the_probe_of_an_environment_without_vllm_reports_its_error(tmp_path: Pa
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named vllm' >&2\nexit 1\n")
     fake.chmod(0o755)
-    found = vllm_cpu_kernels(str(fake), "auto")
+    said: list[str] = []
+    assert vllm_cpu_kernels(str(tmp_path / "absent"), "auto", said.append) is None and said == []  # nothing to ask
+    found = vllm_cpu_kernels(str(fake), "auto", said.append)
     assert found is not None and "exited 1: ModuleNotFoundError: No module named vllm" in found["error"]
+    assert said == [f"asking {fake} for vLLM's CPU kernels (it imports vLLM, which takes seconds) ..."]  # said first
 
 
 def test_a_saved_snapshot_keeps_the_vllm_cpu_kernels() -> None:

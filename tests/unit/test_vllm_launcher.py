@@ -163,6 +163,19 @@ def test_a_server_that_never_serves_is_killed_at_its_start_timeout(fake, monkeyp
     assert (tmp / "server.log").exists()
 
 
+def test_a_cold_start_says_what_it_is_while_it_waits(fake, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from adapters.vllm import launcher
+
+    monkeypatch.setattr(launcher, "_PROGRESS_EVERY_S", 0.5)
+    start, tmp, _ = fake
+    said: list[str] = []
+    role = "the vLLM server cold-started from /export (to compare with)"
+    with pytest.raises(EngineProcessError, match=r"^the vLLM server cold-started from /export \(to compare with\) \(pid "):
+        start("silent", start_timeout_s=1.5, notify=said.append, role=role)
+    assert said and all(line.startswith(f"waiting for {role} (pid ") for line in said)
+    assert _gone(int(_wait_for(tmp / "child.pid")))
+
+
 def test_a_failed_start_leads_with_the_root_cause_and_keeps_the_log(fake) -> None:  # type: ignore[no-untyped-def]
     start, tmp, _ = fake
     with pytest.raises(EngineProcessError) as err:
