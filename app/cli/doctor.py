@@ -45,13 +45,17 @@ def render(report: DoctorReport, console: Console) -> None:
                       else "configuration: [bold red]cannot run here[/bold red] (see the error rows)")
 
 
+def _say(line: str) -> None:
+    sys.stderr.write(f"refit doctor: {line}\n")
+
+
 def run(args: argparse.Namespace) -> int:
     from app.bootstrap import POLICY_ENGINES
 
     services = services_from_args(args)
     cfg = services.config if args.args else None
-    say = (lambda line: None) if args.json else (lambda line: sys.stderr.write(f"refit doctor: {line}\n"))
-    env = services.engines.environment_probe(snapshot_file=args.environment, notify=say).snapshot()
+    env = services.engines.environment_probe(snapshot_file=args.environment,
+                                             notify=None if args.json else _say).snapshot()
     opt_out = False
     if cfg is not None and cfg.rollout.name in POLICY_ENGINES:  # an engine with kernels to choose
         opt_out = services.engines.deep_gemm_opt_out(cfg.rollout.name, env.environ)
