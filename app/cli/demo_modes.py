@@ -37,6 +37,7 @@ MODES: dict[str, str] = {  # mode -> the one line `refit demo --help` shows for 
 ALL = frozenset({EMBEDDED, *MODES})
 PLANNED = frozenset({EMBEDDED, "vllm", "procs", "lora", "megatron"})  # the modes that take a quantization plan
 FAULTS = frozenset({EMBEDDED, "vllm", "procs", "lora"})  # the modes --inject-fault hits
+ENGINE_MODES = ("qat", "lora", "procs")  # the modes that run on the embedded engine or, with --engine, a real one
 
 
 @attrs.frozen
@@ -78,13 +79,15 @@ OPTIONS: tuple[Option, ...] = (
          helps={"lora": f"the base's preset for dense Linear layers, or BF16 (default FP8_BLOCK; BF16 {_REAL_ENGINE})"}),
     _opt("--moe", modes=PLANNED, help="preset for routed experts, or BF16 (default NVFP4)",
          helps={"vllm": "preset for routed experts, or BF16 (default FP8_BLOCK)",
-                "lora": f"the base's preset for routed experts, or BF16 (default NVFP4; BF16 {_REAL_ENGINE})"}),
+                "lora": f"the base's preset for routed experts, or BF16 (default NVFP4; BF16 {_REAL_ENGINE})",
+                "procs": f"preset for routed experts, or BF16 (default NVFP4; FP8_BLOCK {_REAL_ENGINE})"}),
     _opt("--moe-activation", modes=PLANNED, help="experts' activation scheme (e.g. mxfp8); default: the preset's"),
     _opt("--linear-activation", modes=PLANNED,
          help="dense layers' activation scheme (none: weight-only); default: the preset's"),
     _opt("--steps", modes=ALL, type=options.steps, help="training-like steps after the initial sync (default 3)",
          helps={"vllm": "training-like steps after the initial sync (default 2)",
-                "lora": f"training-like steps after the initial sync (default 3; 2 {_REAL_ENGINE})"}),
+                **{mode: f"training-like steps after the initial sync (default 3; 2 {_REAL_ENGINE})"
+                   for mode in ("lora", "procs")}}),
     _opt("--model", modes=ALL, metavar="NAME|DIR", type=options.model_or_directory(EMBEDDED_MODELS),
          help=f"embedded model ({_MODELS}; default tiny-moe), or DIR: your Hugging Face checkpoint directory "
               "(Qwen3 or Qwen3-MoE)",
@@ -93,7 +96,8 @@ OPTIONS: tuple[Option, ...] = (
                 "lora": f"embedded model ({_MODELS}; default tiny-moe; micro-dense {_REAL_ENGINE}), or DIR: your "
                         "Hugging Face checkpoint directory",
                 "qat": f"embedded model ({_MODELS}; default tiny-moe; micro-moe {_REAL_ENGINE})",
-                **{mode: f"embedded model ({_MODELS}; default tiny-moe)" for mode in ("procs", "megatron")}}),
+                "procs": f"embedded model ({_MODELS}; default tiny-moe; micro-moe {_REAL_ENGINE})",
+                "megatron": f"embedded model ({_MODELS}; default tiny-moe)"}),
     _opt("--commit-mode", modes=frozenset({EMBEDDED, "procs", "lora", "megatron"}), default="transactional",
          choices=("transactional", "per-layer")),
     _opt("--bucket-mb", modes=ALL, default=1.0, type=options.mebibytes(),
@@ -118,10 +122,13 @@ OPTIONS: tuple[Option, ...] = (
                         "own"}),
     _opt("--attach", modes=frozenset({"vllm"}), metavar="URL", type=options.server_url,
          help="refit the vLLM server you started at URL (docs/attach.md) instead of starting one"),
-    _opt("--engine", modes=frozenset({"qat", "lora"}), default="reference", choices=("reference", "vllm"),
+    _opt("--engine", modes=frozenset({"qat", "lora", "procs"}), default="reference", choices=("reference", "vllm"),
          help="reference (the embedded engine, default) or vllm: a real vLLM engine (qat: in this process, 4-bit "
               "presets on the experts; lora: the adapter mode, each adapter against vLLM's own load of it, micro-dense "
-              "and a BF16 base by default)"),
+              "and a BF16 base by default)",
+         helps={"procs": "reference (the embedded engine, default) or vllm: each engine rank starts a vLLM server, "
+                         "each refit against a cold start of the single-process export (FP8_BLOCK, micro-moe and 2 "
+                         "steps by default)"}),
     _opt("procs", modes=frozenset({"procs"}), default=3, type=int, nargs="?", metavar="N",
          help="processes (2-4): 2 = one trainer + one engine, 3 = two trainer ranks + one engine (default), "
               "4 = two trainer ranks + two engines"),
@@ -225,7 +232,8 @@ def resolve(args: argparse.Namespace, notice: Callable[[str], None] | None = Non
     takes = {o.dest for o in OPTIONS if mode in o.modes}
     if legacy:  # the options that selected the mode are the mode, not options of it
         takes |= {s.dest for s in LEGACY if s.flag in legacy and s.mode(getattr(args, s.dest)) == mode}
-        takes |= {"engine"} if mode in ("qat", "lora") else set()  # `--qat --engine vllm`, `--lora 8 --engine vllm`
+        # `--qat --engine vllm`, `--lora 8 --engine vllm`, `--procs 3 --engine vllm`
+        takes |= {"engine"} if mode in ENGINE_MODES else set()
         takes |= {"lora_sync"} if mode == "lora" else set()
     # the previous release's defaults, spelled out, select nothing
     takes |= {"engine"} if mode != "vllm" and getattr(args, "engine", "reference") == "reference" else set()
@@ -239,7 +247,7 @@ def resolve(args: argparse.Namespace, notice: Callable[[str], None] | None = Non
     for option in OPTIONS:
         if not hasattr(args, option.dest):
             setattr(args, option.dest, option.default)
-    args.engine = "vllm" if mode == "vllm" else args.engine if mode in ("qat", "lora") else "reference"
+    args.engine = "vllm" if mode == "vllm" else args.engine if mode in ENGINE_MODES else "reference"
     args.trainer = "megatron" if mode == "megatron" else "reference"
     if mode != "procs" and "procs" not in given:
         args.procs = None

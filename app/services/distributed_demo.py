@@ -8,7 +8,7 @@ makes, the digest of an engine's weights, and the verdict on each engine record.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,38 +40,46 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def judge(records: list[dict[str, Any]], references: list[str]) -> bool:
+def single_process(references: Sequence[str]) -> Callable[[Mapping[str, Any]], bool]:
+    """judge's test of a live engine record: its weights' digest equals the single-process refit's
+    engine digest at that step (`references`, one per step)."""
+    return lambda record: record["digest"] == references[record["step"]]
+
+
+def judge(records: list[dict[str, Any]], equals_reference: Callable[[Mapping[str, Any]], bool],
+          reference: str = "single-process") -> bool:
     """Give every engine record its verdict (`weights`) and say whether all of them hold.
 
-    An engine after a live refit must equal the single-process refit of that step; after a failed
-    refit it must hold the last live step's weights bit for bit (kept or restored), or refuse to
-    serve (stale, the documented outcome of per-layer engines); a record of a trainer rank has none.
+    An engine after a live refit must equal the reference of that step (`equals_reference`); after
+    a failed refit it must hold its last live step's weights bit for bit (kept or restored: the
+    same digest), or refuse to serve (stale, the documented outcome of per-layer engines); a
+    record of a trainer rank has none.
 
     Args:
         records: one per step and rank: `step`, `rank`, `outcome`, `digest` (None on trainer
             ranks), `stale`.
-        references: the single-process refit's engine digest at every step.
+        equals_reference: whether a live engine record equals its step's reference
+            (`single_process(references)`, or a cold start's verdict).
+        reference: what the verdict of a live record names ("= single-process").
 
     Returns:
         True when no engine holds weights it should not.
     """
-    last_live: dict[int, int] = {}
+    last_live: dict[int, tuple[int, str]] = {}
     good = True
     for r in sorted(records, key=lambda r: (r["rank"], r["step"])):
         if r["digest"] is None:
             r["weights"] = "-"
             continue
-        if r["outcome"] == "live":
-            last_live[r["rank"]] = r["step"]
         if r["stale"]:
             r["weights"] = "stale (refuses to serve)"
             continue
-        k = last_live.get(r["rank"])
-        want = references[k] if k is not None else None
         if r["outcome"] == "live":
-            ok = r["digest"] == want
-            r["weights"] = "= single-process" if ok else "DIFFERENT"
+            ok = equals_reference(r)
+            last_live[r["rank"]] = (r["step"], r["digest"])
+            r["weights"] = f"= {reference}" if ok else "DIFFERENT"
         else:
+            k, want = last_live.get(r["rank"], (None, None))
             ok = r["digest"] == want
             r["weights"] = f"kept step {k}, bit-identical" if ok else "CHANGED"
         good = good and ok

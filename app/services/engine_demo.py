@@ -151,6 +151,31 @@ class ColdReference:
 
 
 @attrs.frozen
+class Served:
+    """What an engine serves after a refit (ColdStartComparer.observe): what a cold start is
+    compared with.
+
+    Attributes:
+        log_probs: its prompt log-probs on the comparison batch.
+        tokens: its greedy tokens.
+        digests: sha256 of every parameter and buffer, by name.
+        kv_scales: attention layers' q/k/v/prob scales, by layer.
+    """
+
+    log_probs: torch.Tensor
+    tokens: list[list[int]]
+    digests: dict[str, str]
+    kv_scales: dict[str, list[float]]
+
+    def fingerprint(self) -> str:
+        """A short sha256 of all of it: equal fingerprints = the same weights served the same way."""
+        h = hashlib.sha256()
+        h.update(self.log_probs.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(repr((self.tokens, sorted(self.digests.items()))).encode())
+        return h.hexdigest()[:16]
+
+
+@attrs.frozen
 class EngineStep:
     """One refit of the demo and its comparison.
 
@@ -276,6 +301,40 @@ def _run(settings: EngineDemoSettings, services: EngineDemoServices, svc: RefitS
     return EngineDemoResult(settings, refused, tuple(steps), fired)
 
 
+@attrs.frozen
+class ServedBatch:
+    """The fixed batch an engine is read on, the same for the refitted engine and its cold starts.
+
+    Attributes:
+        ids: the prompt log-probs' token ids, [batch, seq_len].
+        prompts: the greedy prompts (each row's first half, at least 5 tokens: a CPU build may
+            need them on its first request, docs/engines.md).
+        new_tokens: greedy tokens generated per prompt.
+    """
+
+    ids: torch.Tensor
+    prompts: list[list[int]]
+    new_tokens: int
+
+    @classmethod
+    def of(cls, vocab_size: int, settings: EngineDemoSettings) -> ServedBatch:
+        """The batch of the demo's settings (their seed, shape and greedy length)."""
+        s = settings
+        ids = token_batch(vocab_size, s.batch, s.seq_len, s.seed + 20_000)
+        return cls(ids, [row[: max(5, s.seq_len // 2)] for row in ids.tolist()], s.new_tokens)
+
+    def observe(self, engine: InspectedEngine) -> Served | str:
+        """What the engine serves now (prompt log-probs, greedy tokens, digests, KV scales), or
+        why it serves nothing: "no (stale)" or "no (busy)"."""
+        try:
+            served = engine.log_probs(self.ids)[0]
+        except EngineStale:
+            return "no (stale)"
+        except EngineBusy:
+            return "no (busy)"
+        return Served(served, engine.greedy(self.prompts, self.new_tokens), engine.digests(), engine.kv_scales())
+
+
 @attrs.define
 class ColdStartComparer:
     """Compares a refitted engine with cold starts of the trainer's exports (each distinct export
@@ -296,16 +355,20 @@ class ColdStartComparer:
     settings: EngineDemoSettings
     workdir: Path
     cache_dir: Path | None = None
-    ids: torch.Tensor = attrs.field(init=False)
-    prompts: list[list[int]] = attrs.field(init=False)
+    batch: ServedBatch = attrs.field(init=False)
     _cold: dict[str, ColdReference] = attrs.field(init=False, factory=dict)
     _exports: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        s = self.settings
-        self.ids = token_batch(self.vocab_size, s.batch, s.seq_len, s.seed + 20_000)
-        # prompts of >= 5 tokens: a CPU build may need them on its first request (docs/engines.md)
-        self.prompts = [row[: max(5, s.seq_len // 2)] for row in self.ids.tolist()]
+        self.batch = ServedBatch.of(self.vocab_size, self.settings)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.batch.ids
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.batch.prompts
 
     def refuses(self, engine: RolloutEngine) -> bool:
         """The engine refuses to serve (EngineStale)."""
@@ -350,23 +413,23 @@ class ColdStartComparer:
 
     def compare(self, engine: InspectedEngine, trainer: Any, report: RefitReport, step: int) -> EngineStep:
         """The engine (after `report`'s refit) against a cold start of the trainer's weights."""
-        try:
-            served = engine.log_probs(self.ids)[0]
-        except EngineStale:
-            return EngineStep(step, report, "no (stale)")
-        except EngineBusy:
-            return EngineStep(step, report, "no (busy)")
-        tokens = engine.greedy(self.prompts, self.settings.new_tokens)
-        digests, scales = engine.digests(), engine.kv_scales()
+        return self.against(self.batch.observe(engine), trainer, report, step)
+
+    def against(self, seen: Served | str, trainer: Any, report: RefitReport, step: int) -> EngineStep:
+        """What an engine served after `report`'s refit (ServedBatch.observe), against a cold start of the
+        trainer's current weights (none is made for a refit that did not go live)."""
+        if isinstance(seen, str):
+            return EngineStep(step, report, seen)
         if not report.ok:  # served although the refit failed: report it, compare nothing
-            return EngineStep(step, report, "yes", kv_scales=scales)
+            return EngineStep(step, report, "yes", kv_scales=seen.kv_scales)
         ref = self.reference(trainer)
+        served = seen.log_probs
         same_shape = served.shape == ref.log_probs.shape
         logprobs_equal = same_shape and torch.equal(served, ref.log_probs)
         diff = float((served.double() - ref.log_probs.double()).abs().max()) if same_shape else float("inf")
-        weights = DigestComparison.of(ref.digests, digests, skip=frozenset(ref.placeholders))
+        weights = DigestComparison.of(ref.digests, seen.digests, skip=frozenset(ref.placeholders))
         differing = weights.differing
-        tokens_equal = tokens == ref.tokens
+        tokens_equal = seen.tokens == ref.tokens
         return EngineStep(step, report, "yes", logprobs_equal and tokens_equal and not differing, logprobs_equal,
-                          tokens_equal, weights.same, diff, differing[:10], scales, tuple(sorted(ref.placeholders)),
-                          weights.unreadable)
+                          tokens_equal, weights.same, diff, differing[:10], seen.kv_scales,
+                          tuple(sorted(ref.placeholders)), weights.unreadable)

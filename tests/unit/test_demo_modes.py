@@ -37,6 +37,7 @@ def test_a_modes_help_lists_its_options_and_no_other(mode: str, capsys: pytest.C
     (["--steps", "2", "vllm"], "vllm", {"steps": 2}),  # the demo's options before the mode count
     (["procs"], "procs", {"procs": 3, "fault_rank": None}),
     (["procs", "4", "--fault-rank", "2"], "procs", {"procs": 4, "fault_rank": 2}),
+    (["procs", "--engine", "vllm"], "procs", {"procs": 3, "engine": "vllm"}),
     (["qat"], "qat", {"qat": "NVFP4", "engine": "reference"}),
     (["qat", "MXFP8", "--engine", "vllm"], "qat", {"qat": "MXFP8", "engine": "vllm"}),
     (["lora", "--sync", "adapter"], "lora", {"lora": 16, "lora_sync": "adapter", "engine": "reference"}),
@@ -53,6 +54,7 @@ def test_each_mode_gets_its_options_and_their_defaults(argv: list[str], mode: st
 @pytest.mark.parametrize(("argv", "mode", "values"), [
     (["--engine", "vllm", "--colocated"], "vllm", {"engine": "vllm", "colocated": True}),
     (["--procs", "2"], "procs", {"procs": 2}),
+    (["--procs", "2", "--engine", "vllm"], "procs", {"procs": 2, "engine": "vllm"}),
     (["--qat"], "qat", {"qat": "NVFP4", "engine": "reference"}),
     (["--qat", "MXFP8", "--engine", "vllm"], "qat", {"qat": "MXFP8", "engine": "vllm"}),
     (["--lora", "8", "--lora-sync", "adapter"], "lora", {"lora": 8, "lora_sync": "adapter"}),
@@ -90,10 +92,23 @@ def test_a_modes_help_states_the_defaults_its_settings_take(mode: str, capsys: p
     s = engine_settings(args) if mode == "vllm" else settings_from_args(args)
     shown = _help_of(mode, capsys)
     plan = s.plan
+    end = "; " if mode == "procs" else ")"  # procs states the real engine's defaults after its own
     assert f"preset for dense Linear layers, or BF16 (default {plan.linear.name})" in shown
-    assert f"preset for routed experts, or BF16 (default {plan.moe.name})" in shown
-    assert f"after the initial sync (default {s.steps})" in shown and f"default {s.model})" in shown
+    assert f"preset for routed experts, or BF16 (default {plan.moe.name}{end}" in shown
+    assert f"after the initial sync (default {s.steps}{end}" in shown and f"default {s.model}{end}" in shown
     assert "on vLLM" not in shown  # no other mode's default
+
+
+def test_the_procs_help_states_the_real_engines_defaults_its_settings_take(capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli.demo_procs import _engine_settings
+    from app.cli.demo_settings import settings_from_args
+
+    args, _ = _resolved("procs", "--engine", "vllm")
+    s = _engine_settings(args, settings_from_args(args))
+    assert s is not None and s.engine == "vllm" and s.deployment == "disaggregated"
+    shown = _help_of("procs", capsys)
+    assert f"{s.plan.moe.name} with --engine vllm)" in shown and s.plan.linear.name == "FP8_BLOCK"
+    assert f"(default 3; {s.steps} with --engine vllm)" in shown and f"{s.model} with --engine vllm)" in shown
 
 
 def test_the_lora_and_qat_help_state_both_engines_defaults(capsys: pytest.CaptureFixture[str]) -> None:

@@ -165,7 +165,7 @@ def test_refits_over_the_gloo_transport_equal_a_cold_start(cold_cache: Path) -> 
         _equal(step)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test runs the processes' shape, tp 2 (test_procs_demo.py); make bench this one
 def test_a_distributed_refit_from_sharded_trainer_ranks_equals_a_cold_start(cold_cache: Path) -> None:
     """The distributed refit (what `services.world.distributed_refit` gives every rank of a Megatron
     trainer, docs/megatron-sharded.md) into the server rl-refit starts: two trainer ranks hold the
