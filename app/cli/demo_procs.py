@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from app.bootstrap import Services, bootstrap, demo_of
-from app.cli.demo_settings import demo_services, raise_typed_failure
+from app.bootstrap import Services, bootstrap
+from app.cli.demo_settings import demo_services, raise_typed_failure, real_engine_settings
 from app.services.demo import DemoSettings
 from app.services.demo_config import engine_config
 from app.services.distributed_demo import demo_world, judge, single_process, weights_digest
@@ -43,7 +43,6 @@ from app.services.distributed_refit import DistributedRefitService
 from app.services.engine_demo import ColdStartComparer, EngineDemoSettings, EngineStep, ServedBatch, inspected
 from app.services.transaction import describe_plan
 from domain.errors import CollectiveTimeout, ConfigError, DistributedRefitFailed, PeerLost
-from domain.quant.plan import QuantizationPlan
 from domain.refit.report import RefitReport
 from domain.refit.status import Role
 from domain.refit.topology import RefitWorld
@@ -161,23 +160,6 @@ def _fault(services: Services, settings: DemoSettings, world: RefitWorld, fault_
     return services.world.rank_fault(text, rank, settings.fault_step)
 
 
-def _engine_settings(args: argparse.Namespace, settings: DemoSettings) -> EngineDemoSettings | None:
-    """A real engine's demo settings (`--engine vllm`: its plugin's defaults where not given), or
-    None for the embedded engine."""
-    if args.engine == "reference":
-        return None
-    if settings.commit_mode != "transactional":
-        raise ConfigError("--commit-mode", f"is the embedded engine's: a {args.engine} engine commits as it loads "
-                          "and restores its copy of the previous weights when a refit fails; drop --commit-mode")
-    demo = demo_of(args.engine)
-    plan = settings.plan if args.linear or args.moe or args.moe_activation or args.linear_activation else \
-        QuantizationPlan.from_presets(linear=demo.preset, moe=demo.preset)
-    return EngineDemoSettings(engine=args.engine, plan=plan, model=args.model or demo.model, seed=settings.seed,
-                              steps=2 if args.steps is None else args.steps, back=False,
-                              inject_fault=settings.inject_fault, fault_step=settings.fault_step,
-                              step_scale=settings.step_scale)
-
-
 def _cold_starts(engine: EngineDemoSettings, services: Services,
                  records: list[dict[str, Any]]) -> dict[tuple[int, int], EngineStep]:
     """Every engine record's verdict against a cold start of the single-process export of its step
@@ -215,7 +197,7 @@ _COMPARED = ("equals_cold_start", "logprobs_equal", "tokens_equal", "weights_equ
 def run_procs(args: argparse.Namespace, settings: DemoSettings) -> int:
     """`refit demo procs N`: run, compare with the single-process refit (or, on a real engine,
     with cold starts of its export), print."""
-    engine = _engine_settings(args, settings)
+    engine = real_engine_settings(args, settings)
     if engine is not None:
         settings = attrs.evolve(settings, plan=engine.plan, model=engine.model, steps=engine.steps)
     services = _services(settings, engine)

@@ -21,7 +21,8 @@ from app.services.refit import RefitService
 from domain.errors import RankFailed
 from domain.quant.plan import QuantizationPlan
 
-if TYPE_CHECKING:  # the LoRA demo's service loads only when `--lora` runs
+if TYPE_CHECKING:  # the LoRA demo's service loads only when `--lora` runs, the engine demo's with a real engine
+    from app.services.engine_demo import EngineDemoSettings
     from app.services.lora_sync import LoraSyncService
 
 
@@ -59,6 +60,30 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         presets=args.presets or bool(args.plot), lora_rank=getattr(args, "lora", None) or 0,
         lora_sync=getattr(args, "lora_sync", None) or "merged",
     )
+
+
+def real_engine_settings(args: argparse.Namespace, settings: DemoSettings) -> EngineDemoSettings | None:
+    """The real engine a world's engine ranks refit (`refit demo procs|megatron --engine NAME`): its
+    demo settings, with its plugin's defaults (preset, model, 2 steps) where the command line gives
+    none; None for the embedded engine. ConfigError: `--commit-mode`, which is the embedded engine's."""
+    if args.engine == "reference":
+        return None
+    from app.bootstrap import demo_of
+    from app.services.engine_demo import EngineDemoSettings
+    from domain.errors import ConfigError
+
+    if settings.commit_mode != "transactional":
+        raise ConfigError("--commit-mode", f"is the embedded engine's: a {args.engine} engine commits as it loads "
+                          "and restores its copy of the previous weights when a refit fails; drop --commit-mode")
+    demo = demo_of(args.engine)
+    plan = QuantizationPlan.from_presets(
+        linear=_none(demo.preset if args.linear is None else args.linear),
+        moe=_none(demo.preset if args.moe is None else args.moe),
+        moe_activation=args.moe_activation, linear_activation=args.linear_activation)
+    return EngineDemoSettings(engine=args.engine, plan=plan, model=args.model or demo.model, seed=settings.seed,
+                              steps=2 if args.steps is None else args.steps, back=False,
+                              inject_fault=settings.inject_fault, fault_step=settings.fault_step,
+                              step_scale=settings.step_scale)
 
 
 def demo_config(settings: DemoSettings) -> RefitConfig:

@@ -100,15 +100,17 @@ def test_a_modes_help_states_the_defaults_its_settings_take(mode: str, capsys: p
 
 
 def test_the_procs_help_states_the_real_engines_defaults_its_settings_take(capsys: pytest.CaptureFixture[str]) -> None:
-    from app.cli.demo_procs import _engine_settings
-    from app.cli.demo_settings import settings_from_args
+    from app.cli.demo_settings import real_engine_settings, settings_from_args
 
     args, _ = _resolved("procs", "--engine", "vllm")
-    s = _engine_settings(args, settings_from_args(args))
+    s = real_engine_settings(args, settings_from_args(args))
     assert s is not None and s.engine == "vllm" and s.deployment == "disaggregated"
     shown = _help_of("procs", capsys)
     assert f"{s.plan.moe.name} with --engine vllm)" in shown and s.plan.linear.name == "FP8_BLOCK"
     assert f"(default 3; {s.steps} with --engine vllm)" in shown and f"{s.model} with --engine vllm)" in shown
+    args, _ = _resolved("procs", "--engine", "vllm", "--linear", "MXFP8")  # the other component keeps vLLM's default
+    s = real_engine_settings(args, settings_from_args(args))
+    assert s is not None and (s.plan.linear.name, s.plan.moe.name) == ("MXFP8", "FP8_BLOCK")
 
 
 def test_the_lora_and_qat_help_state_both_engines_defaults(capsys: pytest.CaptureFixture[str]) -> None:
