@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -25,13 +27,21 @@ from rich.markup import escape
 from rich.table import Table
 
 from app.bootstrap import bootstrap
-from app.cli.demo_settings import demo_config, raise_typed_failure
+from app.cli.demo_settings import (
+    REAL_ENGINE_PHASE_TIMEOUT_S,
+    REAL_ENGINE_STEP_TIMEOUT_S,
+    demo_config,
+    raise_typed_failure,
+    real_engine_settings,
+)
 from app.config_sections import ActorConfig, MegatronConfig, ReferenceConfig, RefitConfig
 from app.services.demo import DemoSettings
+from app.services.demo_config import engine_config
 from app.services.transaction import describe_plan
 from domain.errors import ConfigError
 
 if TYPE_CHECKING:  # the Megatron demo's service loads only when `refit demo megatron` runs
+    from app.services.engine_demo import EngineDemoSettings
     from app.services.megatron_demo import MegatronDemoSettings
 
 MAX_TRAINER_RANKS = 4  # this machine: 2 cores
@@ -65,9 +75,13 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
         verdict,
     )
 
+    engine = real_engine_settings(args, settings)
+    if engine is not None:  # the engine's defaults (its plugin's preset and model, 2 steps)
+        settings = attrs.evolve(settings, plan=engine.plan, model=engine.model, steps=engine.steps)
     megatron = MegatronConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                               expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp)
-    config = attrs.evolve(demo_config(settings), actor=ActorConfig(strategy="megatron", megatron=megatron),
+    base = demo_config(settings) if engine is None else engine_config(engine, settings.bucket_megabytes)
+    config = attrs.evolve(base, actor=ActorConfig(strategy="megatron", megatron=megatron),
                           reference=ReferenceConfig(model=settings.model, seed=settings.seed))
     services = bootstrap(config)
     world = services.world.refit_world(engines=1)
@@ -77,10 +91,16 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     check_layout(services, world, settings)
     demo = MegatronDemoSettings(settings.plan, describe_plan(settings.plan), steps=settings.steps, lr=args.lr,
                                 seed=settings.seed)
+    if engine is not None:  # the engine rank starts its server and reads what it serves after each refit
+        from app.services.engine_demo import ServedBatch
+
+        demo = attrs.evolve(demo, served=ServedBatch.of(services.embedded.reference_config().vocab_size, engine),
+                            step_timeout_s=REAL_ENGINE_STEP_TIMEOUT_S, phase_timeout_s=REAL_ENGINE_PHASE_TIMEOUT_S)
     # Every world starts from a clean process (forkserver): Megatron worlds must not inherit the
     # state of a process that ran Megatron itself (a caller's, or a test's).
-    results = services.world.launch_world(_demo_rank, world.size, (config, demo, world), timeout_s=180 + 30 * settings.steps,
-                                    start_method="forkserver")
+    timeout = 180 + 30 * settings.steps if engine is None else 900 + 120 * settings.steps
+    results = services.world.launch_world(_demo_rank, world.size, (config, demo, world), timeout_s=timeout,
+                                          start_method="forkserver")
     if _crashed(results):
         return 1
     records = [rec for r in results for rec in r.value]
@@ -89,6 +109,8 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
                                       timeout_s=120 + 20 * len(pieces), start_method="forkserver")
     if _crashed(reference):
         return 1
+    if engine is not None:
+        return _on_engine(args, services, engine, demo, world, records, reference[0].value)
     rows = judge(services, demo, world, records, reference[0].value)
     checks = verdict(rows)
     header = (f"refit demo megatron: {settings.model} as a Megatron-Core GPTModel, trainer "
@@ -101,6 +123,57 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     else:
         _render(header, rows, checks)
+    return 0 if all(checks.values()) else 1
+
+
+def _on_engine(args: argparse.Namespace, services: Any, engine: EngineDemoSettings, demo: MegatronDemoSettings,
+               world: Any, records: list[dict[str, Any]], unsharded: Any) -> int:
+    """A real engine's verdicts (each refit against a cold start of the unsharded model's export),
+    printed; the exit status."""
+    from app.services.engine_demo import ColdStartComparer
+    from app.services.megatron_demo import cold_start_verdict, judge_cold_starts
+
+    with tempfile.TemporaryDirectory(prefix="rl-refit-demo-megatron-") as tmp:
+        comparer = ColdStartComparer(services, services.embedded.reference_config().vocab_size, engine, Path(tmp))
+        rows = judge_cold_starts(comparer, demo, records, unsharded)
+    checks = cold_start_verdict(rows)
+    header = (f"refit demo megatron: {engine.model} as a Megatron-Core GPTModel, trainer {world.layout.describe()} on "
+              f"ranks {list(world.trainer_ranks)}, a {engine.engine} server started by rank {world.engine_ranks[0]}, "
+              f"gloo on 127.0.0.1; plan {demo.plan_name}, {demo.steps} steps")
+    if args.json:
+        payload = {"header": header, "engine": engine.engine,
+                   "world": {"layout": world.layout.describe(), "trainer_ranks": world.layout.size,
+                             "engines": world.engines}, "refits": rows, **checks}
+        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+        return 0 if all(checks.values()) else 1
+    console = Console(width=max(Console().width, 120))
+    console.print(header)
+    table = Table(title="one row per step (step 0 = initial sync); each refit against a cold start of its export")
+    for col in ("step", "loss", "outcome", "refit ms", "MB sent", "= cold start", "max |dlogp|"):
+        table.add_column(col, justify="left" if col == "outcome" else "right")
+    for r in rows:
+        loss = f"{r['loss']:.3f}" if r["loss"] is not None else "-"
+        diff = r["max_abs_logp_diff"]
+        table.add_row(str(r["step"]), loss, r["outcome"], f"{r['refit_ms']:.0f}", f"{r['mb_sent']:.2f}",
+                      "yes" if r["equals_cold_start"] else "NO", f"{diff:.3g}" if diff is not None else "-")
+    console.print(table)
+    for text in dict.fromkeys(e for r in rows for e in r["errors"]):
+        console.print(f"- failure: {escape(text)}")
+    for r in rows:
+        for e in r["engines"]:
+            if e["equals_cold_start"] is False:
+                console.print(f"- step {r['step']}, rank {e['rank']}: differs from the cold start: log-probs equal "
+                              f"{e['logprobs_equal']}, tokens equal {e['tokens_equal']}, weights differing "
+                              f"{e['differing_weights']}")
+    unreadable = sorted({n for r in rows for e in r["engines"] for n in e.get("unreadable", ())})
+    if unreadable:
+        console.print(f"- {len(unreadable)} weights were not compared byte for byte: the engine keeps them packed "
+                      "outside their (empty) parameter; the log-probs and greedy tokens check them")
+    if demo.steps:
+        console.print("- the refit ms from step 1 on include the trainer ranks' wait for the engine rank, which reads "
+                      "what its server serves after each refit")
+    console.print(f"- every refit went live, and the {engine.engine} server equals a cold start of the unsharded "
+                  f"model's export after each, bit for bit: {'yes' if all(checks.values()) else 'NO'}")
     return 0 if all(checks.values()) else 1
 
 

@@ -37,7 +37,7 @@ MODES: dict[str, str] = {  # mode -> the one line `refit demo --help` shows for 
 ALL = frozenset({EMBEDDED, *MODES})
 PLANNED = frozenset({EMBEDDED, "vllm", "procs", "lora", "megatron"})  # the modes that take a quantization plan
 FAULTS = frozenset({EMBEDDED, "vllm", "procs", "lora"})  # the modes --inject-fault hits
-ENGINE_MODES = ("qat", "lora", "procs")  # the modes that run on the embedded engine or, with --engine, a real one
+ENGINE_MODES = ("qat", "lora", "procs", "megatron")  # the modes that run on the embedded engine or, with --engine, a real one
 
 
 @attrs.frozen
@@ -80,14 +80,15 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--moe", modes=PLANNED, help="preset for routed experts, or BF16 (default NVFP4)",
          helps={"vllm": "preset for routed experts, or BF16 (default FP8_BLOCK)",
                 "lora": f"the base's preset for routed experts, or BF16 (default NVFP4; BF16 {_REAL_ENGINE})",
-                "procs": f"preset for routed experts, or BF16 (default NVFP4; FP8_BLOCK {_REAL_ENGINE})"}),
+                **{mode: f"preset for routed experts, or BF16 (default NVFP4; FP8_BLOCK {_REAL_ENGINE})"
+                   for mode in ("procs", "megatron")}}),
     _opt("--moe-activation", modes=PLANNED, help="experts' activation scheme (e.g. mxfp8); default: the preset's"),
     _opt("--linear-activation", modes=PLANNED,
          help="dense layers' activation scheme (none: weight-only); default: the preset's"),
     _opt("--steps", modes=ALL, type=options.steps, help="training-like steps after the initial sync (default 3)",
          helps={"vllm": "training-like steps after the initial sync (default 2)",
                 **{mode: f"training-like steps after the initial sync (default 3; 2 {_REAL_ENGINE})"
-                   for mode in ("lora", "procs")}}),
+                   for mode in ("lora", "procs", "megatron")}}),
     _opt("--model", modes=ALL, metavar="NAME|DIR", type=options.model_or_directory(EMBEDDED_MODELS),
          help=f"embedded model ({_MODELS}; default tiny-moe), or DIR: your Hugging Face checkpoint directory "
               "(Qwen3 or Qwen3-MoE)",
@@ -96,8 +97,8 @@ OPTIONS: tuple[Option, ...] = (
                 "lora": f"embedded model ({_MODELS}; default tiny-moe; micro-dense {_REAL_ENGINE}), or DIR: your "
                         "Hugging Face checkpoint directory",
                 "qat": f"embedded model ({_MODELS}; default tiny-moe; micro-moe {_REAL_ENGINE})",
-                "procs": f"embedded model ({_MODELS}; default tiny-moe; micro-moe {_REAL_ENGINE})",
-                "megatron": f"embedded model ({_MODELS}; default tiny-moe)"}),
+                **{mode: f"embedded model ({_MODELS}; default tiny-moe; micro-moe {_REAL_ENGINE})"
+                   for mode in ("procs", "megatron")}}),
     _opt("--commit-mode", modes=frozenset({EMBEDDED, "procs", "lora", "megatron"}), default="transactional",
          choices=("transactional", "per-layer")),
     _opt("--bucket-mb", modes=ALL, default=1.0, type=options.mebibytes(),
@@ -122,13 +123,16 @@ OPTIONS: tuple[Option, ...] = (
                         "own"}),
     _opt("--attach", modes=frozenset({"vllm"}), metavar="URL", type=options.server_url,
          help="refit the vLLM server you started at URL (docs/attach.md) instead of starting one"),
-    _opt("--engine", modes=frozenset({"qat", "lora", "procs"}), default="reference", choices=("reference", "vllm"),
+    _opt("--engine", modes=frozenset({"qat", "lora", "procs", "megatron"}), default="reference", choices=("reference", "vllm"),
          help="reference (the embedded engine, default) or vllm: a real vLLM engine (qat: in this process, 4-bit "
               "presets on the experts; lora: the adapter mode, each adapter against vLLM's own load of it, micro-dense "
               "and a BF16 base by default)",
          helps={"procs": "reference (the embedded engine, default) or vllm: each engine rank starts a vLLM server, "
                          "each refit against a cold start of the single-process export (FP8_BLOCK, micro-moe and 2 "
-                         "steps by default)"}),
+                         "steps by default)",
+                "megatron": "reference (the embedded engine, default) or vllm: the engine rank starts a vLLM server, "
+                            "each refit against a cold start of the unsharded model's export (FP8_BLOCK, micro-moe "
+                            "and 2 steps by default)"}),
     _opt("procs", modes=frozenset({"procs"}), default=3, type=int, nargs="?", metavar="N",
          help="processes (2-4): 2 = one trainer + one engine, 3 = two trainer ranks + one engine (default), "
               "4 = two trainer ranks + two engines"),

@@ -35,7 +35,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from app.bootstrap import Services, bootstrap
-from app.cli.demo_settings import demo_services, raise_typed_failure, real_engine_settings
+from app.cli.demo_settings import (
+    REAL_ENGINE_PHASE_TIMEOUT_S,
+    REAL_ENGINE_STEP_TIMEOUT_S,
+    demo_services,
+    raise_typed_failure,
+    real_engine_settings,
+)
 from app.services.demo import DemoSettings
 from app.services.demo_config import engine_config
 from app.services.distributed_demo import demo_world, judge, single_process, weights_digest
@@ -48,9 +54,6 @@ from domain.refit.status import Role
 from domain.refit.topology import RefitWorld
 
 STEP_TIMEOUT_S, PHASE_TIMEOUT_S = 10.0, 30.0
-# A real engine's rank starts its server before the first refit and reads what it serves after
-# each one, while the trainer ranks wait in the next refit's first phase.
-ENGINE_STEP_TIMEOUT_S, ENGINE_PHASE_TIMEOUT_S = 120.0, 900.0
 
 
 @attrs.frozen
@@ -79,7 +82,7 @@ def demo_rank(rank: int, run: _Run) -> list[dict[str, Any]]:
     engine_rank = run.world.role(rank) is Role.ENGINE
     full = services.trainer_model() if not engine_rank or services.config.rollout.verify.enabled else None
     step_s, phase_s = (STEP_TIMEOUT_S, PHASE_TIMEOUT_S) if run.engine is None else (
-        ENGINE_STEP_TIMEOUT_S, ENGINE_PHASE_TIMEOUT_S)
+        REAL_ENGINE_STEP_TIMEOUT_S, REAL_ENGINE_PHASE_TIMEOUT_S)
     svc = services.world.distributed_refit(
         run.world, rank, plan=s.plan, fault=run.fault, step_timeout_s=step_s,
         phase_timeout_s=phase_s, hang_s=step_s + 5, reference=full if engine_rank else None,
@@ -190,10 +193,6 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-_COMPARED = ("equals_cold_start", "logprobs_equal", "tokens_equal", "weights_equal", "max_abs_logp_diff",
-             "differing_weights", "unreadable")
-
-
 def run_procs(args: argparse.Namespace, settings: DemoSettings) -> int:
     """`refit demo procs N`: run, compare with the single-process refit (or, on a real engine,
     with cold starts of its export), print."""
@@ -219,7 +218,7 @@ def run_procs(args: argparse.Namespace, settings: DemoSettings) -> int:
         verdicts = _cold_starts(engine, services, records)
         for (rank, step), verdict in verdicts.items():
             record = next(r for r in records if r["rank"] == rank and r["step"] == step)
-            record.update({k: v for k, v in verdict.to_dict().items() if k in _COMPARED}, serving=verdict.serving)
+            record.update(verdict.comparison())
         good = judge(records, lambda r: verdicts[(r["rank"], r["step"])].equals_cold_start is True, "cold start")
     engines = "" if engine is None else f" (a {engine.engine} server each)"
     header = (

@@ -62,6 +62,12 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     )
 
 
+# A real engine's world (`--engine vllm`): its rank starts the server before the first refit and
+# reads what it serves after each one, while the trainer ranks wait in the next refit's first
+# agreement: the bounds on every per-bucket wait and on every agreement.
+REAL_ENGINE_STEP_TIMEOUT_S, REAL_ENGINE_PHASE_TIMEOUT_S = 120.0, 900.0
+
+
 def real_engine_settings(args: argparse.Namespace, settings: DemoSettings) -> EngineDemoSettings | None:
     """The real engine a world's engine ranks refit (`refit demo procs|megatron --engine NAME`): its
     demo settings, with its plugin's defaults (preset, model, 2 steps) where the command line gives

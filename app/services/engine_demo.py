@@ -215,6 +215,13 @@ class EngineStep:
     def label(self) -> str:
         return "back" if self.step == BACK else str(self.step)
 
+    def comparison(self) -> dict[str, object]:
+        """The comparison with the cold start alone (what a world's demo adds to an engine rank's record)."""
+        return {"serving": self.serving, "equals_cold_start": self.equals_cold_start,
+                "logprobs_equal": self.logprobs_equal, "tokens_equal": self.tokens_equal,
+                "weights_equal": self.weights_equal, "max_abs_logp_diff": self.max_abs_logp_diff,
+                "differing_weights": list(self.differing_weights), "unreadable": list(self.unreadable)}
+
     def to_dict(self) -> dict[str, object]:
         return {
             "step": self.label, "refit": self.report.to_dict(), "serving": self.serving,

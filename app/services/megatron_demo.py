@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ from domain.refit.topology import RefitWorld
 
 if TYPE_CHECKING:
     from app.bootstrap import Services
+    from app.services.engine_demo import ColdStartComparer, ServedBatch
 
 BF16 = "BF16"
 # The bound on the BF16 arm's k3 KL between Megatron's forward and the engine's, measured on this
@@ -70,6 +72,10 @@ class MegatronDemoSettings:
         prompt_len: probe tokens that are prompt (the rest is the scored response).
         step_timeout_s: bound on every per-bucket and tensor-parallel wait.
         phase_timeout_s: bound on every agreement.
+        served: on a real engine (`--engine vllm`), the batch each engine rank reads what its
+            engine serves on after every refit (app.services.engine_demo); the plan's arm alone
+            runs, each refit judged against a cold start (`judge_cold_starts`). None: the
+            reference engine, both arms.
     """
 
     plan: QuantizationPlan
@@ -82,8 +88,11 @@ class MegatronDemoSettings:
     prompt_len: int = 8
     step_timeout_s: float = 20.0
     phase_timeout_s: float = 60.0
+    served: ServedBatch | None = None
 
     def arms(self) -> dict[str, QuantizationPlan]:
+        if self.served is not None:  # one engine per arm: a real engine runs the plan's alone
+            return {self.plan_name: self.plan}
         return {self.plan_name: self.plan, BF16: QuantizationPlan.bf16()}
 
 
@@ -95,6 +104,12 @@ def _pack(t: torch.Tensor) -> bytes:
 
 def _unpack(data: bytes) -> torch.Tensor:
     return torch.load(io.BytesIO(data))
+
+
+def _pickled(value: object) -> bytes:
+    """`value` by value: a tensor put on the world's result queue as it is would travel as a
+    shared-memory handle, which ends with the rank's process."""
+    return pickle.dumps(value)
 
 
 def demo_rank(rank: int, services: Services, settings: MegatronDemoSettings, world: RefitWorld) -> list[dict[str, Any]]:
@@ -116,22 +131,31 @@ def demo_rank(rank: int, services: Services, settings: MegatronDemoSettings, wor
                                              phase_timeout_s=settings.phase_timeout_s)
             for name, plan in settings.arms().items()
         }
-        for step in range(settings.steps + 1):
-            loss = None
-            if step and model is not None:
-                loss = kit.train_step(model, tokens, settings.lr)
-            record: dict[str, Any] = {"step": step, "rank": rank, "role": world.role(rank).value, "loss": loss, "arms": {}}
-            for name, svc in refits.items():
-                record["arms"][name] = _refit(svc, probe)
-            if model is not None:
-                record["pieces"] = kit.pieces(model)
-            records.append(record)
-            if any(svc.broken is not None for svc in refits.values()):
-                break  # a timeout broke the world: no more refits
+        try:
+            for step in range(settings.steps + 1):
+                loss = None
+                if step and model is not None:
+                    loss = kit.train_step(model, tokens, settings.lr)
+                record: dict[str, Any] = {"step": step, "rank": rank, "role": world.role(rank).value, "loss": loss,
+                                          "arms": {}}
+                for name, svc in refits.items():
+                    record["arms"][name] = _refit(svc, probe, settings.served)
+                if model is not None:
+                    record["pieces"] = kit.pieces(model)
+                records.append(record)
+                if any(svc.broken is not None for svc in refits.values()):
+                    break  # a timeout broke the world: no more refits
+        finally:
+            if settings.served is not None:
+                from app.services.engine_demo import inspected
+
+                for svc in refits.values():
+                    if svc.engine is not None:
+                        inspected(svc.engine).close()  # stops the server this rank started
     return records
 
 
-def _refit(svc: Any, probe: torch.Tensor) -> dict[str, Any]:
+def _refit(svc: Any, probe: torch.Tensor, served: ServedBatch | None) -> dict[str, Any]:
     try:
         report, error = svc.refit(), None
     except (DistributedRefitFailed, CollectiveTimeout, PeerLost) as err:
@@ -141,7 +165,12 @@ def _refit(svc: Any, probe: torch.Tensor) -> dict[str, Any]:
         "ms": report.timings["total"] * 1e3 if report else 0.0, "mb": report.bytes_sent / 2**20 if report else 0.0,
         "buckets": report.buckets if report else 0,
     }
-    if svc.engine is not None:
+    if svc.engine is not None and served is not None:  # a real engine: what it serves, judged against a cold start
+        seen = served.observe(svc.engine)
+        out["digest"] = seen if isinstance(seen, str) else seen.fingerprint()
+        if report is not None and report.ok:
+            out["served"], out["report"] = _pickled(seen), report
+    elif svc.engine is not None:
         out["digest"] = weights_digest(dict(svc.engine.live_weights()))
         if report is not None and report.ok:
             out["logp"] = _pack(svc.engine.log_probs(probe)[0])
@@ -260,4 +289,54 @@ def verdict(rows: Sequence[dict[str, Any]]) -> dict[str, bool]:
         "sharded_equals_unsharded": all(r["sharded_equals_unsharded"] for r in rows),
         "bf16_k3_kl_exactly_zero": all(r.get("k3_kl") == 0.0 for r in bf16),
         "megatron_k3_kl_within_bound": all(r.get("megatron_k3_kl", math.inf) <= MEGATRON_K3_BOUND for r in bf16),
+    }
+
+
+def judge_cold_starts(comparer: ColdStartComparer, settings: MegatronDemoSettings, records: Sequence[dict[str, Any]],
+                      unsharded: Mapping[int, tuple[dict[str, bytes], bytes]]) -> list[dict[str, Any]]:
+    """On a real engine: every step's verdict against a cold start of the unsharded model's export
+    (the trainer's own weights, gathered as `judge` gathers them), one cold start per distinct
+    export (`comparer`: app.services.engine_demo.ColdStartComparer).
+
+    Returns:
+        One row per step (the plan's arm): outcome, errors, `equals_cold_start` for every engine
+        (log-probs, greedy tokens and every digest equal, bit for bit), and each engine's
+        comparison (`engines`: `logprobs_equal`, `tokens_equal`, `weights_equal`,
+        `max_abs_logp_diff`, `differing_weights`, `unreadable`).
+    """
+    name = settings.plan_name
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        by_step.setdefault(r["step"], []).append(r)
+    rows = []
+    for step in sorted(by_step):
+        recs = sorted(by_step[step], key=lambda r: r["rank"])
+        outcomes = {r["arms"][name]["outcome"] for r in recs}
+        weights = {n: _unpack(b) for n, b in unsharded[step][0].items()}
+        engines = []
+        for e in (r for r in recs if r["role"] == "engine"):
+            arm = e["arms"][name]
+            if "served" not in arm:  # the refit did not go live: nothing to compare
+                engines.append({"rank": e["rank"], "equals_cold_start": None})
+                continue
+            compared = comparer.against(pickle.loads(arm["served"]), _Unsharded(weights), arm["report"], step)
+            engines.append({"rank": e["rank"], **compared.comparison()})
+        rows.append({
+            "step": step, "arm": name, "loss": next((r["loss"] for r in recs if r["loss"] is not None), None),
+            "outcome": outcomes.pop() if len(outcomes) == 1 else "mixed",
+            "errors": sorted({r["arms"][name]["error"] for r in recs if r["arms"][name]["error"]}),
+            "equals_cold_start": bool(engines) and all(e["equals_cold_start"] is True for e in engines),
+            "max_abs_logp_diff": max((e.get("max_abs_logp_diff") or 0.0 for e in engines), default=None),
+            "mb_sent": sum(r["arms"][name]["mb"] for r in recs if r["role"] == "trainer"),
+            "refit_ms": max(r["arms"][name]["ms"] for r in recs), "engines": engines,
+        })
+    return rows
+
+
+def cold_start_verdict(rows: Sequence[dict[str, Any]]) -> dict[str, bool]:
+    """The demo's checks on a real engine over `judge_cold_starts`'s rows: every refit live, and
+    every engine equal to a cold start of the unsharded model's export after every refit."""
+    return {
+        "every_refit_live": all(r["outcome"] == "live" for r in rows),
+        "equals_cold_start": all(r["equals_cold_start"] for r in rows),
     }

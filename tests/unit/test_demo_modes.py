@@ -43,6 +43,7 @@ def test_a_modes_help_lists_its_options_and_no_other(mode: str, capsys: pytest.C
     (["lora", "--sync", "adapter"], "lora", {"lora": 16, "lora_sync": "adapter", "engine": "reference"}),
     (["lora", "8", "--engine", "vllm", "--colocated"], "lora", {"lora": 8, "engine": "vllm", "colocated": True}),
     (["megatron", "--tp", "2"], "megatron", {"trainer": "megatron", "tp": 2, "pp": 1}),
+    (["megatron", "--engine", "vllm"], "megatron", {"trainer": "megatron", "engine": "vllm"}),
 ])
 def test_each_mode_gets_its_options_and_their_defaults(argv: list[str], mode: str, values: dict) -> None:
     args, notices = _resolved(*argv)
@@ -92,23 +93,25 @@ def test_a_modes_help_states_the_defaults_its_settings_take(mode: str, capsys: p
     s = engine_settings(args) if mode == "vllm" else settings_from_args(args)
     shown = _help_of(mode, capsys)
     plan = s.plan
-    end = "; " if mode == "procs" else ")"  # procs states the real engine's defaults after its own
+    end = "; " if mode in ("procs", "megatron") else ")"  # these state the real engine's defaults after their own
     assert f"preset for dense Linear layers, or BF16 (default {plan.linear.name})" in shown
     assert f"preset for routed experts, or BF16 (default {plan.moe.name}{end}" in shown
     assert f"after the initial sync (default {s.steps}{end}" in shown and f"default {s.model}{end}" in shown
     assert "on vLLM" not in shown  # no other mode's default
 
 
-def test_the_procs_help_states_the_real_engines_defaults_its_settings_take(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("mode", ["procs", "megatron"])
+def test_a_worlds_help_states_the_real_engines_defaults_its_settings_take(mode: str,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     from app.cli.demo_settings import real_engine_settings, settings_from_args
 
-    args, _ = _resolved("procs", "--engine", "vllm")
+    args, _ = _resolved(mode, "--engine", "vllm")
     s = real_engine_settings(args, settings_from_args(args))
     assert s is not None and s.engine == "vllm" and s.deployment == "disaggregated"
-    shown = _help_of("procs", capsys)
+    shown = _help_of(mode, capsys)
     assert f"{s.plan.moe.name} with --engine vllm)" in shown and s.plan.linear.name == "FP8_BLOCK"
     assert f"(default 3; {s.steps} with --engine vllm)" in shown and f"{s.model} with --engine vllm)" in shown
-    args, _ = _resolved("procs", "--engine", "vllm", "--linear", "MXFP8")  # the other component keeps vLLM's default
+    args, _ = _resolved(mode, "--engine", "vllm", "--linear", "MXFP8")  # the other component keeps vLLM's default
     s = real_engine_settings(args, settings_from_args(args))
     assert s is not None and (s.plan.linear.name, s.plan.moe.name) == ("MXFP8", "FP8_BLOCK")
 
