@@ -27,7 +27,6 @@ from adapters.profiles import POLICY_ENGINES as POLICY_ENGINES  # for the CLI
 from adapters.profiles import profile_for
 from app.composition.embedded import EmbeddedWiring
 from app.composition.engines import EngineWiring
-from app.composition.lora import LoraWiring
 from app.composition.tables import (
     TRAINERS,
     BuildContext,
@@ -36,25 +35,26 @@ from app.composition.tables import (
     native_codecs,
     with_fault,
 )
-from app.composition.trainer_side import TrainerWiring
-from app.composition.world import WorldWiring
 from app.config import load_config
 from app.config_sections import RefitConfig
 from domain.errors import ConfigError, ConfigTypeError
 from domain.quant.plan import QuantizationPlan
 from domain.quant.rules import LAYOUT_DELTA_BACKEND
-from domain.refit.delta_sync import DeltaSender
 from domain.refit.session import CommitMode
 
 if TYPE_CHECKING:
     from adapters.engine_plugin import EngineHost
     from adapters.engine_start import EngineStart
     from adapters.hf_checkpoint.reader import HfCheckpoint
+    from app.composition.lora import LoraWiring
+    from app.composition.trainer_side import TrainerWiring
+    from app.composition.world import WorldWiring
     from app.services.mismatch_probe import MismatchProbe
     from app.services.planning import PlanReport
     from app.services.refit import Progress, RefitService
     from app.services.verification import PostRefitProbe
     from domain.mismatch_sentinel import MismatchSentinel
+    from domain.refit.delta_sync import DeltaSender
     from ports.engine_profile import EngineProfile
     from ports.rollout_engine import RolloutEngine
     from ports.trainer_model import TrainerModel
@@ -93,23 +93,39 @@ class Services:
     # the rest of the wiring, by job (app/composition/): the distributed refit, the embedded model,
     # the engines besides refits, the trainer's own model, LoRA's adapter mode; and what the
     # adapter tables' builders take. Each gets the configuration, values and callables.
-    world: WorldWiring = attrs.field(init=False, repr=False, eq=False)
     embedded: EmbeddedWiring = attrs.field(init=False, repr=False, eq=False)
     engines: EngineWiring = attrs.field(init=False, repr=False, eq=False)
-    trainer_side: TrainerWiring = attrs.field(init=False, repr=False, eq=False)
-    lora: LoraWiring = attrs.field(init=False, repr=False, eq=False)
     _build: BuildContext = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         config = self.config
-        self.world = WorldWiring(config, lambda: self.plan, lambda: self.trainer, self.rollout_engine,
-                                 self.post_refit_probe)
         self.embedded = EmbeddedWiring(config, self.checkpoint, self.plan_report)
         self.engines = EngineWiring(config, self.environ, self.engine_start, self.engine_host)
-        self.trainer_side = TrainerWiring(config, self.environ, lambda: self.model)
-        self.lora = LoraWiring(config, self.trainer_model, lambda: self.plan, self.refit_service)
         self._build = BuildContext(config, self.checkpoint, self.embedded.reference_config, self.engine_start,
                                    self.engine_host, lambda: self.trainer_side.fused_forward_request().mode)
+
+    # The wiring of one job each, imported and built on first use: a command loads only the jobs it runs.
+    @functools.cached_property
+    def world(self) -> WorldWiring:
+        """Refit worlds: distributed refits, their launch, replicas, faults (app.composition.world)."""
+        from app.composition.world import WorldWiring
+
+        return WorldWiring(self.config, lambda: self.plan, lambda: self.trainer, self.rollout_engine,
+                           self.post_refit_probe)
+
+    @functools.cached_property
+    def trainer_side(self) -> TrainerWiring:
+        """The trainer's fused forward and its hooks (app.composition.trainer_side)."""
+        from app.composition.trainer_side import TrainerWiring
+
+        return TrainerWiring(self.config, self.environ, lambda: self.model)
+
+    @functools.cached_property
+    def lora(self) -> LoraWiring:
+        """LoRA adapters: their sync services and engines (app.composition.lora)."""
+        from app.composition.lora import LoraWiring
+
+        return LoraWiring(self.config, self.trainer_model, lambda: self.plan, self.refit_service)
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -295,6 +311,8 @@ class Services:
         ce = self.config.rollout.checkpoint_engine
         if ce.backend != LAYOUT_DELTA_BACKEND:
             return None
+        from domain.refit.delta_sync import DeltaSender
+
         return DeltaSender(full_every=ce.delta.full_every, max_host_bytes=ce.delta.max_host_bytes)
 
     def mismatch_probe(self, service: RefitService, temperature: float = 1.0) -> MismatchProbe:
