@@ -33,6 +33,7 @@ from app.cli.demo_settings import (
     demo_config,
     raise_typed_failure,
     real_engine_settings,
+    starting_servers,
 )
 from app.config_sections import ActorConfig, MegatronConfig, ReferenceConfig, RefitConfig
 from app.services.demo import DemoSettings
@@ -99,6 +100,8 @@ def run_megatron(args: argparse.Namespace, settings: DemoSettings) -> int:
     # Every world starts from a clean process (forkserver): Megatron worlds must not inherit the
     # state of a process that ran Megatron itself (a caller's, or a test's).
     timeout = 180 + 30 * settings.steps if engine is None else 900 + 120 * settings.steps
+    if engine is not None and not args.json:
+        sys.stderr.write(starting_servers(engine.engine, world.engines))
     results = services.world.launch_world(_demo_rank, world.size, (config, demo, world), timeout_s=timeout,
                                           start_method="forkserver")
     if _crashed(results):

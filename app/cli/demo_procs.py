@@ -41,6 +41,7 @@ from app.cli.demo_settings import (
     demo_services,
     raise_typed_failure,
     real_engine_settings,
+    starting_servers,
 )
 from app.services.demo import DemoSettings
 from app.services.demo_config import engine_config
@@ -204,6 +205,8 @@ def run_procs(args: argparse.Namespace, settings: DemoSettings) -> int:
     fault = _fault(services, settings, world, args.fault_rank)
     run = _Run(settings, world, fault, engine)
     timeout = 120 + 20 * settings.steps if engine is None else 900 + 120 * settings.steps
+    if engine is not None and not args.json:
+        sys.stderr.write(starting_servers(engine.engine, world.engines))
     results = services.world.launch_world(demo_rank, world.size, (run,), timeout_s=timeout)
     raise_typed_failure(results)
     crashed = [r for r in results if not r.ok]

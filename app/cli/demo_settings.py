@@ -92,6 +92,14 @@ def real_engine_settings(args: argparse.Namespace, settings: DemoSettings) -> En
                               step_scale=settings.step_scale)
 
 
+def starting_servers(engine: str, engines: int) -> str:
+    """The line a world's demo on a real engine prints before its ranks start (stderr): its engine
+    ranks start their servers first, then every refit waits on them, and the cold starts come last."""
+    ranks = "its engine rank starts" if engines == 1 else f"its {engines} engine ranks each start"
+    return (f"starting the world: {ranks} a {engine} server first (about a minute on CPU); the cold starts to "
+            "compare with come after the world has finished ...\n")
+
+
 def demo_config(settings: DemoSettings) -> RefitConfig:
     """The configuration of the demo's embedded model, buckets and commit mode."""
     rollout = RolloutConfig(commit_mode=settings.commit_mode, checkpoint_engine=CheckpointEngineConfig(
