@@ -137,9 +137,7 @@ def _steps(rank: int, run: _Run, svc: DistributedRefitService, full: Any,
 def _references(settings: DemoSettings) -> list[str]:
     """The single-process refit's engine weights at every step (one intra-op thread, as the ranks
     run: a perturbation's reductions depend on the thread count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         svc = demo_services(settings).refit_service(plan=settings.plan)
         out = []
         for step in range(settings.steps + 1):
@@ -148,8 +146,6 @@ def _references(settings: DemoSettings) -> list[str]:
             svc.refit()
             out.append(weights_digest(dict(svc.engine.live_weights())))
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _fault(services: Services, settings: DemoSettings, world: RefitWorld, fault_rank: int | None) -> Any:
@@ -186,6 +182,7 @@ def _cold_starts(engine: EngineDemoSettings, services: Services,
 
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
+    """One intra-op thread, as the ranks run: a perturbation's reductions depend on the thread count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
