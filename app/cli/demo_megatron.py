@@ -10,6 +10,9 @@ the BF16 arm's log-probs must equal the reference engine's forward on those weig
 exactly), and Megatron's own forward must stay within a documented bound of the engine's
 (`MEGATRON_K3_BOUND`). The exit status is 0 when every refit of every step holds, 1 otherwise
 (text and JSON alike).
+With `--engine vllm`, the engine rank starts a vLLM server instead, the plan's arm alone runs,
+and every refit is judged against a cold start of the unsharded model's export (prompt
+log-probs, greedy tokens and every digest, bit for bit: app.services.megatron_demo.judge_cold_starts).
 """
 
 from __future__ import annotations

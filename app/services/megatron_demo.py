@@ -19,6 +19,10 @@ per arm. Three checks:
 - Megatron's own forward of the unsharded model against the engine's: two implementations of one
   model (float32 against BF16 compute), close, not bit-identical. Its k3 KL on the BF16 arm is
   reported and must stay within `MEGATRON_K3_BOUND`.
+
+On a real engine (`MegatronDemoSettings.served`), each engine rank refits a server it started and
+reads what it serves after every refit; `judge_cold_starts` compares that with a cold start of
+the unsharded model's export, bit for bit, instead of the three checks above.
 """
 
 from __future__ import annotations
