@@ -229,6 +229,14 @@ def unsharded_rank(rank: int, services: Services, pieces: Mapping[int, list[Any]
     return out
 
 
+def _by_step(records: Sequence[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """Every rank's records, by step (in order), each step's by rank."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        by_step.setdefault(r["step"], []).append(r)
+    return [(step, sorted(by_step[step], key=lambda r: r["rank"])) for step in sorted(by_step)]
+
+
 def judge(services: Services, settings: MegatronDemoSettings, world: RefitWorld,
           records: Sequence[dict[str, Any]], unsharded: Mapping[int, tuple[dict[str, bytes], bytes]]) -> list[dict[str, Any]]:
     """Every step's verdict, against the unsharded model of the same global weights.
@@ -248,12 +256,8 @@ def judge(services: Services, settings: MegatronDemoSettings, world: RefitWorld,
     """
     probe = probe_batch(services, settings)
     mask = response_mask(settings.batch, settings.seq_len, settings.prompt_len)
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for r in records:
-        by_step.setdefault(r["step"], []).append(r)
     rows = []
-    for step in sorted(by_step):
-        recs = sorted(by_step[step], key=lambda r: r["rank"])
+    for step, recs in _by_step(records):
         trainers = [r for r in recs if r["role"] == "trainer"]
         engines = [r for r in recs if r["role"] == "engine"]
         packed, packed_logp = unsharded[step]
@@ -309,12 +313,8 @@ def judge_cold_starts(comparer: ColdStartComparer, settings: MegatronDemoSetting
         `max_abs_logp_diff`, `differing_weights`, `unreadable`).
     """
     name = settings.plan_name
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for r in records:
-        by_step.setdefault(r["step"], []).append(r)
     rows = []
-    for step in sorted(by_step):
-        recs = sorted(by_step[step], key=lambda r: r["rank"])
+    for step, recs in _by_step(records):
         outcomes = {r["arms"][name]["outcome"] for r in recs}
         weights = {n: _unpack(b) for n, b in unsharded[step][0].items()}
         engines = []
