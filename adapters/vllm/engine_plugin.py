@@ -23,6 +23,7 @@ from adapters.vllm.profile import VLLM
 
 if TYPE_CHECKING:
     from adapters.engine_start import EngineStart
+    from adapters.vllm.cold_start import ColdProcess
     from adapters.vllm.engine import VllmRolloutEngine
     from adapters.vllm.launcher import ColdServer
 
@@ -41,8 +42,9 @@ def build(request: EngineRequest) -> VllmRolloutEngine:
                              commit_mode=request.commit_mode, lora_rank=request.lora_rank)
 
 
-def cold_start(section: VllmEngineConfig, start: EngineStart, host: EngineHost, directory: str) -> ColdServer:
-    """A vLLM server started cold from a checkpoint directory (adapters.vllm.factory.vllm_cold_start)."""
+def cold_start(section: VllmEngineConfig, start: EngineStart, host: EngineHost,
+               directory: str) -> ColdProcess | ColdServer:
+    """vLLM started cold from a checkpoint directory (adapters.vllm.factory.vllm_cold_start)."""
     from adapters.vllm.factory import vllm_cold_start
 
     return vllm_cold_start(section, start, host, directory)

@@ -30,6 +30,7 @@ from domain.quant.backend_policy import DEEP_GEMM, BackendDecision
 from domain.refit.session import CommitMode
 
 if TYPE_CHECKING:
+    from adapters.vllm.cold_start import ColdProcess
     from adapters.vllm.launcher import ColdServer
 
 
@@ -306,9 +307,24 @@ def cold_start_arguments(section: VllmEngineConfig, start: EngineStart, host: En
     return kwargs, _environment(section, start, host, colocated=False, workers=engine_workers(kwargs))
 
 
-def vllm_cold_start(section: VllmEngineConfig, start: EngineStart, host: EngineHost, directory: str) -> ColdServer:
-    """A vLLM server started from a checkpoint directory (a process of its own, whatever the
-    deployment), with the configuration's engine arguments: what a refit is compared with."""
+def vllm_cold_start(section: VllmEngineConfig, start: EngineStart, host: EngineHost,
+                    directory: str) -> ColdProcess | ColdServer:
+    """vLLM started from a checkpoint directory in processes of its own, whatever the deployment,
+    with the configuration's engine arguments: what a refit is compared with. One worker: one
+    process with the engine in it (adapters.vllm.cold_start.ColdProcess); several: a server
+    (`vllm_cold_server`)."""
+    kwargs, env = cold_start_arguments(section, start, host, directory)
+    if engine_workers(kwargs) > 1:
+        return vllm_cold_server(section, start, host, directory)
+    from adapters.vllm.cold_start import ColdProcess
+
+    return ColdProcess.start(server_python(section, host), kwargs, env={**host.environ, **env}, directory=directory,
+                             start_timeout_s=float(section.start_timeout_s))
+
+
+def vllm_cold_server(section: VllmEngineConfig, start: EngineStart, host: EngineHost, directory: str) -> ColdServer:
+    """A vLLM server started from a checkpoint directory (without the weight-transfer backend),
+    with the configuration's engine arguments."""
     from adapters.vllm.launcher import ColdServer, start_owned
 
     kwargs, env = cold_start_arguments(section, start, host, directory)

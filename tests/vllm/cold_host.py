@@ -2,13 +2,12 @@
 one that has already imported vLLM: `python -m tests.vllm.cold_host ADDRESS` serves them.
 
 A refit is compared with a cold start of the same export (app.services.engine_demo.ColdStartComparer).
-`refit demo vllm` starts that cold start as a vLLM server (adapters.vllm.launcher.ColdServer): three
-processes (the API server, the engine core, the worker), each importing vLLM, about 45 s of CPU on
-this machine before the first weight loads. Here each cold start is one process forked from a host
-that imported vLLM once: it sets the engine's environment, builds `vllm.LLM` from the export with the
-same engine arguments (vLLM's own loader reading the export from disk, multiprocessing off as a
-colocated engine runs), answers the comparer's queries and exits. Nothing of one cold start survives
-into the next: each is a process of its own.
+`refit demo vllm` starts that cold start as one process of its own (adapters.vllm.cold_start), which
+imports vLLM first: about 20 s on this machine before the first weight loads. Here each cold start is
+one process forked from a host that imported vLLM once: it sets the engine's environment and serves
+exactly as that process does (adapters.vllm.cold_start.serve: `vllm.LLM` from the export with the
+same engine arguments, vLLM's own loader reading the export from disk, multiprocessing off), then
+exits. Nothing of one cold start survives into the next: each is a process of its own.
 
 The session fixture `cold_cache` (tests/vllm/conftest.py) starts one host per xdist worker and sets
 `COLD_HOST_ENV` to its address, which scenario processes inherit; `with_cold_host(services)` routes
@@ -20,54 +19,47 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import signal
 import sys
-import traceback
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from adapters.vllm.cold_start import recv, send
+from adapters.vllm.cold_start import serve as serve_queries
+from adapters.vllm.launcher import checkpoint_placeholders
+from adapters.vllm.protocol import R, Request, WorkerQueries, replies_of
+
 COLD_HOST_ENV = "RL_REFIT_TEST_COLD_HOST"
 AUTHKEY = b"rl-refit-cold-host"
 
 
 class ColdHostError(RuntimeError):
-    """The forked cold start failed: its error and traceback, as the child printed them."""
-
-
-def _send(conn: Connection, obj: Any) -> None:
-    """Tensors by value (plain pickle): Connection.send's pickler would share their storage by file
-    descriptor, which the peer cannot fetch without this process's multiprocessing authkey."""
-    conn.send_bytes(pickle.dumps(obj))
-
-
-def _recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
+    """The forked cold start failed: its error's line (its traceback is in the host's log)."""
 
 
 # --- the client side (any environment with the project: the trainer's .venv or .venv-vllm) ---------
 
 
 @attrs.define
-class ForkedColdStart:
-    """One cold start: a forked child holding the engine, queried over a connection
-    (ports.engine_inspection's digests, log_probs, greedy; placeholders as ColdServer reads them)."""
+class ForkedColdStart(WorkerQueries):
+    """One cold start: a forked child holding the engine (adapters.vllm.cold_start.serve), queried
+    over a connection as ColdProcess queries its process (ports.engine_inspection)."""
 
     conn: Connection
     directory: Path
 
     def _ask(self, op: str, *args: Any) -> Any:
-        _send(self.conn, (op, args))
-        status, value = _recv(self.conn)
+        send(self.conn, (op, args))
+        status, value = recv(self.conn)
         if status != "ok":
             raise ColdHostError(value)
         return value
 
-    def digests(self) -> dict[str, str]:
-        return self._ask("digests")  # type: ignore[no-any-return]
+    def call_all(self, request: Request[R]) -> list[R]:
+        return replies_of(request, self._ask("rpc", request.METHOD, request.to_plain()))
 
     def log_probs(self, input_ids: Any) -> Any:
         return self._ask("log_probs", input_ids)
@@ -76,18 +68,12 @@ class ForkedColdStart:
         return self._ask("greedy", prompts, max_tokens)  # type: ignore[no-any-return]
 
     def placeholders(self, names: Any) -> frozenset[str]:
-        from adapters.vllm.launcher import checkpoint_placeholders
-
         return checkpoint_placeholders(self.directory, names)
 
     def close(self) -> None:
-        try:
-            _send(self.conn, ("close", ()))
-            _recv(self.conn)
-        except (EOFError, OSError):
-            pass
-        finally:
-            self.conn.close()
+        with contextlib.suppress(OSError):
+            send(self.conn, ("close", ()))
+        self.conn.close()
 
 
 @attrs.define
@@ -107,8 +93,8 @@ class ForkedColdStarts:
         if engine_workers(kwargs) > 1:
             return engines.cold_start(directory)
         conn = Client(self.address, family="AF_UNIX", authkey=AUTHKEY)
-        _send(conn, {"kwargs": kwargs, "env": {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
-        status, value = _recv(conn)
+        send(conn, {"kwargs": kwargs, "env": {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
+        status, value = recv(conn)
         if status != "ok":
             conn.close()
             raise ColdHostError(value)
@@ -133,7 +119,7 @@ class _ColdHostServices:
 
 def with_cold_host(services: Any) -> Any:
     """`services` whose cold starts are forked from the host named by COLD_HOST_ENV (unchanged
-    when it is unset: a server per cold start)."""
+    when it is unset: the engine's own cold starts)."""
     address = os.environ.get(COLD_HOST_ENV)
     if not address:
         return services
@@ -144,27 +130,12 @@ def with_cold_host(services: Any) -> Any:
 
 
 def _serve_one(conn: Connection) -> None:
-    """In the forked child: start the engine the request names, answer queries until `close`."""
-    try:
-        request = _recv(conn)
-        os.environ.update(request["env"])
-        from adapters.vllm.client import ExtensionWorkers, LlmGreedy, LlmLogProbs
-
-        workers = ExtensionWorkers.launch(**request["kwargs"])
-        answers = {"digests": workers.digests, "log_probs": lambda ids: LlmLogProbs(workers.llm)(ids)[0],
-                   "greedy": LlmGreedy(workers.llm)}
-        _send(conn, ("ok", None))
-        while True:
-            op, args = _recv(conn)
-            if op == "close":
-                _send(conn, ("ok", None))
-                return
-            _send(conn, ("ok", answers[op](*args)))
-    except EOFError:
-        return
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            _send(conn, ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    """In the forked child: start the engine the request names, answer queries until `close`
+    (adapters.vllm.cold_start.serve, as a one-process cold start does)."""
+    request = recv(conn)
+    os.environ.update(request["env"])
+    with contextlib.suppress(EOFError):
+        serve_queries(conn, request["kwargs"])
 
 
 def serve(address: str) -> None:

@@ -1,6 +1,7 @@
-"""The cold starts the real-engine tests compare refits with (tests.vllm.cold_host: one process
-forked per cold start, vLLM in it) serve what `refit demo vllm`'s cold start, a vLLM server of the
-same export, serves: every parameter's bytes, the prompt log-probs and the greedy tokens, bit for bit."""
+"""A cold start in one process (adapters.vllm.cold_start, what `refit demo vllm` compares refits
+with) and the test suite's (tests.vllm.cold_host: one process forked per cold start, serving the
+same way) serve what a vLLM server of the same export serves: every parameter's bytes, the KV-cache
+scales, the prompt log-probs and the greedy tokens, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), which `make test` creates")
 
+from adapters.vllm.cold_start import ColdProcess
+from adapters.vllm.factory import vllm_cold_server
 from app.bootstrap import bootstrap
 from app.services.demo_config import engine_config, with_engine_args
 from app.services.engine_demo import EngineDemoSettings
@@ -23,13 +26,13 @@ def _served(cold: object, ids: torch.Tensor, prompts: list[list[int]]) -> dict[s
     try:
         digests = cold.digests()  # type: ignore[attr-defined]
         return {"digests": digests, "log_probs": cold.log_probs(ids), "tokens": cold.greedy(prompts, 4),  # type: ignore[attr-defined]
-                "placeholders": cold.placeholders(digests)}  # type: ignore[attr-defined]
+                "placeholders": cold.placeholders(digests), "kv_scales": cold.kv_scales()}  # type: ignore[attr-defined]
     finally:
         cold.close()  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow
-def test_a_forked_cold_start_serves_what_a_cold_server_serves(cold_host: str, tmp_path: Path) -> None:
+def test_a_cold_start_in_one_process_serves_what_a_cold_server_serves(cold_host: str, tmp_path: Path) -> None:
     """ModelOpt's per-token NVFP4 experts on micro-moe: a quantization_config passed as an engine
     argument, the CPU emulation kernels, and activation scales the export carries none of."""
     plan = QuantizationPlan.from_presets(None, "NVFP4")
@@ -41,11 +44,19 @@ def test_a_forked_cold_start_serves_what_a_cold_server_serves(cold_host: str, tm
     prompts = [row[:6] for row in ids.tolist()]
 
     forked_start = with_cold_host(services).engines.cold_start(tmp_path / "export")
-    assert isinstance(forked_start, ForkedColdStart)  # not a server: the host answered
-    forked = _served(forked_start, ids, prompts)
-    server = _served(services.engines.cold_start(tmp_path / "export"), ids, prompts)
+    assert isinstance(forked_start, ForkedColdStart)  # the host answered
+    own_start = services.engines.cold_start(tmp_path / "export")
+    assert isinstance(own_start, ColdProcess)  # one worker: one process, not a server
+    engines = services.engines
+    served = {"forked": _served(forked_start, ids, prompts), "one process": _served(own_start, ids, prompts),
+              "server": _served(vllm_cold_server(engines.config.rollout.engine_kwargs.vllm, engines.engine_start("vllm"),
+                                                 engines.engine_host(), str(tmp_path / "export")), ids, prompts)}
+    assert not own_start.log_path.exists()  # removed after a clean run
 
-    assert forked["digests"] == server["digests"] and len(server["digests"]) > 0  # type: ignore[arg-type]
-    assert torch.equal(forked["log_probs"], server["log_probs"])  # type: ignore[arg-type]
-    assert forked["tokens"] == server["tokens"]
-    assert forked["placeholders"] == server["placeholders"] and server["placeholders"]
+    server = served.pop("server")
+    assert len(server["digests"]) > 0 and server["placeholders"] and server["kv_scales"]  # type: ignore[arg-type]
+    for name, cold in served.items():
+        assert cold["digests"] == server["digests"], name
+        assert torch.equal(cold["log_probs"], server["log_probs"]), name  # type: ignore[arg-type]
+        assert cold["tokens"] == server["tokens"], name
+        assert cold["placeholders"] == server["placeholders"] and cold["kv_scales"] == server["kv_scales"], name
