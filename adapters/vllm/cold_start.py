@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 
 from adapters.vllm.errors import EngineProcessError
 from adapters.vllm.launcher import Reaper, checkpoint_placeholders, diagnosis, ended
@@ -44,13 +45,19 @@ READY = "ready"
 
 
 def send(conn: Connection, obj: Any) -> None:
-    """`obj` by value (plain pickle): Connection.send's pickler would pass a tensor's storage as a
-    file descriptor, which only a process of the same multiprocessing context can fetch."""
+    """`obj` (plain values: token ids and log-probs cross as lists, since a tensor's pickle names
+    whatever the sender's torch was extended with) by plain pickle."""
     conn.send_bytes(pickle.dumps(obj))
 
 
 def recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
+
+
+def log_probs_of(rows: list[list[float]]) -> torch.Tensor:
+    """The prompt log-probs as the engine computed them (float32: a list of Python floats carries
+    them exactly)."""
+    return torch.tensor(rows, dtype=torch.float32)
 
 
 @attrs.define
@@ -141,8 +148,9 @@ class ColdProcess(WorkerQueries):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5.0)
             how = f"{self.role} (pid {self.proc.pid}) {ended(self.proc)} at {what}"
-            start = "the vLLM engine failed to start: " if what == "start" else ""
-            raise EngineProcessError(f"{start}{diagnosis(self.log_path, how)}") from None
+            if what == "start":
+                raise EngineProcessError(f"the vLLM engine failed to start: {diagnosis(self.log_path, how)}") from None
+            raise EngineProcessError(f"{how}: {diagnosis(self.log_path)}") from None
         if status != "ok":
             self.failed = True
         return status, value
@@ -163,8 +171,8 @@ class ColdProcess(WorkerQueries):
     def call_all(self, request: Request[R]) -> list[R]:
         return replies_of(request, self._ask("rpc", request.METHOD, request.to_plain()))
 
-    def log_probs(self, input_ids: Any) -> Any:
-        return self._ask("log_probs", input_ids)
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return log_probs_of(self._ask("log_probs", input_ids.tolist()))
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return self._ask("greedy", prompts, max_tokens)
@@ -204,7 +212,7 @@ def serve(conn: Connection, engine_kwargs: Mapping[str, Any]) -> None:
         raise
     answers: dict[str, Callable[..., Any]] = {
         "rpc": lambda method, plain: workers.llm.collective_rpc(method, args=(plain,)),
-        "log_probs": lambda ids: LlmLogProbs(workers.llm)(ids)[0],
+        "log_probs": lambda rows: LlmLogProbs(workers.llm)(torch.tensor(rows))[0].tolist(),
         "greedy": LlmGreedy(workers.llm)}
     try:
         send(conn, ("ok", READY))
@@ -232,6 +240,7 @@ def main(fd: int, log_path: str) -> int:
             os.unlink(log_path)
         return 0
     except Exception:
+        traceback.print_exc()  # the log keeps where it was raised
         return 1
     return 0
 

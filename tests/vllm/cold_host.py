@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from adapters.vllm.cold_start import recv, send
+from adapters.vllm.cold_start import log_probs_of, recv, send
 from adapters.vllm.cold_start import serve as serve_queries
 from adapters.vllm.launcher import checkpoint_placeholders
 from adapters.vllm.protocol import R, Request, WorkerQueries, replies_of
@@ -62,7 +62,7 @@ class ForkedColdStart(WorkerQueries):
         return replies_of(request, self._ask("rpc", request.METHOD, request.to_plain()))
 
     def log_probs(self, input_ids: Any) -> Any:
-        return self._ask("log_probs", input_ids)
+        return log_probs_of(self._ask("log_probs", input_ids.tolist()))
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return self._ask("greedy", prompts, max_tokens)  # type: ignore[no-any-return]
