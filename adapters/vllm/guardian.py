@@ -120,13 +120,40 @@ def rescue(url: str, token: str, api_key: str | None = None) -> None:
 _GRACE_S = 30.0
 
 
+def _processes() -> dict[str, tuple[str, int]] | None:
+    """Every process by pid: its state letter and its process group (/proc/PID/stat); None where
+    /proc cannot be read."""
+    out: dict[str, tuple[str, int]] = {}
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return None
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold anything
+            out[pid] = (fields[0], int(fields[2]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def group_runs(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. A zombie does not: it has exited, maps
+    nothing, and waits only for its parent to collect its status."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    processes = _processes()
+    return processes is None or any(group == pgid and state != "Z" for state, group in processes.values())
+
+
 def _group_ends(pgid: int, within_s: float) -> bool:
     """Wait until no process of the group runs (True), or `within_s` passes (False)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
+        if not group_runs(pgid):
             return True
         time.sleep(0.1)
     return False
@@ -143,19 +170,11 @@ def _mapped_shm(pgid: int | None = None) -> set[str]:
     """The files of /dev/shm that live processes map: those of process group `pgid`, or of any
     process (None). Empty where /proc cannot be read."""
     out: set[str] = set()
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                if pgid is not None:
-                    with open(f"/proc/{entry.name}/stat") as f:
-                        if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                            continue
-                with open(f"/proc/{entry.name}/maps") as f:
-                    out |= _shm_mapped(f.read())
-            except (OSError, ValueError, IndexError):
-                continue
+    for pid, (_state, group) in (_processes() or {}).items():
+        if pgid is not None and group != pgid:
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            out |= _shm_mapped(f.read())
     return out
 
 

@@ -42,6 +42,7 @@ import structlog
 
 from adapters.vllm.controls import HttpControl
 from adapters.vllm.errors import EngineProcessError
+from adapters.vllm.guardian import Guardian, group_runs
 from adapters.vllm.protocol import EXTENSION, R, Request, WorkerQueries, replies_of
 from adapters.vllm.session import BACKEND
 
@@ -185,7 +186,7 @@ class Reaper:
                 self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
-        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+        while time.monotonic() < deadline and group_runs(self.proc.pid):
             time.sleep(0.1)  # the engine core and workers finish their own shutdown
         self.kill()
 
@@ -204,15 +205,6 @@ class Reaper:
             self.proc.wait(timeout=30)
         if self.private_dir is not None:
             shutil.rmtree(self.private_dir, ignore_errors=True)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Some process of the group still runs (a zombie, reaped by init, does not count for long)."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 @attrs.define
@@ -287,8 +279,6 @@ class ServerProcess:
         server = cls(proc, url, out, reaper, private_dir=private)
         try:
             if keeper:
-                from adapters.vllm.guardian import Guardian
-
                 server.keeper = Guardian.keep(proc.pid, [str(private), str(out), *owned])
             server._wait(start_timeout_s, notify or _say, role)
         except BaseException:  # Ctrl-C, SIGTERM, a timeout: nothing of the server is left running

@@ -2,17 +2,20 @@
 truncated source of test_export_source_changed.py (which, before, killed its process with SIGBUS).
 
 Children come from a forkserver started with the project's Python (torch and the CLI preloaded,
-so each child starts in milliseconds). A child can be SIGKILLed at its k-th executed line of the
+so each child starts in a fraction of a second; `forkserver()`). A child can be SIGKILLed at its k-th executed line of the
 export code (the service, the atomic publish, the lock, the checkpoint writer): the kill test
 draws k with a seeded RNG, after a dry run counted the lines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +26,25 @@ PRELOAD = ["torch", "safetensors", "app.cli.main", "app.cli.export", "app.servic
            "app.bootstrap", "app.services.planning", "adapters.compressed_tensors.quantization_config"]
 
 
-def context() -> Any:
+@contextlib.contextmanager
+def forkserver() -> Iterator[Any]:
+    """A forkserver context whose server preloads PRELOAD, for the duration of the block.
+
+    A process has one forkserver, and it preloads only what was asked before it started. When an
+    earlier test of the same pytest worker started it (the Megatron worlds do), it preloads none of
+    this, and every child imports torch and compressed-tensors itself: seconds each on a loaded
+    machine, minutes over the kill and race tests. So the running one is stopped and ours started;
+    at the end ours is stopped, and the next user starts a plain one.
+    """
     ctx = multiprocessing.get_context("forkserver")
+    server: Any = multiprocessing.forkserver._forkserver  # the process's one (no public handle)
+    server._stop()
     ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    try:
+        yield ctx
+    finally:
+        server._stop()
+        ctx.set_forkserver_preload(["__main__"])
 
 
 def run_export(argv: list[str], kill_at: int, count_file: str | None, err_file: str, start: Any = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,9 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 
 @pytest.fixture(scope="module")
-def ctx() -> object:
-    return export_child.context()
+def ctx() -> Iterator[object]:
+    with export_child.forkserver() as context:
+        yield context
 
 
 def _start(ctx: object, argv: list[str], tmp: Path, kill_at: int = 0, tag: str = "a", start: object = None,

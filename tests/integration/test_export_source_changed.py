@@ -23,12 +23,12 @@ EXPORT = ["rollout.quantization.linear=FP8_BLOCK"]
 def test_a_source_truncated_during_the_export_is_source_changed(tmp_path: Path) -> None:
     model = tiny_checkpoint(tmp_path / "m")
     out, err = tmp_path / "o", tmp_path / "stderr"
-    ctx: Any = export_child.context()
-    child = ctx.Process(target=export_child.run_export_truncating,
-                        args=(["--model", str(model), "--out", str(out), *EXPORT], str(model / "model.safetensors"),
-                              str(err)))
-    child.start()
-    child.join(300)
+    with export_child.forkserver() as ctx:
+        child = ctx.Process(target=export_child.run_export_truncating,
+                            args=(["--model", str(model), "--out", str(out), *EXPORT],
+                                  str(model / "model.safetensors"), str(err)))
+        child.start()
+        child.join(300)
     assert child.exitcode == 2, (child.exitcode, -signal.SIGBUS)  # before: killed by SIGBUS, no message
     line = err.read_text().strip()
     assert "SourceChanged" in line and "model.safetensors" in line and line.count("\n") == 0, line

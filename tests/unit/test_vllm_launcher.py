@@ -278,3 +278,26 @@ def test_the_keeper_unlinks_the_shared_memory_its_dead_servers_group_mapped() ->
         for name in (own, shared):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+def test_a_group_whose_processes_have_all_exited_no_longer_runs_though_not_yet_reaped() -> None:
+    """A zombie, exited and waiting for its parent to collect its status, runs nothing and maps
+    nothing: waiting for its group to end must not wait for its parent (a container's init may
+    never collect it)."""
+    from adapters.vllm.guardian import group_runs
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert group_runs(proc.pid)
+        assert proc.stdin is not None
+        proc.stdin.close()  # it exits; this process, its parent, does not collect it yet
+        deadline = time.monotonic() + 60
+        while _alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(proc.pid) and os.path.exists(f"/proc/{proc.pid}"), "the child should be a zombie now"
+        assert not group_runs(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
