@@ -61,9 +61,10 @@ class VllmEngineConfig:
         "directory or beside the rl-refit checkout, else this Python; one that is set must exist and be "
         "executable (a name on `PATH` is fine)")
     start_timeout_s: float = setting(
-        (int, float), 120,
+        (int, float), 600,
         "disaggregated: seconds the vLLM server may take to start, until `/health` answers (positive and "
-        "finite; a line on stderr every 30 s says it is still waiting); past it the server and its engine "
+        "finite; vLLM's own engine start bound, `VLLM_ENGINE_READY_TIMEOUT_S`, is 600 too; a server that "
+        "exits fails at once; a line on stderr every 30 s says it is still waiting); past it the server and its engine "
         "processes are killed and `EngineProcessError` names the log; each request to a vLLM server, "
         "attached or disaggregated, may take up to this plus 600 s",
         check=_positive_seconds)
