@@ -20,6 +20,12 @@ from tests.vllm.cold_host import COLD_HOST_ENV
 ROOT = Path(__file__).resolve().parents[2]
 HOST_START_LIMIT_S = 600  # importing vLLM on 2 loaded cores; only a hang reaches it
 
+# vLLM's CPU build binds an engine's worker threads to the first core (VLLM_CPU_OMP_THREADS_BIND=auto
+# keeps the last core for its other processes), so the engines of both test workers would share core 0
+# while core 1 waits. Unbound, the system spreads them; each engine still runs one thread (vLLM's
+# serving default), and the engines and cold starts it compares all run alike.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
 
 @pytest.fixture(scope="session")
 def cold_host() -> Iterator[str]:

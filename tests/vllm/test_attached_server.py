@@ -397,7 +397,8 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["async", "llm", "ray"])
+# the offline `LLM` is every colocated test's control, so make test leaves its cell to make bench
+@pytest.mark.parametrize("kind", ["async", pytest.param("llm", marks=pytest.mark.heavy), "ray"])
 def test_an_engine_object_the_caller_holds_refits_equal_to_a_cold_start(tmp_path_factory: pytest.TempPathFactory,
                                                                         cold_cache: Path, tmp_path: Path,
                                                                         kind: str) -> None:

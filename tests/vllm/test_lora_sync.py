@@ -24,7 +24,8 @@ pytest.importorskip("vllm", reason="needs the vLLM environment (.venv-vllm), whi
 # A server (disaggregated) takes each adapter through vLLM's own LoRA routes whatever the base's
 # format; colocated, the worker builds it from the sent tensors on a BF16 and a quantized base.
 CASES = [
-    pytest.param("colocated", "BF16-dense", id="colocated-BF16"),
+    # make test keeps one cell per shape and per format; make bench adds the colocated BF16 twin
+    pytest.param("colocated", "BF16-dense", id="colocated-BF16", marks=pytest.mark.heavy),
     pytest.param("disaggregated", "BF16-dense", id="disaggregated-BF16"),
     pytest.param("colocated", "FP8_BLOCK-dense", id="colocated-FP8_BLOCK"),
 ]

@@ -23,6 +23,7 @@ NAMES = ("rollout_corr/k3_kl", "rollout_corr/kl", "rollout_corr/rollout_is_mean"
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test runs the command on the embedded engine (tests/unit/test_mismatch_cli.py)
 def test_verl_named_metrics_for_each_preset_on_vllm(tmp_path: Path) -> None:
     from adapters.hf.fixtures import write_fixture
 

@@ -327,7 +327,8 @@ def test_delta_refits_equal_full_refits_bit_for_bit(cold_cache: Path, deployment
 @pytest.mark.slow
 @pytest.mark.heavy
 @pytest.mark.parametrize("cell", ["BF16-dense"])
-def test_a_tensor_parallel_engine_of_two_workers_equals_a_cold_start(cold_cache: Path, cell: str) -> None:
+def test_a_tensor_parallel_engine_of_two_workers_equals_a_cold_start(cold_cache: Path, cell: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """tensor_parallel_size=2 on vLLM's CPU build (disaggregated: its workers are processes of their
     own). The adapter binds each worker's threads to half of the cores this process is given
     (VLLM_CPU_OMP_THREADS_BIND, e.g. 0|1); the cold start of the same run gets the same binding and
@@ -335,6 +336,7 @@ def test_a_tensor_parallel_engine_of_two_workers_equals_a_cold_start(cold_cache:
     every worker's shard."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two workers need two cores to bind to; this process is given one")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the suite's `nobind` (conftest): the adapter's binding
     # digests of two shards are named worker0/..., worker1/...: not those of a one-worker cold start
     result = scenario(cold_cache / "tp2", cell, scenario="matrix", deployment="disaggregated", tensor_parallel_size=2)
     assert result["workers"] == [2]
@@ -347,6 +349,7 @@ def test_a_tensor_parallel_engine_of_two_workers_equals_a_cold_start(cold_cache:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test covers each replica's path (one engine of the same cell) and the wiring with fakes
 def test_two_replicas_refitted_by_one_refit_each_equal_a_cold_start(cold_cache: Path) -> None:
     """rollout.replicas=2: two vLLM engines (each in processes of its own) take every bucket of one
     refit; each replica is compared with the cold start of the same export, bit for bit."""
