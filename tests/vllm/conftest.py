@@ -20,11 +20,19 @@ from tests.vllm.cold_host import COLD_HOST_ENV
 ROOT = Path(__file__).resolve().parents[2]
 HOST_START_LIMIT_S = 600  # importing vLLM on 2 loaded cores; only a hang reaches it
 
-# vLLM's CPU build binds an engine's worker threads to the first core (VLLM_CPU_OMP_THREADS_BIND=auto
-# keeps the last core for its other processes), so the engines of both test workers would share core 0
-# while core 1 waits. Unbound, the system spreads them; each engine still runs one thread (vLLM's
-# serving default), and the engines and cold starts it compares all run alike.
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+@pytest.fixture(scope="session", autouse=True)
+def unbound_engine_threads() -> Iterator[None]:
+    """vLLM's CPU build binds an engine's worker threads to the first core (VLLM_CPU_OMP_THREADS_BIND=auto
+    keeps the last core for its other processes), so the engines of both test workers would share
+    core 0 while core 1 waits. Unbound, the system spreads them; each engine still runs one thread
+    (vLLM's serving default), and the engines and cold starts a test compares all run alike. Set for
+    these tests only (the main suite's tests of the adapter's binding read the environment)."""
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    yield
+    if before is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 @pytest.fixture(scope="session")
